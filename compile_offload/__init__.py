@@ -1,0 +1,27 @@
+"""compile_offload: a torch.compile backend that trains under a memory budget in bytes.
+
+``torch.compile(model, backend="offload_remat")`` partitions each training graph so that
+every tensor the backward needs is kept on the device, recomputed in the backward, or
+offloaded to pinned host memory and prefetched back, choosing the fastest plan whose peak
+memory stays under ``compile_offload.config.memory_budget``.
+"""
+
+from . import config
+from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    # Importing the package registers the backend by name. When Dynamo already discovered
+    # our entry point (it is importing us right now, or will load it on first use), it
+    # registers the function itself, and registering twice is an error in its registry.
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    if BACKEND_NAME not in _COMPILER_FNS and _BACKENDS.get(BACKEND_NAME) is None:
+        register_backend(offload_remat_backend, name=BACKEND_NAME)
+
+
+_register()
+
+__all__ = ["config", "offload_remat", "offload_remat_backend", "__version__"]

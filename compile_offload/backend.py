@@ -1,0 +1,99 @@
+"""The ``offload_remat`` torch.compile backend: AOTAutograd -> our partitioner -> Inductor.
+
+Training graphs go through Inductor's own ``compile_fx`` with our partitioner installed as
+``torch._inductor.config.custom_partitioner_fn``, so Inductor's joint-graph passes, caches
+and code generation stay exactly as in ``torch.compile``'s default; only the choice of what
+the backward saves, recomputes or offloads is ours. With ``config.inner_compiler="eager"``
+the same partitioner runs under ``aot_module_simplified`` and the partitioned graphs run as
+plain Python (no code generation).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import settings as settings_mod
+from .partitioner import OffloadRematPartitioner
+from .settings import Settings
+
+log = logging.getLogger("compile_offload")
+
+BACKEND_NAME = "offload_remat"
+
+
+def offload_remat_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: dict | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The Dynamo backend. ``options`` come from ``torch.compile(..., options={...})``."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"compile_offload: torch.compile(mode={mode!r}) is not supported by the offload_remat backend; "
+            "leave mode unset (Inductor options can be set through torch._inductor.config)"
+        )
+    return compile_graph(gm, example_inputs, settings_mod.resolve(options))
+
+
+def offload_remat(**options: Any) -> Callable[..., Any]:
+    """Return a backend with ``options`` applied on top of ``compile_offload.config``.
+
+    ``torch.compile(model, backend=compile_offload.offload_remat(memory_budget="4GiB"))``.
+    Options are validated here, so a bad value fails at once rather than at first call.
+    """
+    settings_mod.resolve(options)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return compile_graph(gm, example_inputs, settings_mod.resolve(options))
+
+    backend.__name__ = BACKEND_NAME
+    return backend
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
+    """Compile one Dynamo graph under ``settings``."""
+    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name())
+    if settings.inner_compiler == "eager":
+        return _compile_eager(gm, example_inputs, partitioner)
+    from torch._inductor.compile_fx import compile_fx
+
+    # Graphs without grad never reach the partitioner: compile_fx sends them straight to
+    # Inductor's inference path.
+    return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+
+
+def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._inductor.decomposition import select_decomp_table
+
+    def run_as_python(graph: torch.fx.GraphModule, _inputs: Sequence[Any]):
+        return make_boxed_func(graph.forward)
+
+    return aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=run_as_python,
+        bw_compiler=run_as_python,
+        inference_compiler=run_as_python,
+        partition_fn=functools.partial(partitioner, compiler="inductor"),
+        decompositions=select_decomp_table(),
+        keep_inference_input_mutations=True,
+    )
+
+
+def _graph_name() -> str:
+    """Dynamo's id of the graph being compiled (``"0_0"`` style), for dumps and logs."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # outside Dynamo (explain() on an FX graph)
+        compile_id = None
+    return "graph" if compile_id is None else f"graph_{compile_id}".replace("/", "_")

@@ -1,0 +1,77 @@
+"""Configuration knobs of the ``offload_remat`` backend.
+
+Built with ``torch.utils._config_module.install_config_module`` like
+``torch._functorch.config``, so it supports::
+
+    import compile_offload
+    compile_offload.config.memory_budget = "6GiB"
+    with compile_offload.config.patch(memory_budget=0.5):
+        ...
+    @compile_offload.config.patch(offload=False)
+    def test(): ...
+
+Every knob can also be set through an environment variable
+``COMPILE_OFFLOAD_<NAME>`` (read once, when ``compile_offload`` is imported), and per
+call with ``torch.compile(model, backend="offload_remat", options={...})`` or
+``compile_offload.offload_remat(**options)``.
+
+Values are validated (``compile_offload.settings.resolve``) no later than the first
+compile; a bad value raises ``ValueError``/``TypeError`` naming the knob.
+"""
+
+import sys
+from typing import Optional
+
+from torch.utils._config_module import Config, install_config_module
+
+# Memory budget for one compiled forward+backward graph. Accepted values:
+#   None            no limit: the fastest plan (same saved set as torch.compile's default).
+#   int             bytes, e.g. 4 * 2**30.
+#   str with units  "512MiB", "6GB", "6GiB", "1.5 GiB", "1000000" (bytes).
+#   float in [0, 1] that fraction of the peak activation memory of the unconstrained
+#                   plan; 0.0 asks for the minimum-memory plan.
+# The budget bounds the peak memory one compiled forward+backward allocates above what
+# was allocated when it started (saved activations, transient buffers, gradients), which
+# is what torch.cuda.max_memory_allocated() minus the allocation before the step measures.
+# With several graphs (graph breaks) it applies to each graph separately.
+memory_budget = Config(default=None, env_name_default="COMPILE_OFFLOAD_MEMORY_BUDGET", value_type=Optional[str])
+
+# Raise instead of warning when the budget is below the minimum achievable peak.
+strict_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_STRICT_BUDGET")
+
+# Allow the planner to copy saved tensors to pinned host memory during forward and back
+# during backward.
+offload: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_OFFLOAD")
+
+# Prefetch reloads ahead of their first use in backward. False reloads right before use
+# (a debugging switch: slower, but isolates prefetch bugs).
+prefetch: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_PREFETCH")
+
+# Offload every eligible saved tensor, whatever the budget says (tests and debugging).
+debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD")
+
+# Which solver picks keep / recompute per saved tensor: "greedy" (default, fast) or
+# "exact" (optimal for small graphs; uses scipy.optimize.milp when scipy is installed,
+# else an exhaustive search limited to exact_max_candidates).
+solver: str = Config(default="greedy", env_name_default="COMPILE_OFFLOAD_SOLVER")
+
+# The exact solver refuses graphs with more candidate tensors than this.
+exact_max_candidates = Config(default=20, env_name_default="COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES", value_type=Optional[str])
+
+# Folder for dumped graphs and plans (one sub-folder per compiled graph). None: no dump.
+dump_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_DUMP_DIR", value_type=Optional[str])
+
+# Device profile of the cost model: None measures the current device once (cached in the
+# user cache dir; the built-in "cpu" profile on machines without a GPU), or a built-in
+# name: "h100", "a100", "rtx4090", "cpu".
+device_profile = Config(default=None, env_name_default="COMPILE_OFFLOAD_DEVICE_PROFILE", value_type=Optional[str])
+
+# Compiler for the partitioned forward and backward graphs: "inductor" (default) or
+# "eager" (runs the partitioned FX graphs as Python, no code generation: fast to
+# compile, handy when debugging a plan).
+inner_compiler: str = Config(default="inductor", env_name_default="COMPILE_OFFLOAD_INNER_COMPILER")
+
+# Upper bound in bytes of the pinned host memory pool used by offload (None: no limit).
+pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNED_POOL_LIMIT", value_type=Optional[str])
+
+install_config_module(sys.modules[__name__])

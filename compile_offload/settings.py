@@ -1,0 +1,168 @@
+"""Validate ``compile_offload.config`` once, at the top of a compile, into plain values.
+
+The budget travels as bytes (or as a fraction to be turned into bytes once the
+unconstrained plan is known) from here on; nothing downstream reads the config module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from . import config
+
+SOLVERS = ("greedy", "exact")
+INNER_COMPILERS = ("inductor", "eager")
+PROFILE_NAMES = ("h100", "a100", "rtx4090", "cpu")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_ACCEPTED_BUDGET = (
+    "None, an int number of bytes, a string with units such as '512MiB', '6GB' or '6GiB', "
+    "or a float fraction in [0, 1]"
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The validated knobs one compile uses (see ``compile_offload.config`` for meanings)."""
+
+    budget_bytes: int | None
+    budget_fraction: float | None
+    strict_budget: bool
+    offload: bool
+    prefetch: bool
+    debug_force_offload: bool
+    solver: str
+    exact_max_candidates: int
+    dump_dir: str | None
+    device_profile: str | None
+    inner_compiler: str
+    pinned_pool_limit: int | None
+
+    def describe_budget(self) -> str:
+        if self.budget_bytes is not None:
+            return format_bytes(self.budget_bytes)
+        if self.budget_fraction is not None:
+            return f"{self.budget_fraction:g} of unconstrained"
+        return "none"
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_bytes(value: object, knob: str) -> int:
+    """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"compile_offload.config.{knob}={value!r}: a bool is not a size; accepted: {_ACCEPTED_BUDGET}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"compile_offload.config.{knob}={value!r} is negative; accepted: {_ACCEPTED_BUDGET}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"compile_offload.config.{knob}={value!r} is not a size (unknown unit or syntax); "
+                f"accepted units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; accepted: {_ACCEPTED_BUDGET}"
+            )
+        number = float(match.group(1))
+        return int(number * _UNITS[match.group(2).lower()])
+    raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: {_ACCEPTED_BUDGET}")
+
+
+def parse_budget(value: object) -> tuple[int | None, float | None]:
+    """``memory_budget`` -> ``(bytes, None)``, ``(None, fraction)`` or ``(None, None)``."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool):
+        # torch's config module turns the environment strings "0"/"1" into bools.
+        raw = os.environ.get("COMPILE_OFFLOAD_MEMORY_BUDGET")
+        if raw in ("0", "1"):
+            return int(raw), None
+        raise TypeError(f"compile_offload.config.memory_budget={value!r}: a bool is not a budget; accepted: {_ACCEPTED_BUDGET}")
+    if isinstance(value, float):
+        if math.isnan(value) or value < 0.0 or value > 1.0:
+            raise ValueError(
+                f"compile_offload.config.memory_budget={value!r}: a float budget is a fraction and must lie in "
+                f"[0, 1]; for bytes pass an int or a string with units. Accepted: {_ACCEPTED_BUDGET}"
+            )
+        return None, value
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.lower() in ("none", ""):
+            return None, None
+        # A plain decimal string from the environment: "0.5" is a fraction, "1000" bytes.
+        if re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.", stripped):
+            return parse_budget(float(stripped))
+    return parse_bytes(value, "memory_budget"), None
+
+
+def _choice(knob: str, value: object, accepted: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: {', '.join(accepted)}")
+    if value not in accepted:
+        raise ValueError(f"compile_offload.config.{knob}={value!r} is unknown; accepted: {', '.join(accepted)}")
+    return value
+
+
+def _flag(knob: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: True or False")
+    return value
+
+
+def check_option_names(options: dict) -> None:
+    """Reject unknown option names (``torch.compile(options=...)``) instead of ignoring them."""
+    known = set(config.get_config_copy())
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"compile_offload: unknown option(s) {unknown}; known options: {', '.join(sorted(known))}")
+
+
+def resolve(overrides: dict | None = None) -> Settings:
+    """Read ``compile_offload.config`` (with ``overrides`` on top) and validate every knob."""
+    values = config.get_config_copy()
+    if overrides:
+        check_option_names(overrides)
+        values.update(overrides)
+    budget_bytes, budget_fraction = parse_budget(values["memory_budget"])
+    profile = values["device_profile"]
+    if profile is not None:
+        profile = _choice("device_profile", profile, PROFILE_NAMES)
+    dump_dir = values["dump_dir"]
+    if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
+        raise TypeError(f"compile_offload.config.dump_dir={dump_dir!r}: accepted: None or a folder path")
+    exact_max = values["exact_max_candidates"]
+    if isinstance(exact_max, str) and exact_max.strip().isdigit():  # from the environment
+        exact_max = int(exact_max)
+    if isinstance(exact_max, bool) or not isinstance(exact_max, int) or exact_max < 1:
+        raise ValueError(f"compile_offload.config.exact_max_candidates={exact_max!r}: accepted: a positive int")
+    pool_limit = values["pinned_pool_limit"]
+    if pool_limit is not None:
+        pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
+    settings = Settings(
+        budget_bytes=budget_bytes,
+        budget_fraction=budget_fraction,
+        strict_budget=_flag("strict_budget", values["strict_budget"]),
+        offload=_flag("offload", values["offload"]),
+        prefetch=_flag("prefetch", values["prefetch"]),
+        debug_force_offload=_flag("debug_force_offload", values["debug_force_offload"]),
+        solver=_choice("solver", values["solver"], SOLVERS),
+        exact_max_candidates=exact_max,
+        dump_dir=None if dump_dir is None else os.fspath(dump_dir),
+        device_profile=profile,
+        inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
+        pinned_pool_limit=pool_limit,
+    )
+    return settings

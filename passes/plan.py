@@ -1,0 +1,84 @@
+"""The plan: one decision per saved tensor, and what the planner predicts for it.
+
+``Plan`` is what the solver returns, what ``compile_offload.explain`` gives the user, what
+the report prints and what the plan cache stores. It is a plain dataclass: ``print(plan)``
+shows a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+DecisionKind = Literal["keep", "recompute", "offload"]
+DECISION_KINDS: tuple[str, ...] = ("keep", "recompute", "offload")
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Decision:
+    """What happens to one tensor the unconstrained plan saves for backward."""
+
+    name: str  # node name in the joint graph
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    decision: DecisionKind
+    reason: str
+    cost_seconds: float = 0.0  # predicted extra step time this decision costs
+
+
+@dataclass
+class Plan:
+    feasible: bool  # predicted_peak_bytes <= budget (always True without a budget)
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    baseline_peak_bytes: int  # the unconstrained plan (torch.compile's default saved set)
+    baseline_step_seconds: float
+    min_peak_bytes: int  # the minimum-memory plan this planner can reach
+    decisions: list[Decision] = field(default_factory=list)
+    device_profile: str = ""
+    solver: str = "greedy"
+    solve_seconds: float = 0.0
+    graph_name: str = "graph"
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for d in self.decisions if d.decision == kind)
+
+    def bytes_of(self, kind: str) -> int:
+        return sum(d.bytes for d in self.decisions if d.decision == kind)
+
+    def summary(self) -> str:
+        budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
+        return (
+            f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
+            f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
+            f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
+            + ("" if self.feasible else " -- over budget")
+        )
+
+    def table(self) -> str:
+        header = f"{'tensor':<32} {'shape':<22} {'dtype':<9} {'size':>11}  {'decision':<9} {'cost ms':>8}  reason"
+        rows = [header, "-" * len(header)]
+        for d in self.decisions:
+            rows.append(
+                f"{d.name[:32]:<32} {str(list(d.shape))[:22]:<22} {d.dtype:<9} {format_bytes(d.bytes):>11}  "
+                f"{d.decision:<9} {d.cost_seconds * 1e3:>8.3f}  {d.reason}"
+            )
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + self.table()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
