@@ -1,0 +1,268 @@
+"""How each alternative runs one training step, so the runner can measure them alike.
+
+A ``Strategy`` turns a freshly built model into the callable the step runs
+(``prepare``), and says which context wraps every call (``run_context``: config patches
+that must be active when the first call compiles) and which wraps each forward
+(``forward_context``: ``save_on_cpu`` packs tensors as the forward saves them).
+
+Strategy names, as ``--strategies`` takes them:
+
+=========================  ==================================================================
+``eager``                  the model as is
+``eager_ckpt``             ``torch.utils.checkpoint`` (non-reentrant) around every block
+``eager_save_on_cpu``      ``torch.autograd.graph.save_on_cpu`` (pinned on CUDA)
+``eager_ckpt_save_on_cpu`` both: only block inputs are saved, and they go to the host
+``compile``                ``torch.compile(model)``: the reference for every ratio
+``torch_budget:F``         ``torch.compile`` with ``torch._functorch.config.activation_memory_budget=F``
+``torch_sac_offload``      per-block SAC tagging matmul/attention/conv outputs
+                           ``MUST_CPU_OFFLOAD`` (the rest ``PREFER_RECOMPUTE``) with torch's
+                           activation offloading; needs CUDA and a torch that has it
+``ours:B``                 ``torch.compile(model, backend=compile_offload.offload_remat(memory_budget=B))``
+=========================  ==================================================================
+
+``torch_budget`` and ``ours`` without ``:`` expand to the sweeps given on the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+EAGER_FAMILIES = ("eager", "eager_ckpt", "eager_save_on_cpu", "eager_ckpt_save_on_cpu")
+COMPILED_FAMILIES = ("compile", "torch_budget", "torch_sac_offload", "ours")
+FAMILIES = EAGER_FAMILIES + COMPILED_FAMILIES
+REFERENCE = "compile"  # ratios are taken against this strategy
+
+Budget = float | str | None
+
+
+# --- private torch features, detected here and nowhere else -----------------------------
+
+# Config keys of torch's own activation offloading (torch._functorch.config); the first is
+# required, the others are set when the installed torch has them.
+_OFFLOAD_REQUIRED_KEY = "enable_activation_offloading"
+_OFFLOAD_OPTIONAL_KEYS = ("activation_offload_separate_stream", "activation_offload_sink_wait", "activation_reload_prefetch")
+
+
+def _functorch_config():
+    import torch._functorch.config as functorch_config
+
+    return functorch_config
+
+
+def sac_offload_unavailable_reason(device: torch.device) -> str | None:
+    """Why torch's SAC + CPU offload cannot run here, or None when it can."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if device.type != "cuda":
+        return "offloading activations to the host needs a CUDA device"
+    if not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):
+        return f"torch {torch.__version__} has no CheckpointPolicy.MUST_CPU_OFFLOAD"
+    if not hasattr(_functorch_config(), _OFFLOAD_REQUIRED_KEY):
+        return f"torch {torch.__version__} lacks torch._functorch.config.{_OFFLOAD_REQUIRED_KEY}"
+    return None
+
+
+def _sac_offload_patches() -> dict:
+    config = _functorch_config()
+    patches = {_OFFLOAD_REQUIRED_KEY: True}
+    patches.update({key: True for key in _OFFLOAD_OPTIONAL_KEYS if hasattr(config, key)})
+    return patches
+
+
+def _offloaded_ops() -> frozenset:
+    """The expensive producers worth offloading rather than recomputing (as the anchors did)."""
+    names = (
+        "mm", "addmm", "bmm", "convolution",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+
+
+def _offload_policy(offloaded: frozenset, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if op in offloaded else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sac_offload_context_fn() -> Callable:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    policy = functools.partial(_offload_policy, _offloaded_ops())
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+# --- checkpoint per block ---------------------------------------------------------------
+
+
+class CheckpointedBlock(nn.Module):
+    """Runs ``inner`` under non-reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, inner: nn.Module, context_fn: Callable | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.context_fn = context_fn
+
+    def forward(self, *args):
+        if self.context_fn is None:
+            return checkpoint(self.inner, *args, use_reentrant=False)
+        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self.context_fn)
+
+
+def wrap_blocks(model: nn.Module, context_fn: Callable | None = None) -> int:
+    """Wrap every module of ``model.checkpoint_block_types`` in ``CheckpointedBlock``.
+
+    Returns how many were wrapped; blocks nested inside a wrapped block are left alone.
+    """
+    block_types = tuple(getattr(model, "checkpoint_block_types", ()))
+    if not block_types:
+        raise ValueError(f"{type(model).__name__} names no checkpoint_block_types")
+    targets = []
+    for parent in model.modules():
+        if isinstance(parent, block_types):
+            continue  # its children are inside a block that gets wrapped
+        for name, child in parent.named_children():
+            if isinstance(child, block_types):
+                targets.append((parent, name, child))
+    for parent, name, child in targets:
+        setattr(parent, name, CheckpointedBlock(child, context_fn))
+    return len(targets)
+
+
+# --- budgets ------------------------------------------------------------------------------
+
+_FRACTION = re.compile(r"^\s*(?:[0-9]*\.[0-9]+|[01]\.?)\s*$")
+
+
+def parse_budget(token: str) -> Budget:
+    """A ``--budgets`` entry: ``"none"`` -> None, ``"0.5"`` -> 0.5 (a fraction),
+    ``"2GiB"`` or ``"1000000"`` -> the string (bytes, parsed by compile_offload)."""
+    text = token.strip()
+    if text.lower() == "none":
+        return None
+    if _FRACTION.match(text) and "." in text:
+        value = float(text)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"budget {token!r}: a fraction must lie in [0, 1]")
+        return value
+    from compile_offload.settings import parse_bytes
+
+    parse_bytes(text, "memory_budget")  # raises with the accepted forms
+    return text
+
+
+def budget_label(budget: Budget) -> str:
+    return "none" if budget is None else (f"{budget:g}" if isinstance(budget, float) else str(budget))
+
+
+def parse_budget_list(text: str) -> list[Budget]:
+    return [parse_budget(token) for token in text.split(",") if token.strip()]
+
+
+def parse_torch_budget(token: str) -> float:
+    value = float(token)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"torch activation_memory_budget {token!r} must lie in [0, 1]")
+    return value
+
+
+# --- strategies ---------------------------------------------------------------------------
+
+
+@dataclass
+class Strategy:
+    family: str
+    budget: Budget = None
+    inner_compiler: str = "inductor"  # ours only
+    device_profile: str | None = None  # ours only
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        if self.family in ("torch_budget", "ours"):
+            return f"{self.family}:{budget_label(self.budget)}"
+        return self.family
+
+    @property
+    def compiled(self) -> bool:
+        return self.family in COMPILED_FAMILIES
+
+    @property
+    def checkpoints_blocks(self) -> bool:
+        return self.family in ("eager_ckpt", "eager_ckpt_save_on_cpu", "torch_sac_offload")
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if self.family == "torch_sac_offload":
+            return sac_offload_unavailable_reason(device)
+        return None
+
+    def ours_options(self) -> dict:
+        options = {"memory_budget": self.budget, "inner_compiler": self.inner_compiler}
+        if self.device_profile is not None:
+            options["device_profile"] = self.device_profile
+        return options
+
+    def prepare(self, model: nn.Module) -> Callable:
+        """The callable one step runs; wraps blocks and compiles as the strategy says."""
+        if self.checkpoints_blocks:
+            context_fn = _sac_offload_context_fn() if self.family == "torch_sac_offload" else None
+            wrap_blocks(model, context_fn)
+        if self.family == "ours":
+            import compile_offload
+
+            return torch.compile(model, backend=compile_offload.offload_remat(**self.ours_options()))
+        if self.compiled:
+            return torch.compile(model)
+        return model
+
+    def run_context(self) -> contextlib.AbstractContextManager:
+        """Active around every call, including the first one, which compiles."""
+        if self.family == "torch_budget":
+            return _functorch_config().patch(activation_memory_budget=self.budget)
+        if self.family == "torch_sac_offload":
+            return _functorch_config().patch(**_sac_offload_patches())
+        return contextlib.nullcontext()
+
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Active around each forward."""
+        if self.family in ("eager_save_on_cpu", "eager_ckpt_save_on_cpu"):
+            return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+        return contextlib.nullcontext()
+
+
+def expand(
+    names: Iterable[str],
+    ours_budgets: list[Budget],
+    torch_budgets: list[float],
+    *,
+    inner_compiler: str = "inductor",
+    device_profile: str | None = None,
+) -> list[Strategy]:
+    """Turn ``--strategies`` names into strategies, expanding the two budget sweeps."""
+    strategies = []
+    for raw in names:
+        name = raw.strip()
+        if not name:
+            continue
+        family, _, budget_text = name.partition(":")
+        if family not in FAMILIES:
+            raise ValueError(f"unknown strategy {name!r}; known: {', '.join(FAMILIES)} (budgets as torch_budget:0.5, ours:2GiB)")
+        if budget_text and family not in ("torch_budget", "ours"):
+            raise ValueError(f"strategy {family!r} takes no budget (got {name!r})")
+        if family == "torch_budget":
+            budgets = [parse_torch_budget(budget_text)] if budget_text else torch_budgets
+            strategies += [Strategy(family, budget) for budget in budgets]
+        elif family == "ours":
+            budgets = [parse_budget(budget_text)] if budget_text else ours_budgets
+            strategies += [Strategy(family, b, inner_compiler, device_profile) for b in budgets]
+        else:
+            strategies.append(Strategy(family))
+    return strategies

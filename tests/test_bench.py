@@ -1,0 +1,215 @@
+"""The benchmark suite: workloads, strategies, the runner's outputs, the max-batch search
+and the ``bench`` command line. No timing assertions: only that things run and the
+outputs are well formed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # benchmarks/ is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO))
+
+import compile_offload  # noqa: E402
+from benchmarks import runner, strategies, workloads  # noqa: E402
+from compile_offload.max_batch import largest_fitting, max_batch  # noqa: E402
+from passes.plan import Plan  # noqa: E402
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(workloads.FACTORIES))
+def test_workload_trains_one_step(name):
+    model, inputs, loss_fn = workloads.build(name, workloads.SMOKE_SIZES[name], "cpu", torch.float32)
+    loss = loss_fn(model(*inputs))
+    loss.backward()
+    assert loss.dim() == 0
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(workloads.FACTORIES))
+def test_checkpointed_blocks_give_the_same_gradients(name):
+    size = workloads.SMOKE_SIZES[name]
+    model, inputs, loss_fn = workloads.build(name, size, "cpu", torch.float64)
+    wrapped, _, _ = workloads.build(name, size, "cpu", torch.float64)
+    count = strategies.wrap_blocks(wrapped)
+    assert count == sum(isinstance(m, model.checkpoint_block_types) for m in model.modules())
+    loss_fn(model(*inputs)).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    for tensor in inputs:
+        tensor.grad = None
+    loss_fn(wrapped(*inputs)).backward()
+    for want, got in zip(expected, (p.grad for p in wrapped.parameters()), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_unet_rejects_an_image_side_its_depth_cannot_halve():
+    with pytest.raises(ValueError, match="divisible"):
+        workloads.build("unet", workloads.SMOKE_SIZES["unet"].replace(seq=30), "cpu", torch.float32)
+
+
+# --- strategies -----------------------------------------------------------------------------
+
+
+def test_budget_tokens_are_fractions_or_sizes():
+    assert strategies.parse_budget_list("0.25, 0.5,2GiB,none,1000") == [0.25, 0.5, "2GiB", None, "1000"]
+    with pytest.raises(ValueError):
+        strategies.parse_budget("1.5")
+    with pytest.raises(ValueError):
+        strategies.parse_budget("2 parsecs")
+
+
+def test_expand_sweeps_budgets_and_rejects_unknown_names():
+    names = [s.name for s in strategies.expand(["eager", "torch_budget", "ours", "ours:1GiB"], [0.5, "2GiB"], [0.0])]
+    assert names == ["eager", "torch_budget:0", "ours:0.5", "ours:2GiB", "ours:1GiB"]
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategies.expand(["fastest"], [], [])
+    with pytest.raises(ValueError, match="takes no budget"):
+        strategies.expand(["eager:0.5"], [], [])
+
+
+def test_sac_offload_is_unavailable_without_cuda():
+    reason = strategies.Strategy("torch_sac_offload").unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "CUDA" in reason
+
+
+# --- runner pieces --------------------------------------------------------------------------
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    points = [(3.0, 1.0), (1.0, 5.0), (2.0, 2.0), (2.5, 3.0), (1.0, 6.0)]
+    assert runner.pareto_front(points) == [(1.0, 5.0), (2.0, 2.0), (3.0, 1.0)]
+
+
+def test_ratios_are_against_compile_default():
+    rows = [
+        {"strategy": "compile", "status": "ok", "ms_median": 10.0, "peak_bytes": 400},
+        {"strategy": "eager", "status": "ok", "ms_median": 15.0, "peak_bytes": 100},
+        {"strategy": "ours:0.5", "status": "error", "error": "boom"},
+    ]
+    runner.add_ratios(rows)
+    assert rows[1]["ms_vs_compile"] == 1.5 and rows[1]["peak_vs_compile"] == 0.25
+    assert "ms_vs_compile" not in rows[2]
+
+
+def _plan(peak: int, seconds: float, budget: int | None) -> Plan:
+    return Plan(feasible=budget is None or peak <= budget, budget_bytes=budget, predicted_peak_bytes=peak,
+                predicted_step_seconds=seconds, baseline_peak_bytes=2 * peak, baseline_step_seconds=seconds,
+                min_peak_bytes=peak // 2, device_profile="cpu")
+
+
+def test_prediction_sums_the_plans_of_several_graphs(monkeypatch):
+    monkeypatch.setattr(compile_offload, "explain", lambda model, *inputs, memory_budget=None: [
+        _plan(100, 0.001, 1000), _plan(300, 0.002, 1000)], raising=False)
+    predicted = runner.predict(strategies.Strategy("ours", "1000"), torch.nn.Linear(2, 2), (torch.ones(2),))
+    assert predicted["predicted_peak_bytes"] == 400
+    assert predicted["predicted_step_ms"] == pytest.approx(3.0)
+    assert predicted["plan_graphs"] == 2 and predicted["plan_feasible"]
+
+
+# --- max batch ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("low,high", [(1, 1), (1, 100), (3, 64), (5, 5)])
+def test_largest_fitting_finds_the_threshold(low, high):
+    for threshold in range(0, 70):
+        calls = []
+
+        def fits(batch):
+            calls.append(batch)
+            return batch <= threshold
+
+        expected = None if threshold < low else min(threshold, high)
+        assert largest_fitting(fits, low, high) == expected
+        assert all(low <= b <= high for b in calls)
+
+
+def _linear_factory(width=8):
+    def factory(batch, device):
+        model = torch.nn.Linear(width, width).to(device)
+        return model, (torch.randn(batch, width, device=device),)
+
+    return factory
+
+
+def _explain_peak_per_sample(per_sample: int, seen_devices: list):
+    def explain(model, x, memory_budget=None, **options):
+        seen_devices.append(x.device.type)
+        return _plan(per_sample * x.shape[0], 1e-3 * x.shape[0], memory_budget)
+
+    return explain
+
+
+def test_max_batch_plans_on_meta_and_finds_the_largest_fitting_batch(monkeypatch):
+    devices = []
+    monkeypatch.setattr(compile_offload, "explain", _explain_peak_per_sample(1000, devices), raising=False)
+    found = max_batch(_linear_factory(), "37000", high=4096, device="cpu", measure=False)
+    assert found.batch == 37
+    assert found.predicted_peak_bytes == 37000
+    assert found.planned_on == "meta" and set(devices) == {"meta"}
+    assert any(not p.fits for p in found.probes)
+
+
+def test_max_batch_falls_back_to_the_device_when_meta_fails(monkeypatch):
+    devices = []
+    monkeypatch.setattr(compile_offload, "explain", _explain_peak_per_sample(1000, devices), raising=False)
+    linear = _linear_factory()
+
+    def factory(batch, device):
+        if device == "meta":
+            raise NotImplementedError("no meta kernel")
+        return linear(batch, device)
+
+    found = max_batch(factory, "5KB", device="cpu", measure=False)
+    assert found.batch == 5 and found.planned_on == "cpu"
+
+
+def test_max_batch_reports_none_when_even_low_does_not_fit(monkeypatch):
+    monkeypatch.setattr(compile_offload, "explain", _explain_peak_per_sample(1000, []), raising=False)
+    found = max_batch(_linear_factory(), 999, device="cpu", measure=False)
+    assert found.batch is None and found.predicted_peak_bytes is None
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def _run_bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-c", "from compile_offload.bench import main; main()", "--out", str(out), *extra]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _check_outputs(out: Path, tag: str) -> list[dict]:
+    lines = (out / f"{tag}.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert rows and all(isinstance(row.get("strategy"), str) for row in rows)
+    assert all(row.get("status") in ("ok", "error", "unavailable", "skipped") for row in rows)
+    table = (out / f"{tag}.md").read_text()
+    assert all(row["strategy"] in table for row in rows)
+    assert (out / f"{tag}_pareto.png").read_bytes().startswith(b"\x89PNG")
+    return rows
+
+
+def test_bench_eager_strategies_write_well_formed_output(tmp_path):
+    result = _run_bench(tmp_path, "--smoke", "--strategies", "eager,eager_ckpt,eager_save_on_cpu,torch_sac_offload")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _check_outputs(tmp_path, "gpt")
+    assert [r["strategy"] for r in rows] == ["eager", "eager_ckpt", "eager_save_on_cpu", "torch_sac_offload"]
+    assert rows[-1]["status"] == "unavailable"  # no CUDA here
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_bench_smoke_works_and_writes_well_formed_output(tmp_path):
+    result = _run_bench(tmp_path, "--smoke")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = _check_outputs(tmp_path, "gpt")
+    assert {"compile", "torch_budget:0.5", "ours:0.5"} <= {r["strategy"] for r in rows}
