@@ -40,10 +40,18 @@ class OffloadRematPartitioner(CustomPartitionerFn):
     def __call__(
         self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from .planning import plan_partition
 
-        kwargs.pop("compiler", None)
-        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+        result = plan_partition(
+            gm,
+            joint_inputs,
+            self.settings,
+            num_fwd_outputs=kwargs["num_fwd_outputs"],
+            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+            graph_name=self.graph_name,
+        )
+        self.last_plan = result.plan
+        return result.fw_gm, result.bw_gm
 
     def uuid(self) -> str:
         # Inductor's FX graph cache and AOTAutograd's cache key on this: a cache hit must

@@ -1,0 +1,177 @@
+"""One joint graph -> Plan + forward/backward graphs. Shared by the backend and ``explain``."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from passes import compat
+from passes.analyze import JointAnalysis, analyze_joint, tensor_value
+from passes.plan import Decision, Plan, format_bytes
+from passes.rewrite import build_graphs
+from passes.solve import Solution, SolverError, compute_node, solve_exact, solve_greedy, step_seconds
+
+from .settings import Settings
+
+log = logging.getLogger("compile_offload")
+
+
+class BudgetError(ValueError):
+    """The budget is below the minimum achievable peak and ``strict_budget`` is set."""
+
+
+@dataclass
+class PartitionResult:
+    plan: Plan
+    fw_gm: fx.GraphModule
+    bw_gm: fx.GraphModule
+    analysis: JointAnalysis | None
+    solution: Solution | None
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    for node in gm.graph.nodes:
+        val = tensor_value(node)
+        if val is not None and val.device.type != "cpu" and val.device.type != "meta":
+            return val.device
+    return torch.device("cpu")
+
+
+def plan_partition(
+    joint_gm: fx.GraphModule,
+    joint_inputs: Sequence[object],
+    settings: Settings,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    graph_name: str = "graph",
+) -> PartitionResult:
+    """Plan and partition one joint graph under ``settings``.
+
+    A graph the planner cannot handle falls back to torch's min-cut partition (a correct
+    plan) with one warning naming the reason; a budget error under ``strict_budget`` raises.
+    """
+    from passes.cost import node_seconds
+
+    from .device_profile import resolve_profile
+
+    started = time.perf_counter()
+    joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+    profile = resolve_profile(settings.device_profile, graph_device(joint_gm))
+    if not compat.has_backward(joint):
+        fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
+        plan = Plan(True, settings.budget_bytes, 0, 0.0, 0, 0.0, 0, device_profile=profile.name,
+                    solver=settings.solver, graph_name=graph_name, notes=["no backward: torch's default partition"])
+        return PartitionResult(plan, fw_gm, bw_gm, None, None)
+    try:
+        analysis = analyze_joint(joint)
+        base_saved = compat.min_cut_saved_values(joint)
+        memo: dict[fx.Node, float] = {}
+
+        def seconds(node: fx.Node) -> float:
+            if node not in memo:
+                memo[node] = node_seconds(node, profile)
+            return memo[node]
+
+        if settings.solver == "exact":
+            solution = solve_exact(analysis, base_saved, seconds, settings.budget_bytes,
+                                   settings.exact_max_candidates, settings.budget_fraction)
+        else:
+            solution = solve_greedy(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction)
+        fw_gm, bw_gm = build_graphs(analysis, set(solution.chosen.saved))
+    except (SolverError, NotImplementedError, KeyError, AssertionError, TypeError, RuntimeError) as error:
+        warnings.warn(
+            f"compile_offload: {graph_name}: the planner could not handle this graph ({type(error).__name__}: "
+            f"{error}); falling back to torch's default min-cut partition (correct, but the memory budget is "
+            "not applied to this graph)",
+            stacklevel=2,
+        )
+        joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+        fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
+        plan = Plan(False, settings.budget_bytes, 0, 0.0, 0, 0.0, 0, device_profile=profile.name,
+                    solver=settings.solver, graph_name=graph_name, notes=[f"fallback: {error}"])
+        return PartitionResult(plan, fw_gm, bw_gm, None, None)
+    plan = make_plan(analysis, solution, seconds, settings, profile.name, graph_name,
+                     time.perf_counter() - started)
+    _report_budget(plan, settings)
+    log.info("%s", plan.summary() + f" [solver {plan.solver}, {plan.solve_seconds:.2f} s]")
+    log.debug("%s", plan.table())
+    return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+
+
+def _report_budget(plan: Plan, settings: Settings) -> None:
+    if plan.feasible or plan.budget_bytes is None:
+        return
+    message = (
+        f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
+        f"this planner can reach ({format_bytes(plan.min_peak_bytes)}); using the minimum-memory plan "
+        f"(predicted peak {format_bytes(plan.predicted_peak_bytes)})"
+    )
+    if settings.budget_fraction is not None:
+        return  # a fraction of 0.0 asks for the minimum plan: nothing to warn about
+    if settings.strict_budget:
+        raise BudgetError(message + "; strict_budget=True")
+    warnings.warn(message, stacklevel=3)
+
+
+def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings, profile_name: str,
+              graph_name: str, solve_seconds: float) -> Plan:
+    decisions: list[Decision] = []
+    base = solution.baseline.saved
+    final = solution.chosen.saved
+    counted_parents: set[fx.Node] = set()
+    for tensor in sorted(base | final, key=a.position.__getitem__):
+        val = tensor_value(tensor)
+        if val is None or tensor in a.steady:
+            continue
+        if tensor in solution.recomputed:
+            parent = compute_node(tensor)
+            cost = 0.0 if parent in counted_parents else seconds(parent)
+            counted_parents.add(parent)
+            decision, reason = "recompute", solution.recomputed[tensor]
+        elif tensor in solution.added:
+            decision, reason, cost = "keep", solution.added[tensor], 0.0
+        else:
+            decision, cost = "keep", 0.0
+            reason = _keep_reason(a, tensor, settings, solution)
+        decisions.append(Decision(
+            name=tensor.name,
+            shape=tuple(compat.size_hint(s) for s in val.shape),
+            dtype=str(val.dtype).replace("torch.", ""),
+            bytes=a.storage_bytes(tensor),
+            decision=decision,
+            reason=reason,
+            cost_seconds=cost,
+        ))
+    baseline_seconds = step_seconds(a, base, seconds)
+    return Plan(
+        feasible=solution.feasible,
+        budget_bytes=solution.budget_bytes,
+        predicted_peak_bytes=solution.chosen.peak_bytes,
+        predicted_step_seconds=step_seconds(a, final, seconds),
+        baseline_peak_bytes=solution.baseline.peak_bytes,
+        baseline_step_seconds=baseline_seconds,
+        min_peak_bytes=solution.minimum.peak_bytes,
+        decisions=decisions,
+        device_profile=profile_name,
+        solver=settings.solver,
+        solve_seconds=solve_seconds,
+        graph_name=graph_name,
+    )
+
+
+def _keep_reason(a: JointAnalysis, tensor: fx.Node, settings: Settings, solution: Solution) -> str:
+    if solution.budget_bytes is None:
+        return "no budget: unconstrained plan"
+    ban = a.ban.get(compute_node(tensor)) or a.ban.get(tensor)
+    if ban:
+        return f"cannot be recomputed: {ban}"
+    if solution.feasible:
+        return "fits the budget"
+    return "recomputing it would not lower the peak"

@@ -1,0 +1,203 @@
+"""Facts about a graph that every later pass reads: storages and aliases, allocated bytes,
+forward/backward membership and why a node must not be recomputed.
+
+Works on any aten-level FX graph whose nodes carry ``meta["val"]`` (the joint graph, or the
+partitioned forward and backward graphs).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from . import compat
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+_RECOMPUTABLE_NAMESPACES = ("aten", "prims")
+
+
+def tensor_value(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def tensor_bytes(val: torch.Tensor) -> int:
+    """Bytes of the storage a freshly allocated tensor with ``val``'s size and stride needs."""
+    sizes = [compat.size_hint(s) for s in val.shape]
+    if any(s == 0 for s in sizes):
+        return 0
+    strides = [compat.size_hint(s) for s in val.stride()]
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
+    return extent * val.element_size()
+
+
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s output shares (views, in-place ops), else None."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem:
+        parent = node.args[0]
+        if isinstance(parent, fx.Node) and _aliased_input(parent) is not None:
+            return _aliased_input(parent)  # split/unbind outputs are views of the input
+        return None
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    if getattr(target, "is_view", False):  # views, including list-returning split/unbind
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, fx.Node) else None
+    alias = schema.returns[0].alias_info
+    if alias is None:
+        return None
+    for argument, value in zip(schema.arguments, node.args):  # in-place and out= ops
+        if argument.alias_info is not None and set(argument.alias_info.before_set) & set(alias.before_set):
+            return value if isinstance(value, fx.Node) else None
+    return None
+
+
+def storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Map each tensor-producing node to the node that allocated its storage."""
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        source = _aliased_input(node)
+        roots[node] = roots.get(source, source) if source is not None else node
+    return roots
+
+
+def allocated_bytes(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> int:
+    """Bytes ``node`` allocates: 0 for views, aliases, non-tensors and multi-output parents
+    (their ``getitem`` users own the outputs)."""
+    if roots.get(node, node) is not node:
+        return 0
+    val = tensor_value(node)
+    return 0 if val is None else tensor_bytes(val)
+
+
+def recompute_ban_reason(node: fx.Node) -> str | None:
+    """Why ``node`` must never be recomputed in the backward, or None if it may be.
+
+    Recomputing a random op draws new randomness (wrong gradients, pytorch#190758); a
+    mutating op would apply its mutation twice (BatchNorm running stats); collectives and
+    effectful or custom ops may have effects we cannot see.
+    """
+    if node.op == "placeholder":
+        return None
+    if node.op != "call_function":
+        return f"{node.op} node"
+    if compat.must_save(node):
+        return "marked must-save (mutation source, collective or effectful op)"
+    if compat.must_be_in_forward(node):
+        return "must stay in the forward (mutation)"
+    target = node.target
+    if target is operator.getitem:
+        parent = node.args[0]
+        return recompute_ban_reason(parent) if isinstance(parent, fx.Node) else None
+    if not isinstance(target, torch._ops.OpOverload):
+        return f"{getattr(target, '__name__', target)} is not an aten op"
+    namespace = target.namespace
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return "collective"
+    if namespace not in _RECOMPUTABLE_NAMESPACES:
+        return f"custom op {namespace}::{target._opname}"
+    if torch.Tag.nondeterministic_seeded in target.tags or target.overloadpacket in compat.random_ops():
+        if not _dropout_disabled(node):
+            return "random op (recompute would draw new randomness)"
+    if target._schema.is_mutable:
+        return "mutates an input"
+    return None
+
+
+def _dropout_disabled(node: fx.Node) -> bool:
+    """Attention ops are tagged random for their dropout; with ``dropout_p == 0`` they are
+    deterministic and safe to recompute."""
+    schema = node.target._schema
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            value = node.args[index] if index < len(node.args) else node.kwargs.get("dropout_p", argument.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
+
+
+_COMPUTE_INTENSIVE = {
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+}
+
+
+def is_compute_intensive(node: fx.Node) -> bool:
+    """Matmuls, convolutions and attention: worth saving rather than recomputing when cheap
+    alternatives exist."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _COMPUTE_INTENSIVE
+
+
+@dataclass
+class JointAnalysis:
+    """The joint graph split into forward and backward, with storage facts."""
+
+    joint: compat.JointGraph
+    fw_nodes: list[fx.Node]  # required forward nodes, joint order (primals included)
+    bw_nodes: list[fx.Node]  # required backward nodes, joint order (tangents included)
+    fw_outputs: list[fx.Node]  # user outputs of the forward
+    bw_outputs: list[fx.Node]  # gradients
+    position: dict[fx.Node, int]
+    roots: dict[fx.Node, fx.Node]
+    bytes_of: dict[fx.Node, int]  # storage bytes a node allocates (0 if it allocates none)
+    steady: frozenset[fx.Node]  # primal inputs: parameters and user inputs, not counted
+    ban: dict[fx.Node, str]  # forward nodes that must not be recomputed, with the reason
+    forward_side: frozenset[fx.Node]
+
+    def is_forward(self, node: fx.Node) -> bool:
+        """Forward side: needed by the forward, or needed by neither side yet (torch's
+        "unclaimed" nodes, e.g. a GELU derivative that reads only forward values): both
+        can run in the forward and be saved, or be recomputed in the backward."""
+        return node in self.forward_side
+
+    def storage_bytes(self, node: fx.Node) -> int:
+        return self.bytes_of.get(self.roots.get(node, node), 0)
+
+
+def analyze_joint(joint: compat.JointGraph) -> JointAnalysis:
+    graph = joint.gm.graph
+    info = joint.node_info
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    outputs = list(output.args[0])
+    fw_outputs = [o for o in outputs[: joint.num_fwd_outputs] if isinstance(o, fx.Node)]
+    bw_outputs = [o for o in outputs[joint.num_fwd_outputs :] if isinstance(o, fx.Node)]
+    roots = storage_roots(graph)
+    steady = frozenset(n for n in nodes if n.op == "placeholder" and not _is_tangent(n))
+    bw_nodes = [n for n in nodes if n.op != "output" and (info.is_required_bw(n) or _is_tangent(n))]
+    bw_set = set(bw_nodes)
+    fw_nodes = [n for n in nodes if n.op != "output" and n not in bw_set]
+    bytes_of = {n: (0 if n in steady else allocated_bytes(n, roots)) for n in nodes if n.op != "output"}
+    ban = {}
+    for n in fw_nodes:
+        reason = recompute_ban_reason(n)
+        if reason is not None:
+            ban[n] = reason
+    return JointAnalysis(
+        joint=joint,
+        fw_nodes=fw_nodes,
+        bw_nodes=bw_nodes,
+        fw_outputs=fw_outputs,
+        bw_outputs=bw_outputs,
+        position={n: i for i, n in enumerate(nodes)},
+        roots=roots,
+        bytes_of=bytes_of,
+        steady=steady,
+        ban=ban,
+        forward_side=frozenset(fw_nodes),
+    )
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)

@@ -1,0 +1,136 @@
+"""Every private torch API the passes use, wrapped in one place.
+
+torch's partitioner internals drift between releases; each wrapper here is the only caller
+of its private function, so a version difference is fixed once. ``tests/passes/test_compat.py``
+exercises each wrapper on the installed torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._functorch import partitioners as _p
+
+
+@dataclass
+class JointGraph:
+    """The joint graph prepared the way torch's min-cut partitioner prepares it."""
+
+    gm: fx.GraphModule
+    node_info: _p.NodeInfo
+    num_fwd_outputs: int
+    static_lifetime_input_indices: list[int]
+    has_recomputable_rng_ops: bool  # user activation-checkpoint regions with random ops
+
+    @property
+    def static_lifetime_input_nodes(self):
+        return self.node_info.static_lifetime_input_nodes
+
+
+def prepare_joint(
+    joint_gm: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None
+) -> JointGraph:
+    """DCE, CSE, user-checkpoint tag cleanup, forced saves and node classification.
+
+    Mirrors the first half of ``min_cut_rematerialization_partition``: mutation sources,
+    collectives and effectful ops are marked ``MUST_SAVE`` there, and we honour that mark.
+    """
+    joint_gm.graph.eliminate_dead_code()
+    joint_gm.recompile()
+    if _p.config.cse:
+        joint_gm.graph = _p.fx_graph_cse(joint_gm.graph)
+    has_rng = _p.has_recomputable_rng_ops(joint_gm)
+    if _p.has_recomputable_ops(joint_gm):
+        joint_gm = _p.cleanup_recompute_tags(joint_gm, is_default_partition=False)
+    if not _p.config.unsafe_allow_optimization_of_collectives:
+        _p.force_save_collectives(joint_gm)
+    _p.force_save_effectful_ops(joint_gm)
+    _p.force_save_bw_mutation_src(joint_gm)
+    static = list(static_lifetime_input_indices or [])
+    node_info = _p.classify_nodes(joint_gm, static, num_fwd_outputs)
+    return JointGraph(joint_gm, node_info, num_fwd_outputs, static, has_rng)
+
+
+def has_backward(joint: JointGraph) -> bool:
+    return len(joint.node_info.required_bw_nodes) > 0
+
+
+def min_cut_saved_values(joint: JointGraph) -> list[fx.Node]:
+    """The saved set torch.compile's default partitioner chooses (no memory budget)."""
+    for node in reversed(joint.gm.graph.nodes):
+        if node.op == "output" or not joint.node_info.is_required_fw(node):
+            node.dist_from_bw = int(1e9) if node.op == "output" else 0
+        else:
+            node.dist_from_bw = min((user.dist_from_bw + 1 for user in node.users), default=int(1e9))
+    return list(_p.choose_saved_values_set(joint.gm.graph, joint.node_info, memory_budget=1.0))
+
+
+def is_sym_node(node: fx.Node) -> bool:
+    return _p.is_sym_node(node)
+
+
+def must_save(node: fx.Node) -> bool:
+    """Tagged MUST_SAVE by torch (mutation sources, collectives, effectful ops) or the user."""
+    return node.meta.get("recompute") == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+
+
+def must_be_in_forward(node: fx.Node) -> bool:
+    """Tagged or inferred by torch as forward-only (mutations): never in the backward."""
+    return _p._must_be_in_forward(node)
+
+
+def random_ops() -> frozenset:
+    return frozenset(_p.get_default_op_list().random_ops)
+
+
+def extract_forward_backward(
+    joint: JointGraph, saved_values: list[fx.Node]
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Build forward and backward GraphModules that save exactly ``saved_values``.
+
+    Anything else the backward needs is recomputed there from the saved values. Mirrors the
+    second half of ``min_cut_rematerialization_partition``.
+    """
+    saved_sym_nodes = [n for n in saved_values if _p.is_sym_node(n) and not _p._is_assert_only_symbool(n)]
+    saved_opaque = [n for n in saved_values if _p.is_opaque_node(n)]
+    saved_tensors = [n for n in saved_values if not _p.is_sym_node(n) and not _p.is_opaque_node(n)]
+    fw_module, bw_module = _p._extract_fwd_bwd_modules(
+        joint.gm,
+        saved_tensors,
+        saved_sym_nodes=saved_sym_nodes,
+        saved_opaque_nodes=saved_opaque,
+        num_fwd_outputs=joint.num_fwd_outputs,
+        static_lifetime_input_nodes=joint.node_info.static_lifetime_input_nodes,
+    )
+    if joint.has_recomputable_rng_ops:
+        fw_module, bw_module = _p.functionalize_rng_ops(joint.gm, fw_module, bw_module, len(saved_sym_nodes))
+    bw_module = _p.reordering_to_mimic_autograd_engine(bw_module)
+    fw_module = _p.raise_getitems(fw_module)
+    bw_module = _p.raise_getitems(bw_module)
+    fw_module = _p.thread_graphsafe_rng_from_hops(fw_module, is_backward=False)
+    bw_module = _p.thread_graphsafe_rng_from_hops(bw_module, is_backward=True)
+    return fw_module, bw_module
+
+
+def default_partition(joint: JointGraph, joint_inputs) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut partition, for graphs our planner does not handle."""
+    return _p.min_cut_rematerialization_partition(
+        joint.gm,
+        joint_inputs,
+        compiler="inductor",
+        num_fwd_outputs=joint.num_fwd_outputs,
+        static_lifetime_input_indices=joint.static_lifetime_input_indices,
+    )
+
+
+def size_hint(value) -> int:
+    """A concrete int for a possibly symbolic size."""
+    if isinstance(value, int):
+        return value
+    from torch.fx.experimental import symbolic_shapes
+
+    # Renamed from hint_int to optimization_hint in torch 2.13.
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+    return int(hint(value, fallback=4096))

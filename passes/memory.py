@@ -1,0 +1,261 @@
+"""Memory simulator: peak bytes and a timeline of live bytes over forward then backward.
+
+A *program* is the sequence of steps one training step executes (forward nodes, then
+backward nodes including recomputed and reloaded tensors). Each step allocates storages
+and reads storages; a storage is freed right after its last reader, unless it must outlive
+the step (user outputs, gradients). Parameters and inputs are steady state and never
+counted. Views and aliases share their base's storage, so it is counted once.
+
+Two builders make programs: ``plan_program`` from the joint graph and a plan (what the
+solver evaluates), and ``graphs_program`` from the partitioned forward and backward
+GraphModules (what actually runs, used to check the first against reality). Both assume
+the partitioned graphs run as written (the eager inner compiler); Inductor fuses
+pointwise ops and allocates fewer intermediates, so for it the prediction is an upper bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .analyze import JointAnalysis, allocated_bytes, storage_roots, tensor_value
+
+
+@dataclass
+class Step:
+    label: str
+    allocates: list[tuple[Hashable, int]] = field(default_factory=list)
+    reads: list[Hashable] = field(default_factory=list)
+    kind: str = "compute"  # compute | recompute | offload | reload
+
+
+@dataclass
+class Program:
+    steps: list[Step]
+    backward_start: int  # index of the first backward step
+    outlives: set[Hashable]  # storages alive after the step (outputs, gradients)
+
+
+@dataclass
+class Timeline:
+    peak_bytes: int
+    peak_index: int
+    live_bytes: list[int]  # live bytes while each step runs (its inputs and outputs alive)
+    labels: list[str]
+    kinds: list[str]
+    backward_start: int
+
+    @property
+    def peak_label(self) -> str:
+        return self.labels[self.peak_index] if self.labels else ""
+
+
+def simulate(program: Program) -> Timeline:
+    """Live bytes of ``program``, step by step; the peak is the largest."""
+    last_read: dict[Hashable, int] = {}
+    for index, step in enumerate(program.steps):
+        for key, _ in step.allocates:
+            last_read.setdefault(key, index)
+        for key in step.reads:
+            last_read[key] = index
+    frees_after: dict[int, list[Hashable]] = {}
+    for key, index in last_read.items():
+        if key not in program.outlives:
+            frees_after.setdefault(index, []).append(key)
+    size: dict[Hashable, int] = {}
+    live = 0
+    live_bytes, labels, kinds = [], [], []
+    for index, step in enumerate(program.steps):
+        for key, nbytes in step.allocates:
+            if key not in size:
+                size[key] = nbytes
+                live += nbytes
+        live_bytes.append(live)
+        labels.append(step.label)
+        kinds.append(step.kind)
+        for key in frees_after.get(index, ()):
+            live -= size.pop(key, 0)
+    peak = max(live_bytes, default=0)
+    return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
+
+
+# --- programs from the joint graph and a plan --------------------------------------------
+
+
+def forward_nodes_needed(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
+    """Forward nodes that must run to produce the user outputs and the saved tensors."""
+    needed: set[fx.Node] = set()
+    stack = [*a.fw_outputs, *saved]
+    while stack:
+        node = stack.pop()
+        if node in needed or not a.is_forward(node):
+            continue
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in a.fw_nodes if n in needed]
+
+
+def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes the backward needs but the forward does not save: they are recomputed."""
+    recomputed: set[fx.Node] = set()
+    stack = [arg for n in a.bw_nodes for arg in n.all_input_nodes if a.is_forward(arg)]
+    while stack:
+        node = stack.pop()
+        if node in saved or node in recomputed or node in a.steady:
+            continue
+        recomputed.add(node)
+        stack.extend(arg for arg in node.all_input_nodes if a.is_forward(arg))
+    return recomputed
+
+
+def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
+    """Backward nodes in joint order, each recomputed node placed right before its first
+    backward user (how ``passes.schedule.sink_recomputation`` orders the real graph)."""
+    order: list[fx.Node] = []
+    emitted: set[fx.Node] = set()
+
+    def emit_recomputed(node: fx.Node) -> None:
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in emitted:
+                continue
+            if expanded:
+                emitted.add(current)
+                order.append(current)
+                continue
+            stack.append((current, True))
+            for arg in reversed(current.all_input_nodes):
+                if arg in recomputed and arg not in emitted:
+                    stack.append((arg, False))
+
+    for node in a.bw_nodes:
+        for arg in node.all_input_nodes:
+            if arg in recomputed and arg not in emitted:
+                emit_recomputed(arg)
+        order.append(node)
+        emitted.add(node)
+    return order
+
+
+def plan_program(
+    a: JointAnalysis,
+    saved: set[fx.Node],
+    offloaded: set[fx.Node] = frozenset(),
+    prefetch_distance: int = 1,
+) -> Program:
+    """The program the partitioned graphs run when the forward saves ``saved`` (of which
+    ``offloaded`` go to host memory) and the backward recomputes the rest."""
+    root = a.roots.get
+    steps: list[Step] = []
+    for node in forward_nodes_needed(a, saved):
+        if node in a.steady:
+            continue
+        nbytes = a.bytes_of.get(node, 0)
+        allocates = [(root(node, node), nbytes)] if nbytes else []
+        reads = [root(arg, arg) for arg in node.all_input_nodes if arg not in a.steady]
+        steps.append(Step(node.name, allocates, reads))
+        if node in offloaded:
+            steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
+    backward_start = len(steps)
+    # What the backward reads: the kept saved tensors' storages, reloaded copies of the
+    # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
+    kept_roots = {root(s, s) for s in saved if s not in offloaded}
+    reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
+    recomputed = recomputed_nodes(a, saved)
+    order = backward_order(a, recomputed)
+
+    def backward_key(node: fx.Node) -> Hashable:
+        base = root(node, node)
+        if base in recomputed:
+            return ("recomputed", base)
+        return reloaded.get(base, base)
+
+    first_use: dict[fx.Node, int] = {}
+    for index, node in enumerate(order):
+        for arg in node.all_input_nodes:
+            base = root(arg, arg)
+            if base in reloaded:
+                first_use.setdefault(base, index)
+    reload_at: dict[int, list[fx.Node]] = {}
+    for node, index in first_use.items():
+        reload_at.setdefault(max(0, index - prefetch_distance), []).append(node)
+
+    for index, node in enumerate(order):
+        for tensor in reload_at.get(index, ()):
+            steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
+        if node in a.steady:
+            continue
+        nbytes = a.bytes_of.get(node, 0)
+        allocates = [(backward_key(node), nbytes)] if nbytes else []
+        reads = [backward_key(arg) for arg in node.all_input_nodes if arg not in a.steady]
+        steps.append(Step(node.name, allocates, reads, kind="recompute" if node in recomputed else "compute"))
+    outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
+    return Program(steps, backward_start, outlives)
+
+
+# --- programs from the partitioned graphs ------------------------------------------------
+
+
+def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs: int) -> Program:
+    """The program of partitioned forward and backward graphs, executed as written.
+
+    Forward placeholders are steady state. The forward's saved outputs become the
+    backward's leading placeholders (same storages); tangents are allocated when the
+    backward starts; user outputs and gradients outlive the step.
+    """
+    steps: list[Step] = []
+    fw_roots = storage_roots(fw_gm.graph)
+    fw_placeholders = {n for n in fw_gm.graph.nodes if n.op == "placeholder"}
+    fw_output = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output")
+    fw_results = list(fw_output.args[0])
+    user_outputs, saved_outputs = fw_results[:num_fwd_outputs], fw_results[num_fwd_outputs:]
+
+    def fw_key(node: fx.Node) -> Hashable:
+        return ("fw", fw_roots.get(node, node).name)
+
+    for node in fw_gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        nbytes = allocated_bytes(node, fw_roots)
+        reads = [fw_key(arg) for arg in node.all_input_nodes if fw_roots.get(arg, arg) not in fw_placeholders]
+        steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
+    backward_start = len(steps)
+    bw_roots = storage_roots(bw_gm.graph)
+    bw_placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+    saved_tensor_outputs = [o for o in saved_outputs if isinstance(o, fx.Node) and tensor_value(o) is not None]
+    key_of_placeholder: dict[fx.Node, Hashable | None] = {}
+    tangent_allocs = []
+    for index, placeholder in enumerate(bw_placeholders):
+        if "tangents" in placeholder.name:
+            val = tensor_value(placeholder)
+            key = ("bw", placeholder.name)
+            key_of_placeholder[placeholder] = key
+            if val is not None:
+                tangent_allocs.append((key, allocated_bytes(placeholder, bw_roots)))
+        elif index < len(saved_tensor_outputs):
+            source = saved_tensor_outputs[index]
+            is_steady = fw_roots.get(source, source) in fw_placeholders
+            key_of_placeholder[placeholder] = None if is_steady else fw_key(source)
+        else:
+            key_of_placeholder[placeholder] = None  # saved symints
+    steps.append(Step("tangents", tangent_allocs, []))
+
+    def bw_key(node: fx.Node) -> Hashable | None:
+        base = bw_roots.get(node, node)
+        if base.op == "placeholder":
+            return key_of_placeholder.get(base)
+        return ("bw", base.name)
+
+    for node in bw_gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        nbytes = allocated_bytes(node, bw_roots)
+        reads = [k for k in (bw_key(arg) for arg in node.all_input_nodes) if k is not None]
+        steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads))
+    bw_output = next(n for n in reversed(bw_gm.graph.nodes) if n.op == "output")
+    outlives = {fw_key(o) for o in user_outputs if isinstance(o, fx.Node)}
+    outlives |= {k for o in bw_output.args[0] if isinstance(o, fx.Node) for k in [bw_key(o)] if k is not None}
+    return Program(steps, backward_start, outlives)

@@ -1,0 +1,292 @@
+"""Budget -> which saved tensors to recompute in the backward (and from what).
+
+Start from the unconstrained plan (torch.compile's default saved set). A *move* recomputes
+one saved tensor in the backward instead of saving it; the tensors it is computed from are
+saved in its place unless they are already saved or recomputed. The greedy solver applies,
+one at a time, the move that frees the most bytes per second of recompute; this gives a
+sequence of plans with falling saved bytes and rising step time. Every plan in the sequence
+is simulated (``passes.memory``), and a budget picks the first plan whose simulated peak
+fits. Choosing the first fitting plan of one fixed sequence makes the result monotone: a
+smaller budget never gets a larger predicted peak.
+
+The exact solver enumerates every subset of candidate tensors (small graphs only) and
+returns the fastest plan that fits, with the same tie-breaking, so it is monotone too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .analyze import JointAnalysis, is_compute_intensive, tensor_value
+from .memory import Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+
+Seconds = Callable[[fx.Node], float]
+
+
+class SolverError(RuntimeError):
+    pass
+
+
+@dataclass
+class Move:
+    """Recompute ``group`` in the backward, saving ``added`` in its place."""
+
+    group: "Group"
+    added: tuple[fx.Node, ...]
+    extra_seconds: float
+    freed_bytes: int
+    closure: frozenset[fx.Node] = frozenset()  # every node the move recomputes
+
+
+@dataclass
+class Candidate:
+    """One plan: what the forward saves, and what it predicts."""
+
+    saved: frozenset[fx.Node]
+    extra_seconds: float  # recompute time added to the unconstrained plan
+    peak_bytes: int
+    timeline: Timeline | None = None
+    moves: tuple[Move, ...] = ()
+
+
+@dataclass
+class Solution:
+    chosen: Candidate
+    baseline: Candidate
+    minimum: Candidate  # the lowest-peak plan found
+    budget_bytes: int | None
+    feasible: bool
+    recomputed: dict[fx.Node, str] = field(default_factory=dict)  # saved-by-default tensor -> reason
+    added: dict[fx.Node, str] = field(default_factory=dict)  # newly saved tensor -> reason
+    candidates_evaluated: int = 0
+
+
+def compute_node(node: fx.Node) -> fx.Node:
+    """The node that actually computes ``node`` (a getitem's multi-output parent)."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return node
+
+
+@dataclass(frozen=True)
+class Group:
+    """Saved tensors sharing one storage, and the nodes that recompute that storage."""
+
+    root: fx.Node
+    members: frozenset[fx.Node]  # saved tensors whose storage is ``root``
+    closure: frozenset[fx.Node]  # nodes to recompute: the root's producer and the views on the way
+    sources: frozenset[fx.Node]  # what the closure reads from outside itself
+
+
+def storage_group(a: JointAnalysis, members: Iterable[fx.Node]) -> Group | None:
+    """The group for these saved tensors, or None when it cannot be recomputed."""
+    members = frozenset(members)
+    root = a.roots.get(next(iter(members)), next(iter(members)))
+    if root in a.steady or root.op == "placeholder" or not a.is_forward(root):
+        return None
+    closure: set[fx.Node] = set()
+    stack = list(members)
+    while stack:
+        node = stack.pop()
+        if node in closure:
+            continue
+        closure.add(node)
+        for arg in node.all_input_nodes:
+            if a.roots.get(arg, arg) is root and a.is_forward(arg):
+                stack.append(arg)
+    closure.add(root)
+    closure.add(compute_node(root))
+    if any(n in a.ban or n.op != "call_function" for n in closure):
+        return None
+    sources = frozenset(arg for n in closure for arg in n.all_input_nodes if arg not in closure and a.is_forward(arg))
+    return Group(root, members, frozenset(closure), sources)
+
+
+def is_candidate(a: JointAnalysis, node: fx.Node) -> bool:
+    """Could this saved tensor be recomputed instead? (Not an input, not banned, a tensor.)"""
+    if node in a.steady or node.op == "placeholder" or tensor_value(node) is None:
+        return False
+    return storage_group(a, [node]) is not None
+
+
+def _groups(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[Group]:
+    by_root: dict[fx.Node, list[fx.Node]] = {}
+    for tensor in saved:
+        if tensor_value(tensor) is not None and tensor not in a.steady:
+            by_root.setdefault(a.roots.get(tensor, tensor), []).append(tensor)
+    groups = [storage_group(a, members) for members in by_root.values()]
+    return sorted((g for g in groups if g is not None), key=lambda g: a.position[g.root])
+
+
+# A move may recompute more than its own storage: walking back from its sources through
+# tensors that are neither saved nor recomputed yet (a LayerNorm output is recomputed from
+# the block input, not from a saved normalised copy of the same size). Two ways to stop:
+# at the saved frontier, or also at compute-intensive nodes (matmuls), whose outputs are
+# then saved. The walk is bounded so one move stays local.
+MAX_EXTENSION = 48
+
+
+def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at_matmul: bool):
+    """(closure, added): the nodes the move recomputes and the tensors it must save."""
+    closure = set(group.closure)
+    added: set[fx.Node] = set()
+    stack = list(group.sources)
+    while stack:
+        node = stack.pop()
+        if node in closure or node in saved or node in recomputed or not a.is_forward(node):
+            continue
+        parent = compute_node(node)
+        stop = (
+            node in a.steady
+            or node.op != "call_function"
+            or node in a.ban
+            or parent in a.ban
+            or (stop_at_matmul and is_compute_intensive(parent))
+            or len(closure) >= MAX_EXTENSION
+        )
+        if stop:
+            added.add(node)
+            continue
+        closure.update((node, parent))
+        stack.extend(parent.all_input_nodes)
+        stack.extend(node.all_input_nodes)
+    return frozenset(closure), tuple(sorted(added, key=a.position.__getitem__))
+
+
+def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> list[Move]:
+    """The greedy sequence of moves from ``base_saved``, best bytes-per-second first."""
+    saved = set(base_saved)
+    recomputed = recomputed_nodes(a, saved)
+    moves: list[Move] = []
+    while True:
+        held = {a.roots.get(s, s) for s in saved}
+        best: tuple[float, int, int] | None = None
+        best_move: Move | None = None
+        for group in _groups(a, saved):
+            freed = a.bytes_of.get(group.root, 0)
+            for stop_at_matmul in (True, False):
+                closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
+                added_roots = {a.roots.get(x, x) for x in added} - held
+                gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
+                if gain <= 0:
+                    continue
+                cost = sum(seconds(n) for n in closure if n not in recomputed)
+                key = (gain / max(cost, 1e-12), gain, -a.position[group.root])
+                if best is None or key > best:
+                    best = key
+                    best_move = Move(group, added, cost, gain, closure)
+        if best_move is None:
+            return moves
+        _apply(best_move, saved, recomputed)
+        moves.append(best_move)
+
+
+def _apply(move: Move, saved: set, recomputed: set) -> None:
+    saved.difference_update(move.group.members)
+    recomputed.update(move.closure)
+    saved.update(move.added)
+
+
+def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
+    saved = frozenset(saved)
+    timeline = simulate(plan_program(a, set(saved)))
+    return Candidate(saved, extra_seconds, timeline.peak_bytes, timeline if keep_timeline else None, tuple(moves))
+
+
+def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds) -> float:
+    """Predicted time of one forward+backward under a plan (sum of per-node times)."""
+    saved = set(saved)
+    forward = forward_nodes_needed(a, saved)
+    recomputed = recomputed_nodes(a, saved)
+    nodes = [*forward, *recomputed, *a.bw_nodes]
+    return sum(seconds(n) for n in nodes if n.op == "call_function")
+
+
+def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:
+    """The fastest candidate whose peak fits (ties: lower peak, then earlier); else the
+    lowest-peak one, reported infeasible."""
+    if budget is None:
+        return candidates[0], True
+    fitting = [(c.extra_seconds, c.peak_bytes, i) for i, c in enumerate(candidates) if c.peak_bytes <= budget]
+    if fitting:
+        return candidates[min(fitting)[2]], True
+    return min(candidates, key=lambda c: (c.peak_bytes, c.extra_seconds)), False
+
+
+def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
+                 budget_fraction: float | None = None) -> Solution:
+    moves = greedy_moves(a, base_saved, seconds)
+    saved = set(base_saved)
+    recomputed = recomputed_nodes(a, saved)
+    candidates = [evaluate(a, saved, 0.0)]
+    extra = 0.0
+    for index, move in enumerate(moves):
+        _apply(move, saved, recomputed)
+        extra += move.extra_seconds
+        candidates.append(evaluate(a, saved, extra, moves[: index + 1]))
+    return _solution(a, candidates, budget_bytes, budget_fraction)
+
+
+def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int) -> list[Candidate]:
+    """Every valid plan that recomputes a subset of the storage groups saved by default."""
+    pool = _groups(a, base_saved)
+    if len(pool) > max_candidates:
+        raise SolverError(
+            f"the exact solver handles at most {max_candidates} candidate storages (exact_max_candidates); "
+            f"this graph has {len(pool)}"
+        )
+    candidates = []
+    base_recomputed = recomputed_nodes(a, set(base_saved))
+    for size in range(len(pool) + 1):
+        for subset in itertools.combinations(pool, size):
+            dropped = set().union(*(g.members for g in subset)) if subset else set()
+            closures = set().union(*(g.closure for g in subset)) if subset else set()
+            saved = set(base_saved) - dropped
+            for group in subset:
+                saved.update(x for x in group.sources if x not in closures and x not in base_recomputed)
+            saved -= dropped
+            recomputed = recomputed_nodes(a, saved)
+            if any(n in a.ban for n in recomputed):
+                continue
+            extra = sum(seconds(n) for n in recomputed - base_recomputed if n.op == "call_function")
+            candidates.append(evaluate(a, saved, extra))
+    return candidates
+
+
+def solve_exact(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
+                max_candidates: int, budget_fraction: float | None = None) -> Solution:
+    candidates = exact_subsets(a, base_saved, seconds, max_candidates)
+    # The unconstrained plan is the empty subset: first in the list.
+    return _solution(a, candidates, budget_bytes, budget_fraction)
+
+
+def _solution(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None,
+              budget_fraction: float | None) -> Solution:
+    baseline = candidates[0]
+    if budget_bytes is None and budget_fraction is not None:
+        budget_bytes = int(budget_fraction * baseline.peak_bytes)
+    chosen, feasible = _pick(candidates, budget_bytes)
+    minimum = min(candidates, key=lambda c: (c.peak_bytes, c.extra_seconds))
+    chosen = evaluate(a, chosen.saved, chosen.extra_seconds, chosen.moves, keep_timeline=True)
+    baseline = evaluate(a, baseline.saved, 0.0, keep_timeline=True)
+    solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
+    _explain(a, solution)
+    return solution
+
+
+def _explain(a: JointAnalysis, solution: Solution) -> None:
+    """Attach a reason to every tensor whose fate differs from the unconstrained plan."""
+    base, final = solution.baseline.saved, solution.chosen.saved
+    recomputed = recomputed_nodes(a, set(final))
+    for tensor in sorted(base - final, key=a.position.__getitem__):
+        group = storage_group(a, [tensor])
+        sources = sorted((x.name for x in group.sources), key=str) if group else []
+        solution.recomputed[tensor] = f"recomputed from {', '.join(sources) or 'inputs'} to fit the budget"
+    for tensor in sorted(final - base, key=a.position.__getitem__):
+        users = sorted((n.name for n in tensor.users if n in recomputed), key=str)
+        solution.added[tensor] = f"saved so that {', '.join(users) or 'others'} can be recomputed"
