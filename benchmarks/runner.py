@@ -232,7 +232,8 @@ def predict(strategy: Strategy, model: torch.nn.Module, inputs: Sequence) -> dic
     """
     import compile_offload
 
-    explain = getattr(compile_offload, "explain", None)
+    # explain_all gives every graph's plan; explain only the largest one's.
+    explain = getattr(compile_offload, "explain_all", None) or getattr(compile_offload, "explain", None)
     if explain is None:
         return {"predicted_peak_bytes": None, "predicted_step_ms": None, "explain_error": "compile_offload.explain is not available"}
     options = {"memory_budget": strategy.budget}

@@ -183,6 +183,7 @@ def _max_batch_fields(found) -> dict:
         "measure_error": found.measure_error,
         "planned_on": found.planned_on,
         "probes": [vars(p) for p in found.probes],
+        "notes": found.notes,
     }
 
 

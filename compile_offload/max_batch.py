@@ -47,6 +47,7 @@ class MaxBatch:
     measured_peak_bytes: int | None = None  # GPU only
     measure_error: str | None = None
     probes: list[Probe] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | None:
@@ -78,7 +79,8 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | N
 
 def _explain() -> Callable:
     package = importlib.import_module("compile_offload")
-    explain = getattr(package, "explain", None)
+    # explain_all gives every graph's plan (graph breaks); explain only the largest one's.
+    explain = getattr(package, "explain_all", None) or getattr(package, "explain", None)
     if explain is None:
         raise RuntimeError("max_batch needs compile_offload.explain, which this installation does not have")
     return explain
@@ -153,6 +155,10 @@ def max_batch(
         planned_on=planned_on[0],
         probes=[probes[b] for b in sorted(probes)],
     )
+    if result.planned_on == "meta" and device_profile is None and torch.device(device).type == "cuda":
+        # explain cannot tell which device meta tensors stand for.
+        result.notes.append("planned on meta without device_profile: explain's default profile for meta tensors, "
+                            "not necessarily the target GPU's; pass device_profile to plan for it")
     if measure is None:
         measure = torch.device(device).type == "cuda"
     if measure and batch is not None:

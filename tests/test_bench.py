@@ -107,12 +107,20 @@ def _plan(peak: int, seconds: float, budget: int | None) -> Plan:
 
 
 def test_prediction_sums_the_plans_of_several_graphs(monkeypatch):
-    monkeypatch.setattr(compile_offload, "explain", lambda model, *inputs, memory_budget=None: [
+    monkeypatch.setattr(compile_offload, "explain_all", lambda model, *inputs, memory_budget=None: [
         _plan(100, 0.001, 1000), _plan(300, 0.002, 1000)], raising=False)
     predicted = runner.predict(strategies.Strategy("ours", "1000"), torch.nn.Linear(2, 2), (torch.ones(2),))
     assert predicted["predicted_peak_bytes"] == 400
     assert predicted["predicted_step_ms"] == pytest.approx(3.0)
     assert predicted["plan_graphs"] == 2 and predicted["plan_feasible"]
+
+
+def test_prediction_falls_back_to_explain_when_explain_all_is_missing(monkeypatch):
+    monkeypatch.delattr(compile_offload, "explain_all", raising=False)
+    monkeypatch.setattr(compile_offload, "explain", lambda model, *inputs, memory_budget=None: _plan(100, 0.001, None),
+                        raising=False)
+    predicted = runner.predict(strategies.Strategy("ours", None), torch.nn.Linear(2, 2), (torch.ones(2),))
+    assert predicted["predicted_peak_bytes"] == 100 and predicted["plan_graphs"] == 1
 
 
 # --- max batch ------------------------------------------------------------------------------
@@ -150,7 +158,7 @@ def _explain_peak_per_sample(per_sample: int, seen_devices: list):
 
 def test_max_batch_plans_on_meta_and_finds_the_largest_fitting_batch(monkeypatch):
     devices = []
-    monkeypatch.setattr(compile_offload, "explain", _explain_peak_per_sample(1000, devices), raising=False)
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, devices), raising=False)
     found = max_batch(_linear_factory(), "37000", high=4096, device="cpu", measure=False)
     assert found.batch == 37
     assert found.predicted_peak_bytes == 37000
@@ -160,7 +168,7 @@ def test_max_batch_plans_on_meta_and_finds_the_largest_fitting_batch(monkeypatch
 
 def test_max_batch_falls_back_to_the_device_when_meta_fails(monkeypatch):
     devices = []
-    monkeypatch.setattr(compile_offload, "explain", _explain_peak_per_sample(1000, devices), raising=False)
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, devices), raising=False)
     linear = _linear_factory()
 
     def factory(batch, device):
@@ -173,7 +181,7 @@ def test_max_batch_falls_back_to_the_device_when_meta_fails(monkeypatch):
 
 
 def test_max_batch_reports_none_when_even_low_does_not_fit(monkeypatch):
-    monkeypatch.setattr(compile_offload, "explain", _explain_peak_per_sample(1000, []), raising=False)
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
     found = max_batch(_linear_factory(), 999, device="cpu", measure=False)
     assert found.batch is None and found.predicted_peak_bytes is None
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The full GPU suite, in under 10 minutes, writing at most 8 files into OUTDIR:
+#   gpt.{jsonl,md}, gpt_pareto.png          GPT 8 x d2048, seq 2048, batch 8, bf16 (the anchor workload)
+#   deep.{jsonl,md}, deep_pareto.png        deep narrow 24 x d1024, seq 4096, batch 4, bf16 (the other anchor)
+#   gpt_max_batch.{jsonl,md}                largest GPT batch whose planned step fits 4 GiB (planned, then measured)
+# Progress goes to stderr. Usage: benchmarks/gpu.sh OUTDIR   (PYTHON=... to pick the interpreter)
+#
+# Time: compiled strategies take 15-35 s each on first call (cold caches), so each sweep has
+# a soft limit (--time-limit: no new strategy starts after it; the rest are recorded as
+# skipped) and a hard one (timeout; what finished is still written). Strategies are ordered
+# so the reference and ours come first.
+set -uo pipefail
+
+OUT=${1:?usage: benchmarks/gpu.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Cold Inductor caches, so first-call times are compile times (as in the anchors).
+CACHE=$(mktemp -d)
+trap 'rm -rf "$CACHE"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="$CACHE"
+
+bench() {  # bench HARD_LIMIT_S ARGS...
+    local limit=$1
+    shift
+    timeout --signal=INT --kill-after=20 "$limit" "$PY" -c "from compile_offload.bench import main; main()" "$@" >&2
+    local rc=$?
+    echo "gpu.sh: bench $* exited with $rc" >&2
+}
+
+"$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >&2 || exit 1
+
+bench 250 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 190 \
+    --budgets 0.25,0.5,0.75,2GiB --torch-budgets 0.5,0.0 \
+    --strategies compile,ours,eager,eager_ckpt,torch_budget,torch_sac_offload,eager_ckpt_save_on_cpu,eager_save_on_cpu
+
+bench 260 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 200 \
+    --budgets 0.25,0.5,3GiB --torch-budgets 0.5 \
+    --strategies compile,ours,eager,eager_ckpt,torch_budget,torch_sac_offload,eager_ckpt_save_on_cpu,eager_save_on_cpu
+
+# Named profile: explain plans meta tensors, which do not say which GPU they stand for.
+bench 90 --model gpt --device cuda --out "$OUT" --find-max-batch --budgets 4GiB --device-profile h100
+
+ls -l "$OUT" >&2
