@@ -1,0 +1,469 @@
+"""The cost model: device profiles and the predicted time of each node of an aten FX graph.
+
+Each kernel-launching node costs a roofline estimate, ``max(flops / peak[dtype],
+bytes / memory_bandwidth)``, plus the device's launch overhead. FLOPs come from
+``torch.utils.flop_counter`` (matmuls, convolutions, attention); every other op counts as
+bandwidth-bound. The estimate is per op: pointwise chains that Inductor fuses into one
+kernel read and write their intermediates once, so summing their per-op times is an upper
+bound on the fused kernel's time.
+
+Nodes must carry ``meta["val"]`` (fake tensors, as in AOTAutograd's joint graph); symbolic
+sizes are replaced by their size hints. Nothing here runs a real kernel: FLOPs are counted by
+running the op on ``meta`` tensors, once per distinct (op, argument shapes, dtypes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from passes.compat import size_hint
+
+log = logging.getLogger("compile_offload")
+
+aten = torch.ops.aten
+
+# --------------------------------------------------------------------------------------------
+# Private torch APIs used by this module (kept here, feature-detected). Besides this import:
+# torch._ops.OpOverload / HigherOrderOperator and OpOverload._schema, which
+# torch.utils.flop_counter itself relies on.
+# _disable_current_modes: the planner may run inside a compile where a FakeTensorMode or a
+# user's dispatch mode is active; our meta-tensor flop counting must not be seen by them.
+try:
+    from torch.utils._python_dispatch import _disable_current_modes as _outside_dispatch_modes
+except ImportError:  # pragma: no cover - present in every supported torch (2.11-2.14)
+    _outside_dispatch_modes = contextlib.nullcontext
+# --------------------------------------------------------------------------------------------
+
+FALLBACK_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the cost model needs to know about a device; all rates are achievable, not datasheet.
+
+    ``flops_per_second`` maps dtype names ("bfloat16", "float32", ...) to the matmul rate;
+    a dtype not listed uses the ``float32`` rate (see :meth:`peak_flops`). Transfer
+    bandwidths are for pinned host memory.
+    """
+
+    name: str
+    flops_per_second: dict[str, float]
+    memory_bandwidth: float  # bytes/s, device memory (read + write traffic)
+    d2h_bandwidth: float  # bytes/s, device -> pinned host
+    h2d_bandwidth: float  # bytes/s, pinned host -> device
+    launch_overhead_seconds: float
+    _frozen_flops: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        flops = {_dtype_name(k): float(v) for k, v in dict(self.flops_per_second).items()}
+        if not flops:
+            raise ValueError(f"DeviceProfile {self.name!r}: flops_per_second is empty")
+        rates = dict(flops, memory_bandwidth=self.memory_bandwidth, d2h_bandwidth=self.d2h_bandwidth,
+                     h2d_bandwidth=self.h2d_bandwidth)
+        for what, value in rates.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"DeviceProfile {self.name!r}: {what} must be a positive finite number, got {value!r}")
+        overhead = self.launch_overhead_seconds
+        if not (isinstance(overhead, (int, float)) and math.isfinite(overhead) and overhead >= 0):
+            raise ValueError(f"DeviceProfile {self.name!r}: launch_overhead_seconds must be >= 0, got {overhead!r}")
+        # A private copy, so that mutating the caller's dict cannot change a frozen profile.
+        object.__setattr__(self, "flops_per_second", flops)
+        object.__setattr__(self, "_frozen_flops", tuple(sorted(flops.items())))
+
+    def __hash__(self) -> int:  # the generated hash would fail on the dict field
+        return hash((self.name, self._frozen_flops, self.memory_bandwidth, self.d2h_bandwidth,
+                     self.h2d_bandwidth, self.launch_overhead_seconds))
+
+    def peak_flops(self, dtype: torch.dtype | str) -> float:
+        """FLOP/s for matmuls in ``dtype``.
+
+        Unlisted dtypes (integers, fp8 where the profile has no entry, complex) fall back to
+        the ``float32`` rate: the non-tensor-core rate, a conservative guess for most of them.
+        """
+        name = _dtype_name(dtype)
+        if name in self.flops_per_second:
+            return self.flops_per_second[name]
+        if FALLBACK_DTYPE in self.flops_per_second:
+            return self.flops_per_second[FALLBACK_DTYPE]
+        return min(self.flops_per_second.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` rebuilds an equal profile."""
+        return {
+            "name": self.name,
+            "flops_per_second": dict(self.flops_per_second),
+            "memory_bandwidth": self.memory_bandwidth,
+            "d2h_bandwidth": self.d2h_bandwidth,
+            "h2d_bandwidth": self.h2d_bandwidth,
+            "launch_overhead_seconds": self.launch_overhead_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
+        """Inverse of :meth:`to_dict`; raises ValueError on a malformed dict (e.g. a corrupt cache)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a device profile must be a dict, got {type(data).__name__}")
+        expected = {"name", "flops_per_second", "memory_bandwidth", "d2h_bandwidth", "h2d_bandwidth",
+                    "launch_overhead_seconds"}
+        if set(data) != expected:
+            raise ValueError(f"device profile keys {sorted(data)} differ from {sorted(expected)}")
+        if not isinstance(data["name"], str) or not isinstance(data["flops_per_second"], dict):
+            raise ValueError("device profile: 'name' must be a string and 'flops_per_second' a dict")
+        try:
+            return cls(**data)
+        except TypeError as error:  # e.g. None where a number belongs
+            raise ValueError(f"malformed device profile: {error}") from error
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in profiles. Datasheet peaks are scaled to what large, well-shaped kernels achieve:
+# cuBLAS bf16 GEMMs reach ~70% of the dense tensor-core peak on H100/A100 (a GPT-8 step of
+# ~46 TFLOP in 76.3 ms on H100 is ~600 TFLOP/s end to end, see ../shared/README.md), and
+# streaming kernels reach ~80% of the HBM/GDDR datasheet bandwidth. Pinned-copy figures are
+# measured values already (PCIe 5 x16 on the H100 machine; ~25 GB/s is typical for PCIe 4 x16).
+# fp32 matmuls use the non-tensor-core rate: torch's default float32_matmul_precision is
+# "highest", so cuBLAS does not use TF32 unless the user allows it.
+COMPUTE_EFFICIENCY = 0.70
+MEMORY_EFFICIENCY = 0.80
+GPU_LAUNCH_OVERHEAD_SECONDS = 4e-6  # CUDA launch latency of a small kernel without CUDA graphs
+TERA = 1e12
+GIGA = 1e9
+
+
+def _gpu_profile(name: str, datasheet_tflops: dict[str, float], hbm_tb_per_s: float,
+                 d2h_gb_per_s: float, h2d_gb_per_s: float) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        flops_per_second={k: v * TERA * COMPUTE_EFFICIENCY for k, v in datasheet_tflops.items()},
+        memory_bandwidth=hbm_tb_per_s * TERA * MEMORY_EFFICIENCY,
+        d2h_bandwidth=d2h_gb_per_s * GIGA,
+        h2d_bandwidth=h2d_gb_per_s * GIGA,
+        launch_overhead_seconds=GPU_LAUNCH_OVERHEAD_SECONDS,
+    )
+
+
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {
+    # H100 SXM5 80GB datasheet (dense): bf16/fp16 989 TFLOP/s, fp8 1979, fp32 67 (non-tensor),
+    # fp64 67 (tensor core); HBM3 3.35 TB/s. Pinned copies measured: d2h 55.1, h2d 54.9 GB/s.
+    "h100": _gpu_profile(
+        "h100",
+        {"bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0, "float8_e5m2": 1979.0,
+         "float32": 67.0, "float64": 67.0},
+        hbm_tb_per_s=3.35, d2h_gb_per_s=55.1, h2d_gb_per_s=54.9,
+    ),
+    # A100 SXM4 80GB datasheet (dense): bf16/fp16 312 TFLOP/s, fp32 19.5, fp64 19.5 (tensor
+    # core); HBM2e 2.04 TB/s; PCIe 4 x16 pinned copies ~25 GB/s. No fp8.
+    "a100": _gpu_profile(
+        "a100",
+        {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5, "float64": 19.5},
+        hbm_tb_per_s=2.04, d2h_gb_per_s=25.0, h2d_gb_per_s=25.0,
+    ),
+    # RTX 4090 datasheet (dense, fp32 accumulate): bf16/fp16 165.2 TFLOP/s, fp8 330.3,
+    # fp32 82.6, fp64 1.29 (1/64 rate); GDDR6X 1.01 TB/s; PCIe 4 x16 ~25 GB/s.
+    "rtx4090": _gpu_profile(
+        "rtx4090",
+        {"bfloat16": 165.2, "float16": 165.2, "float8_e4m3fn": 330.3, "float8_e5m2": 330.3,
+         "float32": 82.6, "float64": 1.29},
+        hbm_tb_per_s=1.01, d2h_gb_per_s=25.0, h2d_gb_per_s=25.0,
+    ),
+    # A modest multi-core CPU: ~100 GFLOP/s fp32 GEMM (half that for bf16/fp16/fp64 without
+    # AMX), ~20 GB/s DRAM; a "transfer" is a memcpy, which reads and writes: ~10 GB/s.
+    # Per-op overhead is a compiled kernel call, not a CUDA launch.
+    "cpu": DeviceProfile(
+        name="cpu",
+        flops_per_second={"float32": 100 * GIGA, "bfloat16": 50 * GIGA, "float16": 50 * GIGA,
+                          "float64": 50 * GIGA},
+        memory_bandwidth=20 * GIGA,
+        d2h_bandwidth=10 * GIGA,
+        h2d_bandwidth=10 * GIGA,
+        launch_overhead_seconds=1e-6,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Which nodes launch a kernel.
+# Ops whose output is a view or an allocation without a kernel: reading their inputs is free.
+# _unsafe_view's schema does not say "alias", but it reinterprets a fresh buffer (Inductor
+# lowers it to a view).
+_FREE_PACKETS = frozenset(
+    getattr(aten, name)
+    for name in ("_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+    if hasattr(aten, name)
+)
+
+
+def launches_kernel(node: fx.Node) -> bool:
+    """True for nodes that run a device kernel; placeholders, outputs, views, getitem and
+    symbolic-int arithmetic do not."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False  # operator.getitem, SymInt arithmetic, Python builtins
+    if getattr(target, "is_view", False) or target.overloadpacket in _FREE_PACKETS:
+        return False
+    return target._schema.is_mutable or next(_tensors(node.meta.get("val")), None) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes.
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _hinted(values: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(size_hint(v) for v in values)
+
+
+def tensor_bytes(value: torch.Tensor) -> int:
+    """Bytes a kernel touches in ``value``: its elements, or fewer when strides overlap
+    (an expanded tensor reads its storage once)."""
+    sizes = _hinted(value.shape)
+    if any(s == 0 for s in sizes):
+        return 0
+    numel = math.prod(sizes)
+    try:
+        strides = _hinted(value.stride())
+    except (RuntimeError, NotImplementedError):  # sparse or nested layouts have no strides
+        return numel * value.element_size()
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(sizes, strides))
+    return min(numel, span) * value.element_size()
+
+
+def node_bytes_accessed(node: fx.Node) -> int:
+    """Bytes read plus bytes written by one node's kernel (0 for nodes that launch none).
+
+    Each input node is read once even when passed twice (``mul(x, x)``); outputs are the
+    tensors in the node's ``meta["val"]``.
+    """
+    if not launches_kernel(node):
+        return 0
+    read = sum(tensor_bytes(t) for arg in node.all_input_nodes for t in _tensors(arg.meta.get("val")))
+    written = sum(tensor_bytes(t) for t in _tensors(node.meta.get("val")))
+    return read + written
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs.
+
+def _aliased_formulas() -> dict[Any, Any]:
+    """Formulas for ops torch's registry misses but whose math equals a registered op's.
+
+    On CPU, SDPA traces to ``_scaled_dot_product_flash_attention_for_cpu[_backward]``, which
+    take (query, key, value, ...) and (grad_out, query, key, value, ...) like the CUDA flash ops.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    aliases = {
+        "_scaled_dot_product_flash_attention_for_cpu": aten._scaled_dot_product_flash_attention,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": aten._scaled_dot_product_flash_attention_backward,
+    }
+    mapping = {}
+    for name, same_math in aliases.items():
+        if hasattr(aten, name) and same_math in flop_registry:
+            formula = flop_registry[same_math]  # already takes tensors (shape-wrapped)
+
+            def raw(*args, _formula=formula, **kwargs):
+                return _formula(*args, **kwargs)
+
+            raw._get_raw = True  # tell FlopCounterMode not to shape-wrap it a second time
+            mapping[getattr(aten, name)] = raw
+    return mapping
+
+
+class _FlopCounter:
+    """One FlopCounterMode and a memo of FLOPs per (op, argument signature).
+
+    ``entered`` counts how many ops were actually run under the counter (tests use it to
+    check the memo).
+    """
+
+    def __init__(self) -> None:
+        self.mode = FlopCounterMode(display=False, custom_mapping=_aliased_formulas())
+        self.registry = self.mode.flop_registry  # ops with a formula, ours included
+        self.memo: dict[tuple, int] = {}
+        self.entered = 0
+
+    def has_formula(self, target: Any) -> bool:
+        return _registry_key(target) in self.registry
+
+    def flops(self, node: fx.Node) -> int:
+        key = (node.target, _signature(node.args), _signature(node.kwargs))
+        if key not in self.memo:
+            self.memo[key] = self._count(node)
+        return self.memo[key]
+
+    def _count(self, node: fx.Node) -> int:
+        with _outside_dispatch_modes():
+            args, kwargs = _meta_arguments(node.args), _meta_arguments(node.kwargs)
+            if isinstance(node.target, torch._ops.OpOverload):
+                try:
+                    self.entered += 1
+                    with self.mode:
+                        node.target(*args, **kwargs)
+                    return self.mode.get_total_flops()
+                except Exception as error:  # an op without a meta kernel: use its formula directly
+                    log.debug("flop count: running %s on meta failed (%s); using its formula", node.target, error)
+            # Higher-order ops (flex attention) need their subgraphs to run: the formula only
+            # needs the tensors' shapes, and the node's own meta value is the output.
+            out = _meta_arguments(node.meta.get("val"))
+            try:
+                return int(self.registry[_registry_key(node.target)](*args, out_val=out, **kwargs))
+            except Exception as error:
+                log.debug("flop count: no FLOPs for %s (%s)", node.target, error)
+                return 0
+
+
+def _registry_key(target: Any) -> Any:
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+
+
+def _signature(value: Any) -> Any:
+    """A hashable description of arguments: tensors by shape, stride and dtype."""
+    if isinstance(value, fx.Node):
+        return _signature(value.meta.get("val"))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", _hinted(value.shape), _hinted(value.stride()), value.dtype)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return size_hint(value) if isinstance(value, torch.SymInt) else str(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _meta_arguments(value: Any) -> Any:
+    """Arguments with every tensor replaced by an empty ``meta`` tensor of the same shape."""
+    if isinstance(value, fx.Node):
+        return _meta_arguments(value.meta.get("val"))
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(_hinted(value.shape), _hinted(value.stride()), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.SymInt):
+        return size_hint(value)
+    if isinstance(value, tuple):
+        return tuple(_meta_arguments(v) for v in value)
+    if isinstance(value, list):  # includes FX's immutable_list
+        return [_meta_arguments(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _meta_arguments(v) for k, v in value.items()}
+    return value
+
+
+_counter: _FlopCounter | None = None
+
+
+def flop_counter() -> _FlopCounter:
+    """The process-wide counter (built lazily: FlopCounterMode's registry is read once)."""
+    global _counter
+    if _counter is None:
+        _counter = _FlopCounter()
+    return _counter
+
+
+def clear_flop_cache() -> None:
+    """Forget memoized FLOP counts (and the ``entered`` count)."""
+    global _counter
+    _counter = None
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node, as ``torch.utils.flop_counter`` counts them (0 for ops it has no
+    formula for: pointwise ops, reductions, views, placeholders, getitem, output)."""
+    if node.op != "call_function":
+        return 0
+    counter = flop_counter()
+    if not counter.has_formula(node.target):
+        return 0
+    return counter.flops(node)
+
+
+# --------------------------------------------------------------------------------------------
+# Time.
+
+def compute_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype whose peak rate applies: the first floating-point input, else the output's."""
+    for arg in node.all_input_nodes:
+        for t in _tensors(arg.meta.get("val")):
+            if t.dtype.is_floating_point:
+                return t.dtype
+    for t in _tensors(node.meta.get("val")):
+        return t.dtype
+    return torch.float32
+
+
+def node_seconds(node: fx.Node, profile: DeviceProfile) -> float:
+    """Predicted run time of one node: ``max(flops / peak[dtype], bytes / memory_bandwidth)``
+    plus the launch overhead; 0 for nodes that launch no kernel.
+
+    Per op: a pointwise op that Inductor fuses into a neighbour is charged its own memory
+    traffic and launch, so a fused chain's estimate is an upper bound.
+    """
+    if not launches_kernel(node):
+        return 0.0
+    flops = node_flops(node)
+    compute = flops / profile.peak_flops(compute_dtype(node)) if flops else 0.0
+    memory = node_bytes_accessed(node) / profile.memory_bandwidth
+    return max(compute, memory) + profile.launch_overhead_seconds
+
+
+def transfer_seconds(nbytes: int, profile: DeviceProfile, direction: Literal["d2h", "h2d"]) -> float:
+    """Time of one pinned-memory copy of ``nbytes``: bytes / bandwidth plus one launch
+    overhead (0 for an empty copy, which is skipped)."""
+    if direction == "d2h":
+        bandwidth = profile.d2h_bandwidth
+    elif direction == "h2d":
+        bandwidth = profile.h2d_bandwidth
+    else:
+        raise ValueError(f"transfer direction must be 'd2h' or 'h2d', got {direction!r}")
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / bandwidth + profile.launch_overhead_seconds
+
+
+def graph_seconds(graph: fx.GraphModule | fx.Graph | Iterable[fx.Node], profile: DeviceProfile) -> float:
+    """Sum of :func:`node_seconds` over a GraphModule's, a Graph's or an iterable's nodes."""
+    if isinstance(graph, fx.GraphModule):
+        graph = graph.graph
+    nodes = graph.nodes if isinstance(graph, fx.Graph) else graph
+    return sum(node_seconds(node, profile) for node in nodes)
+
+
+__all__ = [
+    "BUILTIN_PROFILES",
+    "COMPUTE_EFFICIENCY",
+    "DeviceProfile",
+    "MEMORY_EFFICIENCY",
+    "clear_flop_cache",
+    "compute_dtype",
+    "graph_seconds",
+    "launches_kernel",
+    "node_bytes_accessed",
+    "node_flops",
+    "node_seconds",
+    "tensor_bytes",
+    "transfer_seconds",
+]
