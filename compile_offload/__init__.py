@@ -8,6 +8,7 @@ memory stays under ``compile_offload.config.memory_budget``.
 
 from . import config
 from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
+from .explain import explain, explain_all
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["config", "offload_remat", "offload_remat_backend", "__version__"]
+__all__ = ["config", "explain", "explain_all", "offload_remat", "offload_remat_backend", "__version__"]

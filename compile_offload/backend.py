@@ -70,11 +70,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):
-    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
 
+    from passes.compat import boxed_python
+
     def run_as_python(graph: torch.fx.GraphModule, _inputs: Sequence[Any]):
-        return make_boxed_func(graph.forward)
+        return boxed_python(graph)
 
     return aot_module_simplified(
         gm,

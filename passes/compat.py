@@ -134,3 +134,19 @@ def size_hint(value) -> int:
     # Renamed from hint_int to optimization_hint in torch 2.13.
     hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
     return int(hint(value, fallback=4096))
+
+
+def boxed_python(gm: fx.GraphModule):
+    """Run ``gm`` as Python with the boxed calling convention, clearing the argument list
+    on entry so each input is freed at its last use (as Inductor's compiled code does);
+    without it the saved tensors would live until the backward returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list):
+        return gm(args)
+
+    run._boxed_call = True
+    return run
