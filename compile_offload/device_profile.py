@@ -60,14 +60,17 @@ def _cuda_device_for(device: torch.device | None) -> torch.device | None:
     A ``meta`` (or absent) device says nothing about where the model will run, so it means
     the current CUDA device when there is one.
     """
-    if device is not None:
-        device = torch.device(device)
-        if device.type not in ("cuda", "meta"):
-            return None
-        if device.type == "cuda":
-            return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-    if not torch.cuda.is_available():
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type not in ("cuda", "meta"):
         return None
+    if not torch.cuda.is_available():
+        if device is not None and device.type == "cuda":  # fake CUDA tensors on a CPU-only machine
+            warnings.warn("compile_offload: device_profile=None cannot measure a CUDA device on a machine "
+                          f"without CUDA; using the 'cpu' profile (name one of {', '.join(sorted(BUILTIN_PROFILES))} "
+                          "to plan for a GPU)", stacklevel=3)
+        return None
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -98,7 +101,7 @@ def read_cached_profile(device_name: str) -> DeviceProfile | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("key") != cache_key(device_name):
+        if not isinstance(data, dict) or (data.get("format"), data.get("key")) != (CACHE_FORMAT, cache_key(device_name)):
             raise ValueError("format or key does not match")
         return DeviceProfile.from_dict(data["profile"])
     except (OSError, ValueError, KeyError) as error:  # JSONDecodeError is a ValueError
