@@ -101,7 +101,8 @@ def read_cached_profile(device_name: str) -> DeviceProfile | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or (data.get("format"), data.get("key")) != (CACHE_FORMAT, cache_key(device_name)):
+        expected = (CACHE_FORMAT, cache_key(device_name))
+        if not isinstance(data, dict) or (data.get("format"), data.get("key")) != expected:
             raise ValueError("format or key does not match")
         return DeviceProfile.from_dict(data["profile"])
     except (OSError, ValueError, KeyError) as error:  # JSONDecodeError is a ValueError
