@@ -380,7 +380,8 @@ def run_suite(suite: Suite, strategies: list[Strategy]) -> list[dict]:
     suite.out_dir.mkdir(parents=True, exist_ok=True)
     meta = describe_environment(suite)
     common = {k: meta[k] for k in ("workload", "size", "device", "device_name", "dtype", "torch")}
-    _, inputs, loss_fn = workloads.build(suite.workload, suite.size, suite.device, suite.dtype)
+    model, inputs, loss_fn = workloads.build(suite.workload, suite.size, suite.device, suite.dtype)
+    del model  # only the inputs are shared; each strategy builds its own model
     progress = Progress(len(strategies))
     rows: list[dict] = []
     started = time.perf_counter()
@@ -501,6 +502,8 @@ def pareto_plot(rows: list[dict], path: Path, title: str = "") -> None:
             px, py = row["predicted_peak_bytes"] / MiB, row["predicted_step_ms"]
             ax.scatter([px], [py], facecolors="none", edgecolors=color)
             ax.plot([px, x], [py, y], color=color, linewidth=0.6, linestyle=":")
+    if any(r.get("predicted_peak_bytes") is not None and r.get("predicted_step_ms") is not None for r in measured):
+        ax.scatter([], [], facecolors="none", edgecolors="grey", label="predicted by our planner")
     front = pareto_front([(r["peak_bytes"] / MiB, r["ms_median"]) for r in measured])
     if front:
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", linewidth=0.8, label="Pareto front")

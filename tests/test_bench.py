@@ -214,6 +214,18 @@ def test_bench_eager_strategies_write_well_formed_output(tmp_path):
     assert rows[-1]["status"] == "unavailable"  # no CUDA here
 
 
+def test_bench_find_max_batch_writes_a_row_per_byte_budget(tmp_path, monkeypatch, capsys):
+    from compile_offload.bench import main
+
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--find-max-batch", "--budgets", "0.5,7000,20KB", "--out", str(tmp_path)])
+    assert exit_info.value.code == 0
+    rows = [json.loads(line) for line in (tmp_path / "gpt_max_batch.jsonl").read_text().splitlines()]
+    assert [(r["strategy"], r["batch"]) for r in rows] == [("max_batch:7000", 7), ("max_batch:20KB", 20)]
+    assert (tmp_path / "gpt_max_batch.md").stat().st_size > 0
+
+
 @pytest.mark.slow
 @pytest.mark.inductor
 def test_bench_smoke_works_and_writes_well_formed_output(tmp_path):
