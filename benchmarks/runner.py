@@ -19,7 +19,6 @@ Outputs in ``out_dir``: ``{tag}.jsonl`` (one object per strategy, each with ``st
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import json

@@ -29,7 +29,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -183,7 +183,6 @@ class Strategy:
     budget: Budget = None
     inner_compiler: str = "inductor"  # ours only
     device_profile: str | None = None  # ours only
-    notes: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
