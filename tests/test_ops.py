@@ -1,0 +1,242 @@
+"""The offload custom ops on CPU: op contracts, bitwise round trips, gradients, bookkeeping."""
+
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from compile_offload import ops
+from compile_offload.ops import OFFLOAD_OPS
+from compile_offload.pinned_pool import get_pool
+from passes.offload import host_layout
+
+
+def _base(dtype, shape=(6, 10)):
+    gen = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-1000, 1000, shape, generator=gen).to(dtype)
+    t = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    flat = t.view(-1)
+    flat[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")], dtype=dtype)
+    return t
+
+
+LAYOUTS = {
+    "contiguous": lambda b: b,
+    "transposed": lambda b: b.t(),
+    "storage_offset": lambda b: b[2:],
+    "strided_slice": lambda b: b[:, 1::3],
+    "transposed_slice": lambda b: b[1:, ::2].t(),
+    "zero_dim": lambda b: b[1, 2],
+    "size_zero": lambda b: b[:0],
+    "size_one_dims": lambda b: b[None, :, None],
+}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every element's bit pattern, in logical order (NaN == NaN, -0.0 != 0.0)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    assert torch.equal(_bytes(actual), _bytes(expected))
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """offload -> wait -> reload -> wait, the way the pass wires them."""
+    contiguous_host, stride = host_layout(x)
+    host = ops.wait_offload(ops.offload(x, contiguous_host), x)
+    return ops.wait_reload(ops.reload(host, x.device, stride), host)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_transfers():
+    ops.drain_pending_transfers()
+    yield
+    leftover = ops.drain_pending_transfers()
+    assert leftover == 0, f"{leftover} transfers were started and never waited for"
+
+
+# --- bitwise round trip ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_is_bitwise_and_keeps_size_and_stride(layout, dtype):
+    x = LAYOUTS[layout](_base(dtype))
+    y = round_trip(x)
+    assert y.shape == x.shape and y.stride() == x.stride() and y.device == x.device
+    assert_bitwise_equal(y, x)
+    if x.numel():
+        assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "storage_offset"])
+def test_dense_tensors_keep_their_layout_on_the_host(layout):
+    x = LAYOUTS[layout](_base(torch.float32))
+    host = ops.wait_offload(ops.offload(x, False), x)
+    assert host.device.type == "cpu" and host.stride() == x.stride() and host.storage_offset() == 0
+    assert host.untyped_storage().nbytes() >= x.numel() * x.element_size()
+
+
+def test_non_dense_tensors_are_stored_compactly():
+    x = _base(torch.float32, (64, 64))[:, ::4]  # 1/4 of the base's elements
+    host = ops.wait_offload(ops.offload(x, True), x)
+    assert host.is_contiguous()
+    assert_bitwise_equal(host, x)
+
+
+def test_host_copy_is_independent_of_the_source():
+    x = _base(torch.float32).clone()
+    expected = x.clone()
+    host = ops.wait_offload(ops.offload(x, False), x)
+    x.fill_(0)  # the source's memory is reused after the wait
+    assert_bitwise_equal(host, expected)
+    y = ops.wait_reload(ops.reload(host, x.device), host)
+    assert_bitwise_equal(y, expected)
+
+
+def test_non_dense_source_without_contiguous_host_is_refused():
+    x = _base(torch.float32)[:, ::2]
+    with pytest.raises(ValueError, match="not dense"):
+        ops.offload(x, False)
+
+
+def test_reload_refuses_an_overlapping_stride():
+    host = ops.wait_offload(ops.offload(_base(torch.float32)[0], False), _base(torch.float32)[0])
+    with pytest.raises(ValueError, match="overlaps"):
+        ops.reload(host.expand(3, 10).contiguous(), torch.device("cpu"), [0, 1])
+
+
+# --- op contracts ---------------------------------------------------------------------------
+
+
+WAIT_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "storage_offset", "strided_slice", "zero_dim", "size_zero"])
+def test_opcheck_offload_and_reload(layout, dtype):
+    # No NaN here: opcheck compares eager and compiled results with assert_close.
+    x = LAYOUTS[layout](_base(dtype).nan_to_num(0.0, 0.0, 0.0) if dtype.is_floating_point else _base(dtype))
+    contiguous_host, stride = host_layout(x)
+    for requires_grad in (False, True) if dtype.is_floating_point else (False,):
+        src = x.detach().requires_grad_(requires_grad)
+        torch.library.opcheck(ops.offload, (src, contiguous_host))
+        host = ops.offload(x, contiguous_host).requires_grad_(requires_grad)
+        torch.library.opcheck(ops.reload, (host, x.device, stride))
+    ops.drain_pending_transfers()  # opcheck ran the copies without their waits
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided_slice", "zero_dim", "size_zero"])
+def test_opcheck_waits(layout):
+    """Schema (the result aliases the waited tensor), autograd and fake checks.
+
+    ``test_aot_dispatch_dynamic`` is left out: functionalization rejects custom ops with
+    aliasing outputs, and the waits are only ever inserted after AOTAutograd has
+    functionalized and partitioned the graph."""
+    x = LAYOUTS[layout](_base(torch.float32))
+    contiguous_host, stride = host_layout(x)
+    for requires_grad in (False, True):
+        src = x.detach().requires_grad_(requires_grad)
+        host = ops.offload(src.detach(), contiguous_host).requires_grad_(requires_grad)
+        torch.library.opcheck(ops.wait_offload, (host, src), test_utils=WAIT_CHECKS)
+        reloaded = ops.reload(host.detach(), x.device, stride).requires_grad_(requires_grad)
+        torch.library.opcheck(ops.wait_reload, (reloaded, host), test_utils=WAIT_CHECKS)
+    ops.drain_pending_transfers()
+
+
+def test_fake_kernels_describe_the_real_results():
+    x = _base(torch.float32)[:, 1::3]
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        host = ops.offload(fx, True)
+        assert host.device.type == "cpu" and host.is_contiguous()
+        back = ops.reload(host, torch.device("cpu"), list(x.stride()))
+        assert back.stride() == x.stride()
+        waited = ops.wait_reload(back, host)
+        assert waited.untyped_storage() is back.untyped_storage() or waited._base is not None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided_slice"])
+def test_gradcheck_through_offload_and_reload(layout):
+    x = _base(torch.float64, (4, 6)).nan_to_num(0.0, 0.0, 0.0).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: round_trip(LAYOUTS[layout](t)), (x,))
+
+
+def test_ops_are_listed_for_the_pass_and_tagged():
+    assert OFFLOAD_OPS.offload is torch.ops.compile_offload.offload.default
+    assert OFFLOAD_OPS.wait_offload is torch.ops.compile_offload.wait_offload.default
+    assert OFFLOAD_OPS.reload is torch.ops.compile_offload.reload.default
+    assert OFFLOAD_OPS.wait_reload is torch.ops.compile_offload.wait_reload.default
+    for op in (OFFLOAD_OPS.wait_offload, OFFLOAD_OPS.wait_reload):
+        returns = op._schema.returns[0]
+        assert returns.alias_info is not None and not returns.alias_info.is_write
+    if hasattr(torch.Tag, "cudagraph_unsafe"):
+        assert all(torch.Tag.cudagraph_unsafe in op.tags for op in vars(OFFLOAD_OPS).values())
+
+
+def test_waits_survive_dead_code_elimination():
+    def f(x):
+        host = OFFLOAD_OPS.offload(x, False)
+        OFFLOAD_OPS.wait_offload(host, x)  # result unused
+        return x + 1
+
+    gm = torch.fx.symbolic_trace(f)
+    gm.graph.eliminate_dead_code()
+    targets = [n.target for n in gm.graph.nodes]
+    assert OFFLOAD_OPS.wait_offload in targets and OFFLOAD_OPS.offload in targets
+
+
+# --- bookkeeping across steps ----------------------------------------------------------------
+
+
+def test_each_wait_clears_its_pending_transfer():
+    x = _base(torch.float32)
+    host = ops.offload(x, False)
+    assert ops.pending_transfer_count() == 1
+    host = ops.wait_offload(host, x)
+    assert ops.pending_transfer_count() == 0
+    reloaded = ops.reload(host, x.device)
+    assert ops.pending_transfer_count() == 1
+    ops.wait_reload(reloaded, host)
+    assert ops.pending_transfer_count() == 0
+
+
+def test_a_wait_without_a_pending_transfer_is_a_no_op():
+    x = _base(torch.float32)
+    host = ops.wait_offload(ops.offload(x, False), x)
+    again = ops.wait_offload(host, x)
+    assert_bitwise_equal(again, x)
+
+
+def _training_step(x: torch.Tensor) -> torch.Tensor:
+    # Several saved tensors of different sizes, alive together like a forward's saved set.
+    saved = [(t, ops.wait_offload(ops.offload(t, False), t)) for t in (x, x[1:], x.t(), x * 2)]
+    return sum(ops.wait_reload(ops.reload(host, t.device), host).sum() for t, host in saved)
+
+
+def test_repeated_steps_make_no_host_allocation_and_leave_nothing_pending():
+    pool = get_pool()
+    x = _base(torch.float32, (64, 33))
+    _training_step(x)
+    gc.collect()
+    before = pool.stats()
+    for _ in range(20):
+        _training_step(x)
+    after = pool.stats()
+    assert after.host_allocations == before.host_allocations
+    assert after.bytes_held == before.bytes_held
+    assert ops.pending_transfer_count() == 0
+
+
+def test_injected_delay_is_a_no_op_on_cpu():
+    x = _base(torch.float32)
+    with ops.inject_transfer_delay(10**6):
+        assert_bitwise_equal(round_trip(x), x)
