@@ -1,9 +1,12 @@
 """``compile_offload.explain``: the plan the backend would make, without running the model.
 
-The model is traced by Dynamo and AOTAutograd on ``meta`` copies of its parameters, buffers
-and inputs, so planning costs no device memory and no kernel runs, and a GPU profile can be
-planned on a CPU-only machine. The partitioner is the backend's own; only code generation is
-skipped.
+Dynamo and AOTAutograd trace the model (with fake tensors, as torch.compile does) and our
+partitioner plans each graph; no kernel runs. The compiled forward graphs are executed on
+the ``meta`` device only to get output shapes (so code after a graph break can be traced
+too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
+written: ``meta`` itself would make attention take the unfused math path (a
+seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
+plans for that GPU on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -24,11 +27,29 @@ from .partitioner import OffloadRematPartitioner
 _UNSET: Any = object()
 
 
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return meta.requires_grad_(value.requires_grad)
+def _meta_to_cpu(value: Any) -> Any:
+    """An uninitialised CPU tensor for a meta one (untouched pages cost no memory)."""
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+        return empty.requires_grad_(value.requires_grad)
     return value
+
+
+def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
+    """A "compiled" graph that runs on meta copies and returns empty tensors: the shapes
+    of a real run, no computation."""
+
+    def run(args: list):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        outputs = graph(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        args.clear()
+        return [
+            torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device) if isinstance(o, torch.Tensor) else o
+            for o in outputs
+        ]
+
+    run._boxed_call = True
+    return run
 
 
 def _device_of(model_or_fn: Any, inputs: tuple) -> torch.device:
@@ -62,7 +83,8 @@ def explain_all(
     plans: list[Plan] = []
 
     def planning_backend(gm: torch.fx.GraphModule, inputs):
-        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+        import torch._inductor.lowering  # noqa: F401  some decompositions in the table need it loaded
+        from torch._functorch.aot_autograd import aot_module_simplified
         from torch._inductor.decomposition import select_decomp_table
 
         partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}")
@@ -75,26 +97,27 @@ def explain_all(
         return aot_module_simplified(
             gm,
             inputs,
-            fw_compiler=lambda g, _: make_boxed_func(g.forward),
-            bw_compiler=lambda g, _: make_boxed_func(g.forward),
+            fw_compiler=_shape_only,
+            bw_compiler=_shape_only,
+            inference_compiler=_shape_only,
             partition_fn=capture,
             decompositions=select_decomp_table(),
         )
 
-    meta_inputs = tree_map(_to_meta, list(example_inputs))
-    if isinstance(model_or_fn, torch.nn.Module):
-        state = {name: _to_meta(t) for name, t in
-                 [*model_or_fn.named_parameters(), *model_or_fn.named_buffers()]}
-        module = model_or_fn
+    inputs = tree_map(_meta_to_cpu, list(example_inputs))
+    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
+    has_meta_state = module is not None and any(
+        t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]
+    )
+    if has_meta_state:
+        state = {name: _meta_to_cpu(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
 
         def run(*args):
             return torch.func.functional_call(module, state, args)
     else:
-        run = functools.partial(model_or_fn)
+        run = functools.partial(model_or_fn)  # a fresh callable: Dynamo compiles it anew
     compiled = torch.compile(run, backend=planning_backend)
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        compiled(*meta_inputs)
+    compiled(*inputs)
     if not plans:
         raise ValueError(
             "compile_offload.explain: no training graph was produced; the model's outputs must require grad "

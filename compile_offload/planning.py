@@ -14,6 +14,7 @@ import torch.fx as fx
 from passes import compat
 from passes.analyze import JointAnalysis, analyze_joint, tensor_value
 from passes.plan import Decision, Plan, format_bytes
+from passes.memory import fused_nodes
 from passes.rewrite import build_graphs
 from passes.solve import Solution, SolverError, compute_node, solve_exact, solve_greedy, step_seconds
 
@@ -70,13 +71,15 @@ def plan_partition(
                     solver=settings.solver, graph_name=graph_name, notes=["no backward: torch's default partition"])
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     try:
-        analysis = analyze_joint(joint)
+        analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
         base_saved = compat.min_cut_saved_values(joint)
         memo: dict[fx.Node, float] = {}
+        # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
+        fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
 
         def seconds(node: fx.Node) -> float:
             if node not in memo:
-                memo[node] = node_seconds(node, profile)
+                memo[node] = 0.0 if node in fused else node_seconds(node, profile)
             return memo[node]
 
         if settings.solver == "exact":

@@ -154,6 +154,7 @@ class JointAnalysis:
     steady: frozenset[fx.Node]  # primal inputs: parameters and user inputs, not counted
     ban: dict[fx.Node, str]  # forward nodes that must not be recomputed, with the reason
     forward_side: frozenset[fx.Node]
+    fusion: bool = False  # simulate Inductor's pointwise fusion (see passes.memory)
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -165,7 +166,7 @@ class JointAnalysis:
         return self.bytes_of.get(self.roots.get(node, node), 0)
 
 
-def analyze_joint(joint: compat.JointGraph) -> JointAnalysis:
+def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalysis:
     graph = joint.gm.graph
     info = joint.node_info
     nodes = list(graph.nodes)
@@ -196,6 +197,7 @@ def analyze_joint(joint: compat.JointGraph) -> JointAnalysis:
         steady=steady,
         ban=ban,
         forward_side=frozenset(fw_nodes),
+        fusion=fusion,
     )
 
 

@@ -8,9 +8,12 @@ counted. Views and aliases share their base's storage, so it is counted once.
 
 Two builders make programs: ``plan_program`` from the joint graph and a plan (what the
 solver evaluates), and ``graphs_program`` from the partitioned forward and backward
-GraphModules (what actually runs, used to check the first against reality). Both assume
-the partitioned graphs run as written (the eager inner compiler); Inductor fuses
-pointwise ops and allocates fewer intermediates, so for it the prediction is an upper bound.
+GraphModules (what actually runs, used to check the first against reality).
+
+``fusion=False`` models the graphs run as written (the eager inner compiler): every node's
+output is a buffer. ``fusion=True`` models Inductor, which fuses a pointwise op into its
+pointwise or reduction consumers: such an op allocates no buffer, and its consumers read
+its inputs instead (which keeps those alive until the consumers run).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from .analyze import JointAnalysis, allocated_bytes, storage_roots, tensor_value
@@ -79,6 +83,38 @@ def simulate(program: Program) -> Timeline:
             live -= size.pop(key, 0)
     peak = max(live_bytes, default=0)
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.pointwise in tags
+
+
+def _fuses_into(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and (torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
+
+
+def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
+    """Pointwise nodes Inductor fuses into all their consumers (no buffer of their own)."""
+    return {n for n in nodes if n not in kept and _is_pointwise(n) and n.users and all(_fuses_into(u) for u in n.users)}
+
+
+def _reads(node: fx.Node, key, fused: set[fx.Node], skip) -> list[Hashable]:
+    """Keys ``node``'s step reads; a fused input is replaced by what it reads."""
+    keys: list[Hashable] = []
+    stack = list(node.all_input_nodes)
+    seen: set[fx.Node] = set()
+    while stack:
+        arg = stack.pop()
+        if arg in seen or skip(arg):
+            continue
+        seen.add(arg)
+        if arg in fused:
+            stack.extend(arg.all_input_nodes)
+        else:
+            keys.append(key(arg))
+    return keys
 
 
 # --- programs from the joint graph and a plan --------------------------------------------
@@ -145,17 +181,21 @@ def plan_program(
     saved: set[fx.Node],
     offloaded: set[fx.Node] = frozenset(),
     prefetch_distance: int = 1,
+    fusion: bool = False,
 ) -> Program:
     """The program the partitioned graphs run when the forward saves ``saved`` (of which
     ``offloaded`` go to host memory) and the backward recomputes the rest."""
     root = a.roots.get
+    kept = set(saved) | set(a.fw_outputs) | set(a.bw_outputs)
+    fused = fused_nodes(a.position, kept) if fusion else set()
+    steady = a.steady.__contains__
     steps: list[Step] = []
     for node in forward_nodes_needed(a, saved):
         if node in a.steady:
             continue
-        nbytes = a.bytes_of.get(node, 0)
+        nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
         allocates = [(root(node, node), nbytes)] if nbytes else []
-        reads = [root(arg, arg) for arg in node.all_input_nodes if arg not in a.steady]
+        reads = _reads(node, lambda x: root(x, x), fused, steady)
         steps.append(Step(node.name, allocates, reads))
         if node in offloaded:
             steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
@@ -188,9 +228,9 @@ def plan_program(
             steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
         if node in a.steady:
             continue
-        nbytes = a.bytes_of.get(node, 0)
+        nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
         allocates = [(backward_key(node), nbytes)] if nbytes else []
-        reads = [backward_key(arg) for arg in node.all_input_nodes if arg not in a.steady]
+        reads = _reads(node, backward_key, fused, steady)
         steps.append(Step(node.name, allocates, reads, kind="recompute" if node in recomputed else "compute"))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
     return Program(steps, backward_start, outlives)
@@ -199,7 +239,7 @@ def plan_program(
 # --- programs from the partitioned graphs ------------------------------------------------
 
 
-def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs: int) -> Program:
+def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs: int, fusion: bool = False) -> Program:
     """The program of partitioned forward and backward graphs, executed as written.
 
     Forward placeholders are steady state. The forward's saved outputs become the
@@ -216,11 +256,12 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     def fw_key(node: fx.Node) -> Hashable:
         return ("fw", fw_roots.get(node, node).name)
 
+    fw_fused = fused_nodes(fw_gm.graph.nodes, set()) if fusion else set()
     for node in fw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        nbytes = allocated_bytes(node, fw_roots)
-        reads = [fw_key(arg) for arg in node.all_input_nodes if fw_roots.get(arg, arg) not in fw_placeholders]
+        nbytes = 0 if node in fw_fused else allocated_bytes(node, fw_roots)
+        reads = _reads(node, fw_key, fw_fused, lambda x: fw_roots.get(x, x) in fw_placeholders)
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
     backward_start = len(steps)
     bw_roots = storage_roots(bw_gm.graph)
@@ -249,11 +290,12 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             return key_of_placeholder.get(base)
         return ("bw", base.name)
 
+    bw_fused = fused_nodes(bw_gm.graph.nodes, set()) if fusion else set()
     for node in bw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        nbytes = allocated_bytes(node, bw_roots)
-        reads = [k for k in (bw_key(arg) for arg in node.all_input_nodes) if k is not None]
+        nbytes = 0 if node in bw_fused else allocated_bytes(node, bw_roots)
+        reads = [k for k in _reads(node, bw_key, bw_fused, lambda x: bw_key(x) is None)]
         steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads))
     bw_output = next(n for n in reversed(bw_gm.graph.nodes) if n.op == "output")
     outlives = {fw_key(o) for o in user_outputs if isinstance(o, fx.Node)}

@@ -175,7 +175,7 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
                 gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
                 if gain <= 0:
                     continue
-                cost = sum(seconds(n) for n in closure if n not in recomputed)
+                cost = _seconds_of(a, closure - recomputed, seconds)
                 key = (gain / max(cost, 1e-12), gain, -a.position[group.root])
                 if best is None or key > best:
                     best = key
@@ -194,7 +194,7 @@ def _apply(move: Move, saved: set, recomputed: set) -> None:
 
 def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
     saved = frozenset(saved)
-    timeline = simulate(plan_program(a, set(saved)))
+    timeline = simulate(plan_program(a, set(saved), fusion=a.fusion))
     return Candidate(saved, extra_seconds, timeline.peak_bytes, timeline if keep_timeline else None, tuple(moves))
 
 
@@ -203,8 +203,13 @@ def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds) -
     saved = set(saved)
     forward = forward_nodes_needed(a, saved)
     recomputed = recomputed_nodes(a, saved)
-    nodes = [*forward, *recomputed, *a.bw_nodes]
-    return sum(seconds(n) for n in nodes if n.op == "call_function")
+    return _seconds_of(a, [*forward, *recomputed, *a.bw_nodes], seconds)
+
+
+def _seconds_of(a: JointAnalysis, nodes: Iterable[fx.Node], seconds: Seconds) -> float:
+    """Summed in graph order: a float sum over a set would depend on hash order and make
+    tie-breaks (and so plans) differ from run to run."""
+    return sum(seconds(n) for n in sorted(nodes, key=a.position.__getitem__) if n.op == "call_function")
 
 
 def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:
@@ -253,7 +258,7 @@ def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds,
             recomputed = recomputed_nodes(a, saved)
             if any(n in a.ban for n in recomputed):
                 continue
-            extra = sum(seconds(n) for n in recomputed - base_recomputed if n.op == "call_function")
+            extra = _seconds_of(a, recomputed - base_recomputed, seconds)
             candidates.append(evaluate(a, saved, extra))
     return candidates
 
