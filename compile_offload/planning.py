@@ -99,13 +99,35 @@ def plan_partition(
         fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
         plan = Plan(False, settings.budget_bytes, 0, 0.0, 0, 0.0, 0, device_profile=profile.name,
                     solver=settings.solver, graph_name=graph_name, notes=[f"fallback: {error}"])
+        fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     plan = make_plan(analysis, solution, seconds, settings, profile.name, graph_name,
                      time.perf_counter() - started)
+    fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     _report_budget(plan, settings)
     log.info("%s", plan.summary() + f" [solver {plan.solver}, {plan.solve_seconds:.2f} s]")
     log.debug("%s", plan.table())
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+
+
+def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs: int):
+    """``debug_force_offload``: offload every eligible saved tensor of the chosen plan."""
+    if not (settings.offload and settings.debug_force_offload):
+        return fw_gm, bw_gm
+    from passes.offload import eligible_saved_tensors, insert_offloads
+
+    from .ops import OFFLOAD_OPS
+
+    names = eligible_saved_tensors(fw_gm, num_fwd_outputs)
+    fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
+                                   prefetch_distance=1 if settings.prefetch else 0)
+    offloaded = set(names)
+    for decision in plan.decisions:
+        if decision.name in offloaded:
+            decision.decision = "offload"
+            decision.reason = "debug_force_offload=True"
+    plan.notes.append(f"debug_force_offload: {len(offloaded)} saved tensors offloaded")
+    return fw_gm, bw_gm
 
 
 def _report_budget(plan: Plan, settings: Settings) -> None:
