@@ -1,0 +1,36 @@
+"""Capture joint graphs the way the backend sees them, for pass-level tests."""
+
+from __future__ import annotations
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+
+import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
+from torch._inductor.decomposition import select_decomp_table
+
+from passes import compat
+from passes.analyze import JointAnalysis, analyze_joint
+
+
+def capture_analysis(fn, *inputs, fusion: bool = False) -> tuple[JointAnalysis, list]:
+    """(analysis, torch's min-cut saved set) of ``fn``'s joint graph; ``fn`` runs once."""
+    captured = {}
+
+    def partition(joint_gm, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
+        joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+        captured["analysis"] = analyze_joint(joint, fusion=fusion)
+        captured["base"] = compat.min_cut_saved_values(joint)
+        return compat.default_partition(joint, joint_inputs)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=lambda g, _: compat.boxed_python(g),
+            bw_compiler=lambda g, _: compat.boxed_python(g),
+            partition_fn=partition,
+            decompositions=select_decomp_table(),
+        )
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return captured["analysis"], captured["base"]

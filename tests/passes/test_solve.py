@@ -1,0 +1,138 @@
+"""The budgeted rematerialization solver."""
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from passes.memory import plan_program, recomputed_nodes, simulate
+from passes.solve import SolverError, solve_exact, solve_greedy, step_seconds
+
+from .joint_capture import capture_analysis
+
+
+def unit_seconds(node):
+    """Every op costs 1 us: the solver then minimises the number of recomputed ops."""
+    return 1e-6
+
+
+def flops_seconds(node):
+    """Matmuls cost more than pointwise ops, so which tensor to recompute matters."""
+    name = str(node.target)
+    return 5e-6 if ("mm" in name or "addmm" in name) else 1e-6
+
+
+OPS = ("linear", "tanh", "relu", "mul", "sin")
+
+
+def chain_model(ops, width):
+    """A chain of ``ops``; linear layers keep the width."""
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = nn.ModuleList(nn.Linear(width, width) for op in ops if op == "linear")
+
+        def forward(self, x):
+            linears = iter(self.linears)
+            for op in ops:
+                if op == "linear":
+                    x = next(linears)(x)
+                elif op == "mul":
+                    x = x * x
+                else:
+                    x = getattr(torch, op)(x)
+            return x.sum()
+
+    return Chain()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=7),
+    width=st.sampled_from([8, 32]),
+    fractions=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=6),
+)
+def test_greedy_is_monotone_in_the_budget(ops, width, fractions):
+    torch.manual_seed(0)
+    analysis, base = capture_analysis(chain_model(ops, width), torch.randn(16, width, requires_grad=True))
+    baseline = solve_greedy(analysis, base, flops_seconds, None)
+    budgets = sorted({int(f * baseline.baseline.peak_bytes) for f in fractions}, reverse=True)
+    peaks = [solve_greedy(analysis, base, flops_seconds, b).chosen.peak_bytes for b in budgets]
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), (budgets, peaks)
+    for budget, peak in zip(budgets, peaks):
+        solution = solve_greedy(analysis, base, flops_seconds, budget)
+        assert solution.feasible == (peak <= budget)
+        if solution.feasible:
+            assert peak <= budget
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=6), fraction=st.floats(0.0, 1.0))
+def test_greedy_within_5_percent_of_exact(ops, fraction):
+    torch.manual_seed(0)
+    analysis, base = capture_analysis(chain_model(ops, 16), torch.randn(8, 16, requires_grad=True))
+    budget = int(fraction * solve_greedy(analysis, base, flops_seconds, None).baseline.peak_bytes)
+    try:
+        exact = solve_exact(analysis, base, flops_seconds, budget, max_candidates=12)
+    except SolverError:
+        return  # too many candidates for exhaustive search: nothing to compare
+    greedy = solve_greedy(analysis, base, flops_seconds, budget)
+    exact_time = step_seconds(analysis, exact.chosen.saved, flops_seconds)
+    greedy_time = step_seconds(analysis, greedy.chosen.saved, flops_seconds)
+    if exact.feasible:
+        assert greedy.feasible
+        assert greedy_time <= 1.05 * exact_time
+    # Both fall back to their lowest-peak plan otherwise; greedy's may not be worse.
+    assert greedy.minimum.peak_bytes <= exact.minimum.peak_bytes
+
+
+def test_no_budget_reproduces_torchs_saved_set():
+    analysis, base = capture_analysis(chain_model(["linear", "tanh", "linear"], 32), torch.randn(16, 32))
+    solution = solve_greedy(analysis, base, unit_seconds, None)
+    assert solution.chosen.saved == frozenset(base)
+    assert solution.feasible
+
+
+def test_minimum_plan_saves_much_less_than_unconstrained():
+    ops = ["linear", "tanh", "linear", "tanh", "linear", "tanh", "linear"]
+    # A large batch: activations, not gradients, dominate the peak.
+    analysis, base = capture_analysis(chain_model(ops, 64), torch.randn(1024, 64, requires_grad=True))
+    solution = solve_greedy(analysis, base, unit_seconds, 0)
+    assert not solution.feasible  # nothing fits in 0 bytes...
+    assert solution.chosen is not solution.baseline
+    assert solution.chosen.peak_bytes == solution.minimum.peak_bytes  # ...so the minimum is used
+    assert solution.minimum.peak_bytes < solution.baseline.peak_bytes
+    assert solution.recomputed, "the minimum-memory plan recomputes something"
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.dropout(self.a(x).relu(), 0.5, training=True)).sum()
+
+
+def test_random_ops_are_never_recomputed():
+    analysis, base = capture_analysis(DropoutNet(), torch.randn(16, 32))
+    randoms = [n for n in analysis.fw_nodes if "random" in analysis.ban.get(n, "")]
+    assert randoms, "the dropout mask comes from a random op"
+    for budget in (None, 1000, 0):
+        solution = solve_greedy(analysis, base, unit_seconds, budget)
+        recomputed = recomputed_nodes(analysis, set(solution.chosen.saved))
+        assert not (recomputed & set(randoms))
+
+
+def test_plan_peak_matches_the_simulated_program():
+    analysis, base = capture_analysis(chain_model(["linear", "relu", "linear", "sin"], 32), torch.randn(8, 32))
+    solution = solve_greedy(analysis, base, unit_seconds, 0)
+    assert simulate(plan_program(analysis, set(solution.chosen.saved))).peak_bytes == solution.chosen.peak_bytes
+
+
+def test_exact_refuses_large_graphs():
+    ops = ["linear", "tanh"] * 6
+    analysis, base = capture_analysis(chain_model(ops, 8), torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(SolverError, match="exact_max_candidates"):
+        solve_exact(analysis, base, unit_seconds, 0, max_candidates=2)
