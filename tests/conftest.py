@@ -1,0 +1,49 @@
+"""Shared pytest set-up: CUDA skipping, a clean Dynamo per test, deterministic seeds.
+
+Markers (declared in pyproject.toml): ``cuda`` tests skip cleanly on machines without a
+CUDA GPU; ``inductor`` and ``slow`` only label tests so they can be deselected
+(``-m "not inductor"``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test starts and ends with empty Dynamo caches, so one test's compiled code,
+    guards or recompile counts never leak into the next."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Seed Python's and torch's global RNGs, so random inputs and initialisations are the
+    same on every run."""
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def fallback_random():
+    """Make compiled graphs call the same aten random ops as eager (Inductor otherwise
+    decomposes dropout into its own RNG), so dropout masks match eager under one seed.
+    ``tests.models.check_training_parity`` sets this itself; use the fixture for tests
+    that compile outside the harness."""
+    with torch._inductor.config.patch(fallback_random=True):
+        yield
