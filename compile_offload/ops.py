@@ -19,8 +19,8 @@ Streams and events (CUDA). Each device has one transfer stream (``transfer_strea
   (for Inductor's buffer reuse and ``del`` as much as for the caching allocator) until the
   wait, and every kernel after the wait is ordered after the copy on the compute stream. So
   ``x``'s memory is neither freed nor reused before the copy has finished, without
-  ``record_stream``. Its result is the host tensor itself (the schema declares it an alias),
-  and the forward returns it as the saved value, so the wait cannot be dead-code-eliminated
+  ``record_stream``. Its result is an alias of the host tensor (declared in the schema), and
+  the forward returns it as the saved value, so the wait cannot be dead-code-eliminated
   and nothing can use the saved value before the wait.
 * ``reload`` allocates the device tensor on the compute stream, makes the transfer stream
   wait for the compute stream (the fresh block may still be read by earlier kernels, and the
@@ -40,20 +40,28 @@ the tensor the copy returned (the host tensor for an offload, the device tensor 
 reload). The key is unique while the copy is pending because that tensor stays alive until
 its wait, which removes the entry; so running the same graph again and again leaves nothing
 behind (``pending_transfer_count()`` is 0 after a full step). A wait without an entry is a
-no-op: the transfer was synchronous (zero bytes) or already waited for.
+no-op: the transfer was synchronous (zero bytes) or already waited for. An entry also keeps
+the copy's device-side temporaries and the reloaded tensor alive, so a step that raises
+between a copy and its wait leaks them instead of letting the allocator reuse memory a copy
+still writes; ``drain_pending_transfers()`` finishes and forgets such leftovers.
 
 Layouts. The round trip preserves size, stride and every element bitwise; the reloaded
 tensor has storage offset 0.
 
-* ``contiguous_host=False``: the host tensor has ``x``'s size and stride and holds exactly
-  ``numel`` elements; ``x`` must be non-overlapping and dense (contiguous, permuted, or a
-  view with a storage offset), so each copy is one memcpy of exactly the bytes needed.
-* ``contiguous_host=True`` (any other non-overlapping layout, e.g. a slice with a step): ``x``
-  is first gathered into a contiguous temporary on the compute stream (kept alive until the
-  wait), the host tensor is contiguous, and ``reload`` gets ``x``'s stride to restore it: it
-  copies into a contiguous device temporary and scatters that into the strided result on the
-  transfer stream.
+* ``offload(x, contiguous_host=False)``: the host tensor has ``x``'s size and stride and
+  holds exactly ``numel`` elements; ``x`` must be non-overlapping and dense (contiguous,
+  permuted, or a view with a storage offset), so the copy is one memcpy of exactly the
+  bytes needed.
+* ``offload(x, contiguous_host=True)`` (any non-overlapping layout, e.g. a slice with a
+  step): ``x`` is first gathered into a contiguous temporary on the compute stream (kept
+  alive until the wait) and the host tensor is contiguous.
+* ``reload(host, device, stride)`` allocates ``empty_strided(host.shape, stride)`` (``stride``
+  None: the host tensor's stride). When that differs from the host layout it copies into a
+  temporary laid out like the host tensor and scatters it into the result on the transfer
+  stream, so every cross-device copy is a plain memcpy.
 * Overlapping layouts (expanded, stride 0) cannot be restored by a copy and are refused.
+
+``passes.offload.host_layout`` picks both arguments from the graph's metadata.
 
 CPU tensors: the same ops run as synchronous copies into another host buffer (from the
 pool), so graphs with offload nodes run and are tested without a GPU.
@@ -65,6 +73,7 @@ Test hook: ``inject_transfer_delay(cycles)`` makes the transfer stream spin
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +102,13 @@ def _below_autograd():
 
 
 _CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _custom_op(name: str):
+    """``torch.library.custom_op``, with the tags where this torch accepts them."""
+    if "tags" in inspect.signature(torch.library.custom_op).parameters:
+        return torch.library.custom_op(name, mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+    return torch.library.custom_op(name, mutates_args=())
 
 # --- transfer streams, delay hook, pending transfers ----------------------------------------
 
@@ -218,7 +234,7 @@ def _host_tensor(src: torch.Tensor, stride: list[int]) -> torch.Tensor:
 # --- offload ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{NAMESPACE}::offload", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@_custom_op(f"{NAMESPACE}::offload")
 def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
     """Start copying ``src`` to host memory; returns the host tensor (not readable before
     ``wait_offload``). See the module docstring for ``contiguous_host``."""
@@ -261,7 +277,7 @@ def _check_restorable(size: Sequence[int], stride: Sequence[int]) -> None:
         raise ValueError(f"compile_offload.reload: stride {list(stride)} overlaps for size {list(size)}; cannot restore by copy")
 
 
-@torch.library.custom_op(f"{NAMESPACE}::reload", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@_custom_op(f"{NAMESPACE}::reload")
 def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | None = None) -> torch.Tensor:
     """Start copying ``host`` to a fresh tensor on ``device`` with ``stride`` (None: the host
     tensor's own stride); returns it (not readable before ``wait_reload``)."""
@@ -282,7 +298,9 @@ def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | Non
         keepalive = (staging,)
     else:
         event, keepalive = _copy(out, host, device, "reload"), ()
-    _register_pending(out, _Pending(event, device, keepalive))
+    # ``out`` itself is kept too: if a failing step dropped it before its wait, the allocator
+    # must not hand its memory out while the copy still writes into it.
+    _register_pending(out, _Pending(event, device, (out, *keepalive)))
     return out
 
 
@@ -375,12 +393,19 @@ wait_offload = torch.ops.compile_offload.wait_offload.default
 wait_reload = torch.ops.compile_offload.wait_reload.default
 
 
+def _autograd_or_below(op, tensor: torch.Tensor, keepalive: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (tensor.requires_grad or keepalive.requires_grad):
+        return _WaitFunction.apply(op, tensor, keepalive)
+    with _below_autograd():  # compiled graphs run here: skip the autograd.Function overhead
+        return op(tensor, keepalive)
+
+
 def _wait_offload_autograd(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    return _WaitFunction.apply(wait_offload, host, source)
+    return _autograd_or_below(wait_offload, host, source)
 
 
 def _wait_reload_autograd(reloaded: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    return _WaitFunction.apply(wait_reload, reloaded, host)
+    return _autograd_or_below(wait_reload, reloaded, host)
 
 
 _lib.impl("wait_offload", _wait_offload_autograd, "Autograd")

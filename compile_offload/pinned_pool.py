@@ -122,6 +122,7 @@ class _Buffer:
         return count is None or count > self.idle_use_count
 
     def release(self) -> None:
+        """Free the memory. The caller made sure no copy still uses it (see ``_free_idle_until``)."""
         if self.registered_ptr is not None:
             _register_fns()[1](self.registered_ptr)
             self.registered_ptr = None
@@ -234,6 +235,7 @@ class PinnedHostPool:
             ((key, b) for key, bucket in self._buffers.items() for b in bucket if not b.in_use()),
             key=lambda kb: -kb[1].nbytes,
         )
+        released = []
         for key, buffer in idle:
             if held <= target_bytes:
                 break
@@ -242,6 +244,14 @@ class PinnedHostPool:
                 del self._buffers[key]
             held -= buffer.nbytes
             freed += buffer.nbytes
+            released.append((key[0], buffer))
+        # An idle buffer's last copy may still be running on the GPU (the host tensor can die
+        # as soon as the compute stream was told to wait); finish every copy of its device
+        # before the memory goes back to the system. This only happens under limit pressure
+        # or on an explicit trim, never in a steady state.
+        for device in {device for device, _ in released if device != "cpu"}:
+            torch.cuda.synchronize(device)
+        for _, buffer in released:
             buffer.release()
         return freed
 

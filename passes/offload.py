@@ -128,15 +128,22 @@ def is_non_overlapping(size, stride) -> bool:
 
 
 def host_layout(val: torch.Tensor) -> tuple[bool, list[int] | None]:
-    """``(contiguous_host, reload_stride)`` for a saved tensor's fake value.
+    """``(contiguous_host, reload_stride)``: the offload and reload arguments for a saved
+    tensor whose (fake) value is ``val``. Assumes ``eligible_for_offload`` said yes.
 
-    Dense tensors are copied as they are (``reload_stride`` None: the host tensor's stride
-    is the original); other restorable layouts are gathered to a contiguous host copy and
-    ``reload_stride`` is the original stride. Assumes ``eligible_for_offload`` said yes.
+    ``contiguous_host``: dense tensors are copied as they are, others are gathered into a
+    contiguous host copy. The decision is made here, from the graph's metadata, because
+    the backward graph is built against the host tensor's layout; Inductor may hand the op
+    a differently (still densely) strided source at run time.
+
+    ``reload_stride``: the saved tensor's stride with static sizes, so the backward gets
+    exactly the layout its graph was traced with whatever layout the host copy has; None
+    with symbolic sizes (the reload then takes the host tensor's stride, which for the
+    dense tensors eligible there is the source's).
     """
-    if _is_dense(val):
-        return False, None
-    return True, [int(s) for s in val.stride()]
+    stride = list(val.stride())
+    static = _is_static(val.shape) and _is_static(stride)
+    return not _is_dense(val), stride if static else None
 
 
 def _layout_reason(val: torch.Tensor) -> str | None:

@@ -1,0 +1,259 @@
+"""The offload ops on a GPU: races under injected delays, steady-state memory, Inductor code.
+
+Oracle: the same compiled configuration with the same partition and offload turned off;
+offloading only moves data, so outputs and gradients must match it bitwise
+(reliability.md §3, §5 items 1-3, 6, 14). Skipped cleanly without a GPU.
+"""
+
+import functools
+import re
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from compile_offload import ops
+from compile_offload.ops import OFFLOAD_OPS
+from compile_offload.pinned_pool import get_pool
+from passes.offload import eligible_saved_tensors, host_layout, insert_offloads
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DELAY_CYCLES = 50_000_000  # ~30 ms of transfer-stream spinning per copy on an H100
+DIM = 4096  # 64 MiB fp32 activations: large enough that a copy takes milliseconds
+
+
+def mlp(x, w1, w2, w3):
+    """Three matmuls: every activation must be saved (mm is never recomputed), and the
+    backward's first op (tanh) reads the last activation the forward offloaded."""
+    h1 = torch.mm(x, w1).relu()
+    h2 = torch.mm(h1, w2).sin()
+    return torch.mm(h2, w3).tanh().sum(), h2[:, ::2].sum()
+
+
+# Two entry points with their own code objects, so Dynamo keeps one cache entry per backend.
+def oracle_entry(*args):
+    return mlp(*args)
+
+
+def offload_entry(*args):
+    return mlp(*args)
+
+
+def make_inputs(seed: int, dim: int = DIM):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scale = dim**-0.5
+    return [torch.randn(dim, dim, device="cuda", generator=gen) * s for s in (1.0, scale, scale, scale)]
+
+
+def make_backend(*, offload: bool, inner: str, prefetch_distance: int = 1, codes: list | None = None):
+    """An AOTAutograd backend with torch's min-cut partition, optionally offloading every
+    eligible saved tensor; ``codes`` collects Inductor's forward wrapper code."""
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if offload:
+            names = eligible_saved_tensors(fw, num_fwd_outputs)
+            assert names, "the test model must save activations"
+            fw, bw = insert_offloads(
+                fw, bw, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs, prefetch_distance=prefetch_distance
+            )
+        return fw, bw
+
+    if inner == "eager":
+        from functorch.compile import make_boxed_func
+
+        def run_eagerly(gm, example_inputs):
+            return make_boxed_func(gm)
+
+        return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly, partition_fn=partition)
+
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    def forward_compiler(gm, example_inputs):
+        compiled = compile_fx_inner(gm, example_inputs)
+        if codes is not None:
+            codes.append(compiled.source_code)
+        return compiled
+
+    return aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=functools.partial(compile_fx_inner, is_backward=True),
+        partition_fn=partition,
+        decompositions=select_decomp_table(),
+    )
+
+
+def run_step(fn, inputs):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    outputs = fn(*leaves)
+    sum(outputs).backward()
+    return [o.detach() for o in outputs] + [t.grad for t in leaves]
+
+
+def assert_bitwise(actual, expected, context):
+    assert len(actual) == len(expected)
+    for i, (a, b) in enumerate(zip(actual, expected)):
+        assert not torch.isnan(a).any(), f"{context}: NaN in result {i}"
+        a_bits, b_bits = (t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        assert torch.equal(a_bits, b_bits), f"{context}: result {i} differs"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile():
+    torch._dynamo.reset()
+    ops.drain_pending_transfers()
+    yield
+    torch._dynamo.reset()
+    assert ops.drain_pending_transfers() == 0
+
+
+# --- op level ------------------------------------------------------------------------------
+
+
+LAYOUTS = {
+    "contiguous": lambda b: b,
+    "transposed": lambda b: b.t(),
+    "storage_offset": lambda b: b[3:],
+    "strided_slice": lambda b: b[:, 1::3],
+    "zero_dim": lambda b: b[1, 2],
+    "size_zero": lambda b: b[:0],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_on_cuda_is_bitwise_under_delay(layout, dtype):
+    base = torch.randint(0, 100, (256, 300), device="cuda").to(dtype)
+    x = LAYOUTS[layout](base)
+    expected = x.clone()
+    contiguous_host, stride = host_layout(x)
+    with ops.inject_transfer_delay(DELAY_CYCLES // 10):
+        host = ops.wait_offload(ops.offload(x, contiguous_host), x)
+        assert host.device.type == "cpu" and (host.numel() == 0 or host.is_pinned())
+        base.zero_()  # would corrupt the copy if the wait had not ordered it
+        back = ops.wait_reload(ops.reload(host, x.device, stride), host)
+    assert back.device == x.device and back.shape == x.shape and back.stride() == x.stride()
+    assert torch.equal(back, expected)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided_slice", "zero_dim"])
+def test_opcheck_on_cuda(layout):
+    x = LAYOUTS[layout](torch.randn(64, 48, device="cuda"))
+    contiguous_host, stride = host_layout(x)
+    torch.library.opcheck(ops.offload, (x, contiguous_host))
+    host = ops.wait_offload(ops.offload(x, contiguous_host), x)
+    torch.library.opcheck(ops.reload, (host, x.device, stride))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.wait_offload, (ops.offload(x, contiguous_host), x), test_utils=checks)
+    torch.library.opcheck(ops.wait_reload, (ops.reload(host, x.device, stride), host), test_utils=checks)
+    ops.drain_pending_transfers()
+
+
+# --- races under injected delays (reliability.md §5 items 1 and 2) ---------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "inner, delay_offload, delay_reload, prefetch_distance, buffer_reuse",
+    [
+        ("eager", True, True, 1, True),
+        ("inductor", True, True, 1, True),
+        ("inductor", True, True, 1, False),
+        # The backward's first op reads the last offloaded tensor, reloaded with no prefetch
+        # while its D2H is still delayed (Megatron-LM #7398's warm-up case).
+        ("inductor", True, False, 0, True),
+    ],
+)
+def test_50_delayed_iterations_are_bitwise_equal_to_no_offload(inner, delay_offload, delay_reload, prefetch_distance, buffer_reuse):
+    with torch._inductor.config.patch(allow_buffer_reuse=buffer_reuse):
+        oracle = torch.compile(oracle_entry, backend=make_backend(offload=False, inner=inner))
+        offloaded = torch.compile(
+            offload_entry, backend=make_backend(offload=True, inner=inner, prefetch_distance=prefetch_distance)
+        )
+        for iteration in range(50):
+            inputs = make_inputs(iteration)
+            expected = run_step(oracle, inputs)
+            with ops.inject_transfer_delay(DELAY_CYCLES, offload=delay_offload, reload=delay_reload):
+                actual = run_step(offloaded, inputs)
+            assert_bitwise(actual, expected, f"iteration {iteration}")
+            assert ops.pending_transfer_count() == 0
+
+
+# --- steady state (reliability.md §5 item 6) --------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_20_steps_keep_device_and_pinned_memory_constant(inner):
+    fn = torch.compile(offload_entry, backend=make_backend(offload=True, inner=inner))
+    inputs = make_inputs(0, dim=2048)
+    pool = get_pool()
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    samples = []
+    for _ in range(20):
+        results = run_step(fn, inputs)
+        del results
+        torch.cuda.synchronize()
+        stats = pool.stats()
+        host_allocs = host_stats().get("num_host_alloc", 0) if host_stats else 0
+        samples.append((torch.cuda.memory_allocated(), stats.host_allocations, stats.bytes_held, host_allocs))
+        assert ops.pending_transfer_count() == 0
+    assert pool.stats().bytes_held > 0, "nothing was offloaded"
+    warm = samples[2:]
+    assert all(s == warm[0] for s in warm), samples
+
+
+# --- Inductor's generated code (reliability.md §5 item 3) -------------------------------------
+
+
+def source_buffers_live_until_waits(code: str) -> list[str]:
+    """Each offload's source buffer is neither deleted nor reused before its wait."""
+    lines = code.splitlines()
+    checked = []
+    for i, line in enumerate(lines):
+        match = re.search(r"compile_offload\.offload\.default\((?:reinterpret_tensor\()?(\w+)", line)
+        if not match:
+            continue
+        source = match.group(1)
+        wait_pattern = rf"wait_offload\.default\(\w+, (?:reinterpret_tensor\()?{source}\b"
+        wait = next(j for j in range(i, len(lines)) if re.search(wait_pattern, lines[j]))
+        for between in lines[i:wait]:
+            assert not re.search(rf"\bdel {source}\b", between), between
+            assert not re.search(rf"= {source};", between), between  # "bufN = bufM; del bufM  # reuse"
+        checked.append(source)
+    return checked
+
+
+def _peak_memory_methods():
+    from torch._inductor import memory
+
+    names = ("topological_sort_lpmf", "topological_sort_bfs", "topological_sort_dfs")
+    return [getattr(memory, name) for name in names if hasattr(memory, name)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", _peak_memory_methods() if torch.cuda.is_available() else [None],
+                         ids=lambda m: getattr(m, "__name__", "none"))
+def test_inductor_never_frees_or_reuses_a_source_before_its_wait(method, monkeypatch):
+    from torch.testing import FileCheck
+    from torch._inductor import memory
+
+    if method is not None:
+        monkeypatch.setattr(memory, "reorder_for_peak_memory",
+                            functools.partial(memory.reorder_for_peak_memory, methods=[method]))
+    # (Inductor's test_configs.track_memory_lifecycle is not used: it only tracks buffers
+    # Inductor allocates itself and reports false errors for every fallback kernel's output.)
+    codes: list[str] = []
+    with torch._inductor.config.patch(allow_buffer_reuse=True):
+        fn = torch.compile(offload_entry, backend=make_backend(offload=True, inner="inductor", codes=codes))
+        oracle = torch.compile(oracle_entry, backend=make_backend(offload=False, inner="inductor"))
+        inputs = make_inputs(0, dim=1024)
+        assert_bitwise(run_step(fn, inputs), run_step(oracle, inputs), "compiled once")
+    (code,) = codes
+    checked = source_buffers_live_until_waits(code)
+    assert checked and len(checked) == code.count("compile_offload.offload.default(")
+    assert code.count("compile_offload.wait_offload.default(") == len(checked)
+    FileCheck().check("compile_offload.offload.default(").check("compile_offload.wait_offload.default(").run(code)
