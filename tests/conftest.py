@@ -47,3 +47,23 @@ def fallback_random():
     that compile outside the harness."""
     with torch._inductor.config.patch(fallback_random=True):
         yield
+
+
+@pytest.fixture
+def captured_plans(monkeypatch) -> list:
+    """The Plan of every graph the offload_remat partitioner partitions during the test,
+    in order. A compile served from Inductor's or AOTAutograd's cache never calls the
+    partitioner, so tests that read this and compile through Inductor turn those caches
+    off."""
+    from compile_offload.partitioner import OffloadRematPartitioner
+
+    plans = []
+    partition = OffloadRematPartitioner.__call__
+
+    def partition_and_capture(self, *args, **kwargs):
+        graphs = partition(self, *args, **kwargs)
+        plans.append(self.last_plan)
+        return graphs
+
+    monkeypatch.setattr(OffloadRematPartitioner, "__call__", partition_and_capture)
+    return plans

@@ -32,7 +32,6 @@ from .models import (
 )
 
 import compile_offload
-from compile_offload.partitioner import OffloadRematPartitioner
 
 TINY_BUDGET = 1  # bytes
 BUDGETS = [None, 0.5, TINY_BUDGET]
@@ -58,21 +57,6 @@ CASES = {
     "autocast_bf16": Case(TransformerBlock, sequence_inputs, autocast_dtype=torch.bfloat16),
     "grad_accum_2": Case(TransformerBlock, sequence_inputs, grad_accum=2),
 }
-
-
-@pytest.fixture
-def plans(monkeypatch):
-    """The Plan of every graph our partitioner handles during the test."""
-    captured = []
-    original_call = OffloadRematPartitioner.__call__
-
-    def call_and_capture(self, *args, **kwargs):
-        graphs = original_call(self, *args, **kwargs)
-        captured.append(self.last_plan)
-        return graphs
-
-    monkeypatch.setattr(OffloadRematPartitioner, "__call__", call_and_capture)
-    return captured
 
 
 @pytest.fixture
@@ -113,31 +97,31 @@ def check_budget_reached_planner(result: ParityResult, plans: list, budget, grap
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("name", list(CASES))
-def test_parity_eager_inner_compiler(name, budget, plans):
+def test_parity_eager_inner_compiler(name, budget, captured_plans):
     case = CASES[name]
     result = run_case(case, budget, inner_compiler="eager")
-    check_budget_reached_planner(result, plans, budget, case.graphs)
+    check_budget_reached_planner(result, captured_plans, budget, case.graphs)
 
 
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [None, 0.5], ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("name", ["mlp", "transformer_block"])
-def test_parity_inductor(name, budget, plans, no_compile_caches):
+def test_parity_inductor(name, budget, captured_plans, no_compile_caches):
     case = CASES[name]
     result = run_case(case, budget, inner_compiler="inductor")
-    check_budget_reached_planner(result, plans, budget, case.graphs)
+    check_budget_reached_planner(result, captured_plans, budget, case.graphs)
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
-def test_value_read_from_a_mutated_buffer_is_saved_not_recomputed(budget, plans):
+def test_value_read_from_a_mutated_buffer_is_saved_not_recomputed(budget, captured_plans):
     """A value computed from a buffer before the forward mutates it must reach the
     backward as computed then. torch's own partitioners get this wrong in 2.13
     (pytorch/pytorch PR #197039: "Don't recompute reads of mutated inputs or mutable
     buffers"); our planner decides what is recomputed, so it must not."""
     case = Case(ReadsMutatedBuffer, mlp_inputs)
     result = run_case(case, budget, inner_compiler="eager")
-    check_budget_reached_planner(result, plans, budget, case.graphs)
+    check_budget_reached_planner(result, captured_plans, budget, case.graphs)
 
 
 # The checks below make sure the parity cases test what their names claim.

@@ -1,0 +1,264 @@
+"""``compile_offload.config``: patching, environment variables, torch.compile options,
+and validation of every knob (``compile_offload.settings.resolve``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compile_offload
+from compile_offload import config, settings
+
+# --------------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize(
+    ("value", "expected_bytes"),
+    [
+        ("512MiB", 512 * 2**20),
+        ("6GB", 6 * 10**9),
+        ("6GiB", 6 * 2**30),
+        ("1.5 GiB", 3 * 2**29),
+        ("2gib", 2 * 2**30),  # units are case-insensitive
+        ("100 KB", 100 * 10**3),
+        ("1000", 1000),  # a bare number is bytes
+        ("64B", 64),
+        (4096, 4096),
+        (0, 0),
+    ],
+)
+def test_byte_budgets_parse_to_bytes(value, expected_bytes):
+    resolved = settings.resolve({"memory_budget": value})
+    assert resolved.budget_bytes == expected_bytes
+    assert resolved.budget_fraction is None
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, "0.25"])
+def test_float_budgets_are_fractions(fraction):
+    resolved = settings.resolve({"memory_budget": fraction})
+    assert resolved.budget_fraction == float(fraction)
+    assert resolved.budget_bytes is None
+
+
+@pytest.mark.parametrize("value", [None, "none", ""])
+def test_no_budget(value):
+    resolved = settings.resolve({"memory_budget": value})
+    assert resolved.budget_bytes is None and resolved.budget_fraction is None
+
+
+# --------------------------------------------------------------------------- bad values
+
+NAN = float("nan")
+# (knob, bad value, exception type). Every one must be rejected with a message naming the
+# knob, the value and what is accepted.
+BAD_VALUES = [
+    ("memory_budget", -1, ValueError),
+    ("memory_budget", -0.5, ValueError),
+    ("memory_budget", NAN, ValueError),
+    ("memory_budget", 1.5, ValueError),
+    ("memory_budget", 4096.0, ValueError),  # a float is a fraction, never bytes
+    ("memory_budget", "6 parsecs", ValueError),
+    ("memory_budget", "6XB", ValueError),
+    ("memory_budget", "-1GiB", ValueError),
+    ("memory_budget", "lots", ValueError),
+    ("memory_budget", True, TypeError),
+    ("memory_budget", [1], TypeError),
+    ("solver", "simplex", ValueError),
+    ("solver", 3, TypeError),
+    ("inner_compiler", "aot_eager", ValueError),
+    ("device_profile", "tpu", ValueError),
+    ("offload", "yes", TypeError),
+    ("offload", 1, TypeError),
+    ("prefetch", None, TypeError),
+    ("strict_budget", "no", TypeError),
+    ("debug_force_offload", 0, TypeError),
+    ("dump_dir", 5, TypeError),
+    ("exact_max_candidates", 0, ValueError),
+    ("exact_max_candidates", True, ValueError),
+    ("pinned_pool_limit", -1, ValueError),
+    ("pinned_pool_limit", "1 GiB of RAM", ValueError),
+]
+
+
+def bad_value_id(case) -> str:
+    knob, value, _ = case
+    return f"{knob}={value!r}"
+
+
+def assert_names_knob_and_value(message: str, knob: str, value) -> None:
+    assert f"compile_offload.config.{knob}" in message, message
+    assert repr(value) in message, message
+    assert "accepted" in message.lower(), message
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=bad_value_id)
+def test_resolve_rejects_bad_value(case):
+    knob, value, error = case
+    with pytest.raises(error) as info:
+        settings.resolve({knob: value})
+    assert_names_knob_and_value(str(info.value), knob, value)
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=bad_value_id)
+def test_config_patch_with_bad_value_is_rejected_by_resolve(case):
+    knob, value, error = case
+    with config.patch(**{knob: value}), pytest.raises(error) as info:
+        settings.resolve()
+    assert_names_knob_and_value(str(info.value), knob, value)
+
+
+def compile_and_run(backend, **compile_kwargs):
+    model = torch.nn.Linear(4, 2)
+    return torch.compile(model, backend=backend, **compile_kwargs)(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=bad_value_id)
+def test_first_compile_rejects_bad_option(case):
+    """Dynamo wraps backend errors in BackendCompilerFailed; our message must survive."""
+    knob, value, error = case
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compile_and_run("offload_remat", options={"inner_compiler": "eager", knob: value})
+    assert isinstance(info.value.inner_exception, error)
+    assert_names_knob_and_value(str(info.value), knob, value)
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_VALUES if c[0] in ("memory_budget", "solver")], ids=bad_value_id)
+def test_first_compile_rejects_bad_config_value(case):
+    knob, value, error = case
+    with config.patch(**{knob: value}), pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compile_and_run("offload_remat", options={"inner_compiler": "eager"})
+    assert isinstance(info.value.inner_exception, error)
+    assert_names_knob_and_value(str(info.value), knob, value)
+
+
+def test_unknown_option_name_is_rejected():
+    with pytest.raises(ValueError, match="unknown option.*memory_budgte"):
+        settings.resolve({"memory_budgte": "1GiB"})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="memory_budgte"):
+        compile_and_run("offload_remat", options={"memory_budgte": "1GiB"})
+    with pytest.raises(ValueError, match="memory_budgte"):
+        compile_offload.offload_remat(memory_budgte="1GiB")
+
+
+def test_offload_remat_validates_at_once():
+    """A bad option fails when the backend is made, before anything is compiled."""
+    with pytest.raises(ValueError) as info:
+        compile_offload.offload_remat(memory_budget=-1)
+    assert_names_knob_and_value(str(info.value), "memory_budget", -1)
+
+
+def test_unsupported_compile_mode_is_rejected():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="mode='max-autotune'"):
+        compile_and_run("offload_remat", mode="max-autotune")  # torch.compile refuses mode and options together
+
+
+# --------------------------------------------------------------------------- config.patch
+
+
+def test_patch_as_context_manager():
+    before = settings.resolve()
+    with config.patch(memory_budget="512MiB", solver="exact"):
+        inside = settings.resolve()
+    assert (inside.budget_bytes, inside.solver) == (512 * 2**20, "exact")
+    assert settings.resolve() == before
+
+
+def test_patch_as_decorator():
+    @config.patch(offload=False, memory_budget=0.5)
+    def resolve_patched():
+        return settings.resolve()
+
+    before = settings.resolve()
+    patched = resolve_patched()
+    assert patched.offload is False and patched.budget_fraction == 0.5
+    assert settings.resolve() == before
+
+
+def test_options_override_config():
+    with config.patch(memory_budget="1GiB", solver="exact"):
+        resolved = settings.resolve({"memory_budget": "2GiB"})
+    assert resolved.budget_bytes == 2 * 2**30
+    assert resolved.solver == "exact"  # not overridden: the config's value
+
+
+# --------------------------------------------------------------------------- options reach the planner
+
+
+def test_compile_options_reach_the_planner(captured_plans):
+    compile_and_run("offload_remat", options={"inner_compiler": "eager", "memory_budget": "3KiB"})
+    assert [plan.budget_bytes for plan in captured_plans] == [3 * 2**10]
+
+
+def test_offload_remat_options_reach_the_planner(captured_plans):
+    compile_and_run(compile_offload.offload_remat(inner_compiler="eager", memory_budget="5KiB", solver="exact"))
+    assert [(plan.budget_bytes, plan.solver) for plan in captured_plans] == [(5 * 2**10, "exact")]
+
+
+def test_config_reaches_the_planner(captured_plans):
+    with config.patch(memory_budget="7KiB", inner_compiler="eager"):
+        compile_and_run("offload_remat")
+    assert [plan.budget_bytes for plan in captured_plans] == [7 * 2**10]
+
+
+# --------------------------------------------------------------------------- environment variables
+
+_RESOLVE_IN_FRESH_PROCESS = """
+import dataclasses, json
+import compile_offload.settings as settings
+try:
+    result = dataclasses.asdict(settings.resolve({overrides}))
+except Exception as error:
+    result = {{"error": type(error).__name__, "message": str(error)}}
+print(json.dumps(result))
+"""
+
+
+def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
+    """``settings.resolve(overrides)`` in a fresh interpreter whose environment has ``env``
+    (the config module reads its environment variables once, at import)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_OFFLOAD_")}
+    completed = subprocess.run(
+        [sys.executable, "-c", _RESOLVE_IN_FRESH_PROCESS.format(overrides=overrides)],
+        env={**clean, **env}, capture_output=True, text=True, timeout=120, check=True,
+    )
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"COMPILE_OFFLOAD_MEMORY_BUDGET": "2GiB"}, {"budget_bytes": 2 * 2**30, "budget_fraction": None}),
+        ({"COMPILE_OFFLOAD_MEMORY_BUDGET": "0.5"}, {"budget_bytes": None, "budget_fraction": 0.5}),
+        # torch's config module turns "0" and "1" into bools; they must still mean bytes.
+        ({"COMPILE_OFFLOAD_MEMORY_BUDGET": "0"}, {"budget_bytes": 0, "budget_fraction": None}),
+        ({"COMPILE_OFFLOAD_OFFLOAD": "0", "COMPILE_OFFLOAD_SOLVER": "exact"}, {"offload": False, "solver": "exact"}),
+        ({"COMPILE_OFFLOAD_INNER_COMPILER": "eager", "COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES": "7"},
+         {"inner_compiler": "eager", "exact_max_candidates": 7}),
+    ],
+    ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
+)
+def test_environment_variables(env, expected):
+    resolved = resolve_with_env(env)
+    assert {k: resolved.get(k, resolved) for k in expected} == expected
+
+
+@pytest.mark.slow
+def test_environment_variable_with_bad_value_is_rejected():
+    resolved = resolve_with_env({"COMPILE_OFFLOAD_SOLVER": "simplex"})
+    assert resolved.get("error") == "ValueError", resolved
+    assert_names_knob_and_value(resolved["message"], "solver", "simplex")
+
+
+@pytest.mark.slow
+def test_explicit_bool_budget_is_rejected_whatever_the_environment():
+    """The environment's "1" arrives as True (torch's config module); an explicit
+    ``memory_budget=True`` from the caller is still not a budget."""
+    resolved = resolve_with_env({"COMPILE_OFFLOAD_MEMORY_BUDGET": "1"}, overrides='{"memory_budget": True}')
+    assert resolved.get("error") == "TypeError", resolved
+
