@@ -51,12 +51,13 @@ prefetch: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_PREFETCH
 debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD")
 
 # Which solver picks keep / recompute per saved tensor: "greedy" (default, fast) or
-# "exact" (optimal for small graphs; uses scipy.optimize.milp when scipy is installed,
-# else an exhaustive search limited to exact_max_candidates).
+# "exact" (exhaustive search over which storages to recompute, each plan simulated:
+# optimal under the planner's model, for graphs with at most exact_max_candidates
+# candidate storages; larger graphs fall back to greedy with a warning).
 solver: str = Config(default="greedy", env_name_default="COMPILE_OFFLOAD_SOLVER")
 
-# The exact solver refuses graphs with more candidate tensors than this.
-exact_max_candidates = Config(default=20, env_name_default="COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES", value_type=Optional[str])
+# The exact solver refuses graphs with more candidate storages than this (2**n plans).
+exact_max_candidates = Config(default=12, env_name_default="COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES", value_type=Optional[str])
 
 # Folder for dumped graphs and plans (one sub-folder per compiled graph). None: no dump.
 dump_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_DUMP_DIR", value_type=Optional[str])

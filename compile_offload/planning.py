@@ -16,7 +16,15 @@ from passes.analyze import JointAnalysis, analyze_joint, tensor_value
 from passes.plan import Decision, Plan, format_bytes
 from passes.memory import fused_nodes
 from passes.rewrite import build_graphs
-from passes.solve import Solution, SolverError, compute_node, solve_exact, solve_greedy, step_seconds
+from passes.solve import (
+    Solution,
+    SolverError,
+    compute_node,
+    solve_exact,
+    solve_greedy,
+    step_seconds,
+    without_banned_recompute,
+)
 
 from .settings import Settings
 
@@ -72,7 +80,7 @@ def plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     try:
         analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
-        base_saved = compat.min_cut_saved_values(joint)
+        base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
         memo: dict[fx.Node, float] = {}
         # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
         fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
@@ -82,13 +90,17 @@ def plan_partition(
                 memo[node] = 0.0 if node in fused else node_seconds(node, profile)
             return memo[node]
 
+        solution = None
         if settings.solver == "exact":
-            solution = solve_exact(analysis, base_saved, seconds, settings.budget_bytes,
-                                   settings.exact_max_candidates, settings.budget_fraction)
-        else:
+            try:
+                solution = solve_exact(analysis, base_saved, seconds, settings.budget_bytes,
+                                       settings.exact_max_candidates, settings.budget_fraction)
+            except SolverError as error:
+                warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=2)
+        if solution is None:
             solution = solve_greedy(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction)
         fw_gm, bw_gm = build_graphs(analysis, set(solution.chosen.saved))
-    except (SolverError, NotImplementedError, KeyError, AssertionError, TypeError, RuntimeError) as error:
+    except (NotImplementedError, KeyError, AssertionError, TypeError, RuntimeError) as error:
         warnings.warn(
             f"compile_offload: {graph_name}: the planner could not handle this graph ({type(error).__name__}: "
             f"{error}); falling back to torch's default min-cut partition (correct, but the memory budget is "
@@ -116,8 +128,10 @@ def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs
         return fw_gm, bw_gm
     from passes.offload import eligible_saved_tensors, insert_offloads
 
+    from . import pinned_pool
     from .ops import OFFLOAD_OPS
 
+    pinned_pool.set_limit(settings.pinned_pool_limit)
     names = eligible_saved_tensors(fw_gm, num_fwd_outputs)
     fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
                                    prefetch_distance=1 if settings.prefetch else 0)

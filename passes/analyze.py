@@ -113,6 +113,22 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
     return None
 
 
+def mutated_inputs(graph: fx.Graph, roots: dict[fx.Node, fx.Node]) -> set[fx.Node]:
+    """Placeholders whose storage some node of the graph writes (e.g. the ``copy_`` that
+    writes a BatchNorm running statistic back)."""
+    mutated = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
+                root = roots.get(value, value)
+                if root.op == "placeholder":
+                    mutated.add(root)
+    return mutated
+
+
 def _dropout_disabled(node: fx.Node) -> bool:
     """Attention ops are tagged random for their dropout; with ``dropout_p == 0`` they are
     deterministic and safe to recompute."""
@@ -185,6 +201,13 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         reason = recompute_ban_reason(n)
         if reason is not None:
             ban[n] = reason
+    # An input the graph mutates holds its new value by the time the backward runs, so a
+    # node reading it (or a view of it) computes something else when recomputed there
+    # (pytorch/pytorch#197039).
+    mutated = mutated_inputs(graph, roots)
+    for n in fw_nodes:
+        if n not in ban and n.op == "call_function" and any(roots.get(arg, arg) in mutated for arg in n.all_input_nodes):
+            ban[n] = "reads an input that the graph mutates"
     return JointAnalysis(
         joint=joint,
         fw_nodes=fw_nodes,

@@ -66,6 +66,20 @@ class Solution:
     candidates_evaluated: int = 0
 
 
+def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
+    """``saved`` plus every banned node the backward would otherwise recompute.
+
+    torch's min-cut saved set can recompute a read of an input that the forward mutates
+    (pytorch/pytorch#197039); saving such nodes makes the starting plan correct.
+    """
+    saved = list(saved)
+    while True:
+        banned = sorted((n for n in recomputed_nodes(a, set(saved)) if n in a.ban), key=a.position.__getitem__)
+        if not banned:
+            return saved
+        saved.extend(banned)
+
+
 def compute_node(node: fx.Node) -> fx.Node:
     """The node that actually computes ``node`` (a getitem's multi-output parent)."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
