@@ -81,14 +81,22 @@ def parse_bytes(value: object, knob: str) -> int:
     raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: {_ACCEPTED_BUDGET}")
 
 
-def parse_budget(value: object) -> tuple[int | None, float | None]:
+def _from_environment(knob: str) -> bool:
+    """Whether the knob's value is the environment's, not set in code (a private detail
+    of torch's config module, read only here)."""
+    from torch.utils._config_module import _UNSET_SENTINEL
+
+    return config._config[knob].user_override.get() is _UNSET_SENTINEL
+
+
+def parse_budget(value: object, from_environment: bool = False) -> tuple[int | None, float | None]:
     """``memory_budget`` -> ``(bytes, None)``, ``(None, fraction)`` or ``(None, None)``."""
     if value is None:
         return None, None
     if isinstance(value, bool):
         # torch's config module turns the environment strings "0"/"1" into bools.
         raw = os.environ.get("COMPILE_OFFLOAD_MEMORY_BUDGET")
-        if raw in ("0", "1"):
+        if from_environment and raw in ("0", "1"):
             return int(raw), None
         raise TypeError(f"compile_offload.config.memory_budget={value!r}: a bool is not a budget; accepted: {_ACCEPTED_BUDGET}")
     if isinstance(value, float):
@@ -136,7 +144,8 @@ def resolve(overrides: dict | None = None) -> Settings:
     if overrides:
         check_option_names(overrides)
         values.update(overrides)
-    budget_bytes, budget_fraction = parse_budget(values["memory_budget"])
+    budget_from_env = not (overrides and "memory_budget" in overrides) and _from_environment("memory_budget")
+    budget_bytes, budget_fraction = parse_budget(values["memory_budget"], budget_from_env)
     profile = values["device_profile"]
     if profile is not None:
         profile = _choice("device_profile", profile, PROFILE_NAMES)
