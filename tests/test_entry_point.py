@@ -1,0 +1,125 @@
+"""Backend discovery: ``torch.compile(model, backend="offload_remat")`` works in a fresh
+interpreter through the ``torch_dynamo_backends`` entry point, with or without importing
+``compile_offload`` first; and ``passes`` never imports ``compile_offload``."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import compile_offload
+import passes
+
+# Compiles a tiny model by name, trains one step and compares with eager. Prints JSON.
+_COMPILE_BY_NAME = """
+import json, sys
+import torch
+{import_first}
+report = {{"imported_before_compile": "compile_offload" in sys.modules}}
+report["listed"] = "offload_remat" in torch._dynamo.list_backends()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+x = torch.randn(3, 4)
+expected = model(x)
+expected.sum().backward()
+expected_grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+compiled = torch.compile(model, backend="offload_remat", options={{"inner_compiler": "eager"}})
+out = compiled(x)
+out.sum().backward()
+report["output_matches"] = torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+report["grads_match"] = all(
+    torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6) for p, g in zip(model.parameters(), expected_grads))
+report["imported_after_compile"] = "compile_offload" in sys.modules
+print(json.dumps(report))
+"""
+
+
+def run_fresh_python(code: str, tmp_path: Path) -> dict:
+    """Run ``code`` in a fresh interpreter outside the checkout (so only the installed
+    package can be found) with no COMPILE_OFFLOAD_* settings; return its JSON line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_OFFLOAD_")}
+    completed = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_declared():
+    entry_points = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    ours = [ep for ep in entry_points if ep.name == "offload_remat"]
+    assert len(ours) == 1
+    assert ours[0].load() is compile_offload.offload_remat_backend
+
+
+@pytest.mark.slow
+def test_compile_by_name_without_importing_compile_offload(tmp_path):
+    report = run_fresh_python(_COMPILE_BY_NAME.format(import_first=""), tmp_path)
+    assert report == {
+        "imported_before_compile": False,
+        "listed": True,
+        "output_matches": True,
+        "grads_match": True,
+        # Dynamo loaded our backend through the entry point, which imports the package
+        # (and runs its registration) while Dynamo is registering the same name.
+        "imported_after_compile": True,
+    }
+
+
+@pytest.mark.slow
+def test_import_then_compile_by_name(tmp_path):
+    """Importing the package registers the backend; Dynamo's entry-point discovery must
+    not then fail with a duplicate registration."""
+    report = run_fresh_python(_COMPILE_BY_NAME.format(import_first="import compile_offload"), tmp_path)
+    assert report["imported_before_compile"] and report["listed"]
+    assert report["output_matches"] and report["grads_match"]
+
+
+# --------------------------------------------------------------------------- passes stays torch-only
+
+_PASSES_ROOT = Path(passes.__file__).parent
+
+
+def passes_modules() -> list[str]:
+    return sorted(f"passes.{path.stem}" for path in _PASSES_ROOT.glob("*.py") if path.stem != "__init__")
+
+
+def imported_names(source: str) -> set[str]:
+    """Top-level package of every import statement, wherever it sits (functions included)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(_PASSES_ROOT.glob("*.py")), ids=lambda p: p.name)
+def test_passes_source_never_imports_compile_offload(path):
+    assert "compile_offload" not in imported_names(path.read_text())
+
+
+def test_import_scan_sees_imports_inside_functions():
+    """The scan above would miss a lazy import if it only read module-level statements."""
+    assert "compile_offload" in imported_names("def f():\n    from compile_offload import config\n")
+
+
+@pytest.mark.slow
+def test_importing_every_passes_module_leaves_compile_offload_unloaded(tmp_path):
+    modules = passes_modules()
+    assert modules, "no passes modules found"
+    code = f"""
+import importlib, json, sys
+for name in {modules!r}:
+    importlib.import_module(name)
+print(json.dumps({{"loaded": "compile_offload" in sys.modules}}))
+"""
+    assert run_fresh_python(code, tmp_path) == {"loaded": False}
