@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from passes.plan import format_bytes
+
 from . import config
 
 SOLVERS = ("greedy", "exact")
@@ -52,13 +54,6 @@ class Settings:
         if self.budget_fraction is not None:
             return f"{self.budget_fraction:g} of unconstrained"
         return "none"
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def parse_bytes(value: object, knob: str) -> int:

@@ -24,7 +24,7 @@ def tensor_value(node: fx.Node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def tensor_bytes(val: torch.Tensor) -> int:
+def allocation_bytes(val: torch.Tensor) -> int:
     """Bytes of the storage a freshly allocated tensor with ``val``'s size and stride needs."""
     sizes = [compat.size_hint(s) for s in val.shape]
     if any(s == 0 for s in sizes):
@@ -76,7 +76,7 @@ def allocated_bytes(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> int:
     if roots.get(node, node) is not node:
         return 0
     val = tensor_value(node)
-    return 0 if val is None else tensor_bytes(val)
+    return 0 if val is None else allocation_bytes(val)
 
 
 def recompute_ban_reason(node: fx.Node) -> str | None:
