@@ -1,0 +1,71 @@
+"""compile_offload.explain: plans without running, on meta models and named GPU profiles."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compile_offload
+from benchmarks.workloads import Decoder
+from compile_offload.planning import BudgetError
+
+
+def meta_gpt(layers=4, width=256, heads=4, seq=1024, batch=8):
+    """Large enough that activations, not parameter gradients, dominate the peak."""
+    with torch.device("meta"):
+        model = Decoder(layers, width, heads).to(torch.bfloat16)
+        x = torch.randn(batch, seq, width, dtype=torch.bfloat16, requires_grad=True)
+    return model, x
+
+
+def test_predicted_peak_falls_with_the_budget_on_a_meta_gpt_for_h100():
+    model, x = meta_gpt()
+    plans = [compile_offload.explain(model, x, memory_budget=b, device_profile="h100", offload=False)
+             for b in (None, 0.75, 0.5, 0.25, 0.0)]
+    peaks = [p.predicted_peak_bytes for p in plans]
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), peaks
+    assert peaks[-1] < 0.6 * peaks[0], "the minimum-memory plan saves a large part of the activations"
+    times = [p.predicted_step_seconds for p in plans]
+    assert times[-1] > times[0], "recomputation costs predicted time"
+    assert all(p.device_profile == "h100" for p in plans)
+    assert all(p.baseline_peak_bytes == plans[0].predicted_peak_bytes for p in plans)
+    # Parameters stayed on the meta device: nothing was materialised or run.
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_plan_fields_and_table():
+    model, x = meta_gpt()
+    plan = compile_offload.explain(model, x, memory_budget=0.6, device_profile="a100")
+    assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
+    kinds = {d.decision for d in plan.decisions}
+    assert "recompute" in kinds and "keep" in kinds
+    for decision in plan.decisions:
+        assert decision.bytes >= 0 and decision.reason and decision.dtype
+    text = str(plan)
+    assert "recompute" in text and plan.decisions[0].name in text
+
+
+def test_budget_below_minimum_warns_with_both_numbers_and_strict_raises():
+    model, x = meta_gpt(layers=1)
+    with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(.*\)"):
+        plan = compile_offload.explain(model, x, memory_budget="1KiB", device_profile="h100")
+    assert not plan.feasible and plan.predicted_peak_bytes == plan.min_peak_bytes
+    with pytest.raises(Exception, match="strict_budget=True") as info:
+        compile_offload.explain(model, x, memory_budget="1KiB", device_profile="h100", strict_budget=True)
+    assert isinstance(info.value, BudgetError) or "BudgetError" in repr(info.value)
+
+
+def test_explain_a_plain_function_on_cpu_tensors():
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step(x):
+        return torch.tanh(x @ w).sum()
+
+    plan = compile_offload.explain(step, torch.randn(8, 32), device_profile="cpu")
+    assert plan.predicted_peak_bytes > 0 and plan.baseline_step_seconds > 0
+
+
+def test_explain_without_gradients_says_so():
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="require grad"):
+        compile_offload.explain(model, torch.randn(2, 4), device_profile="cpu")
