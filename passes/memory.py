@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from .analyze import JointAnalysis, allocated_bytes, storage_roots, tensor_value
+from .schedule import just_in_time_order
 
 
 @dataclass
@@ -149,31 +150,7 @@ def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
 def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     """Backward nodes in joint order, each recomputed node placed right before its first
     backward user (how ``passes.schedule.sink_recomputation`` orders the real graph)."""
-    order: list[fx.Node] = []
-    emitted: set[fx.Node] = set()
-
-    def emit_recomputed(node: fx.Node) -> None:
-        stack = [(node, False)]
-        while stack:
-            current, expanded = stack.pop()
-            if current in emitted:
-                continue
-            if expanded:
-                emitted.add(current)
-                order.append(current)
-                continue
-            stack.append((current, True))
-            for arg in reversed(current.all_input_nodes):
-                if arg in recomputed and arg not in emitted:
-                    stack.append((arg, False))
-
-    for node in a.bw_nodes:
-        for arg in node.all_input_nodes:
-            if arg in recomputed and arg not in emitted:
-                emit_recomputed(arg)
-        order.append(node)
-        emitted.add(node)
-    return order
+    return just_in_time_order(a.bw_nodes, recomputed)
 
 
 def plan_program(

@@ -5,17 +5,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 
-def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
-    """Move each recomputed node right before its first user.
+def just_in_time_order(nodes: list[fx.Node], deferred: set[fx.Node]) -> list[fx.Node]:
+    """``nodes`` in their order, each deferred node moved right before its first user.
 
-    The extracted backward lists recomputed forward nodes first (joint order), which would
-    make every recomputed tensor live at once at the start of the backward and defeat the
-    point of recomputing. Placing them just in time keeps their lifetimes short; this is
-    the order ``passes.memory.backward_order`` simulates.
+    Deferred nodes reachable only through other deferred nodes follow them in; deferred
+    nodes nobody uses go before the output node.
     """
-    graph = bw_gm.graph
-    nodes = list(graph.nodes)
-    deferred = {n for n in nodes if n.name in recomputed and n.op == "call_function"}
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
 
@@ -45,9 +40,22 @@ def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str]) -> fx.GraphM
                 emit(leftover)
         order.append(node)
         emitted.add(node)
+    return order
 
+
+def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
+    """Move each recomputed node right before its first user.
+
+    The extracted backward lists recomputed forward nodes first (joint order), which would
+    make every recomputed tensor live at once at the start of the backward and defeat the
+    point of recomputing. Placing them just in time keeps their lifetimes short; this is
+    the order ``passes.memory.backward_order`` simulates.
+    """
+    graph = bw_gm.graph
+    nodes = list(graph.nodes)
+    deferred = {n for n in nodes if n.name in recomputed and n.op == "call_function"}
     cursor = None
-    for node in order:
+    for node in just_in_time_order(nodes, deferred):
         if cursor is not None and cursor.next is not node:
             cursor.append(node)
         cursor = node

@@ -177,3 +177,30 @@ def test_predicted_peak_within_10_percent_of_measured(model_name, budget):
     (plan,) = plans
     assert plan.predicted_peak_bytes > 0
     assert tracker.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.10)
+
+
+@pytest.mark.parametrize("budget", [None, 0.5, 0.0])
+def test_plan_simulation_equals_simulation_of_the_built_graphs(budget):
+    """What the solver evaluates (joint graph + saved set) is what the partitioned graphs
+    do: the two programs give the same peak."""
+    torch.manual_seed(0)
+    model, x = Transformer(), torch.randn(4, 64, 64, requires_grad=True)
+    settings = resolve({"memory_budget": budget, "inner_compiler": "eager", "device_profile": "cpu"})
+    results = []
+
+    def partition(joint_gm, joint_inputs, **kwargs):
+        result = plan_partition(joint_gm, joint_inputs, settings, num_fwd_outputs=kwargs["num_fwd_outputs"],
+                                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+        results.append((result, kwargs["num_fwd_outputs"]))
+        return result.fw_gm, result.bw_gm
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: compat.boxed_python(g),
+                                     bw_compiler=lambda g, _: compat.boxed_python(g), partition_fn=partition,
+                                     decompositions=select_decomp_table())
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x).backward()
+    ((result, num_fwd_outputs),) = results
+    built = simulate(graphs_program(result.fw_gm, result.bw_gm, num_fwd_outputs))
+    assert built.peak_bytes == result.solution.chosen.peak_bytes
