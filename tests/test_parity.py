@@ -69,8 +69,8 @@ def no_compile_caches():
         yield
 
 
-def run_case(case: Case, budget, inner_compiler: str) -> ParityResult:
-    backend = compile_offload.offload_remat(inner_compiler=inner_compiler, memory_budget=budget)
+def run_case(case: Case, budget, inner_compiler: str, **options) -> ParityResult:
+    backend = compile_offload.offload_remat(inner_compiler=inner_compiler, memory_budget=budget, **options)
     return check_training_parity(case.make_model, case.make_inputs, backend,
                                  grad_accum=case.grad_accum, autocast_dtype=case.autocast_dtype)
 
@@ -103,6 +103,28 @@ def test_parity_eager_inner_compiler(name, budget, captured_plans):
     case = CASES[name]
     result = run_case(case, budget, inner_compiler="eager")
     check_budget_reached_planner(result, captured_plans, budget, case.graphs)
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_parity_with_every_saved_tensor_offloaded(name, budget, captured_plans):
+    """``debug_force_offload``: the same suite with every eligible saved tensor copied to
+    host memory in the forward and back in the backward (on CPU: real copies into other
+    host buffers)."""
+    case = CASES[name]
+    result = run_case(case, budget, inner_compiler="eager", debug_force_offload=True)
+    check_budget_reached_planner(result, captured_plans, budget, case.graphs)
+    assert sum(plan.count("offload") for plan in captured_plans) > 0, "something was offloaded"
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "transformer_block"])
+def test_parity_with_every_saved_tensor_offloaded_inductor(name, captured_plans, no_compile_caches):
+    case = CASES[name]
+    result = run_case(case, 0.5, inner_compiler="inductor", debug_force_offload=True)
+    check_budget_reached_planner(result, captured_plans, 0.5, case.graphs)
+    assert sum(plan.count("offload") for plan in captured_plans) > 0
 
 
 @pytest.mark.inductor
