@@ -205,3 +205,18 @@ def test_parity_detects_a_wrong_gradient():
 
     with pytest.raises(AssertionError, match="grad of"):
         check_training_parity(Doubling, mlp_inputs, plain_backend, steps=1)
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow])])
+def test_graphs_without_grad_skip_the_partitioner(inner_compiler, captured_plans):
+    """Inference graphs have no backward: nothing to plan, outputs as eager."""
+    torch.manual_seed(0)
+    model = MLP()
+    (x,) = mlp_inputs()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler=inner_compiler,
+                                                                          memory_budget=TINY_BUDGET))
+    with torch.no_grad():
+        expected = model(x)
+        actual = compiled(x)
+    torch.testing.assert_close(actual, expected)
+    assert captured_plans == []
