@@ -119,6 +119,12 @@ def plan_partition(
     _report_budget(plan, settings)
     log.info("%s", plan.summary() + f" [solver {plan.solver}, {plan.solve_seconds:.2f} s]")
     log.debug("%s", plan.table())
+    if settings.dump_dir is not None:
+        from .dump import write_dump
+
+        folder = write_dump(settings.dump_dir, plan, joint.gm, fw_gm, bw_gm,
+                            solution.chosen.timeline, solution.baseline.timeline)
+        log.info("%s: dumped graphs and plan to %s", graph_name, folder)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
 
 
