@@ -16,7 +16,9 @@ from passes.analyze import JointAnalysis, analyze_joint, tensor_value
 from passes.plan import Decision, Plan, format_bytes
 from passes.memory import fused_nodes
 from passes.rewrite import build_graphs
+from passes.offload import eligible_for_offload
 from passes.solve import (
+    OffloadOptions,
     Solution,
     SolverError,
     compute_node,
@@ -98,8 +100,13 @@ def plan_partition(
             except SolverError as error:
                 warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=2)
         if solution is None:
-            solution = solve_greedy(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction)
+            offload = None
+            if settings.offload and not settings.debug_force_offload:
+                offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], settings.prefetch)
+            solution = solve_greedy(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction,
+                                    offload)
         fw_gm, bw_gm = build_graphs(analysis, set(solution.chosen.saved))
+        fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, solution, settings, num_fwd_outputs)
     except (NotImplementedError, KeyError, AssertionError, TypeError, RuntimeError) as error:
         warnings.warn(
             f"compile_offload: {graph_name}: the planner could not handle this graph ({type(error).__name__}: "
@@ -126,6 +133,27 @@ def plan_partition(
                             solution.chosen.timeline, solution.baseline.timeline)
         log.info("%s: dumped graphs and plan to %s", graph_name, folder)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+
+
+def _insert_planned_offloads(fw_gm, bw_gm, solution: Solution, settings: Settings, num_fwd_outputs: int):
+    """Offload the tensors the solver chose, each reload as far ahead as the plan says."""
+    chosen = solution.chosen
+    if not chosen.offloaded:
+        return fw_gm, bw_gm
+    from passes.offload import eligible_saved_tensors, insert_offloads
+
+    from . import pinned_pool
+    from .ops import OFFLOAD_OPS
+
+    pinned_pool.set_limit(settings.pinned_pool_limit)
+    eligible = set(eligible_saved_tensors(fw_gm, num_fwd_outputs))
+    for tensor in sorted(chosen.offloaded, key=lambda n: n.name):
+        if tensor.name not in eligible:
+            raise RuntimeError(f"planned offload of {tensor.name} is not an eligible saved tensor of the forward graph")
+        distance = chosen.transfers.reload_distance.get(tensor, 1) if settings.prefetch else 0
+        fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, [tensor.name], OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
+                                       prefetch_distance=distance)
+    return fw_gm, bw_gm
 
 
 def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs: int):
@@ -175,7 +203,12 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
         val = tensor_value(tensor)
         if val is None or tensor in a.steady:
             continue
-        if tensor in solution.recomputed:
+        if tensor in solution.chosen.offloaded:
+            transfers = solution.chosen.transfers
+            decision, cost = "offload", 0.0
+            reason = (f"offloaded to host memory; reload {transfers.reload_distance.get(tensor, 0)} backward steps ahead, "
+                      f"behind {transfers.hidden_behind_seconds.get(tensor, 0.0) * 1e3:.3f} ms of compute")
+        elif tensor in solution.recomputed:
             parent = compute_node(tensor)
             cost = 0.0 if parent in counted_parents else seconds(parent)
             counted_parents.add(parent)
@@ -195,11 +228,14 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
             cost_seconds=cost,
         ))
     baseline_seconds = step_seconds(a, base, seconds)
+    transfers = solution.chosen.transfers
+    exposed = transfers.exposed_seconds if transfers else 0.0
+    notes = [f"offload: {len(solution.chosen.offloaded)} tensors, {exposed * 1e3:.3f} ms of copies not hidden"] if transfers else []
     return Plan(
         feasible=solution.feasible,
         budget_bytes=solution.budget_bytes,
         predicted_peak_bytes=solution.chosen.peak_bytes,
-        predicted_step_seconds=step_seconds(a, final, seconds),
+        predicted_step_seconds=step_seconds(a, final, seconds) + exposed,
         baseline_peak_bytes=solution.baseline.peak_bytes,
         baseline_step_seconds=baseline_seconds,
         min_peak_bytes=solution.minimum.peak_bytes,
@@ -208,6 +244,7 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
         solver=settings.solver,
         solve_seconds=solve_seconds,
         graph_name=graph_name,
+        notes=notes,
     )
 
 

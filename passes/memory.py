@@ -101,6 +101,11 @@ def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     return {n for n in nodes if n not in kept and _is_pointwise(n) and n.users and all(_fuses_into(u) for u in n.users)}
 
 
+def _is_host_copy(node: fx.Node) -> bool:
+    """An offload's result lives in host memory (see ``passes.offload``)."""
+    return node.meta.get("offload", {}).get("role") == "offload"
+
+
 def _reads(node: fx.Node, key, fused: set[fx.Node], skip) -> list[Hashable]:
     """Keys ``node``'s step reads; a fused input is replaced by what it reads."""
     keys: list[Hashable] = []
@@ -159,9 +164,12 @@ def plan_program(
     offloaded: set[fx.Node] = frozenset(),
     prefetch_distance: int = 1,
     fusion: bool = False,
+    reload_distance: dict[fx.Node, int] | None = None,
 ) -> Program:
     """The program the partitioned graphs run when the forward saves ``saved`` (of which
-    ``offloaded`` go to host memory) and the backward recomputes the rest."""
+    ``offloaded`` go to host memory) and the backward recomputes the rest. Each reload
+    starts ``reload_distance[tensor]`` backward steps before its first use (default
+    ``prefetch_distance``)."""
     root = a.roots.get
     kept = set(saved) | set(a.fw_outputs) | set(a.bw_outputs)
     fused = fused_nodes(a.position, kept) if fusion else set()
@@ -198,7 +206,8 @@ def plan_program(
                 first_use.setdefault(base, index)
     reload_at: dict[int, list[fx.Node]] = {}
     for node, index in first_use.items():
-        reload_at.setdefault(max(0, index - prefetch_distance), []).append(node)
+        distance = (reload_distance or {}).get(node, prefetch_distance)
+        reload_at.setdefault(max(0, index - distance), []).append(node)
 
     for index, node in enumerate(order):
         for tensor in reload_at.get(index, ()):
@@ -237,26 +246,33 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     for node in fw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        nbytes = 0 if node in fw_fused else allocated_bytes(node, fw_roots)
+        nbytes = 0 if node in fw_fused or _is_host_copy(node) else allocated_bytes(node, fw_roots)
         reads = _reads(node, fw_key, fw_fused, lambda x: fw_roots.get(x, x) in fw_placeholders)
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
     backward_start = len(steps)
     bw_roots = storage_roots(bw_gm.graph)
     bw_placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
-    saved_tensor_outputs = [o for o in saved_outputs if isinstance(o, fx.Node) and tensor_value(o) is not None]
+    # A backward placeholder has the name of the forward node it receives (an offloaded
+    # tensor keeps its name: the forward returns the wait in its place).
+    saved_by_name = {}
+    for output in saved_outputs:
+        if isinstance(output, fx.Node) and tensor_value(output) is not None:
+            offload = output.meta.get("offload")
+            saved_by_name[offload["tensor"] if offload else output.name] = output
     key_of_placeholder: dict[fx.Node, Hashable | None] = {}
     tangent_allocs = []
-    for index, placeholder in enumerate(bw_placeholders):
+    for placeholder in bw_placeholders:
         if "tangents" in placeholder.name:
             val = tensor_value(placeholder)
             key = ("bw", placeholder.name)
             key_of_placeholder[placeholder] = key
             if val is not None:
                 tangent_allocs.append((key, allocated_bytes(placeholder, bw_roots)))
-        elif index < len(saved_tensor_outputs):
-            source = saved_tensor_outputs[index]
-            is_steady = fw_roots.get(source, source) in fw_placeholders
-            key_of_placeholder[placeholder] = None if is_steady else fw_key(source)
+        elif placeholder.name in saved_by_name:
+            source = saved_by_name[placeholder.name]
+            base = fw_roots.get(source, source)
+            on_device = base not in fw_placeholders and not _is_host_copy(base)
+            key_of_placeholder[placeholder] = fw_key(source) if on_device else None
         else:
             key_of_placeholder[placeholder] = None  # saved symints
     steps.append(Step("tangents", tangent_allocs, []))
