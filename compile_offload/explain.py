@@ -11,7 +11,7 @@ plans for that GPU on a CPU-only machine.
 
 from __future__ import annotations
 
-import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +60,14 @@ def _device_of(model_or_fn: Any, inputs: tuple) -> torch.device:
         if tensor.device.type not in ("cpu", "meta"):
             return tensor.device
     return torch.device("cpu")
+
+
+def _with_own_code(fn):
+    """A copy of ``fn`` with a code object of its own. Dynamo keeps compiled code per code
+    object: planning through a shared one would add an entry per call to the same cache
+    (after ``recompile_limit`` calls Dynamo gives up and runs the model eagerly) and could
+    touch the cache of the user's own compiled model."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def explain_all(
@@ -115,8 +123,11 @@ def explain_all(
         def run(*args):
             return torch.func.functional_call(module, state, args)
     else:
-        run = functools.partial(model_or_fn)  # a fresh callable: Dynamo compiles it anew
-    compiled = torch.compile(run, backend=planning_backend)
+
+        def run(*args):
+            return model_or_fn(*args)
+
+    compiled = torch.compile(_with_own_code(run), backend=planning_backend)
     compiled(*inputs)
     if not plans:
         raise ValueError(

@@ -69,3 +69,15 @@ def test_explain_without_gradients_says_so():
     model = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="require grad"):
         compile_offload.explain(model, torch.randn(2, 4), device_profile="cpu")
+
+
+def test_repeated_explain_keeps_planning(recwarn):
+    """Each call plans afresh: past Dynamo's recompile limit a shared cache would make it
+    fall back to running the model eagerly."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    limit = torch._dynamo.config.recompile_limit
+    plans = [compile_offload.explain(model, x, memory_budget=b, device_profile="cpu")
+             for b in [0.9, 0.5, 0.1] * (limit // 3 + 2)]
+    assert len(plans) > limit and all(p.decisions for p in plans)
+    assert not [w for w in recwarn if "recompile_limit" in str(w.message)]
