@@ -16,14 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(demo)
     demo.set_defaults(func=run_demo)
 
-    try:
-        from .cli_explain import add_explain_arguments, run_explain
-    except ImportError:  # pragma: no cover - only while the inspection module is absent
-        pass
-    else:
-        explain = sub.add_parser("explain", help="print the plan for MODULE:FACTORY and write its dump")
-        add_explain_arguments(explain)
-        explain.set_defaults(func=run_explain)
+    from .cli_explain import add_explain_arguments, run_explain
+
+    explain = sub.add_parser("explain", help="print the plan for MODULE:FACTORY and write its dump")
+    add_explain_arguments(explain)
+    explain.set_defaults(func=run_explain)
 
     from .bench import add_bench_arguments, run_bench
 
