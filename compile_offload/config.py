@@ -62,6 +62,11 @@ exact_max_candidates = Config(default=12, env_name_default="COMPILE_OFFLOAD_EXAC
 # Folder for dumped graphs and plans (one sub-folder per compiled graph). None: no dump.
 dump_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_DUMP_DIR", value_type=Optional[str])
 
+# Folder of saved plans: a compile whose graph, budget, knobs, device profile, torch
+# version and compile_offload version match a saved plan reuses it instead of solving
+# again. A stale or corrupt entry is ignored with a warning. None: no cache.
+plan_cache_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_PLAN_CACHE_DIR", value_type=Optional[str])
+
 # Device profile of the cost model: None measures the current device once (cached in the
 # user cache dir; the built-in "cpu" profile on machines without a GPU), or a built-in
 # name: "h100", "a100", "rtx4090", "cpu".

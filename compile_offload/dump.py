@@ -21,9 +21,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from passes.memory import Timeline
-from passes.plan import Plan, format_bytes
-
-PLAN_SCHEMA = "compile_offload.plan/1"
+from passes.plan import PLAN_SCHEMA, Plan, format_bytes
 
 
 def plan_json(plan: Plan) -> dict:

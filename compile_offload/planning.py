@@ -28,6 +28,7 @@ from passes.solve import (
     without_banned_recompute,
 )
 
+from . import plan_cache
 from .settings import Settings
 
 log = logging.getLogger("compile_offload")
@@ -82,6 +83,10 @@ def plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     try:
         analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
+        if settings.plan_cache_dir is not None:
+            cached = plan_cache.lookup(joint.gm, settings, profile.to_dict())
+            if cached is not None:
+                return _rebuild_from_cache(analysis, cached, settings, num_fwd_outputs, graph_name, joint.gm)
         base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
         memo: dict[fx.Node, float] = {}
         # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
@@ -126,6 +131,9 @@ def plan_partition(
     _report_budget(plan, settings)
     log.info("%s", plan.summary() + f" [solver {plan.solver}, {plan.solve_seconds:.2f} s]")
     log.debug("%s", plan.table())
+    if settings.plan_cache_dir is not None:
+        plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
+    _trace_plan(plan)
     if settings.dump_dir is not None:
         from .dump import write_dump
 
@@ -133,6 +141,41 @@ def plan_partition(
                             solution.chosen.timeline, solution.baseline.timeline)
         log.info("%s: dumped graphs and plan to %s", graph_name, folder)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+
+
+def _rebuild_from_cache(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: int,
+                        graph_name: str, joint_gm: fx.GraphModule) -> PartitionResult:
+    """The graphs of a cached plan, without solving."""
+    by_name = {node.name: node for node in joint_gm.graph.nodes}
+    fw_gm, bw_gm = build_graphs(a, {by_name[name] for name in plan.saved})
+    if plan.offloaded:
+        from passes.offload import insert_offloads
+
+        from . import pinned_pool
+        from .ops import OFFLOAD_OPS
+
+        pinned_pool.set_limit(settings.pinned_pool_limit)
+        for name, distance in plan.offloaded.items():
+            fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, [name], OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
+                                           prefetch_distance=distance if settings.prefetch else 0)
+    fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    plan.graph_name = graph_name
+    plan.notes.append("reused from the plan cache")
+    log.info("%s", plan.summary() + " [from the plan cache]")
+    return PartitionResult(plan, fw_gm, bw_gm, a, None)
+
+
+def _trace_plan(plan: Plan) -> None:
+    """The plan as a ``TORCH_TRACE`` artifact, so tlparse shows it next to the graphs."""
+    import json
+
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"compile_offload_plan_{plan.graph_name}", "encoding": "json"},
+        payload_fn=lambda: json.dumps(plan.to_dict(), default=str),
+    )
 
 
 def _insert_planned_offloads(fw_gm, bw_gm, solution: Solution, settings: Settings, num_fwd_outputs: int):
@@ -231,7 +274,12 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
     transfers = solution.chosen.transfers
     exposed = transfers.exposed_seconds if transfers else 0.0
     notes = [f"offload: {len(solution.chosen.offloaded)} tensors, {exposed * 1e3:.3f} ms of copies not hidden"] if transfers else []
+    order = a.position.__getitem__
+    saved_names = [n.name for n in sorted(final, key=order)]
+    offloaded = {n.name: transfers.reload_distance.get(n, 1) for n in sorted(solution.chosen.offloaded, key=order)}
     return Plan(
+        saved=saved_names,
+        offloaded=offloaded,
         feasible=solution.feasible,
         budget_bytes=solution.budget_bytes,
         predicted_peak_bytes=solution.chosen.peak_bytes,

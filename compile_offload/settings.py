@@ -44,6 +44,7 @@ class Settings:
     solver: str
     exact_max_candidates: int
     dump_dir: str | None
+    plan_cache_dir: str | None
     device_profile: str | None
     inner_compiler: str
     pinned_pool_limit: int | None
@@ -144,9 +145,12 @@ def resolve(overrides: dict | None = None) -> Settings:
     profile = values["device_profile"]
     if profile is not None:
         profile = _choice("device_profile", profile, PROFILE_NAMES)
-    dump_dir = values["dump_dir"]
-    if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
-        raise TypeError(f"compile_offload.config.dump_dir={dump_dir!r}: accepted: None or a folder path")
+    folders = {}
+    for knob in ("dump_dir", "plan_cache_dir"):
+        folder = values[knob]
+        if folder is not None and not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"compile_offload.config.{knob}={folder!r}: accepted: None or a folder path")
+        folders[knob] = None if folder is None else os.fspath(folder)
     exact_max = values["exact_max_candidates"]
     if isinstance(exact_max, str) and exact_max.strip().isdigit():  # from the environment
         exact_max = int(exact_max)
@@ -164,7 +168,8 @@ def resolve(overrides: dict | None = None) -> Settings:
         debug_force_offload=_flag("debug_force_offload", values["debug_force_offload"]),
         solver=_choice("solver", values["solver"], SOLVERS),
         exact_max_candidates=exact_max,
-        dump_dir=None if dump_dir is None else os.fspath(dump_dir),
+        dump_dir=folders["dump_dir"],
+        plan_cache_dir=folders["plan_cache_dir"],
         device_profile=profile,
         inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
         pinned_pool_limit=pool_limit,

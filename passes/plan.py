@@ -12,6 +12,7 @@ from typing import Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
 DECISION_KINDS: tuple[str, ...] = ("keep", "recompute", "offload")
+PLAN_SCHEMA = "compile_offload.plan/1"
 
 
 def format_bytes(n: float) -> str:
@@ -49,6 +50,10 @@ class Plan:
     solve_seconds: float = 0.0
     graph_name: str = "graph"
     notes: list[str] = field(default_factory=list)
+    # What rebuilds the graphs without solving again (the plan cache): the joint-graph
+    # names of the saved tensors, and of the offloaded ones with their reload distance.
+    saved: list[str] = field(default_factory=list)
+    offloaded: dict[str, int] = field(default_factory=dict)
 
     def count(self, kind: str) -> int:
         return sum(1 for d in self.decisions if d.decision == kind)
@@ -82,3 +87,38 @@ class Plan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """The inverse of ``to_dict``; raises ``ValueError`` on anything malformed."""
+        try:
+            fields = dict(data)
+            fields.pop("schema", None)
+            fields["decisions"] = [Decision(**{**d, "shape": tuple(d["shape"])}) for d in fields.get("decisions", [])]
+            plan = cls(**fields)
+        except (TypeError, KeyError) as error:
+            raise ValueError(f"not a compile_offload plan: {error}") from error
+        if any(d.decision not in DECISION_KINDS for d in plan.decisions):
+            raise ValueError("not a compile_offload plan: unknown decision kind")
+        return plan
+
+    def save(self, path) -> None:
+        """Write the plan as JSON (schema ``compile_offload.plan/1``)."""
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps({"schema": PLAN_SCHEMA, **self.to_dict()}, indent=1))
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """Read a plan written by ``save``; ``ValueError`` if the file is not one."""
+        import json
+        from pathlib import Path
+
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"cannot read a plan from {path}: {error}") from error
+        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+            raise ValueError(f"{path} is not a {PLAN_SCHEMA} plan")
+        return cls.from_dict(data)
