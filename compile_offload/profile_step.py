@@ -1,0 +1,81 @@
+"""``compile_offload.profile_step``: measured GPU memory of one step against the plan.
+
+Records a CUDA memory snapshot (``torch.cuda.memory._record_memory_history``) around one
+call, saves it (``snapshot.pickle``, viewable at https://pytorch.org/memory_viz) and draws
+``measured.png``: allocated memory above the start of the step, event by event, with the
+predicted peaks of the plans given (e.g. ``compile_offload.explain_all``'s) as lines.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from passes.plan import Plan
+
+
+def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
+    """Bytes allocated after each allocator event of ``snapshot``, relative to the start."""
+    live, series = 0, []
+    for event in snapshot.get("device_traces", [[]])[device]:
+        if event["action"] == "alloc":
+            live += event["size"]
+        elif event["action"] == "free_completed":
+            live -= event["size"]
+        else:
+            continue
+        series.append(live)
+    return series
+
+
+def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile",
+                 plans: Sequence[Plan] = ()) -> dict:
+    """Run ``fn(*args)`` once under the CUDA memory recorder; returns the measured peak
+    above the start of the step and the files written."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "compile_offload.profile_step records a CUDA memory snapshot and needs a GPU; on the CPU measure "
+            "with compile_offload.memory_tracker.AllocationTracker instead"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        fn(*args)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    measured_peak = torch.cuda.max_memory_allocated() - start
+    (out / "snapshot.pickle").write_bytes(pickle.dumps(snapshot))
+    series = allocated_over_time(snapshot, torch.cuda.current_device())
+    _draw(out / "measured.png", series, plans)
+    return {"measured_peak_bytes": measured_peak, "snapshot": str(out / "snapshot.pickle"),
+            "plot": str(out / "measured.png")}
+
+
+def _draw(path: Path, series: list[int], plans: Sequence[Plan]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(10, 4))
+    axes.plot([b / 2**20 for b in series], label="measured (allocated above step start)")
+    for plan in plans:
+        axes.axhline(plan.predicted_peak_bytes / 2**20, linestyle="--", label=f"{plan.graph_name} predicted peak")
+        if plan.budget_bytes is not None:
+            axes.axhline(plan.budget_bytes / 2**20, color="red", linestyle=":", label=f"{plan.graph_name} budget")
+    axes.set_xlabel("allocator event")
+    axes.set_ylabel("MiB")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,35 @@
+"""profile_step: the snapshot arithmetic on CPU, the recording on a GPU."""
+
+import pytest
+import torch
+
+import compile_offload
+from compile_offload.profile_step import allocated_over_time
+
+
+def test_allocated_over_time_follows_allocs_and_completed_frees():
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "size": 100},
+        {"action": "alloc", "size": 50},
+        {"action": "free_requested", "size": 100},
+        {"action": "free_completed", "size": 100},
+        {"action": "segment_alloc", "size": 4096},
+    ]]}
+    assert allocated_over_time(snapshot) == [100, 150, 50]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_without_a_gpu_profile_step_says_what_to_use():
+    with pytest.raises(RuntimeError, match="needs a GPU.*AllocationTracker"):
+        compile_offload.profile_step(lambda: None)
+
+
+@pytest.mark.cuda
+def test_profile_step_records_a_step(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    x = torch.randn(512, 256, device="cuda")
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=0.5))
+    compiled(x).sum().backward()
+    result = compile_offload.profile_step(lambda: compiled(x).sum().backward(), out=tmp_path)
+    assert result["measured_peak_bytes"] > 0
+    assert (tmp_path / "snapshot.pickle").stat().st_size > 0 and (tmp_path / "measured.png").stat().st_size > 0
