@@ -32,9 +32,11 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
     peaks = [p.predicted_peak_bytes / 2**20 for p in plans]
     ratios = [p.predicted_step_seconds / p.baseline_step_seconds for p in plans]
     axes.plot(peaks, ratios, "o-")
+    labels: dict[tuple[float, float], list[str]] = {}  # budgets that land on the same plan share a label
     for budget, x, y, plan in zip(budgets, peaks, ratios, plans):
-        axes.annotate(f"{budget}{'' if plan.feasible else ' (min)'}", (x, y), textcoords="offset points", xytext=(4, 4),
-                      fontsize="small")
+        labels.setdefault((x, y), []).append(f"{budget}{'' if plan.feasible else ' (min)'}")
+    for (x, y), names in labels.items():
+        axes.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
     axes.set_xlabel("predicted peak memory (MiB)")
     axes.set_ylabel("predicted step time / unconstrained")
     axes.set_title("predicted time against memory, per budget")
