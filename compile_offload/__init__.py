@@ -9,6 +9,7 @@ memory stays under ``compile_offload.config.memory_budget``.
 from . import config, ops  # ops: registers the offload ops before any compiled graph that uses them runs
 from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
 from .explain import explain, explain_all
+from .max_batch import MaxBatch, max_batch
 from .profile_step import profile_step
 from .sweep import sweep
 
@@ -31,4 +32,4 @@ from .logs import register_with_torch_logging  # noqa: E402
 
 register_with_torch_logging()
 
-__all__ = ["config", "explain", "explain_all", "profile_step", "sweep", "offload_remat", "offload_remat_backend", "__version__"]
+__all__ = ["config", "explain", "explain_all", "max_batch", "MaxBatch", "profile_step", "sweep", "offload_remat", "offload_remat_backend", "__version__"]
