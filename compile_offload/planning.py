@@ -277,9 +277,12 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
     order = a.position.__getitem__
     saved_names = [n.name for n in sorted(final, key=order)]
     offloaded = {n.name: transfers.reload_distance.get(n, 1) for n in sorted(solution.chosen.offloaded, key=order)}
+    timeline = solution.chosen.timeline
     return Plan(
         saved=saved_names,
         offloaded=offloaded,
+        timeline_bytes=list(timeline.live_bytes) if timeline else [],
+        backward_start=timeline.backward_start if timeline else 0,
         feasible=solution.feasible,
         budget_bytes=solution.budget_bytes,
         predicted_peak_bytes=solution.chosen.peak_bytes,

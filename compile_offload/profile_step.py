@@ -2,8 +2,10 @@
 
 Records a CUDA memory snapshot (``torch.cuda.memory._record_memory_history``) around one
 call, saves it (``snapshot.pickle``, viewable at https://pytorch.org/memory_viz) and draws
-``measured.png``: allocated memory above the start of the step, event by event, with the
-predicted peaks of the plans given (e.g. ``compile_offload.explain_all``'s) as lines.
+``measured.png``: allocated memory above the start of the step over the step's progress,
+with the predicted timeline of each plan given (e.g. ``compile_offload.explain_all``'s)
+over the same axis, and their budgets. Allocator events and planner steps are not one to
+one, so both are drawn against the fraction of the step done.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
             "plot": str(out / "measured.png")}
 
 
+def _progress(series: Sequence) -> list[float]:
+    return [index / max(len(series) - 1, 1) for index in range(len(series))]
+
+
 def _draw(path: Path, series: list[int], plans: Sequence[Plan]) -> None:
     import matplotlib
 
@@ -68,12 +74,14 @@ def _draw(path: Path, series: list[int], plans: Sequence[Plan]) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(10, 4))
-    axes.plot([b / 2**20 for b in series], label="measured (allocated above step start)")
+    axes.plot(_progress(series), [b / 2**20 for b in series], label="measured (allocated above step start)")
     for plan in plans:
-        axes.axhline(plan.predicted_peak_bytes / 2**20, linestyle="--", label=f"{plan.graph_name} predicted peak")
+        predicted = plan.timeline_bytes or [plan.predicted_peak_bytes]
+        axes.plot(_progress(predicted), [b / 2**20 for b in predicted], linestyle="--",
+                  label=f"{plan.graph_name} predicted")
         if plan.budget_bytes is not None:
             axes.axhline(plan.budget_bytes / 2**20, color="red", linestyle=":", label=f"{plan.graph_name} budget")
-    axes.set_xlabel("allocator event")
+    axes.set_xlabel("fraction of the step")
     axes.set_ylabel("MiB")
     axes.legend(fontsize="small")
     figure.tight_layout()

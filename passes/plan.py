@@ -54,6 +54,10 @@ class Plan:
     # names of the saved tensors, and of the offloaded ones with their reload distance.
     saved: list[str] = field(default_factory=list)
     offloaded: dict[str, int] = field(default_factory=dict)
+    # Predicted live bytes at each step of the forward+backward schedule (the simulator's
+    # timeline), and the index of the first backward step.
+    timeline_bytes: list[int] = field(default_factory=list)
+    backward_start: int = 0
 
     def count(self, kind: str) -> int:
         return sum(1 for d in self.decisions if d.decision == kind)

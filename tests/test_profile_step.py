@@ -33,3 +33,15 @@ def test_profile_step_records_a_step(tmp_path):
     result = compile_offload.profile_step(lambda: compiled(x).sum().backward(), out=tmp_path)
     assert result["measured_peak_bytes"] > 0
     assert (tmp_path / "snapshot.pickle").stat().st_size > 0 and (tmp_path / "measured.png").stat().st_size > 0
+
+
+def test_the_drawing_overlays_measured_and_predicted_timelines(tmp_path):
+    from compile_offload.profile_step import _draw
+    from tests.models import MLP, mlp_inputs
+
+    plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
+    assert plan.timeline_bytes and max(plan.timeline_bytes) == plan.predicted_peak_bytes
+    assert 0 < plan.backward_start < len(plan.timeline_bytes)
+    _draw(tmp_path / "measured.png", [0, 100, 50, 120, 0], [plan])
+    png = (tmp_path / "measured.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
