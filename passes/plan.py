@@ -7,7 +7,9 @@ shows a table.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
@@ -94,16 +96,19 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        """The inverse of ``to_dict``; raises ``ValueError`` on anything malformed."""
+        """The inverse of ``to_dict``; raises ``ValueError`` on anything malformed,
+        including a field of the wrong type (a plan read from disk is not trusted)."""
         try:
-            fields = dict(data)
-            fields.pop("schema", None)
-            fields["decisions"] = [Decision(**{**d, "shape": tuple(d["shape"])}) for d in fields.get("decisions", [])]
-            plan = cls(**fields)
+            values = dict(data)
+            values.pop("schema", None)
+            values["decisions"] = [Decision(**{**d, "shape": tuple(d["shape"])}) for d in values.get("decisions", [])]
+            plan = cls(**values)
         except (TypeError, KeyError) as error:
             raise ValueError(f"not a compile_offload plan: {error}") from error
-        if any(d.decision not in DECISION_KINDS for d in plan.decisions):
-            raise ValueError("not a compile_offload plan: unknown decision kind")
+        for record in (plan, *plan.decisions):
+            wrong = _mistyped_field(record)
+            if wrong is not None:
+                raise ValueError(f"not a compile_offload plan: {type(record).__name__}.{wrong} has the wrong type")
         return plan
 
     def save(self, path) -> None:
@@ -126,3 +131,34 @@ class Plan:
         if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
             raise ValueError(f"{path} is not a {PLAN_SCHEMA} plan")
         return cls.from_dict(data)
+
+
+def _mistyped_field(record) -> str | None:
+    """The first field of dataclass ``record`` whose value does not match its annotation."""
+    hints = typing.get_type_hints(type(record))
+    for f in fields(record):
+        if not _matches(getattr(record, f.name), hints[f.name]):
+            return f.name
+    return None
+
+
+def _matches(value, annotation) -> bool:
+    """Whether a value read back from JSON fits ``annotation`` (the few forms Plan uses)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (types.UnionType, typing.Union):
+        return any(_matches(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and all(_matches(item, args[0]) for item in value)
+    if origin is tuple:  # only tuple[X, ...] is used
+        return isinstance(value, tuple) and all(_matches(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)

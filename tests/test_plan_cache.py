@@ -1,13 +1,19 @@
-"""Plan.save / Plan.load and config.plan_cache_dir."""
+"""Plan.save / Plan.load and config.plan_cache_dir (compile_offload.plan_cache)."""
+
+import json
+import warnings
 
 import pytest
 import torch
 
 import compile_offload
+from compile_offload import plan_cache
+from compile_offload.device_profile import resolve_profile
 from compile_offload.partitioner import OffloadRematPartitioner
 from passes.plan import Plan
 
-from .models import MLP, mlp_inputs
+from .models import MLP, ReadsMutatedBuffer, TransformerBlock, mlp_inputs, sequence_inputs
+from .partition_results import partition_once
 
 
 def test_plan_round_trips_through_json(tmp_path):
@@ -17,11 +23,38 @@ def test_plan_round_trips_through_json(tmp_path):
     assert Plan.load(tmp_path / "plan.json") == plan
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"schema": "other"}', '{"schema": "compile_offload.plan/1", "x": 1}'])
+@pytest.mark.parametrize("content", ["{not json", '{"schema": "other"}', '{"schema": "compile_offload.plan/1", "x": 1}',
+                                     b"\xff\xfe\x00binary"])
 def test_loading_a_corrupt_file_is_an_error(tmp_path, content):
-    (tmp_path / "plan.json").write_text(content)
+    path = tmp_path / "plan.json"
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(ValueError):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("saved", 5), ("saved", [["addmm"]]), ("offloaded", ["addmm"]), ("offloaded", {"addmm": "near"}),
+    ("predicted_peak_bytes", "1 GiB"), ("feasible", 1), ("budget_bytes", 0.5),
+])
+def test_loading_a_field_of_the_wrong_type_is_an_error(tmp_path, field, value):
+    plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
+    plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data[field] = value
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"Plan.{field} has the wrong type"):
         Plan.load(tmp_path / "plan.json")
+
+
+def test_an_unknown_decision_kind_is_an_error(tmp_path):
+    plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
+    data = plan.to_dict()
+    data["decisions"][0]["decision"] = "discard"
+    with pytest.raises(ValueError, match="Decision.decision"):
+        Plan.from_dict(data)
+
+
+# --------------------------------------------------------------------------- through the backend
 
 
 def _train_once(cache_dir, calls):
@@ -64,6 +97,22 @@ def test_a_corrupt_entry_is_ignored_with_a_warning(tmp_path, plans):
     Plan.load(entry)  # planned again and rewritten
 
 
+@pytest.mark.parametrize("field, value", [("saved", 5), ("saved", [["addmm"]]), ("offloaded", ["addmm"])])
+def test_an_entry_with_mistyped_fields_is_planned_again_not_fallen_back(tmp_path, plans, field, value):
+    # The graph must be planned again (the budget applies), not handed to torch's
+    # partitioner because rebuilding from the entry crashed.
+    _train_once(tmp_path, plans)
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    data[field] = value
+    entry.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="corrupt plan cache entry") as caught:
+        plan = _train_once(tmp_path, plans)
+    assert not any("falling back" in str(w.message) for w in caught)
+    assert plan.decisions and not any("fallback" in note for note in plan.notes)
+    assert isinstance(Plan.load(entry).saved, list)  # rewritten
+
+
 def test_a_stale_entry_is_ignored_with_a_warning(tmp_path, plans):
     _train_once(tmp_path, plans)
     (entry,) = tmp_path.glob("*.json")
@@ -75,12 +124,86 @@ def test_a_stale_entry_is_ignored_with_a_warning(tmp_path, plans):
     assert "reused from the plan cache" not in plan.notes
 
 
-def test_sweep_returns_a_plan_per_budget_and_draws_the_front(tmp_path):
-    model = MLP()
-    budgets = [None, 0.75, 0.5, 0.0]
-    plans = compile_offload.sweep(model, *mlp_inputs(), budgets=budgets, out=tmp_path, device_profile="cpu")
-    assert [p.budget_bytes is None for p in plans] == [True, False, False, False]
-    peaks = [p.predicted_peak_bytes for p in plans]
-    assert peaks == sorted(peaks, reverse=True)
-    png = (tmp_path / "pareto.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 1000
+def test_a_cache_folder_that_cannot_be_written_is_a_warning(tmp_path, plans):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="could not write the plan cache entry"):
+        plan = _train_once(blocker, plans)
+    assert plan.decisions  # planned and used all the same
+
+
+# --------------------------------------------------------------------------- lookup's checks
+
+
+def _store_and_lookup(monkeypatch, tmp_path, model, inputs, edit=None):
+    """Plan ``model``, store the plan, optionally edit the stored plan, look it up with the
+    graph's analysis. Returns ``(looked up plan, analysis)``."""
+    result, _, settings = partition_once(monkeypatch, model, inputs, memory_budget=0.5, plan_cache_dir=str(tmp_path))
+    joint_gm, analysis = result.analysis.joint.gm, result.analysis
+    profile = resolve_profile(settings.device_profile, torch.device("cpu")).to_dict()
+    plan = Plan.from_dict(result.plan.to_dict())
+    if edit is not None:
+        edit(plan, analysis)
+    plan_cache.store(joint_gm, settings, profile, plan)
+    return plan_cache.lookup(joint_gm, settings, profile, analysis=analysis), plan
+
+
+@pytest.mark.parametrize("model, inputs", [(MLP, mlp_inputs), (TransformerBlock, sequence_inputs),
+                                           (ReadsMutatedBuffer, mlp_inputs)], ids=["mlp", "dropout", "mutation"])
+def test_the_solvers_own_plans_pass_the_checks(tmp_path, monkeypatch, model, inputs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found, stored = _store_and_lookup(monkeypatch, tmp_path, model(), inputs())
+    assert found == stored
+
+
+def _offload_a_saved_activation(plan, analysis):
+    activation = next(name for name in plan.saved if not name.startswith("primals"))
+    plan.offloaded = {activation: 1}
+
+
+def test_a_legal_offload_passes_the_checks(tmp_path, monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found, stored = _store_and_lookup(monkeypatch, tmp_path, TransformerBlock(), sequence_inputs(),
+                                          _offload_a_saved_activation)
+    assert found == stored and found.offloaded
+
+
+def _save_inputs_only(plan, analysis):
+    plan.saved = [name for name in plan.saved if name.startswith("primals")]  # recompute everything else
+
+
+def _save_a_backward_value(plan, analysis):
+    plan.saved.append(next(n.name for n in analysis.bw_nodes if n.op == "placeholder"))  # a tangent
+
+
+def _offload_unsaved(plan, analysis):
+    plan.offloaded = {next(n.name for n in analysis.fw_nodes if n.op == "call_function" and n.name not in plan.saved): 1}
+
+
+def _offload_an_input(plan, analysis):
+    plan.offloaded = {next(name for name in plan.saved if name.startswith("primals")): 1}
+
+
+def _negative_distance(plan, analysis):
+    _offload_a_saved_activation(plan, analysis)
+    plan.offloaded = {name: -1 for name in plan.offloaded}
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (_save_inputs_only, "would recompute .*random op"),
+    (_save_a_backward_value, "saves backward values"),
+    (_offload_unsaved, "offloads tensors it does not save"),
+    (_offload_an_input, "graph input"),
+    (_negative_distance, "negative reload distance"),
+])
+def test_an_entry_the_solver_would_not_write_is_rejected(tmp_path, monkeypatch, edit, problem):
+    with pytest.warns(UserWarning, match=f"stale plan cache entry.*{problem}"):
+        found, _ = _store_and_lookup(monkeypatch, tmp_path, TransformerBlock(), sequence_inputs(), edit)
+    assert found is None
+
+
+def test_store_leaves_no_temporary_files(tmp_path, monkeypatch):
+    _store_and_lookup(monkeypatch, tmp_path, MLP(), mlp_inputs())
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]

@@ -1,0 +1,16 @@
+"""compile_offload.sweep: one plan per budget and the predicted Pareto plot."""
+
+import compile_offload
+
+from .models import MLP, mlp_inputs
+
+
+def test_sweep_returns_a_plan_per_budget_and_draws_the_front(tmp_path):
+    model = MLP()
+    budgets = [None, 0.75, 0.5, 0.0]
+    plans = compile_offload.sweep(model, *mlp_inputs(), budgets=budgets, out=tmp_path, device_profile="cpu")
+    assert [p.budget_bytes is None for p in plans] == [True, False, False, False]
+    peaks = [p.predicted_peak_bytes for p in plans]
+    assert peaks == sorted(peaks, reverse=True)
+    png = (tmp_path / "pareto.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
