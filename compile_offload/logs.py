@@ -1,16 +1,35 @@
-"""``TORCH_LOGS="+compile_offload"`` support: our logger registered with ``torch._logging``.
+"""What the user is told about each planned graph: log lines, TORCH_TRACE artifacts, dumps.
 
-torch parses ``TORCH_LOGS`` when it is imported, before ``compile_offload`` can register
-its logger, so when the variable names us the settings are parsed again (only then: a
-program that configured torch's logging in code keeps its settings). Plain
-``logging.getLogger("compile_offload")`` works too: one INFO line per graph, DEBUG details.
+``TORCH_LOGS="+compile_offload"`` works because our logger is registered with
+``torch._logging``. torch parses ``TORCH_LOGS`` when it is imported, before
+``compile_offload`` can register, so when the variable names us the settings are parsed
+again (only then: a program that configured torch's logging in code keeps its settings).
+``torch._logging.set_logs(modules={"compile_offload": logging.DEBUG})`` and plain
+``logging.getLogger("compile_offload")`` work too.
+
+Per graph (``emit``): one INFO line (budget, predicted peak, keep / recompute / offload
+counts, solver and its time, or why the graph was not planned), the decision table at
+DEBUG, the plan as a ``TORCH_TRACE`` artifact for tlparse, and with ``dump_dir`` set the
+graph's dump folder.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from passes.plan import Plan
+
+if TYPE_CHECKING:
+    from .planning import PartitionResult
+    from .settings import Settings
 
 LOGGER_NAME = "compile_offload"
+log = logging.getLogger(LOGGER_NAME)
 
 
 def register_with_torch_logging() -> None:
@@ -19,3 +38,40 @@ def register_with_torch_logging() -> None:
     _internal.register_log(LOGGER_NAME, LOGGER_NAME)
     if LOGGER_NAME in os.environ.get("TORCH_LOGS", ""):
         _internal._init_logs()
+
+
+def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
+    """Report one graph ``planning.plan_partition`` partitioned, through every channel."""
+    folder = None
+    if settings.dump_dir is not None:
+        from .dump import dump_result
+
+        folder = dump_result(settings.dump_dir, result, joint_gm)
+    log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
+    if result.plan.decisions:
+        log.debug("%s: decisions\n%s", result.plan.graph_name, result.plan.table())
+    trace_plan(result.plan)
+
+
+def info_line(result: PartitionResult) -> str:
+    """The one INFO line for a graph: its plan's summary and where the plan came from."""
+    plan = result.plan
+    if result.analysis is None:  # torch's partition was used: say why
+        return f"{plan.graph_name}: not planned ({'; '.join(plan.notes) or 'no reason recorded'})"
+    if result.solution is None:
+        return f"{plan.summary()} [from the plan cache]"
+    return f"{plan.summary()} [solver {plan.solver}, {plan.solve_seconds:.2f} s]"
+
+
+def trace_plan(plan: Plan) -> None:
+    """The plan as a ``TORCH_TRACE`` artifact, so tlparse shows it next to the graph's
+    other artifacts (trace_structured tags it with the current compile id)."""
+    from torch._logging import trace_structured
+
+    from .dump import plan_json
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"compile_offload_plan_{plan.graph_name}", "encoding": "json"},
+        payload_fn=lambda: json.dumps(plan_json(plan), default=str),
+    )

@@ -1,14 +1,24 @@
 """config.dump_dir: graphs, plan.json, report.md and timeline.png per compiled graph."""
 
+import dataclasses
 import json
 import logging
+import sys
 
 import torch
 
 import compile_offload
-from compile_offload.dump import PLAN_SCHEMA
+from compile_offload.dump import PLAN_SCHEMA, dump_result
+from compile_offload.logs import emit
+from passes.plan import Plan
 
 from .models import MLP, mlp_inputs
+from .partition_results import capture_partitions, partition_once, train_step
+
+
+def _is_png(path) -> bool:
+    data = path.read_bytes()
+    return data.startswith(b"\x89PNG") and len(data) > 1000
 
 
 def test_dump_folder_holds_graphs_plan_report_and_timeline(tmp_path, caplog):
@@ -27,7 +37,71 @@ def test_dump_folder_holds_graphs_plan_report_and_timeline(tmp_path, caplog):
     assert {d["decision"] for d in plan["decisions"]} <= {"keep", "recompute", "offload"}
     report = (folder / "report.md").read_text()
     assert plan["decisions"][0]["name"] in report and "![predicted memory](timeline.png)" in report
-    png = (folder / "timeline.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    assert _is_png(folder / "timeline.png")
     assert any("predicted peak" in r.getMessage() for r in caplog.records)
     assert any(str(folder) in r.getMessage() for r in caplog.records)
+
+
+def test_folders_are_named_after_dynamos_compile_ids(tmp_path, monkeypatch):
+    # A recompile of one frame (new input shape, static shapes) is Dynamo's compile
+    # <frame>/1 after <frame>/0: the folders must say so.
+    model = MLP()
+    backend = compile_offload.offload_remat(inner_compiler="eager", dump_dir=str(tmp_path))
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled(torch.randn(4, 16)).sum().backward()
+    compiled(torch.randn(6, 16)).sum().backward()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2
+    frames = {name.split("_")[1] for name in names}
+    assert len(frames) == 1 and [name.split("_")[2] for name in names] == ["0", "1"]
+
+
+def test_emit_writes_the_dump_and_names_it_in_the_info_line(tmp_path, monkeypatch, caplog):
+    result, joint_gm, settings = partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+    settings = dataclasses.replace(settings, dump_dir=str(tmp_path / "dumps"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        emit(result, joint_gm, settings)
+    folder = tmp_path / "dumps" / result.plan.graph_name
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "backward.py", "forward.py", "joint.py", "plan.json", "report.md", "timeline.png"]
+    assert Plan.from_dict(json.loads((folder / "plan.json").read_text())) == result.plan
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert str(folder) in line
+
+
+def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypatch):
+    result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+    cached = dataclasses.replace(result, solution=None)  # a plan cache hit: no solver run
+    folder = dump_result(tmp_path, cached, joint_gm)
+    assert _is_png(folder / "timeline.png")
+    assert "![predicted memory](timeline.png)" in (folder / "report.md").read_text()
+
+
+def test_an_unplanned_graph_is_dumped_with_the_reason_for_no_picture(tmp_path, monkeypatch):
+    result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs())
+    fallback = Plan(False, None, 0, 0.0, 0, 0.0, 0, graph_name="graph_7_0", notes=["fallback: boom"])
+    unplanned = dataclasses.replace(result, plan=fallback, analysis=None, solution=None)
+    folder = dump_result(tmp_path, unplanned, joint_gm)
+    assert folder.name == "graph_7_0"
+    assert "def forward" in (folder / "forward.py").read_text() and "tangents" in (folder / "joint.py").read_text()
+    report = (folder / "report.md").read_text()
+    assert "note: fallback: boom" in report and "no timeline.png: no predicted timeline" in report
+    assert not (folder / "timeline.png").exists()
+
+
+def test_without_matplotlib_the_report_says_how_to_get_the_picture(tmp_path, monkeypatch):
+    result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    folder = dump_result(tmp_path, result, joint_gm)
+    assert "pip install 'compile_offload[plot]'" in (folder / "report.md").read_text()
+    assert not (folder / "timeline.png").exists()
+
+
+def test_every_graph_of_a_graph_break_gets_its_own_folder(tmp_path, monkeypatch):
+    from .models import GraphBreakMLP
+
+    captured = capture_partitions(monkeypatch)
+    train_step(GraphBreakMLP(), mlp_inputs(), dump_dir=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(result.plan.graph_name for result, _ in captured)
+    assert len(captured) == 2
