@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -31,38 +32,71 @@ def parse_budget(text: str | None):
 
 
 def load_factory(target: str):
+    """The function ``MODULE:FACTORY`` names; ``SystemExit`` with the reason when there is none."""
     module_name, sep, factory_name = target.rpartition(":")
     if not sep or not module_name or not factory_name:
         raise SystemExit(f"explain: expected MODULE:FACTORY, got {target!r}")
     if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise SystemExit(f"explain: no such file {path}")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
+        module = _load_file(Path(module_name))
     else:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise SystemExit(f"explain: {module_name} has no function {factory_name!r}")
     return factory
 
 
+def _load_file(path: Path):
+    if not path.is_file():
+        raise SystemExit(f"explain: no such file {path}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import(module_name: str):
+    # Modules of the current folder, as ``python -m`` finds them; the ``compile-offload``
+    # script would otherwise only see its own folder and site-packages.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise  # the module exists but an import inside it failed: its traceback says where
+        raise SystemExit(f"explain: cannot import {module_name!r} ({error}); give a module importable from "
+                         "this folder or a path to a .py file") from None
+
+
+def explain_options(args: argparse.Namespace) -> dict:
+    """The options ``args`` give ``compile_offload.explain_all``, validated (``SystemExit``
+    naming the bad value), so a typo fails before the model is built."""
+    from . import settings as settings_mod
+
+    options = {"memory_budget": parse_budget(args.budget), "device_profile": args.profile}
+    if args.out:
+        options["dump_dir"] = args.out
+    if args.no_offload:
+        options["offload"] = False
+    try:
+        settings_mod.resolve(options)
+    except ValueError as error:
+        raise SystemExit(f"explain: {error}") from None
+    return options
+
+
 def run_explain(args: argparse.Namespace) -> int:
     import compile_offload
 
+    options = explain_options(args)
     made = load_factory(args.target)()
     if not (isinstance(made, tuple) and len(made) == 2):
         raise SystemExit("explain: the factory must return (model, example_inputs)")
     model, inputs = made
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    options = {"dump_dir": args.out} if args.out else {}
-    if args.no_offload:
-        options["offload"] = False
-    for plan in compile_offload.explain_all(model, *inputs, memory_budget=parse_budget(args.budget),
-                                            device_profile=args.profile, **options):
+    for plan in compile_offload.explain_all(model, *inputs, **options):
         print(plan)
         print()
     if args.out:

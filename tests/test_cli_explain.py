@@ -1,0 +1,70 @@
+"""python -m compile_offload explain MODULE:FACTORY (compile_offload.cli_explain)."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from compile_offload.__main__ import main
+
+META_FACTORY = textwrap.dedent("""
+    import torch
+    def make():
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+            x = torch.randn(128, 64)
+        return model, (x,)
+    def not_a_pair():
+        return 1
+""")
+
+
+@pytest.fixture
+def factory_folder(tmp_path):
+    (tmp_path / "my_models.py").write_text(META_FACTORY)
+    return tmp_path
+
+
+def test_the_command_line_writes_the_dump_for_a_module_of_the_current_folder(factory_folder):
+    # A real process, run from the user's folder with the module named as a module (not a
+    # path): what the docs tell users to type.
+    out = factory_folder / "dump"
+    command = [sys.executable, "-m", "compile_offload", "explain", "my_models:make", "--budget", "200KiB",
+               "--profile", "h100", "--out", str(out)]
+    result = subprocess.run(command, cwd=factory_folder, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "predicted peak" in result.stdout and "decision" in result.stdout
+    (folder,) = list(out.iterdir())
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["device_profile"] == "h100" and plan["budget_bytes"] == 200 * 1024
+    assert {"joint.py", "forward.py", "backward.py", "report.md", "timeline.png"} <= {p.name for p in folder.iterdir()}
+    assert all(d["name"] in result.stdout for d in plan["decisions"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["nocolon"], "expected MODULE:FACTORY"),
+    (["no_such_module_anywhere:make"], "cannot import 'no_such_module_anywhere'"),
+    (["{folder}/missing.py:make"], "no such file"),
+    (["{folder}/my_models.py:absent"], "has no function 'absent'"),
+    (["{folder}/my_models.py:not_a_pair"], r"must return \(model, example_inputs\)"),
+    (["{folder}/my_models.py:make", "--budget", "lots"], "memory_budget='lots' is not a size"),
+    (["{folder}/my_models.py:make", "--profile", "b200"], "device_profile='b200' is unknown"),
+])
+def test_mistakes_exit_with_a_message_not_a_traceback(factory_folder, arguments, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", *(a.format(folder=factory_folder) for a in arguments)])
+    assert str(exit_info.value).startswith("explain: ")
+    assert re.search(message, str(exit_info.value))
+
+
+def test_a_failing_import_inside_the_module_keeps_its_traceback(tmp_path):
+    (tmp_path / "broken_models.py").write_text("import no_such_dependency_xyz\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+            main(["explain", "broken_models:make"])
+    finally:
+        sys.path.remove(str(tmp_path))
