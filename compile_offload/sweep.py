@@ -28,8 +28,11 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
     except ImportError as error:
         raise RuntimeError("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]'") from error
     path.parent.mkdir(parents=True, exist_ok=True)
+    from .dump import plot_unit
+
+    unit, scale = plot_unit(max(p.predicted_peak_bytes for p in plans))
     figure, axes = plt.subplots(figsize=(6, 4))
-    peaks = [p.predicted_peak_bytes / 2**20 for p in plans]
+    peaks = [p.predicted_peak_bytes / scale for p in plans]
     ratios = [p.predicted_step_seconds / p.baseline_step_seconds for p in plans]
     axes.plot(peaks, ratios, "o-")
     labels: dict[tuple[float, float], list[str]] = {}  # budgets that land on the same plan share a label
@@ -37,7 +40,7 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
         labels.setdefault((x, y), []).append(f"{budget}{'' if plan.feasible else ' (min)'}")
     for (x, y), names in labels.items():
         axes.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
-    axes.set_xlabel("predicted peak memory (MiB)")
+    axes.set_xlabel(f"predicted peak memory ({unit})")
     axes.set_ylabel("predicted step time / unconstrained")
     axes.set_title("predicted time against memory, per budget")
     figure.tight_layout()
