@@ -80,9 +80,14 @@ def parse_bytes(value: object, knob: str) -> int:
 def _from_environment(knob: str) -> bool:
     """Whether the knob's value is the environment's, not set in code (a private detail
     of torch's config module, read only here)."""
+    from contextvars import ContextVar
+
     from torch.utils._config_module import _UNSET_SENTINEL
 
-    return config._config[knob].user_override.get() is _UNSET_SENTINEL
+    override = config._config[knob].user_override
+    if isinstance(override, ContextVar):  # torch >= 2.12 keeps overrides per thread/context
+        override = override.get()
+    return override is _UNSET_SENTINEL
 
 
 def parse_budget(value: object, from_environment: bool = False) -> tuple[int | None, float | None]:

@@ -7,6 +7,7 @@ exercises each wrapper on the installed torch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,32 @@ class JointGraph:
     @property
     def static_lifetime_input_nodes(self):
         return self.node_info.static_lifetime_input_nodes
+
+
+_EXTRACT_TAKES_OPAQUE = "saved_opaque_nodes" in inspect.signature(_p._extract_fwd_bwd_modules).parameters
+
+
+def _is_opaque_node(node: fx.Node) -> bool:
+    # torch >= 2.12 has partitioners.is_opaque_node; 2.11 only knows FakeScriptObject values.
+    check = getattr(_p, "is_opaque_node", None)
+    if check is not None:
+        return check(node)
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    return isinstance(node.meta.get("val"), FakeScriptObject)
+
+
+def _is_assert_only_symbool(node: fx.Node) -> bool:
+    """A SymBool used only by ``_assert_scalar`` is not saved (module level in torch >= 2.13,
+    local to the partitioner in 2.12, absent in 2.11: the same rule everywhere)."""
+    check = getattr(_p, "_is_assert_only_symbool", None)
+    if check is not None:
+        return check(node)
+    return (
+        isinstance(node.meta.get("val"), torch.SymBool)
+        and len(node.users) > 0
+        and all(user.target is torch.ops.aten._assert_scalar.default for user in node.users)
+    )
 
 
 def prepare_joint(
@@ -93,16 +120,19 @@ def extract_forward_backward(
     Anything else the backward needs is recomputed there from the saved values. Mirrors the
     second half of ``min_cut_rematerialization_partition``.
     """
-    saved_sym_nodes = [n for n in saved_values if _p.is_sym_node(n) and not _p._is_assert_only_symbool(n)]
-    saved_opaque = [n for n in saved_values if _p.is_opaque_node(n)]
-    saved_tensors = [n for n in saved_values if not _p.is_sym_node(n) and not _p.is_opaque_node(n)]
+    saved_sym_nodes = [n for n in saved_values if _p.is_sym_node(n) and not _is_assert_only_symbool(n)]
+    opaque_kwargs = {}
+    saved_tensors = [n for n in saved_values if not _p.is_sym_node(n)]
+    if _EXTRACT_TAKES_OPAQUE:  # torch >= 2.12; 2.11 separates opaque objects itself
+        opaque_kwargs["saved_opaque_nodes"] = [n for n in saved_tensors if _is_opaque_node(n)]
+        saved_tensors = [n for n in saved_tensors if not _is_opaque_node(n)]
     fw_module, bw_module = _p._extract_fwd_bwd_modules(
         joint.gm,
         saved_tensors,
         saved_sym_nodes=saved_sym_nodes,
-        saved_opaque_nodes=saved_opaque,
         num_fwd_outputs=joint.num_fwd_outputs,
         static_lifetime_input_nodes=joint.node_info.static_lifetime_input_nodes,
+        **opaque_kwargs,
     )
     if joint.has_recomputable_rng_ops:
         fw_module, bw_module = _p.functionalize_rng_ops(joint.gm, fw_module, bw_module, len(saved_sym_nodes))
