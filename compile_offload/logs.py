@@ -1,9 +1,11 @@
 """What the user is told about each planned graph: log lines, TORCH_TRACE artifacts, dumps.
 
-``TORCH_LOGS="+compile_offload"`` works because our logger is registered with
-``torch._logging``. torch parses ``TORCH_LOGS`` when it is imported, before
-``compile_offload`` can register, so when the variable names us the settings are parsed
-again (only then: a program that configured torch's logging in code keeps its settings).
+``TORCH_LOGS="+compile_offload"`` works through torch's own support for module names in
+``TORCH_LOGS``: when torch parses the variable (at its import) it imports the module named
+and registers its logger, so our logger gets torch's handler and format. We also register
+the logger with ``torch._logging`` ourselves, so it is one of torch's loggers whatever the
+variable says, but never re-run torch's log set-up: that happens while torch is importing
+us, and a second set-up inside the first doubled every line.
 ``torch._logging.set_logs(modules={"compile_offload": logging.DEBUG})`` and plain
 ``logging.getLogger("compile_offload")`` work too.
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch.fx as fx
@@ -33,11 +34,9 @@ log = logging.getLogger(LOGGER_NAME)
 
 
 def register_with_torch_logging() -> None:
-    from torch._logging import _internal
+    from torch._logging._internal import register_log  # private (torch >= 2.1), not re-exported
 
-    _internal.register_log(LOGGER_NAME, LOGGER_NAME)
-    if LOGGER_NAME in os.environ.get("TORCH_LOGS", ""):
-        _internal._init_logs()
+    register_log(LOGGER_NAME, LOGGER_NAME)
 
 
 def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
