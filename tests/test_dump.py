@@ -42,7 +42,7 @@ def test_dump_folder_holds_graphs_plan_report_and_timeline(tmp_path, caplog):
     assert any(str(folder) in r.getMessage() for r in caplog.records)
 
 
-def test_folders_are_named_after_dynamos_compile_ids(tmp_path, monkeypatch):
+def test_folders_are_named_after_dynamos_compile_ids(tmp_path):
     # A recompile of one frame (new input shape, static shapes) is Dynamo's compile
     # <frame>/1 after <frame>/0: the folders must say so.
     model = MLP()
