@@ -165,25 +165,33 @@ def plan_program(
     prefetch_distance: int = 1,
     fusion: bool = False,
     reload_distance: dict[fx.Node, int] | None = None,
+    offload_wait_after: dict[fx.Node, fx.Node] | None = None,
 ) -> Program:
     """The program the partitioned graphs run when the forward saves ``saved`` (of which
     ``offloaded`` go to host memory) and the backward recomputes the rest. Each reload
     starts ``reload_distance[tensor]`` backward steps before its first use (default
-    ``prefetch_distance``)."""
+    ``prefetch_distance``). The forward waits for an offload after its last forward use,
+    or after forward node ``offload_wait_after[tensor]`` (a later one): the device copy
+    stays alive until then."""
     root = a.roots.get
     kept = set(saved) | set(a.fw_outputs) | set(a.bw_outputs)
     fused = fused_nodes(a.position, kept) if fusion else set()
     steady = a.steady.__contains__
+    waits_after: dict[fx.Node, list[fx.Node]] = {}
+    for tensor, anchor in (offload_wait_after or {}).items():
+        if tensor in offloaded:
+            waits_after.setdefault(anchor, []).append(tensor)
     steps: list[Step] = []
     for node in forward_nodes_needed(a, saved):
-        if node in a.steady:
-            continue
-        nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
-        allocates = [(root(node, node), nbytes)] if nbytes else []
-        reads = _reads(node, lambda x: root(x, x), fused, steady)
-        steps.append(Step(node.name, allocates, reads))
-        if node in offloaded:
-            steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
+        if node not in a.steady:
+            nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
+            allocates = [(root(node, node), nbytes)] if nbytes else []
+            reads = _reads(node, lambda x: root(x, x), fused, steady)
+            steps.append(Step(node.name, allocates, reads))
+            if node in offloaded:
+                steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
+        for tensor in waits_after.get(node, ()):
+            steps.append(Step(f"wait_offload {tensor.name}", [], [root(tensor, tensor)], kind="offload"))
     backward_start = len(steps)
     # What the backward reads: the kept saved tensors' storages, reloaded copies of the
     # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
