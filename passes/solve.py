@@ -69,6 +69,7 @@ class Solution:
     recomputed: dict[fx.Node, str] = field(default_factory=dict)  # saved-by-default tensor -> reason
     added: dict[fx.Node, str] = field(default_factory=dict)  # newly saved tensor -> reason
     candidates_evaluated: int = 0
+    offloaded: dict[fx.Node, str] = field(default_factory=dict)  # offloaded tensor -> how its copies run
 
 
 def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:

@@ -21,8 +21,8 @@ memory for a shorter time; one issued earlier would only add to the peak. Withou
 prefetch (``prefetch=False``, a debugging switch) each reload is issued right before its
 first use, and its whole copy is exposed.
 
-The *exposed* time is what the compute stream spends waiting for copies: the only time
-offloading adds to a step. ``plan_transfers`` simulates it exactly along the predicted
+The *exposed* time is what the compute stream spends waiting for copies; with the
+launches of the copy and wait ops, it is all that offloading adds to a step. ``plan_transfers`` simulates it exactly along the predicted
 schedules; ``LinkEstimate`` gives the solver a cheap marginal estimate for one more offload.
 """
 
@@ -145,11 +145,18 @@ class TransferPlan:
     # Predicted compute between each reload's issue and its first use.
     hidden_behind_seconds: dict[fx.Node, float] = field(default_factory=dict)
     copies: list[Copy] = field(default_factory=list)
+    # The compute stream launches two ops per copy (the copy and its wait).
+    launch_seconds: float = 0.0
 
     @property
     def exposed_seconds(self) -> float:
         """Compute stalls waiting for copies, forward plus backward."""
         return self.forward_exposed_seconds + self.backward_exposed_seconds
+
+    @property
+    def added_seconds(self) -> float:
+        """What the copies add to a step: stalls and launches."""
+        return self.exposed_seconds + self.launch_seconds
 
     def link_seconds(self, direction: str) -> float:
         """Time the link is busy in one direction."""
@@ -167,6 +174,7 @@ def plan_transfers(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.Node
     _plan_offloads(a, forward, offloaded, profile, plan)
     backward = backward_schedule(a, saved, seconds)
     _plan_reloads(a, backward, offloaded, profile, prefetch, plan)
+    plan.launch_seconds = 2 * len(plan.copies) * profile.launch_overhead_seconds
     return plan
 
 
@@ -313,7 +321,8 @@ class LinkEstimate:
         return _Queue([due for due, _ in copies], keys, [0.0, *prefix])
 
     def marginal(self, tensor: fx.Node) -> tuple[float, float]:
-        """(forward, backward) exposed seconds added by also offloading ``tensor``."""
+        """(forward, backward) exposed seconds added by also offloading ``tensor`` (the
+        launches of its copies and waits not included: ``launch_seconds``)."""
         if tensor not in self.forward_index:
             return 0.0, 0.0
         d2h = self._d2h(tensor)
@@ -326,6 +335,11 @@ class LinkEstimate:
             return forward, h2d
         lateness = self.h2d.with_deadline(self._due(tensor), h2d)
         return forward, self._backward_exposed(lateness) - self.backward_exposed
+
+    def launch_seconds(self, tensor: fx.Node) -> float:
+        """The compute stream's time to launch the tensor's copies and waits."""
+        copies = 2 if tensor in self.first_use else 1
+        return 2 * copies * self.profile.launch_overhead_seconds
 
     def link_seconds(self, tensor: fx.Node) -> tuple[float, float]:
         """(d2h, h2d) seconds the tensor's copies occupy the link."""

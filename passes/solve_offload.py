@@ -1,0 +1,339 @@
+"""Budget -> keep, recompute or offload each saved tensor.
+
+Extends the greedy recompute solver (``passes.solve``) with *offload moves*: an eligible
+saved storage is copied to host memory after its producer and reloaded before its first
+backward use, which frees its device memory in between (``passes.transfer`` says when the
+copies run and what they expose; ``passes.memory`` simulates the peak with them, the
+device copy counted until the forward waits for it and the reload from its issue).
+
+A greedy sequence of moves mixes both kinds, each step taking the move with the most
+freed bytes per second of marginal cost: a recompute move costs its recompute time, an
+offload move the exposed time it adds (``transfer.LinkEstimate``: zero while compute
+hides the copy, growing once the link saturates) plus a *link price* per second of
+device->host link time. The price says what the link is worth: the forward can hide only
+so many bytes of copies, and spending them on a tensor that is cheap to recompute leaves
+expensive ones to recompute. The right price depends on how far the budget pushes, so
+there is one sequence per price (``link_prices``: 0, offload first while hidden, and the
+prices that recompute moves pay per byte).
+
+Two more sequences: recompute only (the candidates of ``solve_greedy``), and mixed moves at
+price 0 from its lowest-peak plan. Past that plan the recompute greedy only raises the
+peak (recomputing the residual stream recomputes whole blocks at once), while offloading
+what that plan still saves lowers it: the way to the lowest peaks.
+
+Every prefix of every sequence is a candidate plan, simulated. A budget picks the fastest
+candidate that fits, else the lowest-peak one (``passes.solve._pick``). The candidate set
+does not depend on the budget, so a smaller budget never gets a larger predicted peak
+(monotone); and as it holds the recompute-only candidates, enabling offload never
+predicts a slower plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from .analyze import JointAnalysis, tensor_value
+from .memory import plan_program, recomputed_nodes, simulate
+from .solve import (
+    Candidate,
+    Group,
+    Move,
+    OffloadOptions,
+    Seconds,
+    Solution,
+    _apply,
+    _explain,
+    _extend,
+    _groups,
+    _pick,
+    _seconds_of,
+    greedy_moves,
+    solve_greedy,
+    step_seconds,
+)
+from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, forward_schedule, plan_transfers
+
+# Candidate plans closer than this fraction of the unconstrained peak in freed bytes are
+# merged (the later one kept): it bounds the number of simulations on large graphs while
+# leaving every budget a plan within that fraction of the best.
+EVALUATION_GRANULARITY = 1 / 512
+
+
+def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
+                budget_fraction: float | None = None, offload: OffloadOptions | None = None,
+                prices: Sequence[float] | None = None) -> Solution:
+    """Keep, recompute or offload each saved tensor so the simulated peak fits the budget
+    at the least predicted step time. ``offload=None`` is recompute only
+    (``passes.solve.solve_greedy``). ``prices``: the link prices of the mixed sequences
+    (default ``link_prices``)."""
+    if offload is None:
+        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction)
+    evaluate = Evaluator(a, seconds, offload, base_saved)
+    start = Prefix(frozenset(base_saved), frozenset(), ())
+    recompute_moves = greedy_moves(a, base_saved, seconds)
+    # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
+    # predicts a slower plan), and mixed moves on from its lowest-peak plan: past it the
+    # recompute greedy raises the peak, and offloading what that plan saves lowers it.
+    recompute = prefixes(a, start, recompute_moves)
+    lowest = min([start, *recompute], key=lambda plan: _lowest(evaluate(plan)))
+    schedules = ScheduleCache(a, seconds)
+    granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
+    sequences = [recompute, prefixes(a, lowest, mixed_moves(a, lowest.saved, seconds, offload, 0.0, schedules),
+                                     granularity)]
+    for price in link_prices(recompute_moves, offload) if prices is None else prices:
+        moves = mixed_moves(a, base_saved, seconds, offload, price, schedules)
+        sequences.append(prefixes(a, start, moves, granularity))
+    plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
+    return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
+
+
+def _lowest(candidate: Candidate) -> tuple[int, float]:
+    return candidate.peak_bytes, candidate.extra_seconds
+
+
+# --- link prices ---------------------------------------------------------------------------
+
+
+def link_prices(recompute_moves: Iterable[Move], offload: OffloadOptions) -> list[float]:
+    """0, and the price per second of device->host link time at which offloading a byte
+    costs what recomputing one does at the quartiles of the recompute moves' cost per byte
+    (capped at 1: a fully exposed copy costs its link time)."""
+    per_byte = sorted(m.extra_seconds / m.freed_bytes for m in recompute_moves if m.freed_bytes > 0)
+    prices = [0.0]
+    for quartile in (1, 2, 3):
+        if per_byte:
+            cost = per_byte[min(len(per_byte) - 1, quartile * len(per_byte) // 4)]
+            prices.append(min(1.0, cost * offload.profile.d2h_bandwidth))
+    return sorted(set(prices))
+
+
+# --- the mixed greedy sequence ---------------------------------------------------------------
+
+
+def offload_group(tensor: fx.Node) -> Group:
+    """The move's subject: one storage-owning saved tensor, nothing recomputed."""
+    return Group(tensor, frozenset({tensor}), frozenset(), frozenset())
+
+
+def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.Node], eligible) -> list[fx.Node]:
+    """Saved tensors that may be offloaded, in graph order: each owns its storage and is the
+    only saved tensor on it (a saved view would keep reading the device storage), is
+    computed by the forward (not a parameter or input), is not (an alias of) a user output
+    (which stays on the device anyway), allocates bytes, and passes ``eligible`` (the
+    insertion pass's rules: ``passes.offload.eligible_for_offload``)."""
+    by_root: dict[fx.Node, list[fx.Node]] = {}
+    for tensor in saved:
+        if tensor_value(tensor) is not None:
+            by_root.setdefault(a.roots.get(tensor, tensor), []).append(tensor)
+    outputs = {a.roots.get(o, o) for o in a.fw_outputs}
+    result = []
+    for root, members in by_root.items():
+        if members != [root] or root in offloaded or root in outputs or root in a.steady:
+            continue
+        if root.op != "call_function" or not a.is_forward(root) or a.bytes_of.get(root, 0) <= 0:
+            continue
+        if eligible(root):
+            result.append(root)
+    return sorted(result, key=a.position.__getitem__)
+
+
+def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds, offload: OffloadOptions,
+                price: float = 0.0, schedules: "ScheduleCache | None" = None) -> list[Move]:
+    """The greedy sequence of recompute and offload moves from ``base_saved`` at one link
+    price, most freed bytes per second of cost first (ties: more bytes, then the earlier
+    tensor). An offload move's ``extra_seconds`` is its estimated exposed and launch time."""
+    schedules = schedules or ScheduleCache(a, seconds)
+    saved = set(base_saved)
+    recomputed = recomputed_nodes(a, saved)
+    offloaded: set[fx.Node] = set()
+    eligible = _memo(offload.eligible)
+    moves: list[Move] = []
+    while True:
+        best_key, best = None, None
+        options = [*_recompute_moves(a, saved, recomputed, offloaded, seconds),
+                   *_offload_moves(a, saved, offloaded, offload, price, eligible, schedules)]
+        for move, cost in options:
+            key = (move.freed_bytes / max(cost, 1e-12), move.freed_bytes, -a.position[move.group.root])
+            if best_key is None or key > best_key:
+                best_key, best = key, move
+        if best is None:
+            return moves
+        if best.kind == "offload":
+            offloaded.add(best.group.root)
+        else:
+            _apply(best, saved, recomputed)
+        moves.append(best)
+
+
+def _recompute_moves(a: JointAnalysis, saved: set, recomputed: set, offloaded: set, seconds: Seconds):
+    """(move, cost) for each way to recompute a saved storage that frees bytes (as
+    ``passes.solve.greedy_moves`` builds them); offloaded storages stay offloaded."""
+    held = {a.roots.get(s, s) for s in saved}
+    for group in _groups(a, saved):
+        if group.root in offloaded:
+            continue
+        freed = a.bytes_of.get(group.root, 0)
+        for stop_at_matmul in (True, False):
+            closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
+            added_roots = {a.roots.get(x, x) for x in added} - held
+            gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
+            if gain > 0:
+                cost = _seconds_of(a, closure - recomputed, seconds)
+                yield Move(group, added, cost, gain, closure), cost
+
+
+def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, price: float, eligible,
+                   schedules: "ScheduleCache"):
+    """(move, cost) for each offloadable storage: estimated exposed and launch seconds plus
+    ``price`` per second of device->host link time (the scarce direction: the forward is shorter
+    than the backward, and every byte offloaded must leave the device during it)."""
+    candidates = offloadable(a, saved, offloaded, eligible)
+    if not candidates:
+        return
+    forward, backward = schedules(saved)
+    link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
+    for tensor in candidates:
+        added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
+        d2h, _ = link.link_seconds(tensor)
+        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload"), added + price * d2h
+
+
+def _memo(fn):
+    results: dict[fx.Node, bool] = {}
+
+    def memoized(node: fx.Node) -> bool:
+        if node not in results:
+            results[node] = bool(fn(node))
+        return results[node]
+
+    return memoized
+
+
+class ScheduleCache:
+    """Forward and backward schedules per saved set: offload moves leave the saved set as it
+    is, and the sequences of different prices share saved sets."""
+
+    def __init__(self, a: JointAnalysis, seconds: Seconds) -> None:
+        self.a, self.seconds = a, seconds
+        self.cache: dict[frozenset, tuple[Schedule, Schedule]] = {}
+
+    def __call__(self, saved: Iterable[fx.Node]) -> tuple[Schedule, Schedule]:
+        key = frozenset(saved)
+        if key not in self.cache:
+            self.cache[key] = (forward_schedule(self.a, set(key), self.seconds),
+                               backward_schedule(self.a, set(key), self.seconds))
+        return self.cache[key]
+
+
+# --- candidates ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A candidate before simulation: what the plan after a prefix of moves saves and
+    offloads, and the moves."""
+
+    saved: frozenset[fx.Node]
+    offloaded: frozenset[fx.Node]
+    moves: tuple[Move, ...]
+
+
+def prefixes(a: JointAnalysis, start: Prefix, moves: list[Move], granularity: int = 0) -> list[Prefix]:
+    """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
+    prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
+    the previous one kept; the last prefix is always kept."""
+    saved, offloaded = set(start.saved), set(start.offloaded)
+    recomputed = recomputed_nodes(a, saved)
+    pending = 0
+    plans = []
+    for index, move in enumerate(moves):
+        if move.kind == "offload":
+            offloaded.add(move.group.root)
+        else:
+            _apply(move, saved, recomputed)
+        pending += move.freed_bytes
+        if pending >= granularity or index == len(moves) - 1:
+            plans.append(Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(moves[: index + 1])))
+            pending = 0
+    return plans
+
+
+def _unique(plans: list[Prefix]) -> list[Prefix]:
+    """The first of each (saved, offloaded) pair, in order."""
+    unique: dict[tuple[frozenset, frozenset], Prefix] = {}
+    for plan in plans:
+        unique.setdefault((plan.saved, plan.offloaded), plan)
+    return list(unique.values())
+
+
+class Evaluator:
+    """Simulates plans against the unconstrained one (``base_saved``): copies
+    (``passes.transfer``), then the memory timeline; each distinct plan once. A plan's
+    extra seconds are its predicted step time (``passes.solve.step_seconds``: compute and
+    recompute) beyond the unconstrained plan's, plus what its copies add (stalls and
+    launches: ``TransferPlan.added_seconds``)."""
+
+    def __init__(self, a: JointAnalysis, seconds: Seconds, offload: OffloadOptions,
+                 base_saved: Iterable[fx.Node]) -> None:
+        self.a, self.seconds, self.offload = a, seconds, offload
+        self.base_seconds = step_seconds(a, base_saved, seconds)
+        self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
+
+    def __call__(self, plan: Prefix, keep_timeline: bool = False) -> Candidate:
+        key = (plan.saved, plan.offloaded)
+        if key in self.results and not keep_timeline:
+            return self.results[key]
+        saved, offloaded = set(plan.saved), set(plan.offloaded)
+        transfers = (plan_transfers(self.a, saved, offloaded, self.seconds, self.offload.profile,
+                                    self.offload.prefetch) if offloaded else None)
+        timeline = simulate(plan_program(
+            self.a, saved, offloaded, fusion=self.a.fusion,
+            reload_distance=transfers.reload_distance if transfers else None,
+            offload_wait_after=transfers.offload_wait_after if transfers else None,
+        ))
+        copies = transfers.added_seconds if transfers else 0.0
+        extra = step_seconds(self.a, saved, self.seconds) - self.base_seconds + copies
+        candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
+                              timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
+        self.results.setdefault(key, candidate)
+        return candidate
+
+
+def _solution(a: JointAnalysis, plans: list[Prefix], budget_bytes: int | None, budget_fraction: float | None,
+              evaluate: Evaluator) -> Solution:
+    """Simulate every plan, pick by the budget (``passes.solve._pick``: the fastest that
+    fits, else the lowest peak) and explain the choice."""
+    candidates = [evaluate(plan) for plan in plans]
+    baseline = candidates[0]
+    if budget_bytes is None and budget_fraction is not None:
+        budget_bytes = int(budget_fraction * baseline.peak_bytes)
+    chosen, feasible = _pick(candidates, budget_bytes)
+    minimum = min(candidates, key=_lowest)
+    chosen = evaluate(Prefix(chosen.saved, chosen.offloaded, chosen.moves), keep_timeline=True)
+    baseline = evaluate(plans[0], keep_timeline=True)
+    solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
+    _explain(a, solution)
+    solution.offloaded = offload_reasons(chosen.transfers)
+    return solution
+
+
+def offload_reasons(transfers: TransferPlan | None) -> dict[fx.Node, str]:
+    """Why and how each offloaded tensor moves, for the plan's decision table."""
+    if transfers is None:
+        return {}
+    reasons = {}
+    for copy in transfers.copies:
+        if copy.direction == "d2h":
+            wait = transfers.offload_wait_after[copy.tensor].name
+            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
+            reasons[copy.tensor] = f"offloaded to host memory (copy {hidden}, forward waits after {wait})"
+    for copy in transfers.copies:
+        if copy.direction == "h2d" and copy.tensor in reasons:
+            before = transfers.reload_before[copy.tensor].name
+            behind = transfers.hidden_behind_seconds[copy.tensor] * 1e3
+            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
+            reasons[copy.tensor] += f"; reloaded from before {before}, behind {behind:.3f} ms of compute ({hidden})"
+    return reasons

@@ -1,0 +1,182 @@
+"""Keep / recompute / offload on constructed graphs and profiles whose answer is known."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from passes.cost import DeviceProfile, node_seconds
+from passes.memory import plan_program, recomputed_nodes, simulate
+from passes.offload import eligible_for_offload
+from passes.solve import OffloadOptions, solve_greedy, step_seconds
+from passes.solve_offload import offloadable, solve_joint
+
+from .joint_capture import capture_analysis
+
+
+class Tower(nn.Module):
+    """tanh(linear(...)) five times: the backward needs every tanh output, and recomputing
+    one means redoing a matmul."""
+
+    def __init__(self, width=128, depth=5):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.mean()
+
+
+def profile(flops: float, link: float) -> DeviceProfile:
+    return DeviceProfile(f"test-{flops:g}-{link:g}", {"float32": flops}, memory_bandwidth=1e10,
+                         d2h_bandwidth=link, h2d_bandwidth=link, launch_overhead_seconds=1e-6)
+
+
+# Slow matmuls and a fast link: compute hides every copy, recomputing costs a matmul.
+HIDING = profile(flops=1e9, link=1e12)
+# Fast matmuls and a slow link: a copy would take seconds, recomputing microseconds.
+EXPOSING = profile(flops=1e15, link=1e6)
+
+
+@functools.cache
+def tower():
+    torch.manual_seed(0)
+    # A large batch: activations dominate the peak, not parameter gradients.
+    return capture_analysis(Tower(), torch.randn(4096, 128))
+
+
+def options(device, prefetch=True):
+    return OffloadOptions(device, lambda node: eligible_for_offload(node)[0], prefetch)
+
+
+def solve(device, budget_fraction=None, budget_bytes=None, prefetch=True, model=None):
+    analysis, base = model or tower()
+    seconds = functools.partial(node_seconds, profile=device)
+    solution = solve_joint(analysis, base, seconds, budget_bytes, budget_fraction, options(device, prefetch))
+    return analysis, base, seconds, solution
+
+
+def newly_recomputed(analysis, base, saved):
+    return recomputed_nodes(analysis, set(saved)) - recomputed_nodes(analysis, set(base))
+
+
+def test_offload_is_chosen_when_compute_hides_the_copy():
+    analysis, base, _, solution = solve(HIDING, budget_fraction=0.6)
+    chosen = solution.chosen
+    assert solution.feasible and chosen.peak_bytes <= 0.6 * solution.baseline.peak_bytes
+    assert chosen.offloaded, "copies hidden behind slow matmuls are the free way down"
+    assert not newly_recomputed(analysis, base, chosen.saved), "so nothing is recomputed"
+    assert chosen.transfers.exposed_seconds == 0.0
+    assert set(solution.offloaded) == set(chosen.offloaded), "every offload has its reason"
+
+
+def test_recompute_is_chosen_when_the_copy_would_be_exposed():
+    # Recompute alone reaches 80% here (each weight gradient needs its layer's input).
+    analysis, base, _, solution = solve(EXPOSING, budget_fraction=0.8)
+    assert solution.feasible
+    assert not solution.chosen.offloaded, "a 1 MB/s link would expose seconds of copies"
+    assert newly_recomputed(analysis, base, solution.chosen.saved)
+
+
+@pytest.mark.parametrize("device", [HIDING, EXPOSING], ids=["hiding", "exposing"])
+def test_everything_is_kept_when_the_budget_allows(device):
+    for fraction in (None, 1.0):
+        analysis, base, _, solution = solve(device, budget_fraction=fraction)
+        assert solution.chosen.saved == frozenset(base) and not solution.chosen.offloaded
+        assert solution.chosen.extra_seconds == 0.0
+
+
+def test_without_prefetch_reloads_wait_at_their_first_use():
+    analysis, base, _, solution = solve(HIDING, budget_fraction=0.6, prefetch=False)
+    transfers = solution.chosen.transfers
+    assert solution.chosen.offloaded
+    assert all(transfers.reload_distance[t] == 0 for t in solution.chosen.offloaded)
+    assert transfers.backward_exposed_seconds > 0, "each reload's copy is waited for in full"
+
+
+def test_predicted_time_and_peak_are_those_of_the_chosen_plan():
+    analysis, base, seconds, solution = solve(HIDING, budget_fraction=0.7)
+    chosen, transfers = solution.chosen, solution.chosen.transfers
+    added = step_seconds(analysis, chosen.saved, seconds) - step_seconds(analysis, base, seconds)
+    assert chosen.extra_seconds == pytest.approx(added + (transfers.added_seconds if transfers else 0.0))
+    program = plan_program(analysis, set(chosen.saved), set(chosen.offloaded), fusion=analysis.fusion,
+                           reload_distance=transfers.reload_distance if transfers else None,
+                           offload_wait_after=transfers.offload_wait_after if transfers else None)
+    assert simulate(program).peak_bytes == chosen.peak_bytes == chosen.timeline.peak_bytes
+
+
+def test_offload_off_is_the_recompute_solver():
+    analysis, base = tower()
+    seconds = functools.partial(node_seconds, profile=HIDING)
+    joint = solve_joint(analysis, base, seconds, None, 0.8, offload=None)
+    greedy = solve_greedy(analysis, base, seconds, None, 0.8)
+    assert joint.chosen.saved == greedy.chosen.saved and not joint.chosen.offloaded
+
+
+def returns_an_activation(x):
+    """``h`` and ``g`` are saved for the backward; ``h`` is also a user output."""
+    h = torch.tanh(x @ x.t())
+    g = torch.tanh(h @ x)
+    return (g @ x).sum(), h
+
+
+def test_inputs_outputs_and_views_are_never_offloaded():
+    analysis, base = capture_analysis(returns_an_activation, torch.randn(256, 256, requires_grad=True))
+    outputs = {analysis.roots.get(o, o) for o in analysis.fw_outputs}
+    everything = offloadable(analysis, base, set(), lambda node: True)
+    assert [t.name for t in everything] == ["tanh_1"], "g, not the output h nor the input x"
+    for tensor in everything:
+        assert tensor.op == "call_function" and tensor not in outputs
+        assert analysis.roots.get(tensor, tensor) is tensor, "storage owners only"
+    _, _, _, solution = solve(HIDING, budget_bytes=0, model=(analysis, base))
+    assert not (solution.chosen.offloaded & outputs)
+
+
+OPS = ("linear", "tanh", "relu", "sin", "mul")
+
+
+def chain(ops, width):
+    """A chain of ``ops``; linear layers keep the width."""
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = nn.ModuleList(nn.Linear(width, width) for op in ops if op == "linear")
+
+        def forward(self, x):
+            linears = iter(self.linears)
+            for op in ops:
+                x = next(linears)(x) if op == "linear" else x * x if op == "mul" else getattr(torch, op)(x)
+            return x.sum()
+
+    return Chain()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=7),
+    link_exponent=st.floats(4.0, 12.0),
+    fractions=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=6),
+)
+def test_monotone_in_the_budget_and_never_slower_than_recompute_only(ops, link_exponent, fractions):
+    torch.manual_seed(0)
+    analysis, base = capture_analysis(chain(ops, 32), torch.randn(256, 32, requires_grad=True))
+    device = profile(flops=1e10, link=10**link_exponent)
+    seconds = functools.partial(node_seconds, profile=device)
+    unconstrained = solve_joint(analysis, base, seconds, None, None, options(device))
+    budgets = sorted({int(f * unconstrained.baseline.peak_bytes) for f in fractions}, reverse=True)
+    peaks = []
+    for budget in budgets:
+        solution = solve_joint(analysis, base, seconds, budget, None, options(device))
+        peaks.append(solution.chosen.peak_bytes)
+        assert solution.feasible == (solution.chosen.peak_bytes <= budget)
+        greedy = solve_greedy(analysis, base, seconds, budget)
+        if greedy.feasible:
+            assert solution.feasible
+            ours = solution.chosen.extra_seconds
+            assert ours <= step_seconds(analysis, greedy.chosen.saved, seconds) - step_seconds(analysis, base, seconds)
+        assert solution.minimum.peak_bytes <= greedy.minimum.peak_bytes
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), (budgets, peaks)
