@@ -62,3 +62,70 @@ def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str]) -> fx.GraphM
     graph.lint()
     bw_gm.recompile()
     return bw_gm
+
+
+# --- copies: where the forward waits for offloads, where the backward issues reloads -------
+
+
+def _transfer_node(graph: fx.Graph, role: str, tensor: str) -> fx.Node | None:
+    """The node ``passes.offload.insert_offloads`` inserted with ``role`` for saved tensor ``tensor``."""
+    for node in graph.nodes:
+        meta = node.meta.get("offload")
+        if meta is not None and meta.get("role") == role and meta.get("tensor") == tensor:
+            return node
+    return None
+
+
+def place_offload_waits(fw_gm: fx.GraphModule, wait_after: dict[str, str]) -> fx.GraphModule:
+    """Move the forward's wait for each offloaded tensor (``wait_after``: saved tensor name
+    -> forward node name) right after that node, when it comes later than where the wait
+    is (its last forward use): the forward then waits only once compute has covered the
+    copy, and the tensor's device memory is held until then (what
+    ``passes.transfer.plan_transfers`` predicts and ``passes.memory.plan_program`` counts).
+    Names the graph lacks are left where they are."""
+    from .offload import ROLE_WAIT_OFFLOAD
+
+    graph = fw_gm.graph
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    by_name = {node.name: node for node in graph.nodes}
+    for tensor, anchor_name in wait_after.items():
+        wait, anchor = _transfer_node(graph, ROLE_WAIT_OFFLOAD, tensor), by_name.get(anchor_name)
+        if wait is None or anchor is None or anchor.op == "output" or position[anchor] <= position[wait]:
+            continue
+        if any(position[user] <= position[anchor] for user in wait.users):
+            continue  # something reads the saved value before the anchor: keep the wait ahead of it
+        anchor.append(wait)
+    graph.lint()
+    fw_gm.recompile()
+    return fw_gm
+
+
+def place_reloads(bw_gm: fx.GraphModule, reload_before: dict[str, str]) -> fx.GraphModule:
+    """Move each reload (``reload_before``: saved tensor name -> backward node name) right
+    before that node, never after its wait nor among the placeholders. Reloads are placed
+    in the order given, so reloads before one node are issued in that order (the link's
+    order in ``passes.transfer``). With ``config.prefetch=False`` the planner names each
+    tensor's first use, so its reload is issued right before it. Names the graph lacks
+    are left where they are."""
+    from .offload import ROLE_RELOAD, ROLE_WAIT_RELOAD
+
+    graph = bw_gm.graph
+    by_name = {node.name: node for node in graph.nodes}
+    # Reloads named before a placeholder go before the first node that is neither a
+    # placeholder nor a reload (a fixed point, so they keep the order given).
+    first_compute = next(n for n in graph.nodes
+                         if n.op != "placeholder" and n.meta.get("offload", {}).get("role") != ROLE_RELOAD)
+    for tensor, anchor_name in reload_before.items():
+        reload, wait = _transfer_node(graph, ROLE_RELOAD, tensor), _transfer_node(graph, ROLE_WAIT_RELOAD, tensor)
+        anchor = by_name.get(anchor_name)
+        if reload is None or wait is None or anchor is None:
+            continue
+        if anchor.op == "placeholder":
+            anchor = first_compute
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        if position[anchor] > position[wait]:
+            anchor = wait
+        anchor.prepend(reload)
+    graph.lint()
+    bw_gm.recompile()
+    return bw_gm

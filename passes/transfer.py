@@ -22,8 +22,9 @@ prefetch (``prefetch=False``, a debugging switch) each reload is issued right be
 first use, and its whole copy is exposed.
 
 The *exposed* time is what the compute stream spends waiting for copies; with the
-launches of the copy and wait ops, it is all that offloading adds to a step. ``plan_transfers`` simulates it exactly along the predicted
-schedules; ``LinkEstimate`` gives the solver a cheap marginal estimate for one more offload.
+launches of the copy and wait ops, it is all that offloading adds to a step.
+``plan_transfers`` simulates it exactly along the predicted schedules; ``LinkEstimate``
+gives the solver a cheap marginal estimate for one more offload.
 """
 
 from __future__ import annotations
@@ -270,10 +271,10 @@ class LinkEstimate:
     Forward: copies released at their producers' ends, one at a time in release order; the
     last finishes at ``max_i(release_i + durations from i on)``, and what passes the
     forward's end is exposed (exactly ``plan_transfers``'s forward stall). Backward: copies
-    due at their first uses, all released at the backward's start; at least
-    ``max_i(durations due by use_i - use_i)`` is exposed (the maximum lateness of the
-    earliest-deadline-first schedule; ``plan_transfers`` may find less, as stalls give later
-    copies more time). Both maxima are kept as prefix and suffix maxima over the sorted
+    due at their first uses, all released at the backward's start; no issue order exposes
+    less than ``max_i(durations due by use_i - use_i)`` (the maximum lateness of the
+    earliest-deadline-first order), and ``plan_transfers`` exposes some time exactly when
+    that is positive. Both maxima are kept as prefix and suffix maxima over the sorted
     copies, so one more copy costs a binary search.
     """
 
@@ -287,7 +288,7 @@ class LinkEstimate:
         self.d2h = self._release_queue([(self._release(t), self._d2h(t)) for t in offloaded])
         self.h2d = self._deadline_queue([(self._due(t), self._h2d(t)) for t in offloaded if t in self.first_use])
         self.forward_exposed = max(0.0, self.d2h.makespan - forward.total)
-        self.backward_exposed = self._backward_exposed(self.h2d.lateness)
+        self.backward_exposed = max(0.0, self.h2d.lateness)
 
     def _d2h(self, tensor: fx.Node) -> float:
         return transfer_seconds(self.a.bytes_of.get(tensor, 0), self.profile, "d2h")
@@ -300,9 +301,6 @@ class LinkEstimate:
 
     def _due(self, tensor: fx.Node) -> float:
         return self.backward.starts[self.first_use[tensor]]
-
-    def _backward_exposed(self, lateness: float) -> float:
-        return max(0.0, lateness)
 
     @staticmethod
     def _release_queue(copies: list[tuple[float, float]]) -> "_Queue":
@@ -334,7 +332,7 @@ class LinkEstimate:
         if not self.prefetch:  # issued at its use: the whole copy waits, plus the queue
             return forward, h2d
         lateness = self.h2d.with_deadline(self._due(tensor), h2d)
-        return forward, self._backward_exposed(lateness) - self.backward_exposed
+        return forward, max(0.0, lateness) - self.backward_exposed
 
     def launch_seconds(self, tensor: fx.Node) -> float:
         """The compute stream's time to launch the tensor's copies and waits."""
