@@ -6,31 +6,29 @@ backward use, which frees its device memory in between (``passes.transfer`` says
 copies run and what they expose; ``passes.memory`` simulates the peak with them, the
 device copy counted until the forward waits for it and the reload from its issue).
 
-A greedy sequence of moves mixes both kinds, each step taking the move with the most
-freed bytes per second of marginal cost: a recompute move costs its recompute time, an
-offload move the exposed time it adds (``transfer.LinkEstimate``: zero while compute
-hides the copy, growing once the link saturates) plus a *link price* per second of
-device->host link time. The price says what the link is worth: the forward can hide only
-so many bytes of copies, and spending them on a tensor that is cheap to recompute leaves
-expensive ones to recompute. The right price depends on how far the budget pushes, so
-there is one sequence per price (``link_prices``: 0, offload first while hidden, and the
-prices that recompute moves pay per byte).
+A mixed greedy sequence takes, at each step, the move with the most freed bytes per second
+of marginal predicted step time: a recompute move costs its recompute time, an offload
+move the stall it adds (``transfer.LinkEstimate``: zero while compute hides the copy,
+growing once the link is saturated, since each direction carries one copy at a time) and
+the launches of its copy and wait ops. Hidden offloads therefore come first, until the
+forward's compute can hide no more bytes; then recompute and exposed copies compete.
 
-Two more sequences: recompute only (the candidates of ``solve_greedy``), and mixed moves at
-price 0 from its lowest-peak plan. Past that plan the recompute greedy only raises the
-peak (recomputing the residual stream recomputes whole blocks at once), while offloading
-what that plan still saves lowers it: the way to the lowest peaks.
+Which tensors are worth offloading depends on what is already recomputed, so mixed
+sequences start from several plans of the recompute-only sequence: its first plan, its
+first plan below each eighth of the unconstrained peak, and its lowest-peak plan (past
+which the recompute greedy only raises the peak, recomputing the residual stream block by
+block, while offloading what that plan saves lowers it). The recompute-only sequence is
+a candidate set too, so enabling offload never predicts a slower plan.
 
 Every prefix of every sequence is a candidate plan, simulated. A budget picks the fastest
 candidate that fits, else the lowest-peak one (``passes.solve._pick``). The candidate set
 does not depend on the budget, so a smaller budget never gets a larger predicted peak
-(monotone); and as it holds the recompute-only candidates, enabling offload never
-predicts a slower plan.
+(monotone).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -60,54 +58,48 @@ from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, f
 # merged (the later one kept): it bounds the number of simulations on large graphs while
 # leaving every budget a plan within that fraction of the best.
 EVALUATION_GRANULARITY = 1 / 512
+# Mixed sequences branch off the recompute-only one at this many levels of its peak.
+BRANCHES = 8
 
 
 def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                budget_fraction: float | None = None, offload: OffloadOptions | None = None,
-                prices: Sequence[float] | None = None) -> Solution:
+                budget_fraction: float | None = None, offload: OffloadOptions | None = None) -> Solution:
     """Keep, recompute or offload each saved tensor so the simulated peak fits the budget
     at the least predicted step time. ``offload=None`` is recompute only
-    (``passes.solve.solve_greedy``). ``prices``: the link prices of the mixed sequences
-    (default ``link_prices``)."""
+    (``passes.solve.solve_greedy``)."""
     if offload is None:
         return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction)
     evaluate = Evaluator(a, seconds, offload, base_saved)
     start = Prefix(frozenset(base_saved), frozenset(), ())
-    recompute_moves = greedy_moves(a, base_saved, seconds)
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
-    # predicts a slower plan), and mixed moves on from its lowest-peak plan: past it the
-    # recompute greedy raises the peak, and offloading what that plan saves lowers it.
-    recompute = prefixes(a, start, recompute_moves)
-    lowest = min([start, *recompute], key=lambda plan: _lowest(evaluate(plan)))
+    # predicts a slower plan), and mixed sequences branching off it.
+    recompute = prefixes(a, start, greedy_moves(a, base_saved, seconds))
     schedules = ScheduleCache(a, seconds)
     granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
-    sequences = [recompute, prefixes(a, lowest, mixed_moves(a, lowest.saved, seconds, offload, 0.0, schedules),
-                                     granularity)]
-    for price in link_prices(recompute_moves, offload) if prices is None else prices:
-        moves = mixed_moves(a, base_saved, seconds, offload, price, schedules)
-        sequences.append(prefixes(a, start, moves, granularity))
+    sequences = [recompute]
+    for branch in branch_points([start, *recompute], evaluate, BRANCHES):
+        moves = mixed_moves(a, branch.saved, seconds, offload, schedules)
+        sequences.append(prefixes(a, branch, moves, granularity))
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
     return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
 
 
+def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
+    """Where mixed sequences start: the recompute-only sequence's first plan, its first
+    plan below each of ``levels`` evenly spaced fractions of the first plan's peak, and its
+    lowest-peak plan. Which tensors are worth offloading depends on what is already
+    recomputed, so the mix is tried from several depths of recomputation."""
+    peaks = [evaluate(plan).peak_bytes for plan in sequence]
+    points = [sequence[0]]
+    for level in range(levels - 1, 0, -1):
+        points.append(next((plan for plan, peak in zip(sequence, peaks) if peak < level / levels * peaks[0]), None))
+    points.append(min(sequence, key=lambda plan: _lowest(evaluate(plan))))
+    distinct = {id(plan): plan for plan in points if plan is not None}
+    return list(distinct.values())
+
+
 def _lowest(candidate: Candidate) -> tuple[int, float]:
     return candidate.peak_bytes, candidate.extra_seconds
-
-
-# --- link prices ---------------------------------------------------------------------------
-
-
-def link_prices(recompute_moves: Iterable[Move], offload: OffloadOptions) -> list[float]:
-    """0, and the price per second of device->host link time at which offloading a byte
-    costs what recomputing one does at the quartiles of the recompute moves' cost per byte
-    (capped at 1: a fully exposed copy costs its link time)."""
-    per_byte = sorted(m.extra_seconds / m.freed_bytes for m in recompute_moves if m.freed_bytes > 0)
-    prices = [0.0]
-    for quartile in (1, 2, 3):
-        if per_byte:
-            cost = per_byte[min(len(per_byte) - 1, quartile * len(per_byte) // 4)]
-            prices.append(min(1.0, cost * offload.profile.d2h_bandwidth))
-    return sorted(set(prices))
 
 
 # --- the mixed greedy sequence ---------------------------------------------------------------
@@ -141,10 +133,10 @@ def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.No
 
 
 def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds, offload: OffloadOptions,
-                price: float = 0.0, schedules: "ScheduleCache | None" = None) -> list[Move]:
-    """The greedy sequence of recompute and offload moves from ``base_saved`` at one link
-    price, most freed bytes per second of cost first (ties: more bytes, then the earlier
-    tensor). An offload move's ``extra_seconds`` is its estimated exposed and launch time."""
+                schedules: "ScheduleCache | None" = None) -> list[Move]:
+    """The greedy sequence of recompute and offload moves from ``base_saved``, most freed
+    bytes per second of marginal cost first (ties: more bytes, then the earlier tensor).
+    An offload move's cost (its ``extra_seconds``) is its estimated exposed and launch time."""
     schedules = schedules or ScheduleCache(a, seconds)
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
@@ -154,7 +146,7 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     while True:
         best_key, best = None, None
         options = [*_recompute_moves(a, saved, recomputed, offloaded, seconds),
-                   *_offload_moves(a, saved, offloaded, offload, price, eligible, schedules)]
+                   *_offload_moves(a, saved, offloaded, offload, eligible, schedules)]
         for move, cost in options:
             key = (move.freed_bytes / max(cost, 1e-12), move.freed_bytes, -a.position[move.group.root])
             if best_key is None or key > best_key:
@@ -185,11 +177,10 @@ def _recompute_moves(a: JointAnalysis, saved: set, recomputed: set, offloaded: s
                 yield Move(group, added, cost, gain, closure), cost
 
 
-def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, price: float, eligible,
+def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, eligible,
                    schedules: "ScheduleCache"):
-    """(move, cost) for each offloadable storage: estimated exposed and launch seconds plus
-    ``price`` per second of device->host link time (the scarce direction: the forward is shorter
-    than the backward, and every byte offloaded must leave the device during it)."""
+    """(move, cost) for each offloadable storage: the exposed seconds it adds, estimated
+    against the copies already planned (zero until the link saturates), and its launches."""
     candidates = offloadable(a, saved, offloaded, eligible)
     if not candidates:
         return
@@ -197,8 +188,7 @@ def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: Offloa
     link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
-        d2h, _ = link.link_seconds(tensor)
-        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload"), added + price * d2h
+        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload"), added
 
 
 def _memo(fn):
@@ -214,7 +204,7 @@ def _memo(fn):
 
 class ScheduleCache:
     """Forward and backward schedules per saved set: offload moves leave the saved set as it
-    is, and the sequences of different prices share saved sets."""
+    is, and sequences from different branch points share saved sets."""
 
     def __init__(self, a: JointAnalysis, seconds: Seconds) -> None:
         self.a, self.seconds = a, seconds
