@@ -184,6 +184,7 @@ def _plan_offloads(a: JointAnalysis, forward: Schedule, offloaded: set[fx.Node],
     index = forward.index
     link_free = 0.0
     last = len(forward.nodes) - 1
+    now = forward.total  # where the forward's end has got to, waiting for copies
     for tensor in sorted(offloaded, key=index.__getitem__):  # issue order: producer order
         issued = forward.end(index[tensor])
         begin = max(issued, link_free)
@@ -191,12 +192,13 @@ def _plan_offloads(a: JointAnalysis, forward: Schedule, offloaded: set[fx.Node],
         wait = last_forward_use(a, tensor, index)
         while wait < last and forward.end(wait) < end:
             wait += 1
-        stall = max(0.0, end - forward.end(wait))
+        # Only waits after the last node can find their copy unfinished; they run in
+        # issue order, which is the order the copies finish in.
+        stall = max(0.0, end - now) if wait == last else 0.0
+        now += stall
         plan.offload_wait_after[tensor] = forward.nodes[wait]
         plan.copies.append(Copy(tensor, "d2h", index[tensor], begin, end, wait, stall))
-    # Every wait that is not covered sits at the forward's last node: the forward's end
-    # stalls until the last copy is done, which covers all the others.
-    plan.forward_exposed_seconds = max((c.stall for c in plan.copies), default=0.0)
+    plan.forward_exposed_seconds = now - forward.total
 
 
 def _plan_reloads(a: JointAnalysis, backward: Schedule, offloaded: set[fx.Node], profile: DeviceProfile,

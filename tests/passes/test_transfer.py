@@ -115,6 +115,8 @@ def test_each_direction_carries_one_copy_at_a_time():
     both = plan_transfers(analysis, saved, {first, second}, seconds, device)
     assert alone == [0.0, 0.0]
     assert both.forward_exposed_seconds == pytest.approx(ends[first] + 2 * copy_seconds - total)
+    stalls = [c.stall for c in both.copies if c.direction == "d2h"]
+    assert stalls == [0.0, pytest.approx(both.forward_exposed_seconds)], "only the second copy stalls"
 
 
 def test_the_forward_waits_once_compute_has_covered_the_copy():
