@@ -81,10 +81,6 @@ class Program:
                  f"    return ({', '.join(self.outputs)},)"]
         return "\n".join(lines) + "\n"
 
-    @property
-    def has_dropout(self) -> bool:
-        return any("F.dropout" in line for line in self.body)
-
     def __repr__(self) -> str:
         modules = [f"self.{m.name} = {m.constructor}" for m in self.modules]
         return "\n".join([
@@ -104,16 +100,17 @@ class Program:
         return module.to(self.dtype).train()
 
     def make_inputs(self, seed: int = 0) -> list[torch.Tensor]:
-        """Inputs drawn from ``seed`` (leaves that do not require grad yet; the caller
-        sets ``requires_grad`` on fresh copies, see ``InputSpec.requires_grad``)."""
+        """Inputs drawn from ``seed`` (in float32, then cast: the same values whatever the
+        dtype, up to rounding). They do not require grad yet: the caller sets that, see
+        ``InputSpec.requires_grad``."""
         generator = torch.Generator().manual_seed(seed)
         tensors = []
         for spec in self.inputs:
             rows, cols = spec.shape
             if spec.transposed:
-                tensors.append(torch.randn(cols, rows, generator=generator, dtype=self.dtype).t())
+                tensors.append(torch.randn(cols, rows, generator=generator).to(self.dtype).t())
             else:
-                tensors.append(torch.randn(rows, cols, generator=generator, dtype=self.dtype))
+                tensors.append(torch.randn(rows, cols, generator=generator).to(self.dtype))
         return tensors
 
 
@@ -386,7 +383,7 @@ def _in_place(b: _Builder) -> bool:
     if operand is not None:
         choices += [f"add_({operand.name})", f"mul_({operand.name})"]
     if fresh.shape[1] >= 2:
-        choices.append(f"[:, 1:].mul_(1.5)")  # through a view with a storage offset
+        choices.append("[:, 1:].mul_(1.5)")  # through a view with a storage offset
     op = b.draw(st.sampled_from(choices))
     b.mark_read(op)  # the operand; ``fresh`` itself is written, not read
     b.body.append(f"{fresh.name}{'' if op.startswith('[') else '.'}{op}")
@@ -431,7 +428,9 @@ OPS: dict[str, Callable[[_Builder], bool]] = {
 @st.composite
 def programs(draw, dtypes=(torch.float32, torch.float64), min_ops: int = 1, max_ops: int = MAX_OPS,
              ops=tuple(OPS)) -> Program:
-    """Random programs of ``min_ops`` to ``max_ops`` ops drawn from ``ops`` (names in ``OPS``)."""
+    """Random programs of ``min_ops`` to ``max_ops`` ops drawn from ``ops`` (names in
+    ``OPS``), returning every value no op reads; programs none of whose outputs needs a
+    gradient are rejected (``assume``)."""
     builder = _Builder(draw)
     num_inputs = draw(st.integers(1, 3))
     inputs = []
