@@ -224,7 +224,8 @@ def _binary(b: _Builder) -> bool:
     a = b.pick()
     other = b.pick(lambda v: _broadcast(v.shape, a.shape) is not None)
     operator = b.draw(st.sampled_from(("+", "*", "-")))
-    b.emit(f"{a.name} {operator} {other.name}", _broadcast(a.shape, other.shape), a.requires_grad or other.requires_grad)
+    shape = _broadcast(a.shape, other.shape)
+    b.emit(f"{a.name} {operator} {other.name}", shape, a.requires_grad or other.requires_grad)
     return True
 
 

@@ -41,7 +41,8 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, currently_in_test_context, event, example, given, note, seed, settings, strategies as st
+from hypothesis import HealthCheck, currently_in_test_context, event, example, given, note, seed, settings
+from hypothesis import strategies as st
 
 import compile_offload
 from compile_offload import ops
@@ -136,7 +137,8 @@ def make_inputs(program: Program, rng_seed: int) -> list[torch.Tensor]:
     ]
 
 
-def run_step(program: Program, module: torch.nn.Module, forward: Callable, rng_seed: int = 0) -> dict[str, torch.Tensor | None]:
+def run_step(program: Program, module: torch.nn.Module, forward: Callable,
+             rng_seed: int = 0) -> dict[str, torch.Tensor | None]:
     """One forward and backward of ``forward`` (``module`` or its compiled wrapper): every
     output, the gradient of every input and parameter, and every buffer, by name.
 
@@ -213,7 +215,8 @@ def run_eager(program: Program, rng_seed: int = 0) -> dict[str, torch.Tensor | N
 FALLBACK = "falling back to torch's default"
 
 
-def assert_same_tensors(actual: dict, expected: dict, compare: Callable[[str, torch.Tensor, torch.Tensor], None]) -> None:
+def assert_same_tensors(actual: dict, expected: dict,
+                        compare: Callable[[str, torch.Tensor, torch.Tensor], None]) -> None:
     assert actual.keys() == expected.keys(), sorted(actual.keys() ^ expected.keys())
     for what, want in expected.items():
         got = actual[what]
@@ -236,7 +239,8 @@ def assert_close_for_dtype(what: str, got: torch.Tensor, want: torch.Tensor) -> 
 
 
 def assert_bitwise(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
     assert torch.equal(got, want), f"{what}: not bitwise equal; max abs difference {(got - want).abs().max().item()}"
 
 
