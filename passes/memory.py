@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .analyze import JointAnalysis, allocated_bytes, storage_roots, tensor_value
+from .analyze import JointAnalysis, _aliased_input, allocated_bytes, storage_roots, tensor_value
 from .schedule import just_in_time_order
 
 
@@ -201,10 +201,17 @@ def plan_program(
     order = backward_order(a, recomputed)
 
     def backward_key(node: fx.Node) -> Hashable:
-        base = root(node, node)
-        if base in recomputed:
-            return ("recomputed", base)
-        return reloaded.get(base, base)
+        # Walk the view chain towards the storage: a saved tensor (or a view of one) reads
+        # the forward's storage even when its base is also recomputed for other users.
+        current = node
+        while True:
+            if current in saved:
+                base = root(current, current)
+                return reloaded.get(base, base)
+            parent = _aliased_input(current)
+            if parent is None:
+                return ("recomputed", current) if current in recomputed else reloaded.get(current, current)
+            current = parent
 
     first_use: dict[fx.Node, int] = {}
     for index, node in enumerate(order):
