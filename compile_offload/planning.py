@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from collections.abc import Sequence
@@ -18,21 +17,18 @@ from passes.memory import fused_nodes
 from passes.rewrite import build_graphs
 from passes.offload import eligible_for_offload
 from passes.solve import (
-    OffloadOptions,
     Solution,
     SolverError,
     compute_node,
     solve_exact,
-    solve_greedy,
     step_seconds,
     without_banned_recompute,
 )
+from passes.solve_offload import OffloadOptions, solve_joint
+from passes.transfer import TransferPlan, plan_transfers
 
 from . import plan_cache
 from .settings import Settings
-
-log = logging.getLogger("compile_offload")
-
 
 class BudgetError(ValueError):
     """The budget is below the minimum achievable peak and ``strict_budget`` is set."""
@@ -64,6 +60,24 @@ def plan_partition(
     static_lifetime_input_indices: list[int] | None = None,
     graph_name: str = "graph",
 ) -> PartitionResult:
+    """Plan and partition one joint graph under ``settings``, and report it (logs, trace, dump)."""
+    from .logs import emit
+
+    result = _plan_partition(joint_gm, joint_inputs, settings, num_fwd_outputs=num_fwd_outputs,
+                             static_lifetime_input_indices=static_lifetime_input_indices, graph_name=graph_name)
+    emit(result, joint_gm, settings)
+    return result
+
+
+def _plan_partition(
+    joint_gm: fx.GraphModule,
+    joint_inputs: Sequence[object],
+    settings: Settings,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    graph_name: str = "graph",
+) -> PartitionResult:
     """Plan and partition one joint graph under ``settings``.
 
     A graph the planner cannot handle falls back to torch's min-cut partition (a correct
@@ -83,11 +97,6 @@ def plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     try:
         analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
-        if settings.plan_cache_dir is not None:
-            cached = plan_cache.lookup(joint.gm, settings, profile.to_dict())
-            if cached is not None:
-                return _rebuild_from_cache(analysis, cached, settings, num_fwd_outputs, graph_name, joint.gm)
-        base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
         memo: dict[fx.Node, float] = {}
         # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
         fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
@@ -96,6 +105,13 @@ def plan_partition(
             if node not in memo:
                 memo[node] = 0.0 if node in fused else node_seconds(node, profile)
             return memo[node]
+
+        if settings.plan_cache_dir is not None:
+            cached = plan_cache.lookup(joint.gm, settings, profile.to_dict(), analysis=analysis)
+            if cached is not None:
+                return _rebuild_from_cache(analysis, cached, settings, num_fwd_outputs, graph_name, joint.gm,
+                                           seconds, profile)
+        base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
 
         solution = None
         if settings.solver == "exact":
@@ -108,10 +124,12 @@ def plan_partition(
             offload = None
             if settings.offload and not settings.debug_force_offload:
                 offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], settings.prefetch)
-            solution = solve_greedy(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction,
-                                    offload)
+            solution = solve_joint(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction,
+                                   offload)
         fw_gm, bw_gm = build_graphs(analysis, set(solution.chosen.saved))
-        fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, solution, settings, num_fwd_outputs)
+        chosen = solution.chosen
+        fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, settings,
+                                                num_fwd_outputs)
     except (NotImplementedError, KeyError, AssertionError, TypeError, RuntimeError) as error:
         warnings.warn(
             f"compile_offload: {graph_name}: the planner could not handle this graph ({type(error).__name__}: "
@@ -129,73 +147,49 @@ def plan_partition(
                      time.perf_counter() - started)
     fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     _report_budget(plan, settings)
-    log.info("%s", plan.summary() + f" [solver {plan.solver}, {plan.solve_seconds:.2f} s]")
-    log.debug("%s", plan.table())
     if settings.plan_cache_dir is not None:
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
-    _trace_plan(plan)
-    if settings.dump_dir is not None:
-        from .dump import write_dump
-
-        folder = write_dump(settings.dump_dir, plan, joint.gm, fw_gm, bw_gm,
-                            solution.chosen.timeline, solution.baseline.timeline)
-        log.info("%s: dumped graphs and plan to %s", graph_name, folder)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
 
 
 def _rebuild_from_cache(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: int,
-                        graph_name: str, joint_gm: fx.GraphModule) -> PartitionResult:
-    """The graphs of a cached plan, without solving."""
+                        graph_name: str, joint_gm: fx.GraphModule, seconds, profile) -> PartitionResult:
+    """The graphs of a cached plan, without solving. The plan stores decisions only; where
+    the copies go follows from them and the cost model (``passes.transfer``), as when solved."""
     by_name = {node.name: node for node in joint_gm.graph.nodes}
-    fw_gm, bw_gm = build_graphs(a, {by_name[name] for name in plan.saved})
-    if plan.offloaded:
-        from passes.offload import insert_offloads
-
-        from . import pinned_pool
-        from .ops import OFFLOAD_OPS
-
-        pinned_pool.set_limit(settings.pinned_pool_limit)
-        for name, distance in plan.offloaded.items():
-            fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, [name], OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
-                                           prefetch_distance=distance if settings.prefetch else 0)
+    saved = {by_name[name] for name in plan.saved}
+    offloaded = {by_name[name] for name in plan.offloaded}
+    fw_gm, bw_gm = build_graphs(a, saved)
+    transfers = plan_transfers(a, saved, offloaded, seconds, profile, settings.prefetch) if offloaded else None
+    fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers, settings, num_fwd_outputs)
     fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     plan.graph_name = graph_name
     plan.notes.append("reused from the plan cache")
-    log.info("%s", plan.summary() + " [from the plan cache]")
     return PartitionResult(plan, fw_gm, bw_gm, a, None)
 
 
-def _trace_plan(plan: Plan) -> None:
-    """The plan as a ``TORCH_TRACE`` artifact, so tlparse shows it next to the graphs."""
-    import json
-
-    from torch._logging import trace_structured
-
-    trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": f"compile_offload_plan_{plan.graph_name}", "encoding": "json"},
-        payload_fn=lambda: json.dumps(plan.to_dict(), default=str),
-    )
-
-
-def _insert_planned_offloads(fw_gm, bw_gm, solution: Solution, settings: Settings, num_fwd_outputs: int):
-    """Offload the tensors the solver chose, each reload as far ahead as the plan says."""
-    chosen = solution.chosen
-    if not chosen.offloaded:
+def _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers: TransferPlan | None, settings: Settings,
+                             num_fwd_outputs: int):
+    """Offload the tensors the plan chose: copies inserted next to their producers and first
+    uses, then each forward wait and backward reload moved where the transfer model put it."""
+    if not offloaded:
         return fw_gm, bw_gm
     from passes.offload import eligible_saved_tensors, insert_offloads
+    from passes.schedule import place_offload_waits, place_reloads
 
     from . import pinned_pool
     from .ops import OFFLOAD_OPS
 
     pinned_pool.set_limit(settings.pinned_pool_limit)
     eligible = set(eligible_saved_tensors(fw_gm, num_fwd_outputs))
-    for tensor in sorted(chosen.offloaded, key=lambda n: n.name):
-        if tensor.name not in eligible:
-            raise RuntimeError(f"planned offload of {tensor.name} is not an eligible saved tensor of the forward graph")
-        distance = chosen.transfers.reload_distance.get(tensor, 1) if settings.prefetch else 0
-        fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, [tensor.name], OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
-                                       prefetch_distance=distance)
+    names = sorted(tensor.name for tensor in offloaded)
+    for name in names:
+        if name not in eligible:
+            raise RuntimeError(f"planned offload of {name} is not an eligible saved tensor of the forward graph")
+    fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
+                                   prefetch_distance=0)
+    fw_gm = place_offload_waits(fw_gm, {t.name: node.name for t, node in transfers.offload_wait_after.items()})
+    bw_gm = place_reloads(bw_gm, {t.name: node.name for t, node in transfers.reload_before.items()})
     return fw_gm, bw_gm
 
 
@@ -248,9 +242,8 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
             continue
         if tensor in solution.chosen.offloaded:
             transfers = solution.chosen.transfers
-            decision, cost = "offload", 0.0
-            reason = (f"offloaded to host memory; reload {transfers.reload_distance.get(tensor, 0)} backward steps ahead, "
-                      f"behind {transfers.hidden_behind_seconds.get(tensor, 0.0) * 1e3:.3f} ms of compute")
+            decision, reason = "offload", solution.offloaded[tensor]
+            cost = sum(copy.stall for copy in transfers.copies if copy.tensor is tensor)
         elif tensor in solution.recomputed:
             parent = compute_node(tensor)
             cost = 0.0 if parent in counted_parents else seconds(parent)
@@ -286,7 +279,7 @@ def make_plan(a: JointAnalysis, solution: Solution, seconds, settings: Settings,
         feasible=solution.feasible,
         budget_bytes=solution.budget_bytes,
         predicted_peak_bytes=solution.chosen.peak_bytes,
-        predicted_step_seconds=step_seconds(a, final, seconds) + exposed,
+        predicted_step_seconds=step_seconds(a, final, seconds) + (transfers.added_seconds if transfers else 0.0),
         baseline_peak_bytes=solution.baseline.peak_bytes,
         baseline_step_seconds=baseline_seconds,
         min_peak_bytes=solution.minimum.peak_bytes,

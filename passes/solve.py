@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
-from .cost import DeviceProfile, transfer_seconds
 from .memory import Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
-from .transfer import TransferPlan, plan_transfers
+from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
 
@@ -178,81 +177,18 @@ def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at
     return frozenset(closure), tuple(sorted(added, key=a.position.__getitem__))
 
 
-@dataclass(frozen=True)
-class OffloadOptions:
-    """Let the greedy solver offload saved storages as well as recompute them."""
-
-    profile: DeviceProfile
-    eligible: Callable[[fx.Node], bool]  # may this storage-owning tensor be offloaded?
-    prefetch: bool = True
-
-
-class _LinkBudget:
-    """Cheap marginal cost of one more offload, for ranking moves: copy time beyond the
-    compute of the side it overlaps with is exposed (``passes.transfer`` models it
-    exactly when plans are evaluated)."""
-
-    def __init__(self, a: JointAnalysis, saved, seconds: Seconds, options: OffloadOptions) -> None:
-        recomputed = recomputed_nodes(a, set(saved))
-        forward = forward_nodes_needed(a, set(saved))
-        self.forward = _seconds_of(a, forward, seconds)
-        self.backward = _seconds_of(a, [*recomputed, *a.bw_nodes], seconds)
-        # Compute time finished when each forward node ends, to measure how much compute
-        # lies between a tensor's producer and its last forward use (where the forward
-        # waits for its copy).
-        self.finished: dict[fx.Node, float] = {}
-        elapsed = 0.0
-        for node in forward:
-            elapsed += seconds(node) if node.op == "call_function" else 0.0
-            self.finished[node] = elapsed
-        self.d2h = self.h2d = 0.0
-        self.options = options
-
-    def _exposed(self, d2h: float, h2d: float) -> float:
-        return max(0.0, d2h - self.forward) + max(0.0, h2d - self.backward)
-
-    def marginal(self, tensor: fx.Node, nbytes: int) -> float:
-        profile = self.options.profile
-        d2h, h2d = transfer_seconds(nbytes, profile, "d2h"), transfer_seconds(nbytes, profile, "h2d")
-        start = self.finished.get(tensor, 0.0)
-        window = max((self.finished.get(u, start) for u in tensor.users), default=start) - start
-        launches = 2 * profile.launch_overhead_seconds
-        link = self._exposed(self.d2h + d2h, self.h2d + h2d) - self._exposed(self.d2h, self.h2d)
-        return max(0.0, d2h - window) + link + launches
-
-    def add(self, nbytes: int) -> None:
-        self.d2h += transfer_seconds(nbytes, self.options.profile, "d2h")
-        self.h2d += transfer_seconds(nbytes, self.options.profile, "h2d")
-
-
-def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds,
-                 offload: OffloadOptions | None = None) -> list[Move]:
-    """The greedy sequence of moves from ``base_saved``, most bytes per second first.
-
-    With ``offload``, a saved storage may also be copied to host memory; a copy hidden
-    behind compute costs almost nothing, so hidden offloads come first, then whichever of
-    recompute and exposed copies is cheaper per byte.
-    """
+def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> list[Move]:
+    """The greedy sequence of recompute moves from ``base_saved``, most bytes freed per
+    second of recompute first (ties: more bytes, then the earlier storage). Offload moves
+    are mixed in by ``passes.solve_offload``."""
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
-    offloaded: set[fx.Node] = set()
-    link = _LinkBudget(a, saved, seconds, offload) if offload else None
-    outputs = {a.roots.get(o, o) for o in a.fw_outputs}
     moves: list[Move] = []
     while True:
         held = {a.roots.get(s, s) for s in saved}
         best: tuple[float, int, int] | None = None
         best_move: Move | None = None
-
-        def consider(move: Move, cost: float) -> None:
-            nonlocal best, best_move
-            key = (move.freed_bytes / max(cost, 1e-12), move.freed_bytes, -a.position[move.group.root])
-            if best is None or key > best:
-                best, best_move = key, move
-
         for group in _groups(a, saved):
-            if group.root in offloaded:
-                continue
             freed = a.bytes_of.get(group.root, 0)
             for stop_at_matmul in (True, False):
                 closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
@@ -260,18 +196,12 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
                 gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
                 if gain > 0:
                     cost = _seconds_of(a, closure - recomputed, seconds)
-                    consider(Move(group, added, cost, gain, closure), cost)
-            if link and group.members == {group.root} and group.root not in outputs and freed > 0 \
-                    and offload.eligible(group.root):
-                cost = link.marginal(group.root, freed)
-                consider(Move(group, (), cost, freed, frozenset(), kind="offload"), cost)
+                    key = (gain / max(cost, 1e-12), gain, -a.position[group.root])
+                    if best is None or key > best:
+                        best, best_move = key, Move(group, added, cost, gain, closure)
         if best_move is None:
             return moves
-        if best_move.kind == "offload":
-            offloaded.add(best_move.group.root)
-            link.add(best_move.freed_bytes)
-        else:
-            _apply(best_move, saved, recomputed)
+        _apply(best_move, saved, recomputed)
         moves.append(best_move)
 
 
@@ -281,16 +211,11 @@ def _apply(move: Move, saved: set, recomputed: set) -> None:
     saved.update(move.added)
 
 
-def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False,
-             offloaded: Iterable[fx.Node] = (), transfers: TransferPlan | None = None) -> Candidate:
-    """Simulate one plan. ``extra_seconds`` is its recompute time; the exposed transfer
-    time of ``transfers`` is added to it."""
-    saved, offloaded = frozenset(saved), frozenset(offloaded)
-    distances = transfers.reload_distance if transfers else None
-    timeline = simulate(plan_program(a, set(saved), set(offloaded), fusion=a.fusion, reload_distance=distances))
-    exposed = transfers.exposed_seconds if transfers else 0.0
-    return Candidate(saved, extra_seconds + exposed, timeline.peak_bytes, timeline if keep_timeline else None,
-                     tuple(moves), offloaded, transfers)
+def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
+    """Simulate one recompute-only plan; ``extra_seconds`` is its recompute time."""
+    saved = frozenset(saved)
+    timeline = simulate(plan_program(a, set(saved), fusion=a.fusion))
+    return Candidate(saved, extra_seconds, timeline.peak_bytes, timeline if keep_timeline else None, tuple(moves))
 
 
 def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds) -> float:
@@ -319,36 +244,18 @@ def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, b
 
 
 def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                 budget_fraction: float | None = None, offload: OffloadOptions | None = None) -> Solution:
+                 budget_fraction: float | None = None) -> Solution:
+    """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits."""
     candidates = [evaluate(a, set(base_saved), 0.0)]
-    if offload is not None:
-        # The recompute-only sequence too: the choice is the fastest fitting plan of both
-        # (a fixed candidate set, so still monotone), so offload can only help.
-        candidates += _greedy_candidates(a, base_saved, seconds, None)
-    candidates += _greedy_candidates(a, base_saved, seconds, offload)
-    return _solution(a, candidates, budget_bytes, budget_fraction)
-
-
-def _greedy_candidates(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds,
-                       offload: OffloadOptions | None) -> list[Candidate]:
-    """One candidate per prefix of the greedy sequence (the empty prefix excluded)."""
-    moves = greedy_moves(a, base_saved, seconds, offload)
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
-    offloaded: set[fx.Node] = set()
-    candidates = []
     recompute_seconds = 0.0
+    moves = greedy_moves(a, base_saved, seconds)
     for index, move in enumerate(moves):
-        if move.kind == "offload":
-            offloaded.add(move.group.root)
-        else:
-            _apply(move, saved, recomputed)
-            recompute_seconds += move.extra_seconds
-        transfers = (plan_transfers(a, saved, offloaded, seconds, offload.profile, offload.prefetch)
-                     if offloaded else None)
-        candidates.append(evaluate(a, saved, recompute_seconds, moves[: index + 1], offloaded=offloaded,
-                                   transfers=transfers))
-    return candidates
+        _apply(move, saved, recomputed)
+        recompute_seconds += move.extra_seconds
+        candidates.append(evaluate(a, saved, recompute_seconds, moves[: index + 1]))
+    return _solution(a, candidates, budget_bytes, budget_fraction)
 
 
 def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int) -> list[Candidate]:
@@ -391,9 +298,7 @@ def _solution(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int |
         budget_bytes = int(budget_fraction * baseline.peak_bytes)
     chosen, feasible = _pick(candidates, budget_bytes)
     minimum = min(candidates, key=lambda c: (c.peak_bytes, c.extra_seconds))
-    exposed = chosen.transfers.exposed_seconds if chosen.transfers else 0.0
-    chosen = evaluate(a, chosen.saved, chosen.extra_seconds - exposed, chosen.moves, keep_timeline=True,
-                      offloaded=chosen.offloaded, transfers=chosen.transfers)
+    chosen = evaluate(a, chosen.saved, chosen.extra_seconds, chosen.moves, keep_timeline=True)
     baseline = evaluate(a, baseline.saved, 0.0, keep_timeline=True)
     solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
     _explain(a, solution)

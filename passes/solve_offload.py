@@ -28,18 +28,18 @@ does not depend on the budget, so a smaller budget never gets a larger predicted
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
+from .cost import DeviceProfile
 from .memory import plan_program, recomputed_nodes, simulate
 from .solve import (
     Candidate,
     Group,
     Move,
-    OffloadOptions,
     Seconds,
     Solution,
     _apply,
@@ -53,6 +53,15 @@ from .solve import (
     step_seconds,
 )
 from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, forward_schedule, plan_transfers
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Let the solver offload saved storages as well as recompute them."""
+
+    profile: DeviceProfile
+    eligible: Callable[[fx.Node], bool]  # may this storage-owning tensor be offloaded?
+    prefetch: bool = True
+
 
 # Candidate plans closer than this fraction of the unconstrained peak in freed bytes are
 # merged (the later one kept): it bounds the number of simulations on large graphs while

@@ -117,6 +117,20 @@ def test_parity_with_every_saved_tensor_offloaded(name, budget, captured_plans):
     assert sum(plan.count("offload") for plan in captured_plans) > 0, "something was offloaded"
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
+@pytest.mark.parametrize("name", ["conv_bn", "autocast_bf16"])
+def test_parity_with_planned_offload(name, prefetch, captured_plans):
+    """Offloads the solver chose (not forced), their waits and reloads placed where the
+    transfer model put them, train like eager. At the lowest budget these two models get
+    offloads under the CPU profile."""
+    case = CASES[name]
+    result = run_case(case, 0.0, inner_compiler="eager", offload=True, prefetch=prefetch, device_profile="cpu")
+    check_budget_reached_planner(result, captured_plans, 0.0, case.graphs)
+    offloads = [d for plan in captured_plans for d in plan.decisions if d.decision == "offload"]
+    assert offloads, "the solver offloaded something"
+    assert all("debug_force_offload" not in d.reason for d in offloads)
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "transformer_block"])

@@ -17,7 +17,8 @@ from passes.memory import graphs_program, simulate
 from passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eligible_for_offload, insert_offloads
 from passes.rewrite import build_graphs
 from passes.schedule import place_offload_waits, place_reloads
-from passes.solve import OffloadOptions, without_banned_recompute
+from passes.solve import without_banned_recompute
+from passes.solve_offload import OffloadOptions
 from passes.solve_offload import solve_joint
 
 

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from passes.cost import DeviceProfile, node_seconds
 from passes.memory import plan_program, recomputed_nodes, simulate
 from passes.offload import eligible_for_offload
-from passes.solve import OffloadOptions, solve_greedy, step_seconds
+from passes.solve import solve_greedy, step_seconds
+from passes.solve_offload import OffloadOptions
 from passes.solve_offload import offloadable, solve_joint
 
 from .joint_capture import capture_analysis
