@@ -66,7 +66,14 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
-    return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+    patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
+    if settings.dump_dir is None:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
+    # compiled code without calling the partitioner, and so write nothing.
+    patches["fx_graph_cache"] = False
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

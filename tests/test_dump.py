@@ -5,6 +5,7 @@ import json
 import logging
 import sys
 
+import pytest
 import torch
 
 import compile_offload
@@ -105,3 +106,19 @@ def test_every_graph_of_a_graph_break_gets_its_own_folder(tmp_path, monkeypatch)
     train_step(GraphBreakMLP(), mlp_inputs(), dump_dir=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(result.plan.graph_name for result, _ in captured)
     assert len(captured) == 2
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_warm_compile_cache_does_not_skip_the_dump(tmp_path, captured_plans):
+    """The same program compiled twice with Inductor's and AOTAutograd's caches on: the
+    second compile would be a cache hit that never calls the partitioner; with dump_dir set
+    it is partitioned and dumped again."""
+    backend = compile_offload.offload_remat(memory_budget=0.5, dump_dir=str(tmp_path / "dumps"))
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.compile(MLP(), backend=backend)(*mlp_inputs()).sum().backward()
+    assert len(captured_plans) == 2
+    assert all(plan.decisions for plan in captured_plans)
