@@ -3,6 +3,7 @@
 Runs anywhere (the model is built on the meta device and planned for a named profile):
 
     python -m benchmarks.plan_table --profile h100 --budgets none,0.75,0.5,0.25,1.9GB,0
+    python -m benchmarks.plan_table --layers 96 --width 1024 --seq 4096 --batch 4 --budgets 2GB --offload on
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default="h100")
     parser.add_argument("--budgets", default="none,0.75,0.5,0.25,1.9GB,0")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--offload", choices=("on", "off", "both"), default="both")
     args = parser.parse_args(argv)
-    model, x = gpt8_on_meta(layers=args.layers)
+    model, x = gpt8_on_meta(args.layers, args.width, args.heads, args.seq, args.batch)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.offload]
-    print(f"GPT {args.layers}x d2048, seq 2048, batch 8, bf16, profile {args.profile}, torch {torch.__version__}\n")
+    print(f"GPT {args.layers}x d{args.width}, seq {args.seq}, batch {args.batch}, bf16, profile {args.profile}, "
+          f"torch {torch.__version__}\n")
     print("| budget | offload | predicted peak | predicted step | vs unconstrained | keep / recompute / offload | feasible | planning s |")
     print("|---|---|---|---|---|---|---|---|")
     for text in args.budgets.split(","):
