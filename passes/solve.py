@@ -185,24 +185,38 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
     recomputed = recomputed_nodes(a, saved)
     moves: list[Move] = []
     while True:
-        held = {a.roots.get(s, s) for s in saved}
-        best: tuple[float, int, int] | None = None
-        best_move: Move | None = None
-        for group in _groups(a, saved):
-            freed = a.bytes_of.get(group.root, 0)
-            for stop_at_matmul in (True, False):
-                closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
-                added_roots = {a.roots.get(x, x) for x in added} - held
-                gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
-                if gain > 0:
-                    cost = _seconds_of(a, closure - recomputed, seconds)
-                    key = (gain / max(cost, 1e-12), gain, -a.position[group.root])
-                    if best is None or key > best:
-                        best, best_move = key, Move(group, added, cost, gain, closure)
-        if best_move is None:
+        best = best_move(a, recompute_moves(a, saved, recomputed, seconds))
+        if best is None:
             return moves
-        _apply(best_move, saved, recomputed)
-        moves.append(best_move)
+        _apply(best, saved, recomputed)
+        moves.append(best)
+
+
+def recompute_moves(a: JointAnalysis, saved: set, recomputed: set, seconds: Seconds, skip: set = frozenset()):
+    """Each way to recompute a saved storage (not in ``skip``) that frees bytes: the move
+    stops its recomputation at matmuls (saving their outputs) or goes through them."""
+    held = {a.roots.get(s, s) for s in saved}
+    for group in _groups(a, saved):
+        if group.root in skip:
+            continue
+        freed = a.bytes_of.get(group.root, 0)
+        for stop_at_matmul in (True, False):
+            closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
+            added_roots = {a.roots.get(x, x) for x in added} - held
+            gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
+            if gain > 0:
+                yield Move(group, added, _seconds_of(a, closure - recomputed, seconds), gain, closure)
+
+
+def best_move(a: JointAnalysis, moves: Iterable[Move]) -> Move | None:
+    """The move freeing the most bytes per second of its cost (ties: more bytes, then the
+    earlier storage)."""
+    best_key, best = None, None
+    for move in moves:
+        key = (move.freed_bytes / max(move.extra_seconds, 1e-12), move.freed_bytes, -a.position[move.group.root])
+        if best_key is None or key > best_key:
+            best_key, best = key, move
+    return best
 
 
 def _apply(move: Move, saved: set, recomputed: set) -> None:

@@ -44,15 +44,15 @@ from .solve import (
     Solution,
     _apply,
     _explain,
-    _extend,
-    _groups,
     _pick,
-    _seconds_of,
+    best_move,
     greedy_moves,
+    recompute_moves,
     solve_greedy,
     step_seconds,
 )
 from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, forward_schedule, plan_transfers
+
 
 @dataclass(frozen=True)
 class OffloadOptions:
@@ -153,13 +153,8 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     eligible = _memo(offload.eligible)
     moves: list[Move] = []
     while True:
-        best_key, best = None, None
-        options = [*_recompute_moves(a, saved, recomputed, offloaded, seconds),
-                   *_offload_moves(a, saved, offloaded, offload, eligible, schedules)]
-        for move, cost in options:
-            key = (move.freed_bytes / max(cost, 1e-12), move.freed_bytes, -a.position[move.group.root])
-            if best_key is None or key > best_key:
-                best_key, best = key, move
+        best = best_move(a, [*recompute_moves(a, saved, recomputed, seconds, skip=offloaded),
+                             *_offload_moves(a, saved, offloaded, offload, eligible, schedules)])
         if best is None:
             return moves
         if best.kind == "offload":
@@ -169,26 +164,9 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
         moves.append(best)
 
 
-def _recompute_moves(a: JointAnalysis, saved: set, recomputed: set, offloaded: set, seconds: Seconds):
-    """(move, cost) for each way to recompute a saved storage that frees bytes (as
-    ``passes.solve.greedy_moves`` builds them); offloaded storages stay offloaded."""
-    held = {a.roots.get(s, s) for s in saved}
-    for group in _groups(a, saved):
-        if group.root in offloaded:
-            continue
-        freed = a.bytes_of.get(group.root, 0)
-        for stop_at_matmul in (True, False):
-            closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
-            added_roots = {a.roots.get(x, x) for x in added} - held
-            gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
-            if gain > 0:
-                cost = _seconds_of(a, closure - recomputed, seconds)
-                yield Move(group, added, cost, gain, closure), cost
-
-
 def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, eligible,
                    schedules: "ScheduleCache"):
-    """(move, cost) for each offloadable storage: the exposed seconds it adds, estimated
+    """A move for each offloadable storage, costing the exposed seconds it adds, estimated
     against the copies already planned (zero until the link saturates), and its launches."""
     candidates = offloadable(a, saved, offloaded, eligible)
     if not candidates:
@@ -197,7 +175,7 @@ def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: Offloa
     link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
-        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload"), added
+        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload")
 
 
 def _memo(fn):

@@ -1,8 +1,10 @@
-"""Capture joint graphs the way the backend sees them, for pass-level tests."""
+"""Capture joint graphs the way the backend sees them, and the small models pass-level
+tests capture."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 
 import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
@@ -34,3 +36,42 @@ def capture_analysis(fn, *inputs, fusion: bool = False) -> tuple[JointAnalysis, 
     torch._dynamo.reset()
     torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
     return captured["analysis"], captured["base"]
+
+
+class Tower(nn.Module):
+    """tanh(linear(...)) ``depth`` times: the backward needs every tanh output, and
+    recomputing one means redoing a matmul."""
+
+    def __init__(self, width: int = 64, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.mean()
+
+
+CHAIN_OPS = ("linear", "tanh", "relu", "mul", "sin")
+
+
+def chain_model(ops, width: int) -> nn.Module:
+    """A chain of ``ops`` (names from ``CHAIN_OPS``); linear layers keep the width."""
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = nn.ModuleList(nn.Linear(width, width) for op in ops if op == "linear")
+
+        def forward(self, x):
+            linears = iter(self.linears)
+            for op in ops:
+                if op == "linear":
+                    x = next(linears)(x)
+                elif op == "mul":
+                    x = x * x
+                else:
+                    x = getattr(torch, op)(x)
+            return x.sum()
+
+    return Chain()

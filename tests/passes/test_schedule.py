@@ -5,7 +5,6 @@ import functools
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor.decomposition import select_decomp_table
 
@@ -18,19 +17,9 @@ from passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eli
 from passes.rewrite import build_graphs
 from passes.schedule import place_offload_waits, place_reloads
 from passes.solve import without_banned_recompute
-from passes.solve_offload import OffloadOptions
-from passes.solve_offload import solve_joint
+from passes.solve_offload import OffloadOptions, solve_joint
 
-
-class Tower(nn.Module):
-    def __init__(self, width=64, depth=4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.mean()
+from .joint_capture import Tower
 
 
 def device(link: float) -> DeviceProfile:

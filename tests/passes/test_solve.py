@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from passes.memory import plan_program, recomputed_nodes, simulate
 from passes.solve import SolverError, solve_exact, solve_greedy, step_seconds
 
-from .joint_capture import capture_analysis
+from .joint_capture import CHAIN_OPS, capture_analysis, chain_model
 
 
 def unit_seconds(node):
@@ -22,34 +22,9 @@ def flops_seconds(node):
     return 5e-6 if ("mm" in name or "addmm" in name) else 1e-6
 
 
-OPS = ("linear", "tanh", "relu", "mul", "sin")
-
-
-def chain_model(ops, width):
-    """A chain of ``ops``; linear layers keep the width."""
-
-    class Chain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linears = nn.ModuleList(nn.Linear(width, width) for op in ops if op == "linear")
-
-        def forward(self, x):
-            linears = iter(self.linears)
-            for op in ops:
-                if op == "linear":
-                    x = next(linears)(x)
-                elif op == "mul":
-                    x = x * x
-                else:
-                    x = getattr(torch, op)(x)
-            return x.sum()
-
-    return Chain()
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=7),
+    ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=2, max_size=7),
     width=st.sampled_from([8, 32]),
     fractions=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=6),
 )
@@ -68,7 +43,7 @@ def test_greedy_is_monotone_in_the_budget(ops, width, fractions):
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=6), fraction=st.floats(0.0, 1.0))
+@given(ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=2, max_size=6), fraction=st.floats(0.0, 1.0))
 def test_greedy_within_5_percent_of_exact(ops, fraction):
     torch.manual_seed(0)
     analysis, base = capture_analysis(chain_model(ops, 16), torch.randn(8, 16, requires_grad=True))

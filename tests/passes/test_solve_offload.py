@@ -4,31 +4,15 @@ import functools
 
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from passes.cost import DeviceProfile, node_seconds
 from passes.memory import plan_program, recomputed_nodes, simulate
 from passes.offload import eligible_for_offload
 from passes.solve import solve_greedy, step_seconds
-from passes.solve_offload import OffloadOptions
-from passes.solve_offload import offloadable, solve_joint
+from passes.solve_offload import OffloadOptions, offloadable, solve_joint
 
-from .joint_capture import capture_analysis
-
-
-class Tower(nn.Module):
-    """tanh(linear(...)) five times: the backward needs every tanh output, and recomputing
-    one means redoing a matmul."""
-
-    def __init__(self, width=128, depth=5):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.mean()
+from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model
 
 
 def profile(flops: float, link: float) -> DeviceProfile:
@@ -46,7 +30,7 @@ EXPOSING = profile(flops=1e15, link=1e6)
 def tower():
     torch.manual_seed(0)
     # A large batch: activations dominate the peak, not parameter gradients.
-    return capture_analysis(Tower(), torch.randn(4096, 128))
+    return capture_analysis(Tower(128, 5), torch.randn(4096, 128))
 
 
 def options(device, prefetch=True):
@@ -136,35 +120,15 @@ def test_inputs_outputs_and_views_are_never_offloaded():
     assert not (solution.chosen.offloaded & outputs)
 
 
-OPS = ("linear", "tanh", "relu", "sin", "mul")
-
-
-def chain(ops, width):
-    """A chain of ``ops``; linear layers keep the width."""
-
-    class Chain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linears = nn.ModuleList(nn.Linear(width, width) for op in ops if op == "linear")
-
-        def forward(self, x):
-            linears = iter(self.linears)
-            for op in ops:
-                x = next(linears)(x) if op == "linear" else x * x if op == "mul" else getattr(torch, op)(x)
-            return x.sum()
-
-    return Chain()
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=7),
+    ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=2, max_size=7),
     link_exponent=st.floats(4.0, 12.0),
     fractions=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=6),
 )
 def test_monotone_in_the_budget_and_never_slower_than_recompute_only(ops, link_exponent, fractions):
     torch.manual_seed(0)
-    analysis, base = capture_analysis(chain(ops, 32), torch.randn(256, 32, requires_grad=True))
+    analysis, base = capture_analysis(chain_model(ops, 32), torch.randn(256, 32, requires_grad=True))
     device = profile(flops=1e10, link=10**link_exponent)
     seconds = functools.partial(node_seconds, profile=device)
     unconstrained = solve_joint(analysis, base, seconds, None, None, options(device))

@@ -4,28 +4,13 @@ import functools
 
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from passes.cost import DeviceProfile, node_seconds, transfer_seconds
 from passes.memory import backward_order, forward_nodes_needed, plan_program, recomputed_nodes, simulate
 from passes.transfer import LinkEstimate, backward_schedule, forward_schedule, plan_transfers
 
-from .joint_capture import capture_analysis
-
-
-class Tower(nn.Module):
-    """tanh(linear(...)) four times: the backward needs each tanh output (the last one
-    torch recomputes from the matmul's output, which it saves)."""
-
-    def __init__(self, width=64, depth=4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.mean()
+from .joint_capture import Tower, capture_analysis
 
 
 def profile(link: float) -> DeviceProfile:
