@@ -2,8 +2,7 @@
 
 Dynamo and AOTAutograd trace the model (with fake tensors, as torch.compile does) and our
 partitioner plans each graph; no kernel runs. The compiled forward graphs are executed on
-the ``meta`` device only to get output shapes (so code after a graph break can be traced
-too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
+fake tensors only to get output shapes (so code after a graph break can be traced too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
 written: ``meta`` itself would make attention take the unfused math path (a
 seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
 plans for that GPU on a CPU-only machine.
@@ -36,15 +35,21 @@ def _meta_to_cpu(value: Any) -> Any:
 
 
 def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
-    """A "compiled" graph that runs on meta copies and returns empty tensors: the shapes
-    of a real run, no computation."""
+    """A "compiled" graph that runs on fake copies of its inputs and returns empty
+    tensors: the shapes of a real run, no computation.
+
+    Fake tensors, not ``meta`` ones: a graph may create tensors on its own device (the
+    ``rand`` of a dropout mask is ``aten.rand(..., device=cpu)``), which would then meet
+    meta tensors and fail; fake tensors keep every device as it is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     def run(args: list):
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        outputs = graph(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
-        args.clear()
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            args.clear()
+            outputs = graph(*fakes)
         return [
-            torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device) if isinstance(o, torch.Tensor) else o
+            torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o
             for o in outputs
         ]
 

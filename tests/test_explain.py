@@ -81,3 +81,20 @@ def test_repeated_explain_keeps_planning(recwarn):
              for b in [0.9, 0.5, 0.1] * (limit // 3 + 2)]
     assert len(plans) > limit and all(p.decisions for p in plans)
     assert not [w for w in recwarn if "recompile_limit" in str(w.message)]
+
+
+def test_explain_a_train_mode_dropout_model_plans_like_the_backend(captured_plans):
+    """The compiled forward creates the dropout mask with ``aten.rand(..., device=cpu)``;
+    explain ran the forward on meta tensors, so the mask met them and raised. The plan must
+    be the one the backend makes when it compiles the same model for training."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    plan = compile_offload.explain(model, x, memory_budget=0.0, device_profile="cpu", offload=False)
+    assert plan.decisions
+    assert not [d for d in plan.decisions if d.decision == "recompute" and d.dtype == "bool"], \
+        "the dropout mask comes from a random op and must never be recomputed"
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(
+        memory_budget=0.0, device_profile="cpu", offload=False, inner_compiler="eager"))
+    compiled(x).sum().backward()
+    assert [(d.name, d.decision) for d in captured_plans[-1].decisions] == \
+        [(d.name, d.decision) for d in plan.decisions]
