@@ -8,14 +8,14 @@ partitioned forward and backward graphs).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from . import compat
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 _RECOMPUTABLE_NAMESPACES = ("aten", "prims")
 
 
@@ -44,6 +44,11 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
         if isinstance(parent, fx.Node) and _aliased_input(parent) is not None:
             return _aliased_input(parent)  # split/unbind outputs are views of the input
         return None
+    if _is_wait_tensor(target):
+        # A functional collective's wait returns the tensor it waited on (its schema does
+        # not say so): the collective's output buffer, not a new allocation.
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, fx.Node) else None
     schema = getattr(target, "_schema", None)
     if schema is None or not schema.returns:
         return None
@@ -56,6 +61,31 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     for argument, value in zip(schema.arguments, node.args):  # in-place and out= ops
         if argument.alias_info is not None and set(argument.alias_info.before_set) & set(alias.before_set):
             return value if isinstance(value, fx.Node) else None
+    return None
+
+
+def _is_wait_tensor(target) -> bool:
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES
+            and target._opname == "wait_tensor")
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A call of a collective op (``_c10d_functional`` and the other collective namespaces,
+    ``wait_tensor`` included)."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target.namespace in _COLLECTIVE_NAMESPACES
+    )
+
+
+def collective_source(node: fx.Node) -> fx.Node | None:
+    """The collective whose output ``node`` is or aliases (through views, ``getitem`` and
+    ``wait_tensor``): an all-gathered parameter, a reduced tensor. None otherwise."""
+    current: fx.Node | None = node
+    while current is not None:
+        if is_collective(current):
+            return current
+        current = _aliased_input(current)
     return None
 
 
@@ -171,6 +201,11 @@ class JointAnalysis:
     ban: dict[fx.Node, str]  # forward nodes that must not be recomputed, with the reason
     forward_side: frozenset[fx.Node]
     fusion: bool = False  # simulate Inductor's pointwise fusion (see passes.memory)
+    # Graph facts the solver reads for every candidate plan, computed once:
+    # ``node.all_input_nodes`` (a property that builds a list per call) ...
+    inputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
+    # ... and the input whose storage each node's output shares (``_aliased_input``).
+    alias_parent: dict[fx.Node, fx.Node | None] = field(default_factory=dict)
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -221,6 +256,8 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         ban=ban,
         forward_side=frozenset(fw_nodes),
         fusion=fusion,
+        inputs={n: tuple(n.all_input_nodes) for n in nodes},
+        alias_parent={n: _aliased_input(n) for n in nodes},
     )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .analyze import JointAnalysis, _aliased_input, allocated_bytes, storage_roots, tensor_value
+from .analyze import JointAnalysis, allocated_bytes, storage_roots, tensor_value
 from .schedule import just_in_time_order
 
 
@@ -106,21 +106,51 @@ def _is_host_copy(node: fx.Node) -> bool:
     return node.meta.get("offload", {}).get("role") == "offload"
 
 
-def _reads(node: fx.Node, key, fused: set[fx.Node], skip) -> list[Hashable]:
-    """Keys ``node``'s step reads; a fused input is replaced by what it reads."""
-    keys: list[Hashable] = []
-    stack = list(node.all_input_nodes)
-    seen: set[fx.Node] = set()
-    while stack:
-        arg = stack.pop()
-        if arg in seen or skip(arg):
+def _all_input_nodes(node: fx.Node) -> list[fx.Node]:
+    return node.all_input_nodes
+
+
+def _reads(node: fx.Node, key, fused: set[fx.Node], skip, inputs=_all_input_nodes,
+           memo: dict | None = None) -> list[Hashable]:
+    """Keys ``node``'s step reads; a fused input is replaced by what it reads. ``memo``
+    (one per ``fused`` and ``skip``) keeps each fused node's expansion across calls."""
+    args = inputs(node)
+    if not fused or not any(arg in fused for arg in args):  # the common case, kept fast
+        return [key(arg) for arg in args if not skip(arg)]
+    memo = {} if memo is None else memo
+    read: dict[fx.Node, None] = {}
+    for arg in args:
+        if skip(arg):
             continue
-        seen.add(arg)
         if arg in fused:
-            stack.extend(arg.all_input_nodes)
+            read.update(dict.fromkeys(_fused_reads(arg, fused, skip, inputs, memo)))
         else:
-            keys.append(key(arg))
-    return keys
+            read[arg] = None
+    return [key(arg) for arg in read]
+
+
+def _fused_reads(node: fx.Node, fused: set[fx.Node], skip, inputs, memo: dict) -> tuple[fx.Node, ...]:
+    """The unfused nodes a fused ``node`` reads, through other fused nodes."""
+    stack = [node]
+    while stack:  # post-order without recursion: fused chains can be long
+        current = stack[-1]
+        pending = [arg for arg in inputs(current) if arg in fused and arg not in memo and not skip(arg)]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        if current in memo:
+            continue
+        read: dict[fx.Node, None] = {}
+        for arg in inputs(current):
+            if skip(arg):
+                continue
+            if arg in fused:
+                read.update(dict.fromkeys(memo[arg]))
+            else:
+                read[arg] = None
+        memo[current] = tuple(read)
+    return memo[node]
 
 
 # --- programs from the joint graph and a plan --------------------------------------------
@@ -135,27 +165,27 @@ def forward_nodes_needed(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.
         if node in needed or not a.is_forward(node):
             continue
         needed.add(node)
-        stack.extend(node.all_input_nodes)
+        stack.extend(a.inputs[node])
     return [n for n in a.fw_nodes if n in needed]
 
 
 def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
     """Forward nodes the backward needs but the forward does not save: they are recomputed."""
     recomputed: set[fx.Node] = set()
-    stack = [arg for n in a.bw_nodes for arg in n.all_input_nodes if a.is_forward(arg)]
+    stack = [arg for n in a.bw_nodes for arg in a.inputs[n] if a.is_forward(arg)]
     while stack:
         node = stack.pop()
         if node in saved or node in recomputed or node in a.steady:
             continue
         recomputed.add(node)
-        stack.extend(arg for arg in node.all_input_nodes if a.is_forward(arg))
+        stack.extend(arg for arg in a.inputs[node] if a.is_forward(arg))
     return recomputed
 
 
 def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     """Backward nodes in joint order, each recomputed node placed right before its first
     backward user (how ``passes.schedule.sink_recomputation`` orders the real graph)."""
-    return just_in_time_order(a.bw_nodes, recomputed)
+    return just_in_time_order(a.bw_nodes, recomputed, a.inputs.__getitem__)
 
 
 def plan_program(
@@ -177,6 +207,8 @@ def plan_program(
     kept = set(saved) | set(a.fw_outputs) | set(a.bw_outputs)
     fused = fused_nodes(a.position, kept) if fusion else set()
     steady = a.steady.__contains__
+    inputs = a.inputs.__getitem__
+    memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
     waits_after: dict[fx.Node, list[fx.Node]] = {}
     for tensor, anchor in (offload_wait_after or {}).items():
         if tensor in offloaded:
@@ -186,7 +218,7 @@ def plan_program(
         if node not in a.steady:
             nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
             allocates = [(root(node, node), nbytes)] if nbytes else []
-            reads = _reads(node, lambda x: root(x, x), fused, steady)
+            reads = _reads(node, lambda x: root(x, x), fused, steady, inputs, memo)
             steps.append(Step(node.name, allocates, reads))
             if node in offloaded:
                 steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
@@ -208,14 +240,14 @@ def plan_program(
             if current in saved:
                 base = root(current, current)
                 return reloaded.get(base, base)
-            parent = _aliased_input(current)
+            parent = a.alias_parent[current]
             if parent is None:
                 return ("recomputed", current) if current in recomputed else reloaded.get(current, current)
             current = parent
 
     first_use: dict[fx.Node, int] = {}
     for index, node in enumerate(order):
-        for arg in node.all_input_nodes:
+        for arg in inputs(node):
             base = root(arg, arg)
             if base in reloaded:
                 first_use.setdefault(base, index)
@@ -231,7 +263,7 @@ def plan_program(
             continue
         nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
         allocates = [(backward_key(node), nbytes)] if nbytes else []
-        reads = _reads(node, backward_key, fused, steady)
+        reads = _reads(node, backward_key, fused, steady, inputs, memo)
         steps.append(Step(node.name, allocates, reads, kind="recompute" if node in recomputed else "compute"))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
     return Program(steps, backward_start, outlives)

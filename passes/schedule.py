@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch.fx as fx
 
 
-def just_in_time_order(nodes: list[fx.Node], deferred: set[fx.Node]) -> list[fx.Node]:
+def just_in_time_order(nodes: list[fx.Node], deferred: set[fx.Node], inputs=None) -> list[fx.Node]:
     """``nodes`` in their order, each deferred node moved right before its first user.
 
     Deferred nodes reachable only through other deferred nodes follow them in; deferred
-    nodes nobody uses go before the output node.
+    nodes nobody uses go before the output node. ``inputs(node)``: its input nodes
+    (default ``node.all_input_nodes``; the solver passes a precomputed table).
     """
+    inputs = inputs or (lambda node: node.all_input_nodes)
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
 
@@ -25,14 +27,14 @@ def just_in_time_order(nodes: list[fx.Node], deferred: set[fx.Node]) -> list[fx.
                 order.append(current)
                 continue
             stack.append((current, True))
-            for arg in reversed(current.all_input_nodes):
+            for arg in reversed(inputs(current)):
                 if arg in deferred and arg not in emitted:
                     stack.append((arg, False))
 
     for node in nodes:
         if node in deferred:
             continue
-        for arg in node.all_input_nodes:
+        for arg in inputs(node):
             if arg in deferred and arg not in emitted:
                 emit(arg)
         if node.op == "output":

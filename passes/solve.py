@@ -115,14 +115,14 @@ def storage_group(a: JointAnalysis, members: Iterable[fx.Node]) -> Group | None:
         if node in closure:
             continue
         closure.add(node)
-        for arg in node.all_input_nodes:
+        for arg in a.inputs[node]:
             if a.roots.get(arg, arg) is root and a.is_forward(arg):
                 stack.append(arg)
     closure.add(root)
     closure.add(compute_node(root))
     if any(n in a.ban or n.op != "call_function" for n in closure):
         return None
-    sources = frozenset(arg for n in closure for arg in n.all_input_nodes if arg not in closure and a.is_forward(arg))
+    sources = frozenset(arg for n in closure for arg in a.inputs[n] if arg not in closure and a.is_forward(arg))
     return Group(root, members, frozenset(closure), sources)
 
 
@@ -172,8 +172,8 @@ def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at
             added.add(node)
             continue
         closure.update((node, parent))
-        stack.extend(parent.all_input_nodes)
-        stack.extend(node.all_input_nodes)
+        stack.extend(a.inputs[parent])
+        stack.extend(a.inputs[node])
     return frozenset(closure), tuple(sorted(added, key=a.position.__getitem__))
 
 

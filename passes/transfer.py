@@ -106,7 +106,7 @@ def first_backward_uses(a: JointAnalysis, backward: Schedule, tensors: Iterable[
     wanted = set(tensors)
     first: dict[fx.Node, int] = {}
     for index, node in enumerate(backward.nodes):
-        for arg in node.all_input_nodes:
+        for arg in a.inputs[node]:
             base = a.roots.get(arg, arg)
             if base in wanted and base not in first:
                 first[base] = index
