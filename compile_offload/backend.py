@@ -60,6 +60,9 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
     """Compile one Dynamo graph under ``settings``."""
     partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name())
+    device = _inputs_device(example_inputs)
+    settings_mod.check_budget_fits_device(settings, device)
+    settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
     if settings.inner_compiler == "eager":
         return _compile_eager(gm, example_inputs, partitioner)
     from torch._inductor.compile_fx import compile_fx
@@ -74,6 +77,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     patches["fx_graph_cache"] = False
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _inputs_device(example_inputs: Sequence[Any]) -> torch.device:
+    """Where the graph runs: the first non-CPU device among its inputs (parameters are
+    inputs too), else the CPU."""
+    devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

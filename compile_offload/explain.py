@@ -88,8 +88,9 @@ def explain_all(
     if device_profile is not _UNSET:
         options["device_profile"] = device_profile
     settings = settings_mod.resolve(options)
+    device = _device_of(model_or_fn, example_inputs)
+    settings_mod.check_budget_fits_device(settings, device)
     if settings.device_profile is None:
-        device = _device_of(model_or_fn, example_inputs)
         if device.type != "cuda":
             # meta/CPU models are planned for this machine's kind of device.
             settings = settings_mod.resolve({**options, "device_profile": "cpu"})

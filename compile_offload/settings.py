@@ -18,6 +18,8 @@ from . import config
 SOLVERS = ("greedy", "exact")
 INNER_COMPILERS = ("inductor", "eager")
 PROFILE_NAMES = ("h100", "a100", "rtx4090", "cpu")
+# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts).
+PROFILE_MEMORY_BYTES = {"h100": 80 * 2**30, "a100": 80 * 2**30, "rtx4090": 24 * 2**30}
 
 _UNITS = {
     "": 1, "b": 1,
@@ -180,3 +182,54 @@ def resolve(overrides: dict | None = None) -> Settings:
         pinned_pool_limit=pool_limit,
     )
     return settings
+
+
+def device_memory(settings: Settings, device) -> tuple[int, str] | None:
+    """(bytes, what) of the memory a graph on ``device`` plans within: the CUDA device's
+    total memory, else that of the GPU a named profile describes; None when unknown (CPU
+    graphs under the ``cpu`` profile or none)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(index)
+        return properties.total_memory, f"cuda:{index} ({properties.name})"
+    if settings.device_profile in PROFILE_MEMORY_BYTES:
+        return PROFILE_MEMORY_BYTES[settings.device_profile], f"the {settings.device_profile!r} device profile's GPU"
+    return None
+
+
+def check_budget_fits_device(settings: Settings, device) -> None:
+    """A byte budget larger than the device's memory is a mistake (a wrong unit, a budget
+    meant for another GPU): it could never bind, so nothing the user asked for would be
+    enforced. Raise a ``ValueError`` naming both numbers."""
+    if settings.budget_bytes is None:
+        return
+    memory = device_memory(settings, device)
+    if memory is not None and settings.budget_bytes > memory[0]:
+        raise ValueError(
+            f"compile_offload.config.memory_budget={format_bytes(settings.budget_bytes)} is more than the "
+            f"{format_bytes(memory[0])} of memory of {memory[1]}; a budget bounds the peak memory of one "
+            "compiled step on that device (check the unit: 'GiB', 'MiB'), or use None for no budget"
+        )
+
+
+def warn_if_profile_does_not_match(settings: Settings, device, graph_name: str = "graph") -> None:
+    """Compiling for training on a non-CUDA device with a GPU profile: the plan stays
+    correct (gradients never depend on the profile) but its time trade-offs, and what an
+    offload saves, are the GPU's, not this device's. A warning, not an error: planning for
+    a GPU on a CPU-only machine is deliberate in ``explain()`` and in CPU smoke runs of a
+    GPU configuration."""
+    import warnings
+
+    import torch
+
+    device = torch.device(device)
+    if settings.device_profile in PROFILE_MEMORY_BYTES and device.type not in ("cuda", "meta"):
+        warnings.warn(
+            f"compile_offload: {graph_name}: device_profile={settings.device_profile!r} describes a GPU but this "
+            f"graph runs on {device.type}; the plan is correct but its recompute/offload trade-offs are made for "
+            f"that GPU (use device_profile=None or 'cpu' to plan for {device.type})",
+            stacklevel=3,
+        )
