@@ -28,6 +28,8 @@ does not depend on the budget, so a smaller budget never gets a larger predicted
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -52,6 +54,10 @@ from .solve import (
     step_seconds,
 )
 from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, forward_schedule, plan_transfers
+
+# Progress of long solves (large graphs take minutes): ``TORCH_LOGS=compile_offload`` shows it.
+log = logging.getLogger("compile_offload.solver")
+PROGRESS_EVERY_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,7 @@ class Evaluator:
         self.a, self.seconds, self.offload = a, seconds, offload
         self.base_seconds = step_seconds(a, base_saved, seconds)
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
+        self.started = self.reported = time.perf_counter()
 
     def __call__(self, plan: Prefix, keep_timeline: bool = False) -> Candidate:
         key = (plan.saved, plan.offloaded)
@@ -276,6 +283,10 @@ class Evaluator:
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
                               timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
         self.results.setdefault(key, candidate)
+        now = time.perf_counter()
+        if now - self.reported > PROGRESS_EVERY_SECONDS:
+            self.reported = now
+            log.info("solving: %d candidate plans simulated in %.0f s", len(self.results), now - self.started)
         return candidate
 
 

@@ -1,6 +1,7 @@
 """Keep / recompute / offload on constructed graphs and profiles whose answer is known."""
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from passes.cost import DeviceProfile, node_seconds
 from passes.memory import plan_program, recomputed_nodes, simulate
 from passes.offload import eligible_for_offload
 from passes.solve import solve_greedy, step_seconds
+from passes import solve_offload
 from passes.solve_offload import OffloadOptions, offloadable, solve_joint
 
 from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model
@@ -64,6 +66,14 @@ def test_recompute_is_chosen_when_the_copy_would_be_exposed():
     assert solution.feasible
     assert not solution.chosen.offloaded, "a 1 MB/s link would expose seconds of copies"
     assert newly_recomputed(analysis, base, solution.chosen.saved)
+
+
+def test_long_solves_report_progress(monkeypatch, caplog):
+    monkeypatch.setattr(solve_offload, "PROGRESS_EVERY_SECONDS", -1.0)  # every plan
+    with caplog.at_level(logging.INFO, logger="compile_offload.solver"):
+        _, _, _, solution = solve(HIDING, budget_fraction=0.6)
+    counts = [int(r.getMessage().split()[1]) for r in caplog.records if r.name == "compile_offload.solver"]
+    assert counts and counts == sorted(counts) and counts[-1] <= solution.candidates_evaluated
 
 
 @pytest.mark.parametrize("device", [HIDING, EXPOSING], ids=["hiding", "exposing"])
