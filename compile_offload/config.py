@@ -34,6 +34,8 @@ from torch.utils._config_module import Config, install_config_module
 # was allocated when it started (saved activations, transient buffers, gradients), which
 # is what torch.cuda.max_memory_allocated() minus the allocation before the step measures.
 # With several graphs (graph breaks) it applies to each graph separately.
+# A byte budget above the memory of the CUDA device (or, planning without one, of the GPU
+# a named device_profile describes) is an error: it could never bind.
 memory_budget = Config(default=None, env_name_default="COMPILE_OFFLOAD_MEMORY_BUDGET", value_type=Optional[str])
 
 # Raise instead of warning when the budget is below the minimum achievable peak.
@@ -69,7 +71,9 @@ plan_cache_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_PLAN_CAC
 
 # Device profile of the cost model: None measures the current device once (cached in the
 # user cache dir; the built-in "cpu" profile on machines without a GPU), or a built-in
-# name: "h100", "a100", "rtx4090", "cpu".
+# name: "h100", "a100", "rtx4090", "cpu". A GPU profile for a training graph on a non-CUDA
+# device warns (the plan stays correct; its trade-offs are that GPU's); explain() plans for
+# a GPU on a CPU-only machine without a warning.
 device_profile = Config(default=None, env_name_default="COMPILE_OFFLOAD_DEVICE_PROFILE", value_type=Optional[str])
 
 # Compiler for the partitioned forward and backward graphs: "inductor" (default) or
