@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
     """Compile one Dynamo graph under ``settings``."""
+    if _ddp_bucket_index() is not None:
+        _warn_budget_per_ddp_bucket(settings)
     partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name())
     device = _inputs_device(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)
@@ -88,7 +91,7 @@ def _inputs_device(example_inputs: Sequence[Any]) -> torch.device:
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):
     import torch._inductor.lowering  # noqa: F401  some decompositions in the table need it loaded
-    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
     from passes.compat import boxed_python
@@ -96,9 +99,10 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
     def run_as_python(graph: torch.fx.GraphModule, _inputs: Sequence[Any]):
         return boxed_python(graph)
 
-    return aot_module_simplified(
-        gm,
-        example_inputs,
+    # Dynamo's aot_autograd wrapper, not aot_module_simplified itself: DDPOptimizer (one
+    # graph per DDP bucket) counts AOTAutograd compiles through the wrapper's counter to
+    # pair each bucket's forward with its backward, and fails the first backward without it.
+    backend = aot_autograd(
         fw_compiler=run_as_python,
         bw_compiler=run_as_python,
         inference_compiler=run_as_python,
@@ -106,6 +110,7 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
         decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )
+    return backend(gm, example_inputs)
 
 
 def _graph_name() -> str:
@@ -116,4 +121,40 @@ def _graph_name() -> str:
         compile_id = CompileContext.current_compile_id()
     except Exception:  # outside Dynamo (explain() on an FX graph)
         compile_id = None
-    return "graph" if compile_id is None else f"graph_{compile_id}".replace("/", "_")
+    name = "graph" if compile_id is None else f"graph_{compile_id}".replace("/", "_")
+    # DDPOptimizer compiles one graph per DDP bucket under one compile id; the buckets are
+    # compiled in forward order and counted on the tracing context (the count goes up once
+    # each bucket's graph is compiled).
+    bucket = _ddp_bucket_index()
+    return name if bucket is None else f"{name}_bucket{bucket}"
+
+
+_warned_ddp_split = False
+
+
+def _warn_budget_per_ddp_bucket(settings: Settings) -> None:
+    """Once per process: a budget under DDPOptimizer bounds each bucket's graph, not the step."""
+    global _warned_ddp_split
+    if _warned_ddp_split or (settings.budget_bytes is None and settings.budget_fraction is None):
+        return
+    _warned_ddp_split = True
+    warnings.warn(
+        "compile_offload: DDPOptimizer compiles one graph per DDP bucket, and memory_budget "
+        f"({settings.describe_budget()}) applies to each graph on its own: while a later bucket's graph runs, "
+        "the activations every earlier one saved are alive, so the whole step can use more than the budget. "
+        "Set torch._dynamo.config.optimize_ddp = False to compile the model as one graph that the budget "
+        "bounds (docs/distributed.md)",
+        stacklevel=2,
+    )
+
+
+def _ddp_bucket_index() -> int | None:
+    """Index of the DDP bucket graph being compiled under DDPOptimizer, else None."""
+    try:
+        from torch._guards import TracingContext
+
+        context = TracingContext.try_get()
+    except Exception:
+        return None
+    ddp = getattr(context, "ddp_optimizer_ctx", None)
+    return None if ddp is None else ddp.curr_bucket + 1

@@ -7,6 +7,11 @@ once: what ``torch.cuda.max_memory_allocated()`` minus the allocation before the
 measures on a GPU, but without a GPU and counted in exact tensor bytes (no allocator
 rounding). Storages that existed before the mode was entered (parameters, inputs) are not
 counted, which is the "above steady state" the memory budget speaks of.
+
+Around a ``torch.compile``d call it measures the compiled code: the mode tells Dynamo to
+ignore it while compiling (``ignore_compile_internals``) and sees the ops the compiled
+graphs run. Any other dispatch mode makes Dynamo skip the frame and run it eagerly, which
+would measure eager's allocations instead.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ class AllocationTracker(TorchDispatchMode):
         self._live: dict[int, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

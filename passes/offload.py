@@ -37,6 +37,10 @@ Eligibility (``eligible_for_offload``), and why:
 * not a graph input (primals, RNG seeds): the caller holds inputs, offloading frees nothing;
 * not a view or alias of a graph input (shares a placeholder's storage): same reason, and
   the input's storage would be read after the caller may have mutated it;
+* not the output of a collective, nor a view of one (``passes.analyze.collective_source``):
+  an all-gathered parameter or a reduced tensor stays where its sharding scheme put it,
+  and a collective's buffer may still be written by the communication library until its
+  ``wait_tensor``;
 * not zero bytes: nothing to move;
 * a layout the round trip restores exactly: non-overlapping and dense (copied as is), or
   non-overlapping with static sizes and strides (gathered to a contiguous host copy and
@@ -54,6 +58,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .analyze import collective_source
 
 ROLE_OFFLOAD = "offload"
 ROLE_WAIT_OFFLOAD = "wait_offload"
@@ -176,6 +182,9 @@ def eligible_for_offload(node: fx.Node) -> tuple[bool, str]:
         return False, f"not a plain strided tensor ({type(val).__name__}, {val.layout})"
     if val.device.type not in ("cpu", "cuda"):
         return False, f"device type {val.device.type!r} not supported"
+    source = collective_source(node)
+    if source is not None:
+        return False, f"output of the collective {source.target} (all-gathered or reduced tensors are not offloaded)"
     numel = val.numel()
     if isinstance(numel, int) and numel == 0:
         return False, "zero bytes"
