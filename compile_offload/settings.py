@@ -18,7 +18,9 @@ from . import config
 SOLVERS = ("greedy", "exact")
 INNER_COMPILERS = ("inductor", "eager")
 PROFILE_NAMES = ("h100", "a100", "rtx4090", "cpu")
-# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts).
+# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts),
+# nominal: on the GPU itself the check uses the total CUDA reports, a little less (an
+# "80 GB" H100 reports about 79.2 GiB).
 PROFILE_MEMORY_BYTES = {"h100": 80 * 2**30, "a100": 80 * 2**30, "rtx4090": 24 * 2**30}
 
 _UNITS = {
