@@ -1,8 +1,9 @@
 """Distributed training with the offload_remat backend, on CPU: 2 ranks with gloo on localhost.
 
-Each scenario is spawned once per module (``torch.multiprocessing`` with the spawn start
-method, a free TCP port, a deadline after which the ranks are killed) and its results are
-checked by several tests:
+The scenarios run in one spawn per module (``torch.multiprocessing`` with the spawn start
+method, a free TCP port, a deadline after which the ranks are killed: starting the ranks
+and importing torch costs more than most scenarios), and their results are checked by
+several tests:
 
 * **DDP** with Dynamo's DDPOptimizer, buckets small enough that it compiles one graph per
   block: losses and gradients equal eager DDP over three optimizer steps with every saved
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 WORLD_SIZE = 2
-SPAWN_TIMEOUT_S = 150  # per scenario: imports and compiles in 2 processes on 2 cores
+SPAWN_TIMEOUT_S = 150  # per spawn (about 20 s on an idle 2-core machine) and per torchrun
 REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -225,7 +226,7 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     from compile_offload.memory_tracker import AllocationTracker
 
     model = Net()
-    bucket = _bytes(model.blocks[0])  # one block per bucket: 4 graphs (3 blocks, the head)
+    bucket = _bytes(model.blocks[0])  # a block per bucket: 3 graphs (the head joins the last block)
     eager_model = copy.deepcopy(model)
     eager_ddp = _ddp(eager_model, bucket)
     eager = _train(eager_ddp, eager_model, rank)
@@ -268,8 +269,6 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
 
 
 def all_scenarios(rank: int) -> dict:
-    # One spawn for every scenario: starting 2 processes and importing torch, Inductor's
-    # decompositions and the backend costs more than most scenarios.
     results = {}
     for name, scenario in (("ddp", ddp_scenario), ("fsdp", fsdp_scenario)):
         torch._dynamo.reset()
