@@ -153,6 +153,11 @@ def main(argv=None) -> int:
             print(f"step {step} loss {loss.item():.5f} ({time.perf_counter() - started:.2f} s)", flush=True)
     if rank == 0 and reference is not None:
         print(f"gradients match eager DDP on every step (largest difference {worst:.3g})", flush=True)
+    # Let gloo's worker thread finish the last all-reduces (it needs the GIL to free them)
+    # before DDP and the process group are torn down: without it, the teardown of the
+    # one-graph run could deadlock at exit (main thread joining gloo's thread with the GIL).
+    dist.barrier()
+    del step_fn, ddp
     dist.destroy_process_group()
     return 0
 

@@ -70,6 +70,7 @@ def _rank_entry(rank: int, scenario, port: int, folder: str) -> None:
         torch.manual_seed(0)
         result = scenario(rank)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
+        dist.barrier()  # see examples/train_ddp.py: gloo's thread frees the last work first
     finally:
         dist.destroy_process_group()
 
