@@ -69,7 +69,7 @@ def parse_budget(text: str):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--budget", type=parse_budget, default=0.5,
+    parser.add_argument("--budget", type=parse_budget, default=0.6,
                         help="memory budget of each compiled graph: a fraction, a size such as 64MiB, or none")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
