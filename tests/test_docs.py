@@ -1,0 +1,375 @@
+"""Every code block in ``README.md`` and ``docs/*.md`` is run or checked, so the docs cannot rot.
+
+Conventions for writing docs (a failing test here names the file and the line of the block):
+
+- Every fenced block names its language: ```` ```python ````, ```` ```bash ```` or
+  ```` ```text ```` (output, diagrams, file contents: not checked). An unlabelled fence fails.
+- ```` ```python ```` blocks are executed, one test per block (id ``file:line``). The blocks of
+  one file run **in order, in one namespace**, like cells of a notebook: a block may use names
+  an earlier block of the same file defined (running one block alone runs the blocks before
+  it first). They run on the CPU, so keep them to tiny models or the ``meta`` device
+  (``explain`` plans without running; ``device_profile="h100"`` plans for a GPU on a CPU),
+  and to seconds each. Each file's blocks run in a temporary folder of its own (files they
+  write land there), with the repository on ``sys.path`` (``from benchmarks.workloads
+  import Decoder`` works). ``compile_offload.config`` and the ``compile_offload`` logger's
+  level are restored after every block: set a knob in the block that needs it. Without a
+  GPU the blocks run with ``inner_compiler="eager"`` (the partitioned graphs as Python:
+  Inductor's CPU code generation takes minutes on a small machine; other tests cover it).
+  A block that needs a CUDA GPU or an optional package starts with a line such as
+  ``# needs: cuda`` or ``# needs: transformers, accelerate`` and is skipped without them
+  (the blocks after it must not depend on it).
+- ```` ```bash ```` blocks are checked line by line (``\\`` continues a line, ``#`` starts a
+  comment; ``VAR=value`` prefixes must be knobs' ``COMPILE_OFFLOAD_*`` variables or torch's
+  ``TORCH_LOGS``/``TORCH_TRACE``):
+
+  - ``python -m compile_offload explain FILE.py:FACTORY ...`` runs (planning only, cheap),
+    with ``--out`` redirected to a temporary folder;
+  - any other ``python -m MODULE ...``, ``python SCRIPT.py ...`` and ``torchrun ...
+    SCRIPT.py ...`` must parse: the module or script exists and its ``argparse`` parser
+    accepts the arguments (nothing after the parse runs);
+  - ``pip install`` may only name extras ``pyproject.toml`` declares; the README's test
+    command (the line running ``python -m pytest``) must be exactly the one ``.ci/run`` runs;
+  - a ``*.sh`` script must exist, be executable and pass ``bash -n``;
+  - any other command fails the test: make it checkable or show it as ```` ```text ````.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import logging
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+import types
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import compile_offload
+
+REPO = Path(__file__).resolve().parents[1]
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(\s*)```(.*)$")
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def blocks_of(path: Path) -> list[Block]:
+    blocks, current, lines = [], None, []
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        match = FENCE.match(text)
+        if current is None:
+            if match:
+                current, indent, lines = Block(path, number, match.group(2).strip(), ""), match.group(1), []
+        elif match and not match.group(2).strip():
+            current.code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines) + "\n"
+            blocks.append(current)
+            current = None
+        else:
+            lines.append(text)
+    assert current is None, f"{path.relative_to(REPO)}:{current.line}: code block never closed"
+    return blocks
+
+
+ALL_BLOCKS = [block for path in DOC_FILES for block in blocks_of(path)]
+PYTHON = [b for b in ALL_BLOCKS if b.language == "python"]
+BASH = [b for b in ALL_BLOCKS if b.language == "bash"]
+
+
+def test_every_block_names_its_language():
+    unknown = [f"{b.id} ({b.language or 'no language'})" for b in ALL_BLOCKS if b.language not in ("python", "bash", "text")]
+    assert not unknown, "label these fences python, bash or text: " + ", ".join(unknown)
+
+
+# --- python blocks --------------------------------------------------------------------------
+
+
+class FileSession:
+    """The namespace and folder one doc file's python blocks share, and how far they ran."""
+
+    def __init__(self, path: Path, folder: Path) -> None:
+        # A real module, so classes the blocks define have an importable home (Dynamo
+        # looks a class's module up when it traces a method of it).
+        module = types.ModuleType(f"_docs_{path.stem}")
+        sys.modules[module.__name__] = module
+        self.namespace: dict = module.__dict__
+        self.folder = folder
+        self.ran = 0  # blocks of this file executed so far, in order
+
+
+_sessions: dict[Path, FileSession] = {}
+
+
+@contextlib.contextmanager
+def isolated(folder: Path):
+    """Run in ``folder`` with the repository importable; restore the config, the logger
+    level and the working directory afterwards."""
+    config = compile_offload.config.get_config_copy()
+    logger = logging.getLogger("compile_offload")
+    level = logger.level
+    cwd = os.getcwd()
+    sys.path.insert(0, str(REPO))
+    os.chdir(folder)
+    if not torch.cuda.is_available():
+        compile_offload.config.inner_compiler = "eager"  # Inductor's CPU code generation: minutes here
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        sys.path.remove(str(REPO))
+        logger.setLevel(level)
+        for name, value in config.items():
+            if getattr(compile_offload.config, name) != value:
+                setattr(compile_offload.config, name, value)
+
+
+def run_python(block: Block, session: FileSession) -> None:
+    with isolated(session.folder):
+        exec(compile(block.code, block.id, "exec"), session.namespace)  # noqa: S102
+
+
+def missing_needs(block: Block) -> list[str]:
+    """What the block's ``# needs: ...`` first line names that this machine lacks."""
+    first = block.code.splitlines()[0] if block.code.strip() else ""
+    if not first.startswith("# needs:"):
+        return []
+    missing = []
+    for need in (word.strip() for word in first.removeprefix("# needs:").split(",")):
+        if need == "cuda":
+            if not torch.cuda.is_available():
+                missing.append("a CUDA GPU")
+        elif importlib.util.find_spec(need) is None:
+            missing.append(need)
+    return missing
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_python_block_runs(block: Block, tmp_path_factory):
+    missing = missing_needs(block)
+    if missing:
+        pytest.skip(f"the block needs {', '.join(missing)}")
+    same_file = [b for b in PYTHON if b.path == block.path and not missing_needs(b)]
+    index = same_file.index(block)
+    session = _sessions.get(block.path)
+    if session is None or session.ran > index:  # a fresh namespace when a block runs again
+        session = _sessions[block.path] = FileSession(block.path, tmp_path_factory.mktemp(block.path.stem))
+    for earlier in same_file[session.ran:index]:  # the blocks this one may depend on
+        try:
+            run_python(earlier, session)
+        except Exception as error:
+            pytest.fail(f"an earlier block of the same file, {earlier.id}, failed: {error!r}")
+        session.ran += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the docs show warnings on purpose (a GPU profile on a CPU, ...)
+        run_python(block, session)
+    session.ran = index + 1
+
+
+# --- bash blocks ----------------------------------------------------------------------------
+
+
+def lines_of(code: str) -> list[list[str]]:
+    """Each line of a block as words: comments dropped, backslash continuations joined."""
+    found, pending = [], ""
+    for line in code.splitlines():
+        line = pending + line
+        pending = ""
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1] + " "
+            continue
+        words = shlex.split(line, comments=True)
+        if words:
+            found.append(words)
+    return found
+
+
+def commands(code: str) -> list[list[str]]:
+    """The block's commands as word lists, ``a && b`` split into ``a`` and ``b``."""
+    found = []
+    for words in lines_of(code):
+        command = []
+        for word in words:
+            if word == "&&":
+                found.append(command)
+                command = []
+            else:
+                command.append(word)
+        found.append(command)
+    return found
+
+
+KNOB_VARIABLES = {f"COMPILE_OFFLOAD_{name.upper()}" for name in compile_offload.config.get_config_copy()}
+OTHER_VARIABLES = {"TORCH_LOGS", "TORCH_TRACE", "CUDA_VISIBLE_DEVICES", "PYTHONPATH"}
+
+
+class Parsed(Exception):
+    """Raised in place of running a program once its arguments parsed."""
+
+
+@contextlib.contextmanager
+def stop_after_parsing():
+    import argparse
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        result = original(self, args, namespace)
+        raise Parsed(result)
+
+    argparse.ArgumentParser.parse_args = parse_then_stop
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = original
+
+
+def check_parses(target: list[str], *, module: bool, where: str) -> None:
+    """``python -m MODULE ARGS`` (``module``) or ``python SCRIPT ARGS``: the module or script
+    exists and its argparse parser accepts ARGS; nothing after the parse runs."""
+    name, args = target[0], target[1:]
+    if not module:
+        assert (REPO / name).is_file(), f"{where}: no such script {name}"
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [name, *args]
+    sys.path.insert(0, str(REPO))
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with stop_after_parsing(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the package's __main__ imported before
+            if module:
+                runpy.run_module(name, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(str(REPO / name), run_name="__main__")
+    except Parsed:
+        return
+    except SystemExit as error:
+        pytest.fail(f"{where}: {shlex.join(target)} does not parse (exit {error.code}): {stderr.getvalue().strip()}")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    pytest.fail(f"{where}: {shlex.join(target)} never parsed its arguments with argparse")
+
+
+def declared_extras() -> set[str]:
+    text = (REPO / "pyproject.toml").read_text()
+    try:
+        import tomllib  # Python >= 3.11
+    except ImportError:
+        section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+        return set(re.findall(r"^(\w[\w-]*)\s*=", section, flags=re.M))
+    return set(tomllib.loads(text)["project"]["optional-dependencies"])
+
+
+def check_pip(words: list[str], where: str) -> None:
+    declared = declared_extras()
+    for word in words[2:]:
+        match = re.fullmatch(r"\.\[([\w,]+)\]", word.strip("'\""))
+        if match:
+            unknown = set(match.group(1).split(",")) - declared
+            assert not unknown, f"{where}: pip install names extras pyproject.toml does not declare: {unknown}"
+
+
+def ci_test_command() -> list[str]:
+    """The line of ``.ci/run`` that runs the tests, as words."""
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    return shlex.split(next(line for line in lines if "python -m pytest" in line and not line.lstrip().startswith("#")))
+
+
+def check_command(words: list[str], where: str, tmp_path: Path) -> None:
+    words = list(words)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        variable = words.pop(0).split("=", 1)[0]
+        assert variable in KNOB_VARIABLES | OTHER_VARIABLES, f"{where}: unknown environment variable {variable}"
+    assert words, f"{where}: an assignment without a command"
+    program, command = words[0], shlex.join(words)
+    if program == "pip":
+        return check_pip(words, where)
+    if program == "python" and words[1:3] == ["-m", "pip"]:
+        return check_pip(words[2:], where)
+    if program == "python" and words[1:3] == ["-m", "pytest"]:
+        return
+    if program == "python" and words[1:4] == ["-m", "compile_offload", "explain"] and ".py:" in "".join(words[4:5]):
+        return run_explain(words[3:], where, tmp_path)
+    if program == "python" and words[1:2] == ["-m"]:
+        return check_parses(words[2:], module=True, where=where)
+    if program == "python":
+        return check_parses(words[1:], module=False, where=where)
+    if program == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parsed = get_args_parser().parse_args(words[1:])
+        return check_parses([parsed.training_script, *parsed.training_script_args], module=False, where=where)
+    if program.endswith(".sh"):
+        script = REPO / program
+        assert script.is_file() and os.access(script, os.X_OK), f"{where}: {program} is missing or not executable"
+        subprocess.run(["bash", "-n", str(script)], check=True)
+        return
+    pytest.fail(f"{where}: no check for {command!r}: make it checkable (tests/test_docs.py) or show it as text")
+
+
+def run_explain(argv: list[str], where: str, tmp_path: Path) -> None:
+    """``python -m compile_offload explain FILE.py:FACTORY ...``: plan for real (nothing runs
+    on the device), the dump in a temporary folder."""
+    from compile_offload.__main__ import main
+
+    argv = list(argv)
+    if "--out" in argv:
+        argv[argv.index("--out") + 1] = str(tmp_path / "out")
+    stdout = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(stdout), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert main(argv) == 0, f"{where}: {shlex.join(argv)} failed"
+    finally:
+        os.chdir(cwd)
+    assert "predicted peak" in stdout.getvalue(), f"{where}: {shlex.join(argv)} printed no plan"
+
+
+@pytest.mark.parametrize("block", BASH, ids=[b.id for b in BASH])
+def test_bash_block_checks(block: Block, tmp_path):
+    for line in lines_of(block.code):
+        if "pytest" in line:
+            assert line == ci_test_command(), \
+                f"{block.id}: the test command is not the one .ci/run runs ({shlex.join(ci_test_command())})"
+    for command in commands(block.code):
+        check_command(command, block.id, tmp_path)
+
+
+def test_the_readme_shows_the_ci_test_command():
+    readme = [line for b in BASH if b.path.name == "README.md" for line in lines_of(b.code)]
+    assert ci_test_command() in readme
+
+
+@pytest.mark.parametrize("command", [
+    "python -m compile_offload demo --no-such-flag",
+    "python -m compile_offload demo --inner-compiler tvm",
+    "python examples/no_such_example.py",
+    "python examples/train_gpt.py --budgte 0.5",
+    "torchrun --nproc-per-node 2 examples/train_ddp.py --no-such-flag",
+    "COMPILE_OFFLOAD_MEMORY_BUGDET=1GiB python examples/train_gpt.py",
+    'pip install -e ".[test,no_such_extra]"',
+    "curl https://example.com",
+])
+def test_the_bash_checks_catch_mistakes(command, tmp_path):
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_command(shlex.split(command), "test", tmp_path)
