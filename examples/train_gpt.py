@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--inner-compiler", choices=("inductor", "eager"), default=None,
                         help="default: inductor on a GPU, eager on the CPU")
+    parser.add_argument("--offload", choices=("on", "off"), default=None,
+                        help="let the planner offload saved tensors to host memory; default: on with a GPU, off "
+                             "on the CPU (host memory is the CPU's own memory there, so a copy frees nothing)")
     parser.add_argument("--check", action="store_true",
                         help="also train without our backend and compare the losses")
     return parser.parse_args(argv)
@@ -103,6 +106,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
+    offload = (args.offload or ("on" if device.type == "cuda" else "off")) == "on"
 
     # The plan of each compiled graph is one INFO line of the "compile_offload" logger.
     handler = logging.StreamHandler(sys.stdout)
@@ -118,10 +122,10 @@ def main(argv=None) -> int:
     # Options on top of compile_offload.config (and the COMPILE_OFFLOAD_* variables),
     # validated here: a bad budget or profile fails before anything runs.
     backend = compile_offload.offload_remat(memory_budget=args.budget, device_profile=args.profile,
-                                            dump_dir=args.dump_dir, inner_compiler=inner)
+                                            dump_dir=args.dump_dir, inner_compiler=inner, offload=offload)
     compiled = torch.compile(model, backend=backend)
     print(f"training {args.layers}x d{args.width} seq {args.seq} batch {args.batch} on {device.type}, "
-          f"budget {args.budget}, inner compiler {inner}")
+          f"budget {args.budget}, offload {'on' if offload else 'off'}, inner compiler {inner}")
     losses = train(model, compiled, args, device, "offload_remat")
     logger.removeHandler(handler)
     if args.dump_dir:

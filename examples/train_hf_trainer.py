@@ -116,6 +116,9 @@ def main(argv=None) -> int:
         compile_offload.config.inner_compiler = args.inner_compiler
     elif not torch.cuda.is_available():
         compile_offload.config.inner_compiler = "eager"
+    if not torch.cuda.is_available():
+        # On the CPU host memory is the device's own memory: an offloaded copy frees nothing.
+        compile_offload.config.offload = False
 
     # The plan of each compiled graph is one INFO line of the "compile_offload" logger.
     handler = logging.StreamHandler(sys.stdout)
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
 
     print(f"GPT-2 {args.layers}x d{args.width} seq {args.seq} batch {args.batch}, "
           f"memory_budget {compile_offload.config.memory_budget!r}, "
-          f"inner compiler {compile_offload.config.inner_compiler}")
+          f"offload {compile_offload.config.offload}, inner compiler {compile_offload.config.inner_compiler}")
     with tempfile.TemporaryDirectory() as output_dir:
         losses = train(args, compile_model=True, output_dir=output_dir)
         logger.removeHandler(handler)

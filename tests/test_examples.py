@@ -38,7 +38,7 @@ def plan_lines(stdout: str) -> list[str]:
 def test_train_gpt_trains_prints_the_plan_and_matches_eager(tmp_path):
     dump = tmp_path / "dump"
     out = run_example("train_gpt.py", "--steps", "2", "--budget", "0.5", "--profile", "cpu", "--dump-dir", str(dump),
-                      "--check")
+                      "--offload", "on", "--check")  # the offload runtime too (off by default on the CPU)
     (line,) = plan_lines(out)
     assert "predicted peak" in line and "keep" in line and "budget none" not in line
     assert "offload_remat step 1: loss" in out and "largest loss difference against eager" in out
