@@ -27,8 +27,8 @@ Conventions for writing docs (a failing test here names the file and the line of
   - any other ``python -m MODULE ...``, ``python SCRIPT.py ...`` and ``torchrun ...
     SCRIPT.py ...`` must parse: the module or script exists and its ``argparse`` parser
     accepts the arguments (nothing after the parse runs);
-  - ``pip install`` may only name extras ``pyproject.toml`` declares; the README's test
-    command (the line running ``python -m pytest``) must be exactly the one ``.ci/run`` runs;
+  - ``pip install`` may only name extras ``pyproject.toml`` declares; a line running
+    ``pytest`` must be exactly the test command ``.ci/run`` runs, and the README shows it;
   - a ``*.sh`` script must exist, be executable and pass ``bash -n``;
   - any other command fails the test: make it checkable or show it as ```` ```text ````.
 """
