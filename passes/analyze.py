@@ -217,8 +217,25 @@ class JointAnalysis:
         return self.bytes_of.get(self.roots.get(node, node), 0)
 
 
+def unsupported_nodes(graph: fx.Graph) -> list[str]:
+    """What in ``graph`` the planner cannot partition: higher-order ops with subgraphs
+    (``torch.cond``, ``while_loop``, ``flex_attention``, ...). Their branches are
+    ``get_attr`` submodules, which a plan would save like tensors (the backward compile
+    then fails on a placeholder without a value)."""
+    owner = graph.owning_module
+    found = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(owner, str(node.target), None), torch.nn.Module):
+            users = [u.target for u in node.users if u.op == "call_function"]
+            found |= {f"higher-order op {getattr(t, '__name__', t)}" for t in users} or {f"submodule {node.target}"}
+    return sorted(found)
+
+
 def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalysis:
     graph = joint.gm.graph
+    unsupported = unsupported_nodes(graph)
+    if unsupported:
+        raise NotImplementedError(f"unsupported in the joint graph: {', '.join(unsupported)}")
     info = joint.node_info
     nodes = list(graph.nodes)
     output = nodes[-1]

@@ -850,9 +850,6 @@ def _with_cond(x, w):
     return torch.cond(h.sum() > 0, lambda h: h.cos(), lambda h: h.tanh(), (h,)).sum()
 
 
-@pytest.mark.xfail(strict=True, reason="higher-order ops with subgraphs (torch.cond) make the planner save a "
-                   "get_attr submodule, and AOTAutograd's backward compile fails (KeyError 'val'); fixed by "
-                   "falling back (patch issue9_hop_fallback for passes/analyze.py)")
 def test_a_higher_order_op_falls_back_with_one_warning_naming_it():
     x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
