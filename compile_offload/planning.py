@@ -159,13 +159,31 @@ def _rebuild_from_cache(a: JointAnalysis, plan: Plan, settings: Settings, num_fw
     by_name = {node.name: node for node in joint_gm.graph.nodes}
     saved = {by_name[name] for name in plan.saved}
     offloaded = {by_name[name] for name in plan.offloaded}
-    fw_gm, bw_gm = build_graphs(a, saved)
+    fw_gm, bw_gm = build_graphs(a, inputs_for_their_views(a, saved))
     transfers = plan_transfers(a, saved, offloaded, seconds, profile, settings.prefetch) if offloaded else None
     fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers, settings, num_fwd_outputs)
     fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     plan.graph_name = graph_name
     plan.notes.append("reused from the plan cache")
     return PartitionResult(plan, fw_gm, bw_gm, a, None)
+
+
+def inputs_for_their_views(a: JointAnalysis, saved) -> set[fx.Node]:
+    """``saved``, with each saved view of a graph input replaced by the input itself (the
+    view is recomputed in the backward: free, and the same storage).
+
+    Inductor returns a saved view of an input as ``reinterpret_tensor(input, ...)``, a new
+    tensor without the input's version counter, so a user who mutates the input between
+    forward and backward gets gradients of values the forward never saw, where eager raises
+    (pytorch#197887). The input itself is returned as the very tensor the user passed, and
+    autograd's saved-tensor check sees the mutation."""
+    result = set()
+    for node in saved:
+        root, step = a.roots.get(node, node), node
+        while step is not root and step not in a.ban and a.alias_parent.get(step) is not None:
+            step = a.alias_parent[step]
+        result.add(root if step is root and root is not node and root in a.steady else node)
+    return result
 
 
 def _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers: TransferPlan | None, settings: Settings,

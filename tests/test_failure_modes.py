@@ -679,9 +679,6 @@ def test_mutating_a_saved_input_before_backward_raises_like_eager(options):
 
 @pytest.mark.inductor
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="pytorch#197887: Inductor returns a saved view of an input as "
-                   "reinterpret_tensor, without the input's version counter; fixed by saving the input "
-                   "itself (patch issue9_saved_input_views for compile_offload/planning.py)")
 def test_mutating_a_saved_input_before_backward_raises_under_inductor():
     """§5.9 under Inductor: the backward needs ``x.t()`` (for the matmul); a mutated ``x``
     must raise, never give gradients of a forward that did not run."""
