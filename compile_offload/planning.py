@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from passes import compat
-from passes.analyze import JointAnalysis, analyze_joint, tensor_value
+from passes.analyze import JointAnalysis, analyze_joint, collective_source, tensor_value
 from passes.plan import Decision, Plan, format_bytes
 from passes.memory import fused_nodes
 from passes.rewrite import build_graphs
@@ -316,6 +316,9 @@ def _keep_reason(a: JointAnalysis, tensor: fx.Node, settings: Settings, solution
     ban = a.ban.get(compute_node(tensor)) or a.ban.get(tensor)
     if ban:
         return f"cannot be recomputed: {ban}"
+    collective = collective_source(tensor)
+    if collective is not None:  # e.g. a view of an all-gathered weight
+        return f"output of the collective {collective.target}: never recomputed or offloaded"
     if solution.feasible:
         return "fits the budget"
     return "recomputing it would not lower the peak"

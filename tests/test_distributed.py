@@ -459,6 +459,7 @@ def test_collectives_in_a_graph_are_never_recomputed_and_gathered_weights_never_
         assert not any(o["collective"] for o in graph["offloaded"]), graph["offloaded"]
         kept = [d for d in graph["plan"].decisions if d.decision == "keep"]
         assert kept, "the all-gathered weight the backward reads should be kept"
+        assert any("collective" in d.reason for d in kept), [d.reason for d in kept]
         compiled, eager = result["in_graph"]["compiled"], result["in_graph"]["eager"]
         torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compiled["grads"], eager["grads"], rtol=1e-5, atol=1e-6)
