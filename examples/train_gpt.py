@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: inductor on a GPU, eager on the CPU")
     parser.add_argument("--offload", choices=("on", "off"), default=None,
                         help="let the planner offload saved tensors to host memory; default: on with a GPU, off "
-                             "on the CPU (host memory is the CPU's own memory there, so a copy frees nothing)")
+                             "on the CPU (host memory is the CPU's own memory there, so a copy frees nothing; "
+                             "the cpu profile never offloads, a GPU profile does)")
     parser.add_argument("--check", action="store_true",
                         help="also train without our backend and compare the losses")
     return parser.parse_args(argv)

@@ -37,10 +37,13 @@ def plan_lines(stdout: str) -> list[str]:
 
 def test_train_gpt_trains_prints_the_plan_and_matches_eager(tmp_path):
     dump = tmp_path / "dump"
+    # The cpu profile never offloads (host memory is the CPU's own memory), so the offload
+    # runtime runs here through the environment variable that forces every eligible copy.
     out = run_example("train_gpt.py", "--steps", "2", "--budget", "0.5", "--profile", "cpu", "--dump-dir", str(dump),
-                      "--offload", "on", "--check")  # the offload runtime too (off by default on the CPU)
+                      "--offload", "on", "--check", env={"COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD": "1"})
     (line,) = plan_lines(out)
     assert "predicted peak" in line and "keep" in line and "budget none" not in line
+    assert "offload 0 " not in line, line
     assert "offload_remat step 1: loss" in out and "largest loss difference against eager" in out
     (folder,) = dump.iterdir()
     assert {"plan.json", "report.md", "forward.py", "backward.py"} <= {p.name for p in folder.iterdir()}
