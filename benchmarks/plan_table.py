@@ -26,16 +26,6 @@ def gpt8_on_meta(layers: int = 8, width: int = 2048, heads: int = 16, seq: int =
     return model, x
 
 
-def parse_budget(text: str):
-    """"none" -> None; "0.5" or "0" -> a fraction; anything else ("1.9GB") -> bytes."""
-    if text == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="h100")
@@ -56,7 +46,7 @@ def main(argv=None) -> int:
     for text in args.budgets.split(","):
         for offload in modes:
             started = time.perf_counter()
-            plan = compile_offload.explain(model, x, memory_budget=parse_budget(text), device_profile=args.profile,
+            plan = compile_offload.explain(model, x, memory_budget=text, device_profile=args.profile,
                                            offload=offload)
             seconds = time.perf_counter() - started
             ratio = plan.predicted_step_seconds / plan.baseline_step_seconds

@@ -24,13 +24,6 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-offload", action="store_true", help="keep or recompute only")
 
 
-def parse_budget(text: str | None):
-    """None, a fraction ("0.5"), or a size for compile_offload.config ("4GiB", "1000")."""
-    from .demo import parse_budget as parse
-
-    return None if text is None else parse(text)
-
-
 def load_factory(target: str):
     """The function ``MODULE:FACTORY`` names; ``SystemExit`` with the reason when there is none."""
     module_name, sep, factory_name = target.rpartition(":")
@@ -75,7 +68,7 @@ def explain_options(args: argparse.Namespace) -> dict:
     naming the bad value), so a typo fails before the model is built."""
     from . import settings as settings_mod
 
-    options = {"memory_budget": parse_budget(args.budget), "device_profile": args.profile}
+    options = {"memory_budget": args.budget, "device_profile": args.profile}
     if args.out:
         options["dump_dir"] = args.out
     if args.no_offload:

@@ -55,21 +55,10 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def parse_budget(text: str):
-    """``none``, a fraction (``0.5``) or a size (``64MiB``, ``1000``)."""
-    if text.lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    return value if "." in text else int(value)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--budget", type=parse_budget, default=0.6,
+    parser.add_argument("--budget", default="0.6",
                         help="memory budget of each compiled graph: a fraction, a size such as 64MiB, or none")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)

@@ -32,20 +32,9 @@ from compile_offload.demo import TinyGPT
 VOCAB = 256
 
 
-def parse_budget(text: str):
-    """``none``, a fraction (``0.5``) or a size (``64MiB``, ``4GiB``, ``1000`` bytes)."""
-    if text.lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return text  # "64MiB": compile_offload validates it
-    return value if "." in text else int(value)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=parse_budget, default=0.75,
+    parser.add_argument("--budget", default="0.75",
                         help="memory budget of each compiled graph: a fraction of the unconstrained plan's "
                              "peak ('0.75'), a size ('64MiB'), or 'none'; default 0.75")
     parser.add_argument("--profile", default=None,

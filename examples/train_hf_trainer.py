@@ -34,20 +34,9 @@ import compile_offload
 VOCAB = 128
 
 
-def parse_budget(text: str):
-    """``none``, a fraction (``0.5``) or a size (``64MiB``, ``1000`` bytes)."""
-    if text.lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    return value if "." in text else int(value)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=parse_budget, default=None,
+    parser.add_argument("--budget", default=None,
                         help="memory budget of each compiled graph: a fraction ('0.5'), a size ('64MiB') or "
                              "'none'; default: compile_offload.config (COMPILE_OFFLOAD_MEMORY_BUDGET)")
     parser.add_argument("--steps", type=int, default=4)
