@@ -28,8 +28,10 @@ from torch.utils._config_module import Config, install_config_module
 #   None            no limit: the fastest plan (same saved set as torch.compile's default).
 #   int             bytes, e.g. 4 * 2**30.
 #   str with units  "512MiB", "6GB", "6GiB", "1.5 GiB", "1000000" (bytes).
-#   float in [0, 1] that fraction of the peak activation memory of the unconstrained
-#                   plan; 0.0 asks for the minimum-memory plan.
+#   float in [0, 1] that fraction of the activation memory the unconstrained plan saves
+#                   for the backward (its peak less the rest of those saved bytes: the
+#                   measure of torch's activation_memory_budget); 0.0 asks for the
+#                   minimum-memory plan.
 # The budget bounds the peak memory one compiled forward+backward allocates above what
 # was allocated when it started (saved activations, transient buffers, gradients), which
 # is what torch.cuda.max_memory_allocated() minus the allocation before the step measures.

@@ -245,8 +245,8 @@ def _report_budget(plan: Plan, settings: Settings) -> None:
         f"this planner can reach ({format_bytes(plan.min_peak_bytes)}); using the minimum-memory plan "
         f"(predicted peak {format_bytes(plan.predicted_peak_bytes)})"
     )
-    if settings.budget_fraction is not None:
-        return  # a fraction of 0.0 asks for the minimum plan: nothing to warn about
+    if settings.budget_fraction == 0.0:
+        return  # asks for the minimum plan: nothing to warn about
     if settings.strict_budget:
         raise BudgetError(message + "; strict_budget=True")
     warnings.warn(message, stacklevel=3)

@@ -57,7 +57,7 @@ class Settings:
         if self.budget_bytes is not None:
             return format_bytes(self.budget_bytes)
         if self.budget_fraction is not None:
-            return f"{self.budget_fraction:g} of unconstrained"
+            return f"{self.budget_fraction:g} of the unconstrained activations"
         return "none"
 
 

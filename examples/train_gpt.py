@@ -35,8 +35,8 @@ VOCAB = 256
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", default="0.75",
-                        help="memory budget of each compiled graph: a fraction of the unconstrained plan's "
-                             "peak ('0.75'), a size ('64MiB'), or 'none'; default 0.75")
+                        help="memory budget of each compiled graph: a fraction of the activations the "
+                             "unconstrained plan saves ('0.75'), a size ('64MiB'), or 'none'; default 0.75")
     parser.add_argument("--profile", default=None,
                         help="device profile of the cost model: h100, a100, rtx4090, cpu "
                              "(default: measure this machine's GPU, or 'cpu' without one)")

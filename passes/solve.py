@@ -305,11 +305,23 @@ def solve_exact(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     return _solution(a, candidates, budget_bytes, budget_fraction)
 
 
+def budget_of_fraction(a: JointAnalysis, baseline: Candidate, fraction: float) -> int:
+    """A fraction budget in bytes: ``fraction`` of the activation memory the unconstrained
+    plan (``baseline``) saves, on top of what the step needs besides it (transient buffers,
+    gradients). So 1.0 is the unconstrained peak, 0.5 that peak less half the saved bytes,
+    the same measure as torch's ``activation_memory_budget``; 0.0 asks for the
+    minimum-memory plan and resolves to 0 bytes (below every plan)."""
+    if fraction == 0.0:
+        return 0
+    saved_bytes = sum(a.storage_bytes(root) for root in {a.roots.get(t, t) for t in baseline.saved})
+    return int(baseline.peak_bytes - (1.0 - fraction) * saved_bytes)
+
+
 def _solution(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None,
               budget_fraction: float | None) -> Solution:
     baseline = candidates[0]
     if budget_bytes is None and budget_fraction is not None:
-        budget_bytes = int(budget_fraction * baseline.peak_bytes)
+        budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
     chosen, feasible = _pick(candidates, budget_bytes)
     minimum = min(candidates, key=lambda c: (c.peak_bytes, c.extra_seconds))
     chosen = evaluate(a, chosen.saved, chosen.extra_seconds, chosen.moves, keep_timeline=True)

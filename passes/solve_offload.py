@@ -48,6 +48,7 @@ from .solve import (
     _explain,
     _pick,
     best_move,
+    budget_of_fraction,
     greedy_moves,
     recompute_moves,
     solve_greedy,
@@ -297,7 +298,7 @@ def _solution(a: JointAnalysis, plans: list[Prefix], budget_bytes: int | None, b
     candidates = [evaluate(plan) for plan in plans]
     baseline = candidates[0]
     if budget_bytes is None and budget_fraction is not None:
-        budget_bytes = int(budget_fraction * baseline.peak_bytes)
+        budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
     chosen, feasible = _pick(candidates, budget_bytes)
     minimum = min(candidates, key=_lowest)
     chosen = evaluate(Prefix(chosen.saved, chosen.offloaded, chosen.moves), keep_timeline=True)

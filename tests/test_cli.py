@@ -22,7 +22,7 @@ def test_explain_prints_the_plan_and_writes_the_dump(tmp_path, capsys):
     assert "predicted peak" in printed and "decision" in printed and str(out) in printed
     (folder,) = list(out.iterdir())
     plan = json.loads((folder / "plan.json").read_text())
-    assert plan["device_profile"] == "h100" and plan["budget_bytes"] == int(0.5 * plan["baseline_peak_bytes"])
+    assert plan["device_profile"] == "h100" and 0.5 * plan["baseline_peak_bytes"] <= plan["budget_bytes"] < plan["baseline_peak_bytes"]
 
 
 def test_demo_trains_and_prints_the_loss(capsys):

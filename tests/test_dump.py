@@ -34,7 +34,7 @@ def test_dump_folder_holds_graphs_plan_report_and_timeline(tmp_path, caplog):
     assert "def forward" in forward and "def forward" in backward and "tangents" in joint
     plan = json.loads((folder / "plan.json").read_text())
     assert plan["schema"] == PLAN_SCHEMA and plan["graph_name"] == folder.name
-    assert plan["budget_bytes"] == int(0.5 * plan["baseline_peak_bytes"])
+    assert 0.5 * plan["baseline_peak_bytes"] <= plan["budget_bytes"] < plan["baseline_peak_bytes"]
     assert {d["decision"] for d in plan["decisions"]} <= {"keep", "recompute", "offload"}
     report = (folder / "report.md").read_text()
     assert plan["decisions"][0]["name"] in report and "![predicted memory](timeline.png)" in report

@@ -1,5 +1,7 @@
 """compile_offload.explain: plans without running, on meta models and named GPU profiles."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -35,7 +37,7 @@ def test_predicted_peak_falls_with_the_budget_on_a_meta_gpt_for_h100():
 def test_plan_fields_and_table():
     model, x = meta_gpt()
     plan = compile_offload.explain(model, x, memory_budget=0.6, device_profile="a100")
-    assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    assert 0.6 * plan.baseline_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
     assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
     kinds = {d.decision for d in plan.decisions}
     assert "recompute" in kinds and "keep" in kinds
@@ -53,6 +55,21 @@ def test_budget_below_minimum_warns_with_both_numbers_and_strict_raises():
     with pytest.raises(Exception, match="strict_budget=True") as info:
         compile_offload.explain(model, x, memory_budget="1KiB", device_profile="h100", strict_budget=True)
     assert isinstance(info.value, BudgetError) or "BudgetError" in repr(info.value)
+
+
+def test_a_fraction_below_the_minimum_warns_and_strict_raises_but_zero_does_not():
+    """0.0 asks for the minimum plan; any other fraction the planner cannot reach is a
+    budget missed, like bytes."""
+    model, x = meta_gpt(layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the minimum, asked for: no warning
+        minimum = compile_offload.explain(model, x, memory_budget=0.0, device_profile="h100")
+    unreachable = minimum.min_peak_bytes / minimum.baseline_peak_bytes / 2
+    with pytest.warns(UserWarning, match="below the minimum this planner can reach"):
+        plan = compile_offload.explain(model, x, memory_budget=unreachable, device_profile="h100")
+    assert not plan.feasible and plan.predicted_peak_bytes == minimum.min_peak_bytes
+    with pytest.raises(Exception, match="strict_budget=True"):
+        compile_offload.explain(model, x, memory_budget=unreachable, device_profile="h100", strict_budget=True)
 
 
 def test_explain_a_plain_function_on_cpu_tensors():

@@ -65,7 +65,8 @@ def test_trainer_trains_a_model_compiled_in_place_like_trainer_without_it(tmp_pa
     # Our partitioner planned the training graphs under the configured budget ...
     assert captured_plans, "offload_remat never partitioned a graph"
     largest = max(captured_plans, key=lambda plan: plan.baseline_peak_bytes)
-    assert largest.budget_bytes == int(0.5 * largest.baseline_peak_bytes)
+    # 0.5 of the saved activations: at least half the unconstrained peak, below all of it
+    assert 0.5 * largest.baseline_peak_bytes <= largest.budget_bytes < largest.baseline_peak_bytes
     assert largest.count("recompute") + largest.count("offload") > 0
     assert largest.predicted_peak_bytes < largest.baseline_peak_bytes
     # ... and Trainer's losses are those of the run without it.

@@ -93,8 +93,9 @@ def check_budget_reached_planner(result: ParityResult, plans: list, budget, grap
     else:  # a fraction: resolved into bytes against each graph's unconstrained plan
         assert all(plan.budget_bytes is not None and plan.budget_bytes <= plan.baseline_peak_bytes
                    for plan in plans)
-    if budget != TINY_BUDGET:
-        assert not [m for m in messages if BELOW_MINIMUM in m], messages
+    if budget != TINY_BUDGET:  # one warning per plan that misses its budget, none otherwise
+        missed = [plan for plan in plans if not plan.feasible]
+        assert len([m for m in messages if BELOW_MINIMUM in m]) == len(missed), messages
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")

@@ -76,7 +76,7 @@ def train_step(model, x, backend=None):
 
 
 @functools.cache
-def planned(fraction=0.8, prefetch=True, place=True, link=LINK):
+def planned(fraction=0.6, prefetch=True, place=True, link=LINK):
     torch.manual_seed(0)
     model, x = Tower(), torch.randn(1024, 64)
     record = {}

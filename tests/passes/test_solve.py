@@ -111,3 +111,23 @@ def test_exact_refuses_large_graphs():
     analysis, base = capture_analysis(chain_model(ops, 8), torch.randn(4, 8, requires_grad=True))
     with pytest.raises(SolverError, match="exact_max_candidates"):
         solve_exact(analysis, base, unit_seconds, 0, max_candidates=2)
+
+
+def _matmul_then_sine(x, w):
+    return torch.mm(x, w).sin().sum()
+
+
+def test_a_fraction_is_that_share_of_the_saved_activations_on_top_of_the_rest():
+    """The backward of ``sin(x @ w)`` needs ``x``, ``w`` (inputs: steady state) and the
+    product (16 x 32 fp32 = 2048 bytes): the unconstrained plan saves 2048 bytes, so
+    ``f`` keeps ``f`` of them on top of the rest of its peak."""
+    from passes.solve import budget_of_fraction
+
+    x, w = torch.randn(16, 32), torch.randn(32, 32, requires_grad=True)
+    analysis, base = capture_analysis(_matmul_then_sine, x, w)
+    baseline = solve_greedy(analysis, base, flops_seconds, None).baseline
+    saved_bytes = 16 * 32 * 4
+    assert budget_of_fraction(analysis, baseline, 1.0) == baseline.peak_bytes
+    assert budget_of_fraction(analysis, baseline, 0.5) == baseline.peak_bytes - saved_bytes // 2
+    assert budget_of_fraction(analysis, baseline, 0.25) == baseline.peak_bytes - 3 * saved_bytes // 4
+    assert budget_of_fraction(analysis, baseline, 0.0) == 0  # the minimum-memory plan, whatever it is
