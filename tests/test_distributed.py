@@ -7,8 +7,10 @@ several tests:
 
 * **DDP** with Dynamo's DDPOptimizer, buckets small enough that it compiles one graph per
   block: losses and gradients equal eager DDP over three optimizer steps with every saved
-  tensor recomputed or offloaded where it can be; the measured step peak against the
-  per-graph plans (the budget bounds each graph, not the step); with
+  tensor recomputed or offloaded where it can be; a byte budget B split evenly over the N
+  bucket graphs (B // N each), the measured step peak within B when every bucket plan fits
+  (the step is bounded by the sum of the bucket graphs' peaks), gradients equal eager DDP,
+  and the fallback (whole budget per graph, one warning) when N cannot be found; with
   ``optimize_ddp=False`` one graph, and the budget bounds the step.
 * **FSDP2** (``fully_shard``): losses and sharded gradients equal eager FSDP2. On torch
   2.13 FSDP2's hooks (its all-gathers and reduce-scatters) run outside the compiled graphs
@@ -28,6 +30,7 @@ a 1-rank NCCL run (``cuda``; skipped without a GPU).
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import socket
@@ -243,30 +246,73 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     parity_graphs = list(capture.graphs)
 
     # Memory: one step of a larger batch, measured after two warm-up steps (DDP rebuilds its
-    # buckets on the second), gradients set to None first as the plans assume.
+    # buckets on the second), gradients set to None first as the plans assume. Also kept:
+    # the gradients of that step, the warnings and the compile_offload INFO lines.
+    import compile_offload.backend as backend_module
+
+    x = _batch(rank, 0, tokens=512)
+
     def measure(ddp_module, budget, optimize_ddp):
         torch._dynamo.reset()
         capture.graphs.clear()
         torch._dynamo.config.optimize_ddp = optimize_ddp
         step = torch.compile(ddp_module, backend=compile_offload.offload_remat(
             memory_budget=budget, offload=False, inner_compiler="eager", device_profile="cpu"))
-        x = _batch(rank, 0, tokens=512)
-        for _ in range(2):
-            step(x).square().mean().backward()
-        ddp_module.zero_grad(set_to_none=True)
-        with AllocationTracker() as tracker:
-            step(x).square().mean().backward()
-        return {"measured": tracker.peak_bytes, "plans": capture.plans()}
+        handler, logger = _ListHandler(), logging.getLogger("compile_offload")
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2):
+                    step(x).square().mean().backward()
+                ddp_module.zero_grad(set_to_none=True)
+                with AllocationTracker() as tracker:
+                    step(x).square().mean().backward()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        return {"measured": tracker.peak_bytes, "plans": capture.plans(), "warnings": [str(w.message) for w in caught],
+                "info": handler.messages, "grads": {n: p.grad.clone() for n, p in ddp_module.module.named_parameters()}}
 
     memory_model = copy.deepcopy(model)
     memory_ddp = _ddp(memory_model, bucket)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        split = {budget: measure(memory_ddp, budget, True) for budget in (0.0,)}
-        single = {budget: measure(memory_ddp, budget, False) for budget in (0.0, 0.75)}
+    split = {0.0: measure(memory_ddp, 0.0, True)}
+    # Byte budgets under DDPOptimizer, split evenly over the N bucket graphs: one whose share
+    # every bucket graph's minimum-memory plan fits (the step must stay within it), and 1 MiB,
+    # whose share is below every bucket graph's minimum.
+    minima = [p.min_peak_bytes for p in split[0.0]["plans"]]
+    fitting = len(minima) * int(1.02 * max(minima))
+    for budget in (fitting, 2**20):
+        split[budget] = measure(memory_ddp, budget, True)
+    # The fallback when the bucket graphs cannot be counted: the whole budget per graph.
+    counter = backend_module._ddp_bucket_graph_count
+    backend_module._ddp_bucket_graph_count = lambda: None
+    try:
+        uncounted = measure(memory_ddp, fitting, True)
+    finally:
+        backend_module._ddp_bucket_graph_count = counter
+    single = {budget: measure(memory_ddp, budget, False) for budget in (0.0, 0.75)}
     torch._dynamo.config.optimize_ddp = True
+
+    # Eager DDP's gradients for the measured batch (the measured model is never stepped).
+    reference_model = copy.deepcopy(model)
+    reference_ddp = _ddp(reference_model, bucket)  # held: a collected DDP all-reduces nothing
+    reference_ddp(x).square().mean().backward()
+    reference_grads = {n: p.grad.clone() for n, p in reference_model.named_parameters()}
     return {"eager": eager, "compiled": compiled, "graphs": parity_graphs,
-            "warnings": [str(w.message) for w in caught], "split": split, "single": single}
+            "warnings": [str(w.message) for w in caught], "split": split, "uncounted": uncounted,
+            "fitting": fitting, "single": single, "reference_grads": reference_grads}
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def all_scenarios(rank: int) -> dict:
@@ -315,9 +361,78 @@ def test_ddp_never_offloads_inputs(ddp_results):
             assert not any(o["input_or_view_of_input"] for o in graph["offloaded"]), graph["offloaded"]
 
 
-def test_ddp_budget_warns_that_it_applies_per_bucket_graph(ddp_results):
-    messages = [m for m in ddp_results[0]["warnings"] if "DDPOptimizer" in m]
-    assert len(messages) == 1, ddp_results[0]["warnings"]
+def test_ddp_budget_under_ddp_optimizer_does_not_warn_when_the_bucket_graphs_are_counted(ddp_results):
+    """A fraction applies to each bucket graph as it is: no warning (the old one-time
+    warning is kept for the fallback, below)."""
+    for result in ddp_results:
+        assert not [m for m in result["warnings"] if "DDPOptimizer" in m], result["warnings"]
+        for run in result["split"].values():
+            assert not [m for m in run["warnings"] if "DDPOptimizer" in m], run["warnings"]
+
+
+def test_ddp_byte_budget_is_split_evenly_over_the_bucket_graphs(ddp_results):
+    """docs/distributed.md: under DDPOptimizer a byte budget B gives each of the N bucket
+    graphs B // N (their names say ``bucket<k>of<N>``), said once in an INFO line; a
+    fraction is not split."""
+    from passes.plan import format_bytes
+
+    for result in ddp_results:
+        byte_budgets = [b for b in result["split"] if isinstance(b, int)]
+        assert len(byte_budgets) == 2, list(result["split"])
+        for budget in byte_budgets:
+            run = result["split"][budget]
+            plans = run["plans"]
+            n = len(plans)
+            assert n >= 3, [p.graph_name for p in plans]
+            assert [p.budget_bytes for p in plans] == [budget // n] * n, (budget, [p.budget_bytes for p in plans])
+            assert all(p.graph_name.endswith(f"of{n}") for p in plans), [p.graph_name for p in plans]
+            said = [m for m in run["info"] if "split evenly" in m]
+            assert len(said) == 1, run["info"]
+            assert f"{n} bucket graphs" in said[0] and format_bytes(budget) in said[0], said[0]
+            assert format_bytes(budget // n) in said[0], said[0]
+        fraction = result["split"][0.0]
+        assert not [m for m in fraction["info"] if "split evenly" in m], fraction["info"]
+
+
+def test_ddp_split_byte_budget_bounds_the_step_when_every_bucket_plan_fits(ddp_results):
+    """The split's point: every bucket graph's plan within B/N, so the step (at most the sum
+    of their peaks) stays within B. Measured on rank 0, with the tolerance of the other
+    memory tests."""
+    fitting = ddp_results[0]["fitting"]
+    run = ddp_results[0]["split"][fitting]
+    assert all(p.feasible for p in run["plans"]), [p.summary() for p in run["plans"]]
+    assert sum(p.predicted_peak_bytes for p in run["plans"]) <= fitting
+    assert run["measured"] <= 1.1 * fitting, (fitting, run["measured"])
+
+
+def test_ddp_split_byte_budget_below_the_bucket_minimum_warns_per_graph(ddp_results):
+    """A share below a bucket graph's minimum gives that graph's below-the-minimum warning
+    (naming its share and ``bucket<k>of<N>``): per graph, as ``strict_budget`` is."""
+    run = ddp_results[0]["split"][2**20]
+    plans = run["plans"]
+    assert not any(p.feasible for p in plans), [p.summary() for p in plans]
+    below = [m for m in run["warnings"] if "below the minimum" in m]
+    assert len(below) == len(plans), run["warnings"]
+    for plan in plans:
+        assert any(plan.graph_name in m for m in below), (plan.graph_name, below)
+
+
+def test_ddp_split_byte_budget_gradients_match_eager_ddp(ddp_results):
+    for result in ddp_results:
+        for budget, run in result["split"].items():
+            torch.testing.assert_close(run["grads"], result["reference_grads"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result["uncounted"]["grads"], result["reference_grads"], rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_budget_falls_back_to_per_graph_with_a_warning_when_bucket_graphs_cannot_be_counted(ddp_results):
+    """Without the count (a torch whose DDPOptimizer we cannot read): every bucket graph gets
+    the whole budget, as before, with one warning that the step may exceed it."""
+    run = ddp_results[0]["uncounted"]
+    budget = ddp_results[0]["fitting"]
+    assert [p.budget_bytes for p in run["plans"]] == [budget] * len(run["plans"])
+    assert not any(p.graph_name.endswith(f"of{len(run['plans'])}") for p in run["plans"])
+    messages = [m for m in run["warnings"] if "DDPOptimizer" in m]
+    assert len(messages) == 1, run["warnings"]
     assert "optimize_ddp = False" in messages[0]
 
 
@@ -350,6 +465,64 @@ def test_ddp_one_graph_budget_bounds_the_step(ddp_results):
             assert plan.feasible and plan.budget_bytes < plan.baseline_peak_bytes
             assert run["measured"] <= 1.1 * plan.budget_bytes
     assert single[0.0]["measured"] < 0.8 * single[0.0]["plans"][0].baseline_peak_bytes
+
+
+def test_ddp_bucket_graph_count_is_the_number_of_submodules_ddp_optimizer_compiles():
+    """No process group needed: DDPOptimizer run directly on a traced 3-block model with one
+    bucket per block calls the backend once per bucket graph, and from inside each call
+    ``_ddp_bucket_graph_count`` finds 3; outside DDPOptimizer it finds nothing."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    from compile_offload.backend import _ddp_bucket_graph_count
+
+    model = Net(blocks=3)
+    gm = torch.fx.symbolic_trace(model)
+    # What Dynamo's graphs carry and DDPOptimizer copies to the bucket graphs (private).
+    x = torch.randn(8, 32)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node._dynamo_source, node.meta["example_value"] = None, x
+    gm._param_name_to_source = {}
+    counts = []
+
+    def backend(submodule, example_inputs, **_):
+        counts.append(_ddp_bucket_graph_count())
+        return submodule.forward
+
+    bucket = _bytes(model.blocks[0])
+    split = DDPOptimizer(bucket_bytes_cap=bucket, backend_compile_fn=backend, first_bucket_cap=bucket)
+    compiled = split.compile_fn(gm, [x])
+    assert len(split.buckets) == 3 and counts == [3, 3, 3], (len(split.buckets), counts)
+    assert _ddp_bucket_graph_count() is None
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_budget_per_ddp_bucket_splits_bytes_keeps_fractions_and_falls_back_with_one_warning(monkeypatch, caplog):
+    import compile_offload.backend as backend_module
+    from compile_offload import settings as settings_mod
+
+    monkeypatch.setattr(backend_module, "_warned_ddp_split", False)
+    monkeypatch.setattr(backend_module, "_logged_ddp_splits", set())
+    caplog.set_level(logging.INFO, logger="compile_offload")
+    split = backend_module._budget_per_ddp_bucket
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing warns while the bucket graphs are counted
+        three_mib = settings_mod.resolve({"memory_budget": "3MiB", "strict_budget": True})
+        assert split(three_mib, 3).budget_bytes == 2**20
+        assert split(three_mib, 3).strict_budget  # strict_budget then applies per graph
+        assert split(settings_mod.resolve({"memory_budget": 10}), 3).budget_bytes == 3  # floor: the sum stays <= B
+        half = settings_mod.resolve({"memory_budget": 0.5})
+        assert split(half, 3) == half  # a fraction scales with each graph already
+        unbounded = settings_mod.resolve({"memory_budget": None})
+        assert split(unbounded, 3) == unbounded and split(unbounded, None) == unbounded
+    said = [r.getMessage() for r in caplog.records]  # once per budget and count, not per graph
+    assert len(said) == 3, said
+    assert "3 bucket graphs: memory_budget 3.00 MiB is split evenly, 1.00 MiB per bucket graph" in said[0], said
+    assert "memory_budget 0.5" in said[2] and "applies to each of them unsplit" in said[2], said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert split(three_mib, None) == three_mib and split(half, None) == half
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "optimize_ddp = False" in messages[0], messages
 
 
 # --------------------------------------------------------------------------- FSDP2
