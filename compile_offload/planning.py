@@ -109,8 +109,10 @@ def _plan_partition(
         if settings.plan_cache_dir is not None:
             cached = plan_cache.lookup(joint.gm, settings, profile.to_dict(), analysis=analysis)
             if cached is not None:
-                return _rebuild_from_cache(analysis, cached, settings, num_fwd_outputs, graph_name, joint.gm,
-                                           seconds, profile)
+                from_cache = _rebuild_from_cache(analysis, cached, settings, num_fwd_outputs, graph_name, joint.gm,
+                                                 seconds, profile)
+                _report_budget(from_cache.plan, settings)  # a cached plan misses its budget as loudly
+                return from_cache
         base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
 
         solution = None
