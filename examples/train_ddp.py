@@ -1,6 +1,7 @@
 """Train a small model with DistributedDataParallel and the ``offload_remat`` backend.
 
     torchrun --nproc-per-node 2 examples/train_ddp.py                 # 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 examples/train_ddp.py --budget 28MiB  # 7 MiB for each of 4 bucket graphs
     torchrun --nproc-per-node 2 examples/train_ddp.py --one-graph     # the budget bounds the step
     torchrun --nproc-per-node 1 examples/train_ddp.py --check         # 1 GPU: NCCL, checked against eager DDP
 
@@ -8,10 +9,12 @@ On CPUs the ranks talk over gloo, on GPUs over NCCL (one GPU per rank). Rank 0 p
 compiled graph's plan (the ``compile_offload`` INFO log line) and the loss of each step.
 
 The model's blocks hold 1 MiB of parameters each, and DDP buckets are 1 MiB
-(``--bucket-cap-mb``), so Dynamo's DDPOptimizer compiles one graph per block: the memory
-budget then applies to each graph on its own, which does not bound the step (see
-docs/distributed.md). ``--one-graph`` sets ``torch._dynamo.config.optimize_ddp = False``:
-one graph for the whole model, whose budget bounds the step, at the cost of all-reducing the
+(``--bucket-cap-mb``), so Dynamo's DDPOptimizer compiles one graph per block. A byte budget
+(``--budget 28MiB``) is then split evenly over those N bucket graphs, B/N each, which keeps
+the step within B when every bucket graph's plan fits its share; a fraction (the default
+``0.6``) applies to each bucket graph's own unconstrained plan (see docs/distributed.md).
+``--one-graph`` sets ``torch._dynamo.config.optimize_ddp = False``: one graph for the whole
+model, whose budget bounds the step and can go lower, at the cost of all-reducing the
 gradients after the backward instead of during it.
 """
 
@@ -59,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget", default="0.6",
-                        help="memory budget of each compiled graph: a fraction, a size such as 64MiB, or none")
+                        help="memory budget per rank: a size such as 64MiB (under DDPOptimizer split evenly over the "
+                             "bucket graphs), a fraction of each compiled graph's unconstrained plan, or none")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=512, help="rows of each rank's batch")
@@ -98,9 +102,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, device = set_up()
     if rank == 0:
-        print(f"{world} rank(s), {dist.get_backend()} on {device.type}; budget {args.budget} per graph; "
+        print(f"{world} rank(s), {dist.get_backend()} on {device.type}; budget {args.budget}; "
               f"{'one graph' if args.one_graph else 'one graph per DDP bucket (DDPOptimizer)'}", flush=True)
-        # One line per compiled graph: its budget, predicted peak, keep / recompute / offload.
+        # One line per compiled graph: its budget, predicted peak, keep / recompute / offload;
+        # under DDPOptimizer also one line saying how the budget is shared by the bucket graphs.
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("plan: %(message)s"))
         logger = logging.getLogger("compile_offload")
