@@ -34,14 +34,16 @@ VOCAB = 256
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", default="0.75",
+    parser.add_argument("--budget", default=None,
                         help="memory budget of each compiled graph: a fraction of the activations the "
-                             "unconstrained plan saves ('0.75'), a size ('64MiB'), or 'none'; default 0.75")
+                             "unconstrained plan saves ('0.75'), a size ('64MiB'), or 'none'; default: "
+                             "compile_offload.config (COMPILE_OFFLOAD_MEMORY_BUDGET), 0.75 where that is unset")
     parser.add_argument("--profile", default=None,
-                        help="device profile of the cost model: h100, a100, rtx4090, cpu "
-                             "(default: measure this machine's GPU, or 'cpu' without one)")
+                        help="device profile of the cost model: h100, a100, rtx4090, cpu (default: "
+                             "compile_offload.config: measure this machine's GPU, or 'cpu' without one)")
     parser.add_argument("--dump-dir", default=None,
-                        help="write each graph's plan, graphs and predicted timeline under this folder")
+                        help="write each graph's plan, graphs and predicted timeline under this folder "
+                             "(default: compile_offload.config, COMPILE_OFFLOAD_DUMP_DIR)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=64)
@@ -53,9 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--inner-compiler", choices=("inductor", "eager"), default=None,
                         help="default: inductor on a GPU, eager on the CPU")
     parser.add_argument("--offload", choices=("on", "off"), default=None,
-                        help="let the planner offload saved tensors to host memory; default: on with a GPU, off "
-                             "on the CPU (host memory is the CPU's own memory there, so a copy frees nothing; "
-                             "the cpu profile never offloads, a GPU profile does)")
+                        help="let the planner offload saved tensors to host memory; default: compile_offload.config "
+                             "(COMPILE_OFFLOAD_OFFLOAD, on). The cpu profile never offloads (host memory is the "
+                             "CPU's own memory there, so a copy frees nothing)")
     parser.add_argument("--check", action="store_true",
                         help="also train without our backend and compare the losses")
     return parser.parse_args(argv)
@@ -96,7 +98,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
-    offload = (args.offload or ("on" if device.type == "cuda" else "off")) == "on"
 
     # The plan of each compiled graph is one INFO line of the "compile_offload" logger.
     handler = logging.StreamHandler(sys.stdout)
@@ -109,13 +110,20 @@ def main(argv=None) -> int:
     model = TinyGPT(vocab=VOCAB, width=args.width, heads=args.heads, layers=args.layers).to(device)
     reference = copy.deepcopy(model) if args.check else None
 
-    # Options on top of compile_offload.config (and the COMPILE_OFFLOAD_* variables),
-    # validated here: a bad budget or profile fails before anything runs.
-    backend = compile_offload.offload_remat(memory_budget=args.budget, device_profile=args.profile,
-                                            dump_dir=args.dump_dir, inner_compiler=inner, offload=offload)
+    # The options given on the command line, on top of compile_offload.config and the
+    # COMPILE_OFFLOAD_* variables (which set the rest), validated here: a bad budget or
+    # profile fails before anything runs.
+    if args.budget is None and compile_offload.config.memory_budget is None:
+        args.budget = "0.75"
+    given = {"memory_budget": args.budget, "device_profile": args.profile, "dump_dir": args.dump_dir,
+             "offload": None if args.offload is None else args.offload == "on"}
+    options = {name: value for name, value in given.items() if value is not None}
+    backend = compile_offload.offload_remat(inner_compiler=inner, **options)
     compiled = torch.compile(model, backend=backend)
+    budget = options.get("memory_budget", compile_offload.config.memory_budget)
+    offload = options.get("offload", compile_offload.config.offload)
     print(f"training {args.layers}x d{args.width} seq {args.seq} batch {args.batch} on {device.type}, "
-          f"budget {args.budget}, offload {'on' if offload else 'off'}, inner compiler {inner}")
+          f"budget {budget}, offload {'on' if offload else 'off'}, inner compiler {inner}")
     losses = train(model, compiled, args, device, "offload_remat")
     logger.removeHandler(handler)
     if args.dump_dir:

@@ -54,6 +54,14 @@ def test_train_gpt_takes_a_budget_in_bytes():
     assert "budget 2.00 MiB" in plan_lines(out)[0]
 
 
+def test_train_gpt_takes_what_it_is_not_given_from_the_environment():
+    out = run_example("train_gpt.py", "--steps", "1", env={"COMPILE_OFFLOAD_MEMORY_BUDGET": "none",
+                                                           "COMPILE_OFFLOAD_DEVICE_PROFILE": "cpu"})
+    (line,) = plan_lines(out)
+    assert "budget none" in line, line
+    assert "budget none, offload on" in out
+
+
 def test_train_hf_trainer_takes_the_budget_from_the_environment_and_matches_trainer():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
