@@ -148,6 +148,10 @@ def _run_max_batch(args, runner, workloads, size, device, dtype, budgets) -> int
     if not byte_budgets:
         print("bench --find-max-batch needs byte budgets in --budgets (e.g. --budgets 4GiB)", file=sys.stderr)
         return 2
+    skipped = [b for b in budgets if not isinstance(b, str)]
+    if skipped:  # a fraction or none scales with the batch, so it bounds no batch size
+        print(f"bench --find-max-batch: skipping budgets {', '.join(map(str, skipped))} (only bytes bound the batch)",
+              file=sys.stderr)
 
     def factory(batch: int, on_device: str):
         return workloads.build(args.model, size.replace(batch=batch), on_device, dtype)

@@ -186,6 +186,16 @@ def test_max_batch_reports_none_when_even_low_does_not_fit(monkeypatch):
     assert found.batch is None and found.predicted_peak_bytes is None
 
 
+def test_max_batch_measures_the_compiled_step_at_the_batch_it_found(monkeypatch):
+    """``measure=True`` trains the found batch through the backend: a step time on any
+    device, a measured peak only on CUDA (None here), no error."""
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    with compile_offload.config.patch(inner_compiler="eager"):
+        found = max_batch(_linear_factory(), "5KB", device="cpu", measure=True, steps=2, warmup=1)
+    assert found.measure_error is None, found.measure_error
+    assert found.batch == 5 and found.measured_step_seconds > 0 and found.measured_peak_bytes is None
+
+
 # --- the command line -----------------------------------------------------------------------
 
 
@@ -224,6 +234,7 @@ def test_bench_find_max_batch_writes_a_row_per_byte_budget(tmp_path, monkeypatch
     rows = [json.loads(line) for line in (tmp_path / "gpt_max_batch.jsonl").read_text().splitlines()]
     assert [(r["strategy"], r["batch"]) for r in rows] == [("max_batch:7000", 7), ("max_batch:20KB", 20)]
     assert (tmp_path / "gpt_max_batch.md").stat().st_size > 0
+    assert "skipping budgets 0.5" in capsys.readouterr().err  # said, not silently dropped
 
 
 @pytest.mark.slow
