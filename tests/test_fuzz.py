@@ -124,9 +124,14 @@ options = st.builds(
 # --------------------------------------------------------------------------- running
 
 
+ALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
 # Eager and compiled run the same float math up to operation order (decompositions), which
 # moves results by a few ulps; a wrong gradient is off by far more.
-TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9, atol=1e-11)}
+# bfloat16 keeps 8 bits of mantissa (one ulp is 0.4-0.8%): a decomposition that rounds an
+# intermediate differently moves a result by a few ulps of the tensor's scale.
+TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9, atol=1e-11),
+              torch.bfloat16: dict(rtol=4e-2, atol=4e-2)}
 
 
 def make_inputs(program: Program, rng_seed: int) -> list[torch.Tensor]:
@@ -336,7 +341,7 @@ REGRESSIONS = {
 
 
 @fuzz_settings(examples=300)
-@given(program=programs(), options=options)
+@given(program=programs(dtypes=ALL_DTYPES), options=options)
 @example(program=SAVED_VIEW_OF_RECOMPUTED_STORAGE, options=Options(None, False, False, True, "greedy"))
 def test_training_step_matches_eager(program: Program, options: Options):
     expected = run_eager(program)
@@ -349,12 +354,6 @@ def test_training_step_matches_eager(program: Program, options: Options):
         check_partition(partition, forced_offload=options.offload and options.debug_force_offload)
     event(describe_decisions(run.partitions))
     assert_same_tensors(run.tensors, expected, assert_close_for_dtype)
-
-
-# bfloat16 needs no tolerance here (offload on and off must agree bitwise) nor in the
-# planning test; the eager-parity test keeps to float32 and float64, whose tolerances
-# against eager kernels are tight.
-ALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 @fuzz_settings(examples=100)
