@@ -484,13 +484,10 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 def pareto_plot(rows: list[dict], path: Path, title: str = "") -> None:
     """Median step time against peak memory, one point per strategy; hollow markers are
     our planner's predictions, joined to what was measured."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from compile_offload.plotting import new_figure
 
     measured = [r for r in rows if r.get("status") == "ok" and r.get("peak_bytes") is not None]
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = new_figure((9, 6))
     colors = {}
     for row in measured:
         x, y = row["peak_bytes"] / MiB, row["ms_median"]
@@ -518,4 +515,3 @@ def pareto_plot(rows: list[dict], path: Path, title: str = "") -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -75,16 +75,14 @@ def plot_unit(largest_bytes: float) -> tuple[str, int]:
 
 def draw_timeline(path: Path, chosen: Timeline, baseline: Timeline | None, budget: int | None) -> bool:
     """Predicted live memory per step; False when matplotlib is missing."""
-    try:
-        import matplotlib
+    from .plotting import new_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     series = [chosen.live_bytes, *([baseline.live_bytes] if baseline is not None else [])]
     unit, scale = plot_unit(max([budget or 0, *(max(s, default=0) for s in series)]))
-    figure, axes = plt.subplots(figsize=(10, 4))
+    try:
+        figure, axes = new_figure((10, 4))
+    except ImportError:
+        return False
     if baseline is not None:
         axes.plot([b / scale for b in baseline.live_bytes], color="0.6", label="unconstrained plan")
     axes.plot([b / scale for b in chosen.live_bytes], color="C0", label="chosen plan")
@@ -106,7 +104,6 @@ def draw_timeline(path: Path, chosen: Timeline, baseline: Timeline | None, budge
     axes.legend(loc="upper left", fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return True
 
 

@@ -39,8 +39,20 @@ def register_with_torch_logging() -> None:
     register_log(LOGGER_NAME, LOGGER_NAME)
 
 
+# The latest plan of each graph this process partitioned, by graph name: what
+# profile_step draws when it is given no plans.
+_latest_plans: dict[str, Plan] = {}
+
+
+def latest_plans() -> list[Plan]:
+    """The most recent plan of each graph partitioned in this process, oldest first."""
+    return list(_latest_plans.values())
+
+
 def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
     """Report one graph ``planning.plan_partition`` partitioned, through every channel."""
+    _latest_plans.pop(result.plan.graph_name, None)
+    _latest_plans[result.plan.graph_name] = result.plan
     folder = None
     if settings.dump_dir is not None:
         from .dump import dump_result

@@ -35,9 +35,11 @@ def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
 
 
 def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile",
-                 plans: Sequence[Plan] = ()) -> dict:
+                 plans: Sequence[Plan] | None = None) -> dict:
     """Run ``fn(*args)`` once under the CUDA memory recorder; returns the measured peak
-    above the start of the step and the files written."""
+    above the start of the step and the files written. ``plans`` drawn over the measured
+    curve default to the latest plan of each graph partitioned in this process (compiled
+    or explained), including those ``fn`` compiled; pass ``[]`` for none."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             "compile_offload.profile_step records a CUDA memory snapshot and needs a GPU; on the CPU measure "
@@ -58,6 +60,10 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
     measured_peak = torch.cuda.max_memory_allocated() - start
     (out / "snapshot.pickle").write_bytes(pickle.dumps(snapshot))
     series = allocated_over_time(snapshot, torch.cuda.current_device())
+    if plans is None:
+        from .logs import latest_plans
+
+        plans = latest_plans()
     _draw(out / "measured.png", series, plans)
     return {"measured_peak_bytes": measured_peak, "snapshot": str(out / "snapshot.pickle"),
             "plot": str(out / "measured.png")}
@@ -68,12 +74,9 @@ def _progress(series: Sequence) -> list[float]:
 
 
 def _draw(path: Path, series: list[int], plans: Sequence[Plan]) -> None:
-    import matplotlib
+    from .plotting import new_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(10, 4))
+    figure, axes = new_figure((10, 4))
     axes.plot(_progress(series), [b / 2**20 for b in series], label="measured (allocated above step start)")
     for plan in plans:
         predicted = plan.timeline_bytes or [plan.predicted_peak_bytes]
@@ -86,4 +89,3 @@ def _draw(path: Path, series: list[int], plans: Sequence[Plan]) -> None:
     axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)

@@ -20,18 +20,16 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
 
 
 def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
-    try:
-        import matplotlib
+    from .plotting import new_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        figure, axes = new_figure((6, 4))
     except ImportError as error:
         raise RuntimeError("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]'") from error
     path.parent.mkdir(parents=True, exist_ok=True)
     from .dump import plot_unit
 
     unit, scale = plot_unit(max(p.predicted_peak_bytes for p in plans))
-    figure, axes = plt.subplots(figsize=(6, 4))
     peaks = [p.predicted_peak_bytes / scale for p in plans]
     ratios = [p.predicted_step_seconds / p.baseline_step_seconds for p in plans]
     axes.plot(peaks, ratios, "o-")
@@ -45,4 +43,3 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
     axes.set_title("predicted time against memory, per budget")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)

@@ -45,3 +45,36 @@ def test_the_drawing_overlays_measured_and_predicted_timelines(tmp_path):
     _draw(tmp_path / "measured.png", [0, 100, 50, 120, 0], [plan])
     png = (tmp_path / "measured.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_the_plans_drawn_by_default_are_the_latest_of_each_graph(tmp_path):
+    """profile_step's default ``plans``: what the backend just partitioned, one per graph,
+    the newest replacing an older plan of the same graph."""
+    from compile_offload.logs import latest_plans
+    from tests.models import MLP, mlp_inputs
+
+    torch._dynamo.reset()
+    for budget in (None, 0.0):
+        backend = compile_offload.offload_remat(inner_compiler="eager", memory_budget=budget)
+        torch._dynamo.reset()
+        torch.compile(MLP(), backend=backend)(*mlp_inputs()).sum().backward()
+    newest = latest_plans()[-1]
+    assert newest.graph_name == "graph_0_0" and newest.budget_bytes == 0
+    assert [p.graph_name for p in latest_plans()].count("graph_0_0") == 1
+
+
+def test_drawing_leaves_the_users_matplotlib_backend_and_figures_alone(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from compile_offload.profile_step import _draw
+
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")  # a user's backend other than the Agg our PNGs render with
+    try:
+        figures = plt.get_fignums()
+        _draw(tmp_path / "measured.png", [0, 100, 50], [])
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == figures
+    finally:
+        plt.switch_backend(before)
+    assert (tmp_path / "measured.png").read_bytes().startswith(b"\x89PNG")
