@@ -52,6 +52,7 @@ offload: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_OFFLOAD")
 prefetch: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_PREFETCH")
 
 # Offload every eligible saved tensor, whatever the budget says (tests and debugging).
+# Needs offload=True: with offload=False nothing is offloaded.
 debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD")
 
 # Which solver picks keep / recompute per saved tensor: "greedy" (default, fast) or
@@ -84,6 +85,7 @@ device_profile = Config(default=None, env_name_default="COMPILE_OFFLOAD_DEVICE_P
 inner_compiler: str = Config(default="inductor", env_name_default="COMPILE_OFFLOAD_INNER_COMPILER")
 
 # Upper bound in bytes of the pinned host memory pool used by offload (None: no limit).
+# The pool is one per process: the limit of the latest compile applies to every model.
 pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNED_POOL_LIMIT", value_type=Optional[str])
 
 install_config_module(sys.modules[__name__])

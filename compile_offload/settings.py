@@ -29,10 +29,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_ACCEPTED_BUDGET = (
-    "None, an int number of bytes, a string with units such as '512MiB', '6GB' or '6GiB', "
-    "or a float fraction in [0, 1]"
-)
+_ACCEPTED_SIZE = "None, an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'"
+_ACCEPTED_BUDGET = _ACCEPTED_SIZE + ", or a float fraction in [0, 1]"
 
 
 @dataclass(frozen=True)
@@ -62,23 +60,25 @@ class Settings:
 
 
 def parse_bytes(value: object, knob: str) -> int:
-    """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``."""
+    """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``.
+    Errors list what ``knob`` accepts (a budget also takes a fraction; other sizes do not)."""
+    accepted = _ACCEPTED_BUDGET if knob == "memory_budget" else _ACCEPTED_SIZE
     if isinstance(value, bool):
-        raise TypeError(f"compile_offload.config.{knob}={value!r}: a bool is not a size; accepted: {_ACCEPTED_BUDGET}")
+        raise TypeError(f"compile_offload.config.{knob}={value!r}: a bool is not a size; accepted: {accepted}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"compile_offload.config.{knob}={value!r} is negative; accepted: {_ACCEPTED_BUDGET}")
+            raise ValueError(f"compile_offload.config.{knob}={value!r} is negative; accepted: {accepted}")
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(
                 f"compile_offload.config.{knob}={value!r} is not a size (unknown unit or syntax); "
-                f"accepted units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; accepted: {_ACCEPTED_BUDGET}"
+                f"accepted units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; accepted: {accepted}"
             )
         number = float(match.group(1))
         return int(number * _UNITS[match.group(2).lower()])
-    raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: {_ACCEPTED_BUDGET}")
+    raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: {accepted}")
 
 
 def _from_environment(knob: str) -> bool:
@@ -152,8 +152,9 @@ def resolve(overrides: dict | None = None) -> Settings:
     budget_from_env = not (overrides and "memory_budget" in overrides) and _from_environment("memory_budget")
     budget_bytes, budget_fraction = parse_budget(values["memory_budget"], budget_from_env)
     profile = values["device_profile"]
-    if profile is not None:
-        profile = _choice("device_profile", profile, PROFILE_NAMES)
+    if profile is not None:  # "H100" is "h100", as device_profile.builtin_profile reads it
+        profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,
+                          PROFILE_NAMES)
     folders = {}
     for knob in ("dump_dir", "plan_cache_dir"):
         folder = values[knob]

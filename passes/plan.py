@@ -31,7 +31,7 @@ class Decision:
     name: str  # node name in the joint graph
     shape: tuple[int, ...]
     dtype: str
-    bytes: int
+    bytes: int  # of the storage it lives in: views of one storage each show the whole storage
     decision: DecisionKind
     reason: str
     cost_seconds: float = 0.0  # predicted extra step time this decision costs
@@ -65,6 +65,9 @@ class Plan:
         return sum(1 for d in self.decisions if d.decision == kind)
 
     def bytes_of(self, kind: str) -> int:
+        """Bytes of the tensors with decision ``kind``. Exact for ``"offload"`` (only a
+        storage's owner is offloaded); for keep and recompute, views of one storage each
+        count the whole storage, so this is an upper bound there."""
         return sum(d.bytes for d in self.decisions if d.decision == kind)
 
     def summary(self) -> str:

@@ -262,3 +262,7 @@ def test_explicit_bool_budget_is_rejected_whatever_the_environment():
     resolved = resolve_with_env({"COMPILE_OFFLOAD_MEMORY_BUDGET": "1"}, overrides='{"memory_budget": True}')
     assert resolved.get("error") == "TypeError", resolved
 
+
+
+def test_device_profile_names_are_case_insensitive():
+    assert settings.resolve({"device_profile": " H100 "}).device_profile == "h100"
