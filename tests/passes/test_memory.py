@@ -204,3 +204,39 @@ def test_plan_simulation_equals_simulation_of_the_built_graphs(budget):
     ((result, num_fwd_outputs),) = results
     built = simulate(graphs_program(result.fw_gm, result.bw_gm, num_fwd_outputs))
     assert built.peak_bytes == result.solution.chosen.peak_bytes
+
+
+def _two_matmuls(x, w1, w2):
+    return torch.mm(torch.mm(x, w1).sin(), w2).sum()
+
+
+def test_plan_program_keep_recompute_offload_by_hand():
+    """``sum(sin(x @ w1) @ w2)``: the backward needs the product ``mm`` (for cos) and the
+    sine (for w2's gradient), each 64 x 32 fp32 = B bytes. Kept, both are alive when the
+    forward ends, with the 4-byte loss; recomputed or offloaded, ``mm`` is not, and comes
+    back in the backward (a recompute step, or a reload right before its first use)."""
+    from passes.memory import plan_program
+
+    from .joint_capture import capture_analysis
+
+    B = 64 * 32 * 4
+    x, w1, w2 = torch.randn(64, 32), torch.randn(32, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    analysis, base = capture_analysis(_two_matmuls, x, w1, w2)
+    product = next(n for n in base if n.name == "mm")
+    keep = simulate(plan_program(analysis, set(base)))
+    recompute = simulate(plan_program(analysis, set(base) - {product}))
+    offload = simulate(plan_program(analysis, set(base), {product}))
+
+    def at_forward_end(timeline):
+        return timeline.live_bytes[timeline.backward_start - 1]
+
+    assert at_forward_end(keep) == 2 * B + 4
+    assert at_forward_end(recompute) == at_forward_end(offload) == B + 4
+    backward = lambda t: list(zip(t.labels, t.kinds))[t.backward_start:]  # noqa: E731
+    assert ("mm", "recompute") in backward(recompute) and ("mm", "recompute") not in backward(keep)
+    steps = list(zip(offload.labels, offload.kinds))
+    assert steps[steps.index(("mm", "compute")) + 1] == ("offload mm", "offload")  # right after its producer
+    reload_at = steps.index(("reload mm", "reload"))
+    assert reload_at >= offload.backward_start and steps[reload_at + 2] == ("cos", "recompute")  # one step ahead
+    # The backward's peak holds the product in every plan: neither choice lowers it.
+    assert keep.peak_bytes == recompute.peak_bytes == offload.peak_bytes
