@@ -72,6 +72,17 @@ def test_a_fraction_below_the_minimum_warns_and_strict_raises_but_zero_does_not(
         compile_offload.explain(model, x, memory_budget=unreachable, device_profile="h100", strict_budget=True)
 
 
+def test_explain_plans_a_model_built_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        x = torch.randn(32, 64, requires_grad=True)
+    plan = compile_offload.explain(model, x, device_profile="h100")
+    assert plan.feasible and plan.decisions
+    assert {d.name: d.shape for d in plan.decisions}.get("addmm") == (32, 256)  # the first layer's output
+
+
 def test_explain_a_plain_function_on_cpu_tensors():
     w = torch.randn(32, 32, requires_grad=True)
 
