@@ -161,8 +161,9 @@ def size_hint(value) -> int:
         return value
     from torch.fx.experimental import symbolic_shapes
 
-    # Renamed from hint_int to optimization_hint in torch 2.13.
-    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+    # optimization_hint in torch >= 2.12; 2.11 has size_hint (its hint_int is a deprecated
+    # alias that warns FutureWarning on every call).
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
     return int(hint(value, fallback=4096))
 
 
