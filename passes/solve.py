@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
-from .memory import Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+from .memory import PlanNodes, Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
 from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
@@ -232,11 +232,14 @@ def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, m
     return Candidate(saved, extra_seconds, timeline.peak_bytes, timeline if keep_timeline else None, tuple(moves))
 
 
-def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds) -> float:
-    """Predicted time of one forward+backward under a plan (sum of per-node times)."""
-    saved = set(saved)
-    forward = forward_nodes_needed(a, saved)
-    recomputed = recomputed_nodes(a, saved)
+def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds, nodes: PlanNodes | None = None) -> float:
+    """Predicted time of one forward+backward under a plan (sum of per-node times).
+    ``nodes``: ``passes.memory.plan_nodes(a, saved)``, when the caller has it."""
+    if nodes is None:
+        saved = set(saved)
+        forward, recomputed = forward_nodes_needed(a, saved), recomputed_nodes(a, saved)
+    else:
+        forward, recomputed = nodes.forward, nodes.recomputed
     return _seconds_of(a, [*forward, *recomputed, *a.bw_nodes], seconds)
 
 

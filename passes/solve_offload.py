@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
 from .cost import DeviceProfile
-from .memory import plan_program, recomputed_nodes, simulate
+from .memory import PlanNodes, StepBuilder, plan_nodes, plan_program, recomputed_nodes, simulate
 from .solve import (
     Candidate,
     Group,
@@ -53,7 +55,7 @@ from .solve import (
     solve_greedy,
     step_seconds,
 )
-from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, forward_schedule, plan_transfers
+from .transfer import LinkEstimate, Schedule, TransferPlan, plan_schedules, plan_transfers
 
 # Progress of long solves (large graphs take minutes): ``TORCH_LOGS=compile_offload`` shows it.
 log = logging.getLogger("compile_offload.solver")
@@ -84,16 +86,16 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     (``passes.solve.solve_greedy``)."""
     if offload is None:
         return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction)
-    evaluate = Evaluator(a, seconds, offload, base_saved)
+    saved_sets = SavedSetCache(a, seconds)
+    evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     start = Prefix(frozenset(base_saved), frozenset(), ())
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
     # predicts a slower plan), and mixed sequences branching off it.
     recompute = prefixes(a, start, greedy_moves(a, base_saved, seconds))
-    schedules = ScheduleCache(a, seconds)
     granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
     sequences = [recompute]
     for branch in branch_points([start, *recompute], evaluate, BRANCHES):
-        moves = mixed_moves(a, branch.saved, seconds, offload, schedules)
+        moves = mixed_moves(a, branch.saved, seconds, offload, saved_sets)
         sequences.append(prefixes(a, branch, moves, granularity))
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
     return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
@@ -148,11 +150,11 @@ def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.No
 
 
 def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds, offload: OffloadOptions,
-                schedules: "ScheduleCache | None" = None) -> list[Move]:
+                saved_sets: "SavedSetCache | None" = None) -> list[Move]:
     """The greedy sequence of recompute and offload moves from ``base_saved``, most freed
     bytes per second of marginal cost first (ties: more bytes, then the earlier tensor).
     An offload move's cost (its ``extra_seconds``) is its estimated exposed and launch time."""
-    schedules = schedules or ScheduleCache(a, seconds)
+    saved_sets = saved_sets or SavedSetCache(a, seconds)
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
     offloaded: set[fx.Node] = set()
@@ -160,7 +162,7 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     moves: list[Move] = []
     while True:
         best = best_move(a, [*recompute_moves(a, saved, recomputed, seconds, skip=offloaded),
-                             *_offload_moves(a, saved, offloaded, offload, eligible, schedules)])
+                             *_offload_moves(a, saved, offloaded, offload, eligible, saved_sets)])
         if best is None:
             return moves
         if best.kind == "offload":
@@ -171,13 +173,13 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
 
 
 def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, eligible,
-                   schedules: "ScheduleCache"):
+                   saved_sets: "SavedSetCache"):
     """A move for each offloadable storage, costing the exposed seconds it adds, estimated
     against the copies already planned (zero until the link saturates), and its launches."""
     candidates = offloadable(a, saved, offloaded, eligible)
     if not candidates:
         return
-    forward, backward = schedules(saved)
+    forward, backward = saved_sets(saved).schedules
     link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
@@ -195,20 +197,45 @@ def _memo(fn):
     return memoized
 
 
-class ScheduleCache:
-    """Forward and backward schedules per saved set: offload moves leave the saved set as it
-    is, and sequences from different branch points share saved sets."""
+class SavedSetCache:
+    """What the solver derives from a saved set alone: the nodes the step runs
+    (``passes.memory.plan_nodes``), their schedules and the predicted step time. Offload
+    moves leave the saved set as it is, so consecutive plans along a mixed sequence share
+    it; the most recently used ``capacity`` saved sets are kept (each holds a few lists as
+    long as the graph)."""
 
-    def __init__(self, a: JointAnalysis, seconds: Seconds) -> None:
-        self.a, self.seconds = a, seconds
-        self.cache: dict[frozenset, tuple[Schedule, Schedule]] = {}
+    def __init__(self, a: JointAnalysis, seconds: Seconds, capacity: int = 16) -> None:
+        self.a, self.seconds, self.capacity = a, seconds, capacity
+        self.facts: OrderedDict[frozenset, SavedSetFacts] = OrderedDict()
 
-    def __call__(self, saved: Iterable[fx.Node]) -> tuple[Schedule, Schedule]:
+    def __call__(self, saved: Iterable[fx.Node]) -> "SavedSetFacts":
         key = frozenset(saved)
-        if key not in self.cache:
-            self.cache[key] = (forward_schedule(self.a, set(key), self.seconds),
-                               backward_schedule(self.a, set(key), self.seconds))
-        return self.cache[key]
+        if key in self.facts:
+            self.facts.move_to_end(key)
+        else:
+            self.facts[key] = SavedSetFacts(self.a, key, self.seconds)
+            if len(self.facts) > self.capacity:
+                self.facts.popitem(last=False)
+        return self.facts[key]
+
+
+class SavedSetFacts:
+    """One saved set's nodes, schedules and step time, each computed when first asked for."""
+
+    def __init__(self, a: JointAnalysis, saved: frozenset[fx.Node], seconds: Seconds) -> None:
+        self.a, self.saved, self.seconds = a, saved, seconds
+
+    @cached_property
+    def nodes(self) -> PlanNodes:
+        return plan_nodes(self.a, set(self.saved))
+
+    @cached_property
+    def schedules(self) -> tuple[Schedule, Schedule]:
+        return plan_schedules(self.nodes, self.seconds)
+
+    @cached_property
+    def step_seconds(self) -> float:
+        return step_seconds(self.a, self.saved, self.seconds, self.nodes)
 
 
 # --- candidates ------------------------------------------------------------------------------
@@ -260,9 +287,11 @@ class Evaluator:
     launches: ``TransferPlan.added_seconds``)."""
 
     def __init__(self, a: JointAnalysis, seconds: Seconds, offload: OffloadOptions,
-                 base_saved: Iterable[fx.Node]) -> None:
+                 base_saved: Iterable[fx.Node], saved_sets: SavedSetCache | None = None) -> None:
         self.a, self.seconds, self.offload = a, seconds, offload
-        self.base_seconds = step_seconds(a, base_saved, seconds)
+        self.saved_sets = saved_sets or SavedSetCache(a, seconds)
+        self.steps = StepBuilder(a, a.fusion)  # plans are simulated in sequence order
+        self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.started = self.reported = time.perf_counter()
 
@@ -271,15 +300,17 @@ class Evaluator:
         if key in self.results and not keep_timeline:
             return self.results[key]
         saved, offloaded = set(plan.saved), set(plan.offloaded)
+        facts = self.saved_sets(plan.saved)
         transfers = (plan_transfers(self.a, saved, offloaded, self.seconds, self.offload.profile,
-                                    self.offload.prefetch) if offloaded else None)
+                                    self.offload.prefetch, facts.schedules) if offloaded else None)
         timeline = simulate(plan_program(
             self.a, saved, offloaded, fusion=self.a.fusion,
             reload_distance=transfers.reload_distance if transfers else None,
             offload_wait_after=transfers.offload_wait_after if transfers else None,
+            computed=self.steps(plan.saved, facts.nodes),
         ))
         copies = transfers.added_seconds if transfers else 0.0
-        extra = step_seconds(self.a, saved, self.seconds) - self.base_seconds + copies
+        extra = facts.step_seconds - self.base_seconds + copies
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
                               timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
         self.results.setdefault(key, candidate)
