@@ -44,6 +44,7 @@ from .solve import (
     Candidate,
     Group,
     Move,
+    RecomputeMoves,
     Seconds,
     Solution,
     _apply,
@@ -51,7 +52,6 @@ from .solve import (
     _pick,
     best_move,
     greedy_moves,
-    recompute_moves,
     solve_greedy,
     step_seconds,
 )
@@ -159,9 +159,10 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     recomputed = recomputed_nodes(a, saved)
     offloaded: set[fx.Node] = set()
     eligible = _memo(offload.eligible)
+    moves_of = RecomputeMoves(a, seconds)
     moves: list[Move] = []
     while True:
-        best = best_move(a, [*recompute_moves(a, saved, recomputed, seconds, skip=offloaded),
+        best = best_move(a, [*moves_of(saved, recomputed, skip=offloaded),
                              *_offload_moves(a, saved, offloaded, offload, eligible, saved_sets)])
         if best is None:
             return moves
