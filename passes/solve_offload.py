@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -91,12 +91,15 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     start = Prefix(frozenset(base_saved), frozenset(), ())
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
     # predicts a slower plan), and mixed sequences branching off it.
-    recompute = prefixes(a, start, greedy_moves(a, base_saved, seconds))
+    recompute = list(prefixes(a, start, greedy_moves(a, base_saved, seconds)))
     granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
     sequences = [recompute]
     for branch in branch_points([start, *recompute], evaluate, BRANCHES):
-        moves = mixed_moves(a, branch.saved, seconds, offload, saved_sets)
-        sequences.append(prefixes(a, branch, moves, granularity))
+        sequence = []
+        for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets), granularity):
+            evaluate(plan)  # now, while ``saved_sets`` still holds its saved set (results are kept)
+            sequence.append(plan)
+        sequences.append(sequence)
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
     return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
 
@@ -150,27 +153,27 @@ def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.No
 
 
 def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds, offload: OffloadOptions,
-                saved_sets: "SavedSetCache | None" = None) -> list[Move]:
+                saved_sets: "SavedSetCache | None" = None) -> Iterator[Move]:
     """The greedy sequence of recompute and offload moves from ``base_saved``, most freed
-    bytes per second of marginal cost first (ties: more bytes, then the earlier tensor).
-    An offload move's cost (its ``extra_seconds``) is its estimated exposed and launch time."""
+    bytes per second of marginal cost first (ties: more bytes, then the earlier tensor),
+    each yielded as soon as chosen. An offload move's cost (its ``extra_seconds``) is its
+    estimated exposed and launch time."""
     saved_sets = saved_sets or SavedSetCache(a, seconds)
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
     offloaded: set[fx.Node] = set()
     eligible = _memo(offload.eligible)
     moves_of = RecomputeMoves(a, seconds)
-    moves: list[Move] = []
     while True:
         best = best_move(a, [*moves_of(saved, recomputed, skip=offloaded),
                              *_offload_moves(a, saved, offloaded, offload, eligible, saved_sets)])
         if best is None:
-            return moves
+            return
         if best.kind == "offload":
             offloaded.add(best.group.root)
         else:
             _apply(best, saved, recomputed)
-        moves.append(best)
+        yield best
 
 
 def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, eligible,
@@ -252,24 +255,29 @@ class Prefix:
     moves: tuple[Move, ...]
 
 
-def prefixes(a: JointAnalysis, start: Prefix, moves: list[Move], granularity: int = 0) -> list[Prefix]:
+def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity: int = 0) -> Iterator[Prefix]:
     """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
     prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
-    the previous one kept; the last prefix is always kept."""
+    the previous one kept; the last prefix is always kept. Each is yielded as soon as it
+    is known, so ``moves`` may be a generator."""
     saved, offloaded = set(start.saved), set(start.offloaded)
     recomputed = recomputed_nodes(a, saved)
+    applied: list[Move] = []
     pending = 0
-    plans = []
-    for index, move in enumerate(moves):
+    kept_last = False
+    for move in moves:
         if move.kind == "offload":
             offloaded.add(move.group.root)
         else:
             _apply(move, saved, recomputed)
+        applied.append(move)
         pending += move.freed_bytes
-        if pending >= granularity or index == len(moves) - 1:
-            plans.append(Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(moves[: index + 1])))
+        kept_last = pending >= granularity
+        if kept_last:
+            yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
             pending = 0
-    return plans
+    if applied and not kept_last:
+        yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
 
 
 def _unique(plans: list[Prefix]) -> list[Prefix]:
