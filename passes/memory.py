@@ -232,8 +232,11 @@ class StepBuilder:
 
     def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
         self._move_to(frozenset(saved), frozenset(nodes.recomputed))
-        forward = [(node, self._forward_step(node)) for node in nodes.forward]
-        backward = [(node, self._backward_step(node)) for node in nodes.backward]
+        kept_forward, kept_backward = self.forward_steps, self.backward_steps  # most nodes: a lookup
+        forward = [(node, kept_forward[node] if node in kept_forward else self._forward_step(node))
+                   for node in nodes.forward]
+        backward = [(node, kept_backward[node] if node in kept_backward else self._backward_step(node))
+                    for node in nodes.backward]
         return ComputeSteps(forward, backward)
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
@@ -376,7 +379,7 @@ def plan_program(
 
 def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
     """``step`` with its storage keys renamed by ``keys`` (the step itself when none is)."""
-    if not any(key in keys for key, _ in step.allocates) and not any(key in keys for key in step.reads):
+    if keys.keys().isdisjoint(step.reads) and keys.keys().isdisjoint([key for key, _ in step.allocates]):
         return step
     allocates = [(keys.get(key, key), nbytes) for key, nbytes in step.allocates]
     return Step(step.label, allocates, [keys.get(key, key) for key in step.reads], step.kind)

@@ -33,6 +33,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.fx as fx
 
@@ -55,8 +56,9 @@ class Schedule:
     starts: tuple[float, ...]
     total: float
 
-    @property
+    @cached_property
     def index(self) -> dict[fx.Node, int]:
+        """Node -> its position (built once: the solver asks for it per candidate move)."""
         return {node: i for i, node in enumerate(self.nodes)}
 
     def end(self, index: int) -> float:
