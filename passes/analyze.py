@@ -8,6 +8,7 @@ partitioned forward and backward graphs).
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -185,6 +186,23 @@ def is_compute_intensive(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _COMPUTE_INTENSIVE
 
 
+def is_pointwise(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.pointwise in tags
+
+
+def fuses_into(node: fx.Node) -> bool:
+    """Inductor fuses a pointwise producer into this consumer (pointwise or reduction)."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and (torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
+
+
+def fusable_nodes(nodes: Iterable[fx.Node]) -> frozenset[fx.Node]:
+    """Pointwise nodes whose every consumer fuses them: Inductor gives them no buffer of
+    their own unless something keeps them (``passes.memory.fused_nodes``)."""
+    return frozenset(n for n in nodes if is_pointwise(n) and n.users and all(fuses_into(u) for u in n.users))
+
+
 @dataclass
 class JointAnalysis:
     """The joint graph split into forward and backward, with storage facts."""
@@ -206,6 +224,9 @@ class JointAnalysis:
     inputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
     # ... and the input whose storage each node's output shares (``_aliased_input``).
     alias_parent: dict[fx.Node, fx.Node | None] = field(default_factory=dict)
+    # ... and the nodes fusion may leave without a buffer (``fusable_nodes``): each plan
+    # then only takes away the ones it keeps.
+    fusable: frozenset[fx.Node] = frozenset()
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -275,6 +296,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         fusion=fusion,
         inputs={n: tuple(n.all_input_nodes) for n in nodes},
         alias_parent={n: _aliased_input(n) for n in nodes},
+        fusable=fusable_nodes(nodes),
     )
 
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
-from .analyze import JointAnalysis, allocated_bytes, storage_roots, tensor_value
+from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, storage_roots, tensor_value
 from .schedule import just_in_time_order
 
 
@@ -86,19 +85,9 @@ def simulate(program: Program) -> Timeline:
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
 
 
-def _is_pointwise(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and torch.Tag.pointwise in tags
-
-
-def _fuses_into(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and (torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
-
-
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     """Pointwise nodes Inductor fuses into all their consumers (no buffer of their own)."""
-    return {n for n in nodes if n not in kept and _is_pointwise(n) and n.users and all(_fuses_into(u) for u in n.users)}
+    return {n for n in fusable_nodes(nodes) if n not in kept}
 
 
 def _is_host_copy(node: fx.Node) -> bool:
@@ -188,6 +177,149 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     return just_in_time_order(a.bw_nodes, recomputed, a.inputs.__getitem__)
 
 
+@dataclass(frozen=True)
+class PlanNodes:
+    """The nodes a step runs under a saved set: derived from the saved set alone, so every
+    plan with that saved set shares them, whatever it offloads."""
+
+    forward: list[fx.Node]  # ``forward_nodes_needed``
+    recomputed: set[fx.Node]  # ``recomputed_nodes``
+    backward: list[fx.Node]  # ``backward_order``: recomputation just in time
+
+
+def plan_nodes(a: JointAnalysis, saved: set[fx.Node]) -> PlanNodes:
+    recomputed = recomputed_nodes(a, saved)
+    return PlanNodes(forward_nodes_needed(a, saved), recomputed, backward_order(a, recomputed))
+
+
+@dataclass(frozen=True)
+class ComputeSteps:
+    """A saved set's program without copies: the step of each node the forward and the
+    backward run (None for steady-state nodes, which allocate nothing). What offloading
+    changes is added by ``plan_program``: copy steps, and reloaded storages' keys."""
+
+    forward: list[tuple[fx.Node, Step | None]]
+    backward: list[tuple[fx.Node, Step | None]]
+
+
+def compute_steps(a: JointAnalysis, saved: set[fx.Node], fusion: bool = False,
+                  nodes: PlanNodes | None = None) -> ComputeSteps:
+    """The steps of the nodes run when the forward saves ``saved`` and keeps all of it on
+    the device. ``nodes``: ``plan_nodes(a, saved)``, when the caller has it."""
+    return StepBuilder(a, fusion)(saved, nodes or plan_nodes(a, saved))
+
+
+class StepBuilder:
+    """``compute_steps`` for one saved set after another, keeping each node's step until
+    the fate of a node it depends on changes.
+
+    A node's step depends only on whether a few nodes are saved or recomputed: whether it
+    and the pointwise nodes it may read through are fused (a saved node keeps its
+    buffer), and which storage each tensor it reads resolves to (the view chains of what
+    it reads: saved, recomputed or neither). Consecutive plans of a greedy sequence
+    differ by one move, so most steps carry over; the solver simulates hundreds of plans
+    of thousands of nodes each."""
+
+    def __init__(self, a: JointAnalysis, fusion: bool) -> None:
+        self.a, self.fusion = a, fusion
+        self.saved: frozenset[fx.Node] = frozenset()
+        self.recomputed: frozenset[fx.Node] = frozenset()
+        self.fused: frozenset[fx.Node] = frozenset()
+        self.forward_steps: dict[fx.Node, Step | None] = {}
+        self.backward_steps: dict[fx.Node, Step | None] = {}
+        self.memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
+        self._dependents: dict[fx.Node, list[fx.Node]] | None = None
+
+    def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
+        self._move_to(frozenset(saved), frozenset(nodes.recomputed))
+        kept_forward, kept_backward = self.forward_steps, self.backward_steps  # most nodes: a lookup
+        forward = [(node, kept_forward[node] if node in kept_forward else self._forward_step(node))
+                   for node in nodes.forward]
+        backward = [(node, kept_backward[node] if node in kept_backward else self._backward_step(node))
+                    for node in nodes.backward]
+        return ComputeSteps(forward, backward)
+
+    def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
+        """Forget the steps that depend on a node whose fate differs from the last plan's."""
+        if self.forward_steps or self.backward_steps:
+            changed = (saved ^ self.saved) | (recomputed ^ self.recomputed)
+            dependents = self.dependents()
+            for node in changed:
+                for dependent in dependents.get(node, ()):
+                    self.forward_steps.pop(dependent, None)
+                    self.backward_steps.pop(dependent, None)
+        self.saved, self.recomputed = saved, recomputed
+        kept = saved | set(self.a.fw_outputs) | set(self.a.bw_outputs)
+        self.fused = self.a.fusable - kept if self.fusion else frozenset()
+        self.memo = {}
+
+    def dependents(self) -> dict[fx.Node, list[fx.Node]]:
+        """Node -> the nodes whose steps depend on its fate (``step_dependencies``)."""
+        if self._dependents is None:
+            self._dependents = {}
+            for node in self.a.position:
+                for dependency in step_dependencies(self.a, node, self.fusion):
+                    self._dependents.setdefault(dependency, []).append(node)
+        return self._dependents
+
+    def _forward_step(self, node: fx.Node) -> Step | None:
+        if node not in self.forward_steps:
+            self.forward_steps[node] = None if node in self.a.steady else self._step(node, self._root)
+        return self.forward_steps[node]
+
+    def _backward_step(self, node: fx.Node) -> Step | None:
+        if node not in self.backward_steps:
+            step = None
+            if node not in self.a.steady:
+                kind = "recompute" if node in self.recomputed else "compute"
+                step = self._step(node, self._backward_key, kind)
+            self.backward_steps[node] = step
+        return self.backward_steps[node]
+
+    def _step(self, node: fx.Node, key, kind: str = "compute") -> Step:
+        a = self.a
+        nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
+        allocates = [(key(node), nbytes)] if nbytes else []
+        reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
+        return Step(node.name, allocates, reads, kind=kind)
+
+    def _root(self, node: fx.Node) -> Hashable:
+        return self.a.roots.get(node, node)
+
+    def _backward_key(self, node: fx.Node) -> Hashable:
+        # Walk the view chain towards the storage: a saved tensor (or a view of one) reads
+        # the forward's storage even when its base is also recomputed for other users.
+        current = node
+        while True:
+            if current in self.saved:
+                return self.a.roots.get(current, current)
+            parent = self.a.alias_parent[current]
+            if parent is None:
+                return ("recomputed", current) if current in self.recomputed else current
+            current = parent
+
+
+def step_dependencies(a: JointAnalysis, node: fx.Node, fusion: bool) -> set[fx.Node]:
+    """The nodes whose fate (saved or not, recomputed or not) ``node``'s step reads: with
+    fusion, the fusable nodes it may read through (``fused`` is ``a.fusable`` less the
+    saved ones), and the view chains of the node and of everything those read, which
+    ``StepBuilder._backward_key`` walks."""
+    through = {node}
+    if fusion:
+        stack = [node]
+        while stack:
+            for arg in a.inputs[stack.pop()]:
+                if arg in a.fusable and arg not in through:
+                    through.add(arg)
+                    stack.append(arg)
+    dependencies = set(through)
+    for current in [node, *(arg for n in through for arg in a.inputs[n])]:
+        while current is not None:
+            dependencies.add(current)
+            current = a.alias_parent[current]
+    return dependencies
+
+
 def plan_program(
     a: JointAnalysis,
     saved: set[fx.Node],
@@ -196,30 +328,26 @@ def plan_program(
     fusion: bool = False,
     reload_distance: dict[fx.Node, int] | None = None,
     offload_wait_after: dict[fx.Node, fx.Node] | None = None,
+    nodes: PlanNodes | None = None,
+    computed: ComputeSteps | None = None,
 ) -> Program:
     """The program the partitioned graphs run when the forward saves ``saved`` (of which
     ``offloaded`` go to host memory) and the backward recomputes the rest. Each reload
     starts ``reload_distance[tensor]`` backward steps before its first use (default
     ``prefetch_distance``). The forward waits for an offload after its last forward use,
     or after forward node ``offload_wait_after[tensor]`` (a later one): the device copy
-    stays alive until then."""
+    stays alive until then. ``nodes`` (``plan_nodes``) and ``computed``
+    (``compute_steps``, with the same ``fusion``): what the caller already has for ``saved``."""
+    computed = computed or compute_steps(a, saved, fusion, nodes)
     root = a.roots.get
-    kept = set(saved) | set(a.fw_outputs) | set(a.bw_outputs)
-    fused = fused_nodes(a.position, kept) if fusion else set()
-    steady = a.steady.__contains__
-    inputs = a.inputs.__getitem__
-    memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
     waits_after: dict[fx.Node, list[fx.Node]] = {}
     for tensor, anchor in (offload_wait_after or {}).items():
         if tensor in offloaded:
             waits_after.setdefault(anchor, []).append(tensor)
     steps: list[Step] = []
-    for node in forward_nodes_needed(a, saved):
-        if node not in a.steady:
-            nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
-            allocates = [(root(node, node), nbytes)] if nbytes else []
-            reads = _reads(node, lambda x: root(x, x), fused, steady, inputs, memo)
-            steps.append(Step(node.name, allocates, reads))
+    for node, step in computed.forward:
+        if step is not None:
+            steps.append(step)
             if node in offloaded:
                 steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
         for tensor in waits_after.get(node, ()):
@@ -229,44 +357,32 @@ def plan_program(
     # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
     kept_roots = {root(s, s) for s in saved if s not in offloaded}
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
-    recomputed = recomputed_nodes(a, saved)
-    order = backward_order(a, recomputed)
-
-    def backward_key(node: fx.Node) -> Hashable:
-        # Walk the view chain towards the storage: a saved tensor (or a view of one) reads
-        # the forward's storage even when its base is also recomputed for other users.
-        current = node
-        while True:
-            if current in saved:
-                base = root(current, current)
-                return reloaded.get(base, base)
-            parent = a.alias_parent[current]
-            if parent is None:
-                return ("recomputed", current) if current in recomputed else reloaded.get(current, current)
-            current = parent
-
     first_use: dict[fx.Node, int] = {}
-    for index, node in enumerate(order):
-        for arg in inputs(node):
-            base = root(arg, arg)
-            if base in reloaded:
-                first_use.setdefault(base, index)
+    if reloaded:
+        for index, (node, _) in enumerate(computed.backward):
+            for arg in a.inputs[node]:
+                base = root(arg, arg)
+                if base in reloaded:
+                    first_use.setdefault(base, index)
     reload_at: dict[int, list[fx.Node]] = {}
     for node, index in first_use.items():
         distance = (reload_distance or {}).get(node, prefetch_distance)
         reload_at.setdefault(max(0, index - distance), []).append(node)
-
-    for index, node in enumerate(order):
+    for index, (node, step) in enumerate(computed.backward):
         for tensor in reload_at.get(index, ()):
             steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
-        if node in a.steady:
-            continue
-        nbytes = 0 if node in fused else a.bytes_of.get(node, 0)
-        allocates = [(backward_key(node), nbytes)] if nbytes else []
-        reads = _reads(node, backward_key, fused, steady, inputs, memo)
-        steps.append(Step(node.name, allocates, reads, kind="recompute" if node in recomputed else "compute"))
+        if step is not None:
+            steps.append(_renamed(step, reloaded) if reloaded else step)
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
     return Program(steps, backward_start, outlives)
+
+
+def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
+    """``step`` with its storage keys renamed by ``keys`` (the step itself when none is)."""
+    if keys.keys().isdisjoint(step.reads) and keys.keys().isdisjoint([key for key, _ in step.allocates]):
+        return step
+    allocates = [(keys.get(key, key), nbytes) for key, nbytes in step.allocates]
+    return Step(step.label, allocates, [keys.get(key, key) for key in step.reads], step.kind)
 
 
 # --- programs from the partitioned graphs ------------------------------------------------

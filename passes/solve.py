@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
-from .memory import Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+from .memory import PlanNodes, Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
 from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
@@ -133,12 +133,15 @@ def is_candidate(a: JointAnalysis, node: fx.Node) -> bool:
     return storage_group(a, [node]) is not None
 
 
-def _groups(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[Group]:
+def _groups(a: JointAnalysis, saved: Iterable[fx.Node], group_of=None) -> list[Group]:
+    """The recomputable storage groups of ``saved``, in graph order. ``group_of(members)``:
+    ``storage_group(a, members)``, or a memo of it."""
+    group_of = group_of or (lambda members: storage_group(a, members))
     by_root: dict[fx.Node, list[fx.Node]] = {}
     for tensor in saved:
         if tensor_value(tensor) is not None and tensor not in a.steady:
             by_root.setdefault(a.roots.get(tensor, tensor), []).append(tensor)
-    groups = [storage_group(a, members) for members in by_root.values()]
+    groups = [group_of(frozenset(members)) for members in by_root.values()]
     return sorted((g for g in groups if g is not None), key=lambda g: a.position[g.root])
 
 
@@ -150,13 +153,17 @@ def _groups(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[Group]:
 MAX_EXTENSION = 48
 
 
-def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at_matmul: bool):
-    """(closure, added): the nodes the move recomputes and the tensors it must save."""
+def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at_matmul: bool,
+            looked_at: set | None = None):
+    """(closure, added): the nodes the move recomputes and the tensors it must save.
+    ``looked_at`` collects the nodes whose fate (saved, recomputed) the walk read."""
     closure = set(group.closure)
     added: set[fx.Node] = set()
     stack = list(group.sources)
     while stack:
         node = stack.pop()
+        if looked_at is not None:
+            looked_at.add(node)
         if node in closure or node in saved or node in recomputed or not a.is_forward(node):
             continue
         parent = compute_node(node)
@@ -183,29 +190,85 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
     are mixed in by ``passes.solve_offload``."""
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
+    moves_of = RecomputeMoves(a, seconds)
     moves: list[Move] = []
     while True:
-        best = best_move(a, recompute_moves(a, saved, recomputed, seconds))
+        best = best_move(a, moves_of(saved, recomputed))
         if best is None:
             return moves
         _apply(best, saved, recomputed)
         moves.append(best)
 
 
-def recompute_moves(a: JointAnalysis, saved: set, recomputed: set, seconds: Seconds, skip: set = frozenset()):
-    """Each way to recompute a saved storage (not in ``skip``) that frees bytes: the move
-    stops its recomputation at matmuls (saving their outputs) or goes through them."""
-    held = {a.roots.get(s, s) for s in saved}
-    for group in _groups(a, saved):
-        if group.root in skip:
-            continue
-        freed = a.bytes_of.get(group.root, 0)
-        for stop_at_matmul in (True, False):
-            closure, added = _extend(a, group, saved, recomputed, stop_at_matmul)
-            added_roots = {a.roots.get(x, x) for x in added} - held
-            gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots)
-            if gain > 0:
-                yield Move(group, added, _seconds_of(a, closure - recomputed, seconds), gain, closure)
+def group_moves(a: JointAnalysis, group: Group, saved: set, recomputed: set, held: set, seconds: Seconds,
+                looked_at: set | None = None) -> list[Move]:
+    """The moves that recompute ``group`` and free bytes (``held``: the storages of
+    ``saved``). ``looked_at`` collects the nodes whose fate the moves depend on: those
+    the walks read, the group's closure (its recompute time counts what is not
+    recomputed yet) and the storages of what the moves would save (freed only if not
+    already held)."""
+    freed = a.bytes_of.get(group.root, 0)
+    moves = []
+    for stop_at_matmul in (True, False):
+        closure, added = _extend(a, group, saved, recomputed, stop_at_matmul, looked_at)
+        added_roots = {a.roots.get(x, x) for x in added}
+        if looked_at is not None:
+            looked_at.update(group.closure, added_roots)
+        gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots - held)
+        if gain > 0:
+            moves.append(Move(group, added, _seconds_of(a, closure - recomputed, seconds), gain, closure))
+    return moves
+
+
+class RecomputeMoves:
+    """Each way to recompute a saved storage that frees bytes (``group_moves``: stopping
+    its recomputation at matmuls, saving their outputs, or going through them), for one
+    plan after another along a greedy sequence. A step of the sequence changes the fate
+    of a few nodes, so each storage's moves are kept until the fate of a node they depend
+    on (``group_moves``'s ``looked_at``) changes, or of a tensor on its storage."""
+
+    def __init__(self, a: JointAnalysis, seconds: Seconds) -> None:
+        self.a, self.seconds = a, seconds
+        self.saved: frozenset[fx.Node] = frozenset()
+        self.recomputed: frozenset[fx.Node] = frozenset()
+        self.moves: dict[fx.Node, tuple[Group, list[Move]]] = {}  # storage root -> its moves
+        self.watchers: dict[fx.Node, set[fx.Node]] = {}  # node -> storages whose moves read its fate
+        self.groups: dict[frozenset[fx.Node], Group | None] = {}  # saved tensors -> their storage group
+
+    def __call__(self, saved: set, recomputed: set, skip: set = frozenset()):
+        """The moves under the plan saving ``saved`` and recomputing ``recomputed``,
+        storages in graph order, leaving out those in ``skip``."""
+        self._move_to(frozenset(saved), frozenset(recomputed))
+        held = {self.a.roots.get(s, s) for s in saved}
+        for group in _groups(self.a, saved, self._group_of):
+            if group.root not in skip:
+                yield from self._group_moves(group, saved, recomputed, held)
+
+    def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
+        """Forget the moves that depend on a node whose fate changed (or on a storage one
+        of whose saved tensors changed)."""
+        changed_saved = saved ^ self.saved
+        changed = changed_saved | (recomputed ^ self.recomputed) | {self.a.roots.get(n, n) for n in changed_saved}
+        for node in changed:
+            for root in self.watchers.pop(node, ()):
+                self.moves.pop(root, None)
+        self.saved, self.recomputed = saved, recomputed
+
+    def _group_of(self, members: frozenset[fx.Node]) -> Group | None:
+        if members not in self.groups:
+            self.groups[members] = storage_group(self.a, members)
+        return self.groups[members]
+
+    def _group_moves(self, group: Group, saved: set, recomputed: set, held: set) -> list[Move]:
+        cached = self.moves.get(group.root)
+        if cached is not None and cached[0] == group:
+            return cached[1]
+        looked_at: set[fx.Node] = {group.root, *group.members}
+        moves = group_moves(self.a, group, saved, recomputed, held, self.seconds, looked_at)
+        self.moves[group.root] = (group, moves)
+        for node in looked_at:
+            self.watchers.setdefault(node, set()).add(group.root)
+        return moves
 
 
 def best_move(a: JointAnalysis, moves: Iterable[Move]) -> Move | None:
@@ -232,11 +295,14 @@ def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, m
     return Candidate(saved, extra_seconds, timeline.peak_bytes, timeline if keep_timeline else None, tuple(moves))
 
 
-def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds) -> float:
-    """Predicted time of one forward+backward under a plan (sum of per-node times)."""
-    saved = set(saved)
-    forward = forward_nodes_needed(a, saved)
-    recomputed = recomputed_nodes(a, saved)
+def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds, nodes: PlanNodes | None = None) -> float:
+    """Predicted time of one forward+backward under a plan (sum of per-node times).
+    ``nodes``: ``passes.memory.plan_nodes(a, saved)``, when the caller has it."""
+    if nodes is None:
+        saved = set(saved)
+        forward, recomputed = forward_nodes_needed(a, saved), recomputed_nodes(a, saved)
+    else:
+        forward, recomputed = nodes.forward, nodes.recomputed
     return _seconds_of(a, [*forward, *recomputed, *a.bw_nodes], seconds)
 
 

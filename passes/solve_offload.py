@@ -30,18 +30,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
 from .cost import DeviceProfile
-from .memory import plan_program, recomputed_nodes, simulate
+from .memory import PlanNodes, StepBuilder, plan_nodes, plan_program, recomputed_nodes, simulate
 from .solve import (
     Candidate,
     Group,
     Move,
+    RecomputeMoves,
     Seconds,
     Solution,
     _apply,
@@ -50,11 +53,10 @@ from .solve import (
     best_move,
     budget_of_fraction,
     greedy_moves,
-    recompute_moves,
     solve_greedy,
     step_seconds,
 )
-from .transfer import LinkEstimate, Schedule, TransferPlan, backward_schedule, forward_schedule, plan_transfers
+from .transfer import LinkEstimate, Schedule, TransferPlan, plan_schedules, plan_transfers
 
 # Progress of long solves (large graphs take minutes): ``TORCH_LOGS=compile_offload`` shows it.
 log = logging.getLogger("compile_offload.solver")
@@ -85,17 +87,20 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     (``passes.solve.solve_greedy``)."""
     if offload is None:
         return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction)
-    evaluate = Evaluator(a, seconds, offload, base_saved)
+    saved_sets = SavedSetCache(a, seconds)
+    evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     start = Prefix(frozenset(base_saved), frozenset(), ())
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
     # predicts a slower plan), and mixed sequences branching off it.
-    recompute = prefixes(a, start, greedy_moves(a, base_saved, seconds))
-    schedules = ScheduleCache(a, seconds)
+    recompute = list(prefixes(a, start, greedy_moves(a, base_saved, seconds)))
     granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
     sequences = [recompute]
     for branch in branch_points([start, *recompute], evaluate, BRANCHES):
-        moves = mixed_moves(a, branch.saved, seconds, offload, schedules)
-        sequences.append(prefixes(a, branch, moves, granularity))
+        sequence = []
+        for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets), granularity):
+            evaluate(plan)  # now, while ``saved_sets`` still holds its saved set (results are kept)
+            sequence.append(plan)
+        sequences.append(sequence)
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
     return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
 
@@ -149,36 +154,37 @@ def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.No
 
 
 def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds, offload: OffloadOptions,
-                schedules: "ScheduleCache | None" = None) -> list[Move]:
+                saved_sets: "SavedSetCache | None" = None) -> Iterator[Move]:
     """The greedy sequence of recompute and offload moves from ``base_saved``, most freed
-    bytes per second of marginal cost first (ties: more bytes, then the earlier tensor).
-    An offload move's cost (its ``extra_seconds``) is its estimated exposed and launch time."""
-    schedules = schedules or ScheduleCache(a, seconds)
+    bytes per second of marginal cost first (ties: more bytes, then the earlier tensor),
+    each yielded as soon as chosen. An offload move's cost (its ``extra_seconds``) is its
+    estimated exposed and launch time."""
+    saved_sets = saved_sets or SavedSetCache(a, seconds)
     saved = set(base_saved)
     recomputed = recomputed_nodes(a, saved)
     offloaded: set[fx.Node] = set()
     eligible = _memo(offload.eligible)
-    moves: list[Move] = []
+    moves_of = RecomputeMoves(a, seconds)
     while True:
-        best = best_move(a, [*recompute_moves(a, saved, recomputed, seconds, skip=offloaded),
-                             *_offload_moves(a, saved, offloaded, offload, eligible, schedules)])
+        best = best_move(a, [*moves_of(saved, recomputed, skip=offloaded),
+                             *_offload_moves(a, saved, offloaded, offload, eligible, saved_sets)])
         if best is None:
-            return moves
+            return
         if best.kind == "offload":
             offloaded.add(best.group.root)
         else:
             _apply(best, saved, recomputed)
-        moves.append(best)
+        yield best
 
 
 def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, eligible,
-                   schedules: "ScheduleCache"):
+                   saved_sets: "SavedSetCache"):
     """A move for each offloadable storage, costing the exposed seconds it adds, estimated
     against the copies already planned (zero until the link saturates), and its launches."""
     candidates = offloadable(a, saved, offloaded, eligible)
     if not candidates:
         return
-    forward, backward = schedules(saved)
+    forward, backward = saved_sets(saved).schedules
     link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
@@ -196,20 +202,45 @@ def _memo(fn):
     return memoized
 
 
-class ScheduleCache:
-    """Forward and backward schedules per saved set: offload moves leave the saved set as it
-    is, and sequences from different branch points share saved sets."""
+class SavedSetCache:
+    """What the solver derives from a saved set alone: the nodes the step runs
+    (``passes.memory.plan_nodes``), their schedules and the predicted step time. Offload
+    moves leave the saved set as it is, so consecutive plans along a mixed sequence share
+    it; the most recently used ``capacity`` saved sets are kept (each holds a few lists as
+    long as the graph)."""
 
-    def __init__(self, a: JointAnalysis, seconds: Seconds) -> None:
-        self.a, self.seconds = a, seconds
-        self.cache: dict[frozenset, tuple[Schedule, Schedule]] = {}
+    def __init__(self, a: JointAnalysis, seconds: Seconds, capacity: int = 16) -> None:
+        self.a, self.seconds, self.capacity = a, seconds, capacity
+        self.facts: OrderedDict[frozenset, SavedSetFacts] = OrderedDict()
 
-    def __call__(self, saved: Iterable[fx.Node]) -> tuple[Schedule, Schedule]:
+    def __call__(self, saved: Iterable[fx.Node]) -> "SavedSetFacts":
         key = frozenset(saved)
-        if key not in self.cache:
-            self.cache[key] = (forward_schedule(self.a, set(key), self.seconds),
-                               backward_schedule(self.a, set(key), self.seconds))
-        return self.cache[key]
+        if key in self.facts:
+            self.facts.move_to_end(key)
+        else:
+            self.facts[key] = SavedSetFacts(self.a, key, self.seconds)
+            if len(self.facts) > self.capacity:
+                self.facts.popitem(last=False)
+        return self.facts[key]
+
+
+class SavedSetFacts:
+    """One saved set's nodes, schedules and step time, each computed when first asked for."""
+
+    def __init__(self, a: JointAnalysis, saved: frozenset[fx.Node], seconds: Seconds) -> None:
+        self.a, self.saved, self.seconds = a, saved, seconds
+
+    @cached_property
+    def nodes(self) -> PlanNodes:
+        return plan_nodes(self.a, set(self.saved))
+
+    @cached_property
+    def schedules(self) -> tuple[Schedule, Schedule]:
+        return plan_schedules(self.nodes, self.seconds)
+
+    @cached_property
+    def step_seconds(self) -> float:
+        return step_seconds(self.a, self.saved, self.seconds, self.nodes)
 
 
 # --- candidates ------------------------------------------------------------------------------
@@ -225,24 +256,29 @@ class Prefix:
     moves: tuple[Move, ...]
 
 
-def prefixes(a: JointAnalysis, start: Prefix, moves: list[Move], granularity: int = 0) -> list[Prefix]:
+def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity: int = 0) -> Iterator[Prefix]:
     """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
     prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
-    the previous one kept; the last prefix is always kept."""
+    the previous one kept; the last prefix is always kept. Each is yielded as soon as it
+    is known, so ``moves`` may be a generator."""
     saved, offloaded = set(start.saved), set(start.offloaded)
     recomputed = recomputed_nodes(a, saved)
+    applied: list[Move] = []
     pending = 0
-    plans = []
-    for index, move in enumerate(moves):
+    kept_last = False
+    for move in moves:
         if move.kind == "offload":
             offloaded.add(move.group.root)
         else:
             _apply(move, saved, recomputed)
+        applied.append(move)
         pending += move.freed_bytes
-        if pending >= granularity or index == len(moves) - 1:
-            plans.append(Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(moves[: index + 1])))
+        kept_last = pending >= granularity
+        if kept_last:
+            yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
             pending = 0
-    return plans
+    if applied and not kept_last:
+        yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
 
 
 def _unique(plans: list[Prefix]) -> list[Prefix]:
@@ -261,9 +297,11 @@ class Evaluator:
     launches: ``TransferPlan.added_seconds``)."""
 
     def __init__(self, a: JointAnalysis, seconds: Seconds, offload: OffloadOptions,
-                 base_saved: Iterable[fx.Node]) -> None:
+                 base_saved: Iterable[fx.Node], saved_sets: SavedSetCache | None = None) -> None:
         self.a, self.seconds, self.offload = a, seconds, offload
-        self.base_seconds = step_seconds(a, base_saved, seconds)
+        self.saved_sets = saved_sets or SavedSetCache(a, seconds)
+        self.steps = StepBuilder(a, a.fusion)  # plans are simulated in sequence order
+        self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.started = self.reported = time.perf_counter()
 
@@ -272,15 +310,17 @@ class Evaluator:
         if key in self.results and not keep_timeline:
             return self.results[key]
         saved, offloaded = set(plan.saved), set(plan.offloaded)
+        facts = self.saved_sets(plan.saved)
         transfers = (plan_transfers(self.a, saved, offloaded, self.seconds, self.offload.profile,
-                                    self.offload.prefetch) if offloaded else None)
+                                    self.offload.prefetch, facts.schedules) if offloaded else None)
         timeline = simulate(plan_program(
             self.a, saved, offloaded, fusion=self.a.fusion,
             reload_distance=transfers.reload_distance if transfers else None,
             offload_wait_after=transfers.offload_wait_after if transfers else None,
+            computed=self.steps(plan.saved, facts.nodes),
         ))
         copies = transfers.added_seconds if transfers else 0.0
-        extra = step_seconds(self.a, saved, self.seconds) - self.base_seconds + copies
+        extra = facts.step_seconds - self.base_seconds + copies
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
                               timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
         self.results.setdefault(key, candidate)

@@ -33,12 +33,13 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis
 from .cost import DeviceProfile, transfer_seconds
-from .memory import backward_order, forward_nodes_needed, recomputed_nodes
+from .memory import PlanNodes, backward_order, forward_nodes_needed, recomputed_nodes
 
 Seconds = Callable[[fx.Node], float]
 
@@ -55,8 +56,9 @@ class Schedule:
     starts: tuple[float, ...]
     total: float
 
-    @property
+    @cached_property
     def index(self) -> dict[fx.Node, int]:
+        """Node -> its position (built once: the solver asks for it per candidate move)."""
         return {node: i for i, node in enumerate(self.nodes)}
 
     def end(self, index: int) -> float:
@@ -81,6 +83,11 @@ def forward_schedule(a: JointAnalysis, saved: set[fx.Node], seconds: Seconds) ->
 def backward_schedule(a: JointAnalysis, saved: set[fx.Node], seconds: Seconds) -> Schedule:
     """The backward the plan runs, recomputation just in time (``passes.memory.backward_order``)."""
     return timed(backward_order(a, recomputed_nodes(a, saved)), seconds)
+
+
+def plan_schedules(nodes: PlanNodes, seconds: Seconds) -> tuple[Schedule, Schedule]:
+    """The forward and backward schedules of a saved set's nodes (``passes.memory.plan_nodes``)."""
+    return timed(nodes.forward, seconds), timed(nodes.backward, seconds)
 
 
 def last_forward_use(a: JointAnalysis, tensor: fx.Node, index: dict[fx.Node, int]) -> int:
@@ -165,15 +172,16 @@ class TransferPlan:
 
 
 def plan_transfers(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.Node], seconds: Seconds,
-                   profile: DeviceProfile, prefetch: bool = True) -> TransferPlan:
+                   profile: DeviceProfile, prefetch: bool = True,
+                   schedules: tuple[Schedule, Schedule] | None = None) -> TransferPlan:
     """Issue and wait positions of the copies for ``offloaded`` (storage-owning saved
-    tensors) under the plan that saves ``saved``, and the stalls they cause."""
+    tensors) under the plan that saves ``saved``, and the stalls they cause.
+    ``schedules``: the plan's (forward, backward) schedules, when the caller has them."""
     plan = TransferPlan()
     if not offloaded:
         return plan
-    forward = forward_schedule(a, saved, seconds)
+    forward, backward = schedules or (forward_schedule(a, saved, seconds), backward_schedule(a, saved, seconds))
     _plan_offloads(a, forward, offloaded, profile, plan)
-    backward = backward_schedule(a, saved, seconds)
     _plan_reloads(a, backward, offloaded, profile, prefetch, plan)
     plan.launch_seconds = 2 * len(plan.copies) * profile.launch_overhead_seconds
     return plan

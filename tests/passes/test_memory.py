@@ -240,3 +240,41 @@ def test_plan_program_keep_recompute_offload_by_hand():
     assert reload_at >= offload.backward_start and steps[reload_at + 2] == ("cos", "recompute")  # one step ahead
     # The backward's peak holds the product in every plan: neither choice lowers it.
     assert keep.peak_bytes == recompute.peak_bytes == offload.peak_bytes
+
+
+class ViewsAndPointwise(nn.Module):
+    """Views, pointwise chains (fused under Inductor) and reductions, for step reuse."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        h = self.up(self.norm(x)).view(x.shape[0], 2, -1).transpose(0, 1)
+        h = torch.nn.functional.gelu(h * torch.sigmoid(h)).transpose(0, 1).reshape(x.shape[0], -1)
+        return (self.down(h).tanh() + x).sum()
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_step_builder_matches_fresh_steps_over_any_sequence_of_saved_sets(fusion):
+    """A StepBuilder that moves from saved set to saved set (in any order, with any
+    jumps) builds exactly the steps a fresh ``compute_steps`` builds for each."""
+    import random
+
+    from passes.memory import StepBuilder, compute_steps, plan_nodes
+
+    from .joint_capture import capture_analysis
+
+    analysis, base = capture_analysis(ViewsAndPointwise(), torch.randn(4, 16, requires_grad=True), fusion=fusion)
+    forward = [n for n in analysis.fw_nodes if n.op == "call_function"]
+    rng = random.Random(0)
+    saved_sets = [set(base)]
+    for _ in range(40):  # small changes from the last set, and jumps to unrelated ones
+        previous = set(saved_sets[-1]) if rng.random() < 0.8 else set(base)
+        previous ^= set(rng.sample(forward, 2))
+        saved_sets.append(previous)
+    builder = StepBuilder(analysis, fusion)
+    for saved in saved_sets:
+        nodes = plan_nodes(analysis, saved)
+        assert builder(saved, nodes) == compute_steps(analysis, saved, fusion, nodes)

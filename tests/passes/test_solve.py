@@ -131,3 +131,28 @@ def test_a_fraction_is_that_share_of_the_saved_activations_on_top_of_the_rest():
     assert budget_of_fraction(analysis, baseline, 0.5) == baseline.peak_bytes - saved_bytes // 2
     assert budget_of_fraction(analysis, baseline, 0.25) == baseline.peak_bytes - 3 * saved_bytes // 4
     assert budget_of_fraction(analysis, baseline, 0.0) == 0  # the minimum-memory plan, whatever it is
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
+    """One RecomputeMoves walked through plans (random moves applied, jumps back to the
+    start) yields exactly the moves a fresh one yields for each plan, skips included."""
+    import random
+
+    from passes.solve import RecomputeMoves, _apply
+
+    rng = random.Random(seed)
+    blocks = nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)))
+    analysis, base = capture_analysis(lambda x: blocks(x).sum(), torch.randn(2, 8, 16, requires_grad=True))
+    kept = RecomputeMoves(analysis, flops_seconds)
+    saved = set(base)
+    recomputed = recomputed_nodes(analysis, saved)
+    for _ in range(30):
+        skip = set(rng.sample(sorted(saved, key=analysis.position.__getitem__), 1)) if saved else set()
+        moves = list(RecomputeMoves(analysis, flops_seconds)(saved, recomputed, skip))
+        assert list(kept(saved, recomputed, skip)) == moves
+        if not moves or rng.random() < 0.15:
+            saved = set(base)
+            recomputed = recomputed_nodes(analysis, saved)
+        else:
+            _apply(rng.choice(moves), saved, recomputed)
