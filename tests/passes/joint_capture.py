@@ -14,14 +14,19 @@ from passes import compat
 from passes.analyze import JointAnalysis, analyze_joint
 
 
-def capture_analysis(fn, *inputs, fusion: bool = False) -> tuple[JointAnalysis, list]:
-    """(analysis, torch's min-cut saved set) of ``fn``'s joint graph; ``fn`` runs once."""
+def capture(fn, *inputs, hook, partition=None, dynamic=False, decompose=True):
+    """Compile ``fn`` through AOTAutograd; ``hook(joint, joint_inputs)`` runs on the prepared
+    joint graph and its result is returned. The graphs AOTAutograd runs come from
+    ``partition(joint, joint_inputs, hooked)`` if given, else from ``compat.default_partition``.
+    ``decompose``: with Inductor's decomposition table, as the backend traces.
+    Returns (hook's result, fn's compiled output)."""
     captured = {}
 
-    def partition(joint_gm, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
+    def partition_fn(joint_gm, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
-        captured["analysis"] = analyze_joint(joint, fusion=fusion)
-        captured["base"] = compat.min_cut_saved_values(joint)
+        captured["hooked"] = hook(joint, joint_inputs)
+        if partition is not None:
+            return partition(joint, joint_inputs, captured["hooked"])
         return compat.default_partition(joint, joint_inputs)
 
     def backend(gm, example_inputs):
@@ -29,13 +34,22 @@ def capture_analysis(fn, *inputs, fusion: bool = False) -> tuple[JointAnalysis, 
             gm, example_inputs,
             fw_compiler=lambda g, _: compat.boxed_python(g),
             bw_compiler=lambda g, _: compat.boxed_python(g),
-            partition_fn=partition,
-            decompositions=select_decomp_table(),
+            partition_fn=partition_fn,
+            decompositions=select_decomp_table() if decompose else None,
+            keep_inference_input_mutations=True,  # as the backend's eager path
         )
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    return captured["analysis"], captured["base"]
+    out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
+    assert "hooked" in captured, "the partition hook never ran (no joint graph?)"
+    return captured["hooked"], out
+
+
+def capture_analysis(fn, *inputs, fusion: bool = False) -> tuple[JointAnalysis, list]:
+    """(analysis, torch's min-cut saved set) of ``fn``'s joint graph; ``fn`` runs once."""
+    (analysis, base), _ = capture(
+        fn, *inputs, hook=lambda joint, _: (analyze_joint(joint, fusion=fusion), compat.min_cut_saved_values(joint)))
+    return analysis, base
 
 
 class Tower(nn.Module):

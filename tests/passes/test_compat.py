@@ -1,7 +1,7 @@
 """Each wrapper in ``passes/compat.py`` on the installed torch, on real joint graphs.
 
 The joint graphs are captured the way the backend sees them: Dynamo -> AOTAutograd with a
-partition hook (as ``joint_capture.capture_analysis`` does). A hook runs the wrapper under
+partition hook (``joint_capture.capture``). A hook runs the wrapper under
 test on the prepared joint graph and records what it returned; the assertions run after
 compilation. Private torch APIs that ``compile_offload/backend.py`` and
 ``compile_offload/ops.py`` call directly (outside compat) are checked at the end.
@@ -17,46 +17,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._functorch import partitioners as _p
-from torch._functorch.aot_autograd import aot_module_simplified
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
-from torch._inductor.decomposition import select_decomp_table
 
 from passes import compat
 
+from .joint_capture import capture
+
 aten = torch.ops.aten
-
-
-def capture(fn, *inputs, hook, partition=None, dynamic=False, decompose=True):
-    """Compile ``fn`` through AOTAutograd; ``hook(joint, joint_inputs)`` runs on the prepared
-    joint graph and its result is returned. The graphs AOTAutograd runs come from
-    ``partition(joint, joint_inputs, hooked)`` if given, else from ``compat.default_partition``.
-    ``decompose``: with Inductor's decomposition table, as the backend traces.
-    Returns (hook's result, fn's compiled output)."""
-    captured = {}
-
-    def partition_fn(joint_gm, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
-        joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
-        captured["hooked"] = hook(joint, joint_inputs)
-        if partition is not None:
-            return partition(joint, joint_inputs, captured["hooked"])
-        return compat.default_partition(joint, joint_inputs)
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(
-            gm, example_inputs,
-            fw_compiler=lambda g, _: compat.boxed_python(g),
-            bw_compiler=lambda g, _: compat.boxed_python(g),
-            partition_fn=partition_fn,
-            decompositions=select_decomp_table() if decompose else None,
-            keep_inference_input_mutations=True,  # as the backend's eager path
-        )
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
-    assert "hooked" in captured, "the partition hook never ran (no joint graph?)"
-    return captured["hooked"], out
 
 
 def tanh_mlp(x, w1, w2):
