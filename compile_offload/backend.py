@@ -147,8 +147,8 @@ def _budget_per_ddp_bucket(settings: Settings, bucket_graphs: int | None) -> Set
 
     A byte budget B is split evenly: each of the ``bucket_graphs`` graphs N gets B // N, so
     the step, whose peak is at most the sum of the bucket graphs' peaks, stays within B when
-    every graph's plan fits. A fraction is relative to each graph's own unconstrained peak
-    and is left as it is. ``strict_budget`` and the below-the-minimum warning then apply to
+    every graph's plan fits. A fraction is relative to the activations each graph's own
+    unconstrained plan saves, and is left as it is. ``strict_budget`` and the below-the-minimum warning then apply to
     each graph against its share. With N unknown (``None``) every graph gets the whole
     budget, with one warning per process that the step may exceed it.
     """
@@ -167,8 +167,8 @@ def _budget_per_ddp_bucket(settings: Settings, bucket_graphs: int | None) -> Set
         settings = dataclasses.replace(settings, budget_bytes=share)
     else:
         said = ("fraction", settings.budget_fraction, bucket_graphs)
-        message = ("DDPOptimizer compiles this graph as %d bucket graphs: memory_budget %s is relative to each "
-                   "bucket graph's own unconstrained peak, so it applies to each of them unsplit")
+        message = ("DDPOptimizer compiles this graph as %d bucket graphs: memory_budget %s is relative to the "
+                   "activations each bucket graph's unconstrained plan saves, so it applies to each of them unsplit")
         arguments = (bucket_graphs, settings.describe_budget())
     if said not in _logged_ddp_splits:  # once per budget and bucket count, not once per graph
         _logged_ddp_splits.add(said)
