@@ -17,7 +17,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout installed (offline: no build isolation, no dependencies): compile_offload.passes
+# and compile_offload.benchmarks exist only as installed names.
+"$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >&2 || exit 1
 # Cold Inductor caches, so first-call times are compile times (as in the anchors).
 CACHE=$(mktemp -d)
 trap 'rm -rf "$CACHE"' EXIT

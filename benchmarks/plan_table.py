@@ -2,8 +2,8 @@
 
 Runs anywhere (the model is built on the meta device and planned for a named profile):
 
-    python -m benchmarks.plan_table --profile h100 --budgets none,0.75,0.5,0.25,1.9GB,0
-    python -m benchmarks.plan_table --layers 96 --width 1024 --seq 4096 --batch 4 --budgets 2GB --offload on
+    python -m compile_offload.benchmarks.plan_table --profile h100 --budgets none,0.75,0.5,0.25,1.9GB,0
+    python -m compile_offload.benchmarks.plan_table --layers 96 --width 1024 --seq 4096 --batch 4 --budgets 2GB --offload on
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import torch
 
 import compile_offload
-from passes.plan import format_bytes
+from compile_offload.passes.plan import format_bytes
 
 from .workloads import Decoder
 

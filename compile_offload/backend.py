@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from passes.plan import format_bytes
+from .passes.plan import format_bytes
 
 from . import settings as settings_mod
 from .partitioner import OffloadRematPartitioner
@@ -100,7 +100,7 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
-    from passes.compat import boxed_python
+    from .passes.compat import boxed_python
 
     def run_as_python(graph: torch.fx.GraphModule, _inputs: Sequence[Any]):
         return boxed_python(graph)

@@ -1,8 +1,8 @@
 """``python -m compile_offload bench``: our backend against torch's alternatives.
 
 The measuring code lives in the repository's ``benchmarks/`` folder (workloads,
-strategies, runner), which is not part of the installed package: it is imported from the
-source checkout next to this package, so ``bench`` needs one (an editable install is).
+strategies, runner), installed as ``compile_offload.benchmarks``: ``bench`` works from a
+wheel as from a checkout.
 
 ``--smoke`` runs a tiny model on the CPU in a few minutes at most: the eager strategies,
 ``torch.compile`` default, one ``activation_memory_budget`` and ours at two budgets, ours
@@ -29,17 +29,8 @@ DEFAULT_STRATEGIES = (
 
 
 def _benchmarks():
-    """Import the ``benchmarks`` folder of the checkout this package was loaded from."""
-    try:
-        return importlib.import_module("benchmarks.runner")
-    except ModuleNotFoundError as error:
-        if error.name not in ("benchmarks", "benchmarks.runner"):
-            raise
-    checkout = Path(__file__).resolve().parent.parent
-    if not (checkout / "benchmarks" / "runner.py").is_file():
-        raise SystemExit("compile_offload bench needs the source checkout's benchmarks/ folder (pip install -e .)")
-    sys.path.insert(0, str(checkout))
-    return importlib.import_module("benchmarks.runner")
+    """The measuring code, installed with the package as ``compile_offload.benchmarks``."""
+    return importlib.import_module("compile_offload.benchmarks.runner")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,8 +93,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run the sweep (or the max-batch search); 0 when every strategy ran or was
     unavailable here, 1 when some failed (their errors are in the results)."""
     runner = _benchmarks()
-    from benchmarks import strategies as strategies_mod
-    from benchmarks import workloads
+    from .benchmarks import strategies as strategies_mod
+    from .benchmarks import workloads
 
     smoke = args.smoke
     device = _resolve_device(args)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from passes.cost import BUILTIN_PROFILES, DeviceProfile
+from .passes.cost import BUILTIN_PROFILES, DeviceProfile
 
 # --------------------------------------------------------------------------------------------
 # Private torch API (the only one here): the planner may run inside a compile where a

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.memory import Timeline
-from passes.plan import PLAN_SCHEMA, Plan, format_bytes
+from .passes.memory import Timeline
+from .passes.plan import PLAN_SCHEMA, Plan, format_bytes
 
 if TYPE_CHECKING:
     from .planning import PartitionResult

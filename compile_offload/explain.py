@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from passes.plan import Plan
+from .passes.plan import Plan
 
 from . import settings as settings_mod
 from .partitioner import OffloadRematPartitioner

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.plan import Plan
+from .passes.plan import Plan
 
 if TYPE_CHECKING:
     from .planning import PartitionResult

@@ -80,7 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.offload import OffloadOps, is_non_overlapping
+from .passes.offload import OffloadOps, is_non_overlapping
 
 from . import pinned_pool
 

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from . import passes
 from .settings import Settings
 
-_PACKAGE_ROOTS = (Path(__file__).parent, Path(__file__).parent.parent / "passes")
+_PACKAGE_ROOTS = (Path(__file__).parent, Path(passes.__file__).parent)
 
 
 @functools.cache

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from passes.analyze import JointAnalysis
-from passes.memory import recomputed_nodes
-from passes.offload import eligible_for_offload
-from passes.plan import Plan
+from .passes.analyze import JointAnalysis
+from .passes.memory import recomputed_nodes
+from .passes.offload import eligible_for_offload
+from .passes.plan import Plan
 
 from .settings import Settings
 

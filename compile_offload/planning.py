@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from passes import compat
-from passes.analyze import JointAnalysis, analyze_joint, collective_source, tensor_value
-from passes.plan import Decision, Plan, format_bytes
-from passes.memory import fused_nodes
-from passes.rewrite import build_graphs
-from passes.offload import eligible_for_offload
-from passes.solve import (
+from .passes import compat
+from .passes.analyze import JointAnalysis, analyze_joint, collective_source, tensor_value
+from .passes.plan import Decision, Plan, format_bytes
+from .passes.memory import fused_nodes
+from .passes.rewrite import build_graphs
+from .passes.offload import eligible_for_offload
+from .passes.solve import (
     Solution,
     SolverError,
     compute_node,
@@ -24,8 +24,8 @@ from passes.solve import (
     step_seconds,
     without_banned_recompute,
 )
-from passes.solve_offload import OffloadOptions, solve_joint
-from passes.transfer import TransferPlan, plan_transfers
+from .passes.solve_offload import OffloadOptions, solve_joint
+from .passes.transfer import TransferPlan, plan_transfers
 
 from . import plan_cache
 from .settings import Settings
@@ -83,7 +83,7 @@ def _plan_partition(
     A graph the planner cannot handle falls back to torch's min-cut partition (a correct
     plan) with one warning naming the reason; a budget error under ``strict_budget`` raises.
     """
-    from passes.cost import node_seconds
+    from .passes.cost import node_seconds
 
     from .device_profile import resolve_profile
 
@@ -198,8 +198,8 @@ def _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers: TransferPlan | 
     uses, then each forward wait and backward reload moved where the transfer model put it."""
     if not offloaded:
         return fw_gm, bw_gm
-    from passes.offload import eligible_saved_tensors, insert_offloads
-    from passes.schedule import place_offload_waits, place_reloads
+    from .passes.offload import eligible_saved_tensors, insert_offloads
+    from .passes.schedule import place_offload_waits, place_reloads
 
     from . import pinned_pool
     from .ops import OFFLOAD_OPS
@@ -221,7 +221,7 @@ def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs
     """``debug_force_offload``: offload every eligible saved tensor of the chosen plan."""
     if not (settings.offload and settings.debug_force_offload):
         return fw_gm, bw_gm
-    from passes.offload import eligible_saved_tensors, insert_offloads
+    from .passes.offload import eligible_saved_tensors, insert_offloads
 
     from . import pinned_pool
     from .ops import OFFLOAD_OPS

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from passes.plan import Plan
+from .passes.plan import Plan
 
 
 def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from passes.plan import format_bytes
+from .passes.plan import format_bytes
 
 from . import config
 

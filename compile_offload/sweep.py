@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from passes.plan import Plan
+from .passes.plan import Plan
 
 from .explain import explain
 

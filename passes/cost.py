@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from passes.compat import size_hint
+from .compat import size_hint
 
 log = logging.getLogger("compile_offload")
 

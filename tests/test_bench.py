@@ -18,9 +18,9 @@ if str(REPO) not in sys.path:  # benchmarks/ is a folder of the checkout, not an
     sys.path.insert(0, str(REPO))
 
 import compile_offload  # noqa: E402
-from benchmarks import runner, strategies, workloads  # noqa: E402
+from compile_offload.benchmarks import runner, strategies, workloads  # noqa: E402
 from compile_offload.max_batch import largest_fitting, max_batch  # noqa: E402
-from passes.plan import Plan  # noqa: E402
+from compile_offload.passes.plan import Plan  # noqa: E402
 
 
 # --- workloads ------------------------------------------------------------------------------

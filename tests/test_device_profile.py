@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compile_offload import device_profile as dp
-from passes.cost import BUILTIN_PROFILES, DeviceProfile
+from compile_offload.passes.cost import BUILTIN_PROFILES, DeviceProfile
 
 FAKE_GPU = "Fake GPU 80GB"
 CUDA0 = torch.device("cuda", 0)

@@ -143,14 +143,14 @@ class _Capture:
 
 
 def _collectives(gm: torch.fx.GraphModule) -> list[str]:
-    from passes.analyze import is_collective
+    from compile_offload.passes.analyze import is_collective
 
     return sorted(str(n.target) for n in gm.graph.nodes if is_collective(n))
 
 
 def _offloaded_sources(fw_gm: torch.fx.GraphModule) -> list[dict]:
     """For each offload op of the forward graph: what it copies (placeholder? collective?)."""
-    from passes.analyze import collective_source
+    from compile_offload.passes.analyze import collective_source
 
     found = []
     for node in fw_gm.graph.nodes:
@@ -374,7 +374,7 @@ def test_ddp_byte_budget_is_split_evenly_over_the_bucket_graphs(ddp_results):
     """docs/distributed.md: under DDPOptimizer a byte budget B gives each of the N bucket
     graphs B // N (their names say ``bucket<k>of<N>``), said once in an INFO line; a
     fraction is not split."""
-    from passes.plan import format_bytes
+    from compile_offload.passes.plan import format_bytes
 
     for result in ddp_results:
         byte_budgets = [b for b in result["split"] if isinstance(b, int)]
@@ -644,8 +644,8 @@ def test_collective_outputs_are_banned_from_recompute_and_offload():
     never offloaded; the wait returns the all-gather's buffer (no second allocation)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from passes.analyze import recompute_ban_reason, storage_roots
-    from passes.offload import eligible_for_offload
+    from compile_offload.passes.analyze import recompute_ban_reason, storage_roots
+    from compile_offload.passes.offload import eligible_for_offload
 
     c10d = torch.ops._c10d_functional
     graph = torch.fx.Graph()

@@ -11,7 +11,7 @@ import torch
 import compile_offload
 from compile_offload.dump import PLAN_SCHEMA, dump_result
 from compile_offload.logs import emit
-from passes.plan import Plan
+from compile_offload.passes.plan import Plan
 
 from .models import MLP, mlp_inputs
 from .partition_results import capture_partitions, partition_once, train_step

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import compile_offload
-import passes
 
 # Compiles a tiny model by name, trains one step and compares with eager. Prints JSON.
 _COMPILE_BY_NAME = """
@@ -80,46 +79,3 @@ def test_import_then_compile_by_name(tmp_path):
     report = run_fresh_python(_COMPILE_BY_NAME.format(import_first="import compile_offload"), tmp_path)
     assert report["imported_before_compile"] and report["listed"]
     assert report["output_matches"] and report["grads_match"]
-
-
-# --------------------------------------------------------------------------- passes stays torch-only
-
-_PASSES_ROOT = Path(passes.__file__).parent
-
-
-def passes_modules() -> list[str]:
-    return sorted(f"passes.{path.stem}" for path in _PASSES_ROOT.glob("*.py") if path.stem != "__init__")
-
-
-def imported_names(source: str) -> set[str]:
-    """Top-level package of every import statement, wherever it sits (functions included)."""
-    names = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
-
-
-@pytest.mark.parametrize("path", sorted(_PASSES_ROOT.glob("*.py")), ids=lambda p: p.name)
-def test_passes_source_never_imports_compile_offload(path):
-    assert "compile_offload" not in imported_names(path.read_text())
-
-
-def test_import_scan_sees_imports_inside_functions():
-    """The scan above would miss a lazy import if it only read module-level statements."""
-    assert "compile_offload" in imported_names("def f():\n    from compile_offload import config\n")
-
-
-@pytest.mark.slow
-def test_importing_every_passes_module_leaves_compile_offload_unloaded(tmp_path):
-    modules = passes_modules()
-    assert modules, "no passes modules found"
-    code = f"""
-import importlib, json, sys
-for name in {modules!r}:
-    importlib.import_module(name)
-print(json.dumps({{"loaded": "compile_offload" in sys.modules}}))
-"""
-    assert run_fresh_python(code, tmp_path) == {"loaded": False}

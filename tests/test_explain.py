@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import compile_offload
-from benchmarks.workloads import Decoder
+from compile_offload.benchmarks.workloads import Decoder
 from compile_offload.planning import BudgetError
 
 

@@ -35,8 +35,8 @@ import compile_offload
 from compile_offload import ops
 from compile_offload.partitioner import OffloadRematPartitioner
 from compile_offload.pinned_pool import get_pool
-from passes.analyze import storage_roots
-from passes.plan import Plan
+from compile_offload.passes.analyze import storage_roots
+from compile_offload.passes.plan import Plan
 
 from .models import ConvBN, MLP, TransformerBlock, check_training_parity, mlp_inputs, sequence_inputs
 

@@ -48,8 +48,8 @@ import compile_offload
 from compile_offload import ops
 from compile_offload.partitioner import OffloadRematPartitioner
 from compile_offload.planning import plan_partition
-from passes.memory import graphs_program, simulate
-from passes.plan import Plan
+from compile_offload.passes.memory import graphs_program, simulate
+from compile_offload.passes.plan import Plan
 
 from .fuzz_programs import InputSpec, Program, program_from_source, programs
 

@@ -14,7 +14,7 @@ from torch._logging import _internal as torch_logging_internal  # private: the T
 
 import compile_offload
 from compile_offload.logs import emit, info_line
-from passes.plan import PLAN_SCHEMA, Plan
+from compile_offload.passes.plan import PLAN_SCHEMA, Plan
 
 from .models import MLP, mlp_inputs
 from .partition_results import partition_once

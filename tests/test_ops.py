@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from compile_offload import ops
 from compile_offload.ops import OFFLOAD_OPS
 from compile_offload.pinned_pool import get_pool
-from passes.offload import host_layout
+from compile_offload.passes.offload import host_layout
 
 
 def _base(dtype, shape=(6, 10)):

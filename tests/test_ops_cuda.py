@@ -16,7 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from compile_offload import ops
 from compile_offload.ops import OFFLOAD_OPS
 from compile_offload.pinned_pool import get_pool
-from passes.offload import eligible_saved_tensors, host_layout, insert_offloads
+from compile_offload.passes.offload import eligible_saved_tensors, host_layout, insert_offloads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

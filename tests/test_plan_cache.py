@@ -10,7 +10,7 @@ import compile_offload
 from compile_offload import plan_cache
 from compile_offload.device_profile import resolve_profile
 from compile_offload.partitioner import OffloadRematPartitioner
-from passes.plan import Plan
+from compile_offload.passes.plan import Plan
 
 from .models import MLP, ReadsMutatedBuffer, TransformerBlock, mlp_inputs, sequence_inputs
 from .partition_results import partition_once

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compile_offload import planning
-from passes.plan import Plan
+from compile_offload.passes.plan import Plan
 
 from .models import MLP, TransformerBlock, mlp_inputs, sequence_inputs
 from .partition_results import train_step

@@ -10,8 +10,8 @@ from torch._functorch.aot_autograd import aot_module_simplified
 import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
 from torch._inductor.decomposition import select_decomp_table
 
-from passes import compat
-from passes.analyze import JointAnalysis, analyze_joint
+from compile_offload.passes import compat
+from compile_offload.passes.analyze import JointAnalysis, analyze_joint
 
 
 def capture(fn, *inputs, hook, partition=None, dynamic=False, decompose=True):

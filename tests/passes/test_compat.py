@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch._functorch import partitioners as _p
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from passes import compat
+from compile_offload.passes import compat
 
 from .joint_capture import capture
 

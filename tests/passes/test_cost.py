@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from passes import cost
-from passes.cost import BUILTIN_PROFILES, DeviceProfile
+from compile_offload.passes import cost
+from compile_offload.passes.cost import BUILTIN_PROFILES, DeviceProfile
 
 H100 = BUILTIN_PROFILES["h100"]
 

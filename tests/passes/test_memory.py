@@ -13,8 +13,8 @@ from torch._inductor.decomposition import select_decomp_table
 from compile_offload.memory_tracker import AllocationTracker
 from compile_offload.planning import plan_partition
 from compile_offload.settings import resolve
-from passes import compat
-from passes.memory import Program, Step, graphs_program, simulate
+from compile_offload.passes import compat
+from compile_offload.passes.memory import Program, Step, graphs_program, simulate
 
 N = 1000  # float32 elements: 4000 bytes
 
@@ -215,7 +215,7 @@ def test_plan_program_keep_recompute_offload_by_hand():
     sine (for w2's gradient), each 64 x 32 fp32 = B bytes. Kept, both are alive when the
     forward ends, with the 4-byte loss; recomputed or offloaded, ``mm`` is not, and comes
     back in the backward (a recompute step, or a reload right before its first use)."""
-    from passes.memory import plan_program
+    from compile_offload.passes.memory import plan_program
 
     from .joint_capture import capture_analysis
 
@@ -262,7 +262,7 @@ def test_step_builder_matches_fresh_steps_over_any_sequence_of_saved_sets(fusion
     jumps) builds exactly the steps a fresh ``compute_steps`` builds for each."""
     import random
 
-    from passes.memory import StepBuilder, compute_steps, plan_nodes
+    from compile_offload.passes.memory import StepBuilder, compute_steps, plan_nodes
 
     from .joint_capture import capture_analysis
 

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_offload import ops
 from compile_offload.ops import OFFLOAD_OPS
-from passes.offload import (
+from compile_offload.passes.offload import (
     ROLE_OFFLOAD,
     ROLE_RELOAD,
     ROLE_WAIT_OFFLOAD,

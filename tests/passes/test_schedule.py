@@ -9,15 +9,15 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor.decomposition import select_decomp_table
 
 from compile_offload.ops import OFFLOAD_OPS
-from passes import compat
-from passes.analyze import analyze_joint
-from passes.cost import DeviceProfile, node_seconds
-from passes.memory import graphs_program, simulate
-from passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eligible_for_offload, insert_offloads
-from passes.rewrite import build_graphs
-from passes.schedule import place_offload_waits, place_reloads
-from passes.solve import without_banned_recompute
-from passes.solve_offload import OffloadOptions, solve_joint
+from compile_offload.passes import compat
+from compile_offload.passes.analyze import analyze_joint
+from compile_offload.passes.cost import DeviceProfile, node_seconds
+from compile_offload.passes.memory import graphs_program, simulate
+from compile_offload.passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eligible_for_offload, insert_offloads
+from compile_offload.passes.rewrite import build_graphs
+from compile_offload.passes.schedule import place_offload_waits, place_reloads
+from compile_offload.passes.solve import without_banned_recompute
+from compile_offload.passes.solve_offload import OffloadOptions, solve_joint
 
 from .joint_capture import Tower
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from passes.memory import plan_program, recomputed_nodes, simulate
-from passes.solve import SolverError, solve_exact, solve_greedy, step_seconds
+from compile_offload.passes.memory import plan_program, recomputed_nodes, simulate
+from compile_offload.passes.solve import SolverError, solve_exact, solve_greedy, step_seconds
 
 from .joint_capture import CHAIN_OPS, capture_analysis, chain_model
 
@@ -121,7 +121,7 @@ def test_a_fraction_is_that_share_of_the_saved_activations_on_top_of_the_rest():
     """The backward of ``sin(x @ w)`` needs ``x``, ``w`` (inputs: steady state) and the
     product (16 x 32 fp32 = 2048 bytes): the unconstrained plan saves 2048 bytes, so
     ``f`` keeps ``f`` of them on top of the rest of its peak."""
-    from passes.solve import budget_of_fraction
+    from compile_offload.passes.solve import budget_of_fraction
 
     x, w = torch.randn(16, 32), torch.randn(32, 32, requires_grad=True)
     analysis, base = capture_analysis(_matmul_then_sine, x, w)
@@ -139,7 +139,7 @@ def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
     start) yields exactly the moves a fresh one yields for each plan, skips included."""
     import random
 
-    from passes.solve import RecomputeMoves, _apply
+    from compile_offload.passes.solve import RecomputeMoves, _apply
 
     rng = random.Random(seed)
     blocks = nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)))

@@ -7,12 +7,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from passes.cost import DeviceProfile, node_seconds
-from passes.memory import plan_program, recomputed_nodes, simulate
-from passes.offload import eligible_for_offload
-from passes.solve import solve_greedy, step_seconds
-from passes import solve_offload
-from passes.solve_offload import OffloadOptions, offloadable, solve_joint
+from compile_offload.passes.cost import DeviceProfile, node_seconds
+from compile_offload.passes.memory import plan_program, recomputed_nodes, simulate
+from compile_offload.passes.offload import eligible_for_offload
+from compile_offload.passes.solve import solve_greedy, step_seconds
+from compile_offload.passes import solve_offload
+from compile_offload.passes.solve_offload import OffloadOptions, offloadable, solve_joint
 
 from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model
 

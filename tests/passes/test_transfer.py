@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from passes.cost import DeviceProfile, node_seconds, transfer_seconds
-from passes.memory import backward_order, forward_nodes_needed, plan_program, recomputed_nodes, simulate
-from passes.transfer import LinkEstimate, backward_schedule, forward_schedule, plan_transfers
+from compile_offload.passes.cost import DeviceProfile, node_seconds, transfer_seconds
+from compile_offload.passes.memory import backward_order, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+from compile_offload.passes.transfer import LinkEstimate, backward_schedule, forward_schedule, plan_transfers
 
 from .joint_capture import Tower, capture_analysis
 
