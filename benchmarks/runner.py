@@ -231,10 +231,7 @@ def predict(strategy: Strategy, model: torch.nn.Module, inputs: Sequence) -> dic
     """
     import compile_offload
 
-    # explain_all gives every graph's plan; explain only the largest one's.
-    explain = getattr(compile_offload, "explain_all", None) or getattr(compile_offload, "explain", None)
-    if explain is None:
-        return {"predicted_peak_bytes": None, "predicted_step_ms": None, "explain_error": "compile_offload.explain is not available"}
+    explain = compile_offload.explain_all  # every graph's plan; explain gives only the largest one's
     options = {"memory_budget": strategy.budget}
     if strategy.device_profile is not None:
         options["device_profile"] = strategy.device_profile

@@ -10,7 +10,9 @@ from . import config, ops  # ops: registers the offload ops before any compiled 
 from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
 from .explain import explain, explain_all
 from .max_batch import MaxBatch, max_batch
+from .passes.plan import Decision, Plan
 from .profile_step import profile_step
+from .result import BudgetError
 from .sweep import sweep
 
 __version__ = "0.1.0"
@@ -32,4 +34,5 @@ from .logs import register_with_torch_logging  # noqa: E402
 
 register_with_torch_logging()
 
-__all__ = ["config", "explain", "explain_all", "max_batch", "MaxBatch", "profile_step", "sweep", "offload_remat", "offload_remat_backend", "__version__"]
+__all__ = ["BudgetError", "Decision", "MaxBatch", "Plan", "config", "explain", "explain_all", "max_batch",
+           "offload_remat", "offload_remat_backend", "profile_step", "sweep", "__version__"]

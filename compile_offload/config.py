@@ -88,4 +88,11 @@ inner_compiler: str = Config(default="inductor", env_name_default="COMPILE_OFFLO
 # The pool is one per process: the limit of the latest compile applies to every model.
 pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNED_POOL_LIMIT", value_type=Optional[str])
 
+# What to do when the planner fails on a graph for a reason it does not know to be
+# unsupported (a bug of ours): False (default) raises, so the failure is seen and reported;
+# True falls back to torch's default partition for that graph (correct, but without the
+# memory budget) with one warning, as for graphs known to be unsupported (higher-order ops
+# with subgraphs), which always fall back.
+suppress_errors: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_SUPPRESS_ERRORS")
+
 install_config_module(sys.modules[__name__])

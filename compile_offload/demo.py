@@ -13,29 +13,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+from .benchmarks.workloads import DecoderBlock
 
 
 class TinyGPT(nn.Module):
     def __init__(self, vocab: int = 256, width: int = 128, heads: int = 4, layers: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        # The block the benchmarks measure (pre-norm attention + MLP, causal SDPA).
+        self.blocks = nn.Sequential(*[DecoderBlock(width, heads, 4 * width) for _ in range(layers)])
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

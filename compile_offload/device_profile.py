@@ -12,7 +12,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -27,6 +27,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 CACHE_FORMAT = 1
 _measured_in_process: dict[str, DeviceProfile] = {}
+
+
+def device_of(values: Iterable[object]) -> torch.device:
+    """Where a graph runs: the first device among the tensors in ``values`` that is neither
+    the CPU nor ``meta`` (parameters are inputs too), else the CPU."""
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
+            return value.device
+    return torch.device("cpu")
 
 
 def resolve_profile(name: str | None, device: torch.device | None = None) -> DeviceProfile:

@@ -20,21 +20,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from .passes.memory import Timeline
-from .passes.plan import PLAN_SCHEMA, Plan, format_bytes
-
-if TYPE_CHECKING:
-    from .planning import PartitionResult
+from .passes.plan import Plan, byte_unit, format_bytes
+from .result import PartitionResult
 
 _NO_MATPLOTLIB = "timeline.png needs matplotlib: pip install 'compile_offload[plot]'"
-
-
-def plan_json(plan: Plan) -> dict:
-    return {"schema": PLAN_SCHEMA, **plan.to_dict()}
 
 
 def report_markdown(plan: Plan, no_picture_reason: str | None) -> str:
@@ -65,20 +58,12 @@ def report_markdown(plan: Plan, no_picture_reason: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_unit(largest_bytes: float) -> tuple[str, int]:
-    """The unit (name, bytes) that keeps a plot's axis numbers readable."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if largest_bytes >= scale:
-            return unit, scale
-    return "B", 1
-
-
 def draw_timeline(path: Path, chosen: Timeline, baseline: Timeline | None, budget: int | None) -> bool:
     """Predicted live memory per step; False when matplotlib is missing."""
     from .plotting import new_figure
 
     series = [chosen.live_bytes, *([baseline.live_bytes] if baseline is not None else [])]
-    unit, scale = plot_unit(max([budget or 0, *(max(s, default=0) for s in series)]))
+    unit, scale = byte_unit(max([budget or 0, *(max(s, default=0) for s in series)]))
     try:
         figure, axes = new_figure((10, 4))
     except ImportError:
@@ -126,7 +111,7 @@ def write_dump(folder: str | os.PathLike, plan: Plan, joint_gm: fx.GraphModule, 
     folder.mkdir(parents=True, exist_ok=True)
     for name, gm in (("joint", joint_gm), ("forward", fw_gm), ("backward", bw_gm)):
         (folder / f"{name}.py").write_text(gm.print_readable(print_output=False))
-    (folder / "plan.json").write_text(json.dumps(plan_json(plan), indent=1, default=str))
+    (folder / "plan.json").write_text(json.dumps(plan.to_json(), indent=1, default=str))
     chosen = chosen if chosen is not None else _timeline_of(plan)
     if chosen is None:
         no_picture_reason = "no predicted timeline, the planner did not plan this graph"

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .passes.plan import Plan
 
 from . import settings as settings_mod
+from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
 
 _UNSET: Any = object()
@@ -57,16 +58,6 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     return run
 
 
-def _device_of(model_or_fn: Any, inputs: tuple) -> torch.device:
-    tensors = [t for t in tree_map(lambda x: x, list(inputs)) if isinstance(t, torch.Tensor)]
-    if isinstance(model_or_fn, torch.nn.Module):
-        tensors += list(model_or_fn.parameters())
-    for tensor in tensors:
-        if tensor.device.type not in ("cpu", "meta"):
-            return tensor.device
-    return torch.device("cpu")
-
-
 def _with_own_code(fn):
     """A copy of ``fn`` with a code object of its own. Dynamo keeps compiled code per code
     object: planning through a shared one would add an entry per call to the same cache
@@ -88,7 +79,8 @@ def explain_all(
     if device_profile is not _UNSET:
         options["device_profile"] = device_profile
     settings = settings_mod.resolve(options)
-    device = _device_of(model_or_fn, example_inputs)
+    parameters = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
+    device = device_of([*tree_leaves(list(example_inputs)), *parameters])
     settings_mod.check_budget_fits_device(settings, device)
     if settings.device_profile is None:
         if device.type != "cuda":
@@ -101,12 +93,8 @@ def explain_all(
         from torch._functorch.aot_autograd import aot_module_simplified
         from torch._inductor.decomposition import select_decomp_table
 
-        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}")
-
-        def capture(joint, joint_inputs, **kwargs):
-            fw, bw = partitioner(joint, joint_inputs, **kwargs)
-            plans.append(partitioner.last_plan)
-            return fw, bw
+        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}",
+                                              on_result=lambda result: plans.append(result.plan))
 
         return aot_module_simplified(
             gm,
@@ -114,7 +102,7 @@ def explain_all(
             fw_compiler=_shape_only,
             bw_compiler=_shape_only,
             inference_compiler=_shape_only,
-            partition_fn=capture,
+            partition_fn=partitioner,
             decompositions=select_decomp_table(),
         )
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
-
 import torch.fx as fx
 
+from .dump import dump_result
 from .passes.plan import Plan
-
-if TYPE_CHECKING:
-    from .planning import PartitionResult
-    from .settings import Settings
+from .result import PartitionResult
+from .settings import Settings
 
 LOGGER_NAME = "compile_offload"
 log = logging.getLogger(LOGGER_NAME)
@@ -50,13 +47,11 @@ def latest_plans() -> list[Plan]:
 
 
 def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
-    """Report one graph ``planning.plan_partition`` partitioned, through every channel."""
+    """Report one graph the partitioner planned, through every channel."""
     _latest_plans.pop(result.plan.graph_name, None)
     _latest_plans[result.plan.graph_name] = result.plan
     folder = None
     if settings.dump_dir is not None:
-        from .dump import dump_result
-
         folder = dump_result(settings.dump_dir, result, joint_gm)
     log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
     if result.plan.decisions:
@@ -79,10 +74,8 @@ def trace_plan(plan: Plan) -> None:
     other artifacts (trace_structured tags it with the current compile id)."""
     from torch._logging import trace_structured
 
-    from .dump import plan_json
-
     trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": f"compile_offload_plan_{plan.graph_name}", "encoding": "json"},
-        payload_fn=lambda: json.dumps(plan_json(plan), default=str),
+        payload_fn=lambda: json.dumps(plan.to_json(), default=str),
     )

@@ -23,11 +23,16 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from .fingerprint import source_hash
 from .passes.analyze import JointAnalysis
+from .passes.build_plan import inputs_for_their_views
 from .passes.memory import recomputed_nodes
 from .passes.offload import eligible_for_offload
 from .passes.plan import Plan
-
+from .passes.rewrite import build_graphs
+from .passes.transfer import plan_transfers
+from .place_offloads import force_offload, insert_planned_offloads
+from .result import PartitionResult
 from .settings import Settings
 
 _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "debug_force_offload", "solver",
@@ -35,8 +40,6 @@ _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "de
 
 
 def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> str:
-    from .partitioner import _source_hash
-
     digest = hashlib.sha256()
     digest.update(joint_gm.code.encode())
     for node in joint_gm.graph.nodes:
@@ -44,7 +47,7 @@ def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> st
         if isinstance(val, torch.Tensor):
             digest.update(f"{node.name}:{tuple(val.shape)}:{val.stride()}:{val.dtype}:{val.device.type}".encode())
     knobs = {knob: getattr(settings, knob) for knob in _DECISION_KNOBS}
-    digest.update(json.dumps([knobs, profile, torch.__version__, _source_hash()], sort_keys=True, default=str).encode())
+    digest.update(json.dumps([knobs, profile, torch.__version__, source_hash()], sort_keys=True, default=str).encode())
     return digest.hexdigest()[:32]
 
 
@@ -139,3 +142,19 @@ def store(joint_gm: fx.GraphModule, settings: Settings, profile: dict, plan: Pla
     except OSError as error:
         warnings.warn(f"compile_offload: could not write the plan cache entry {path} ({error}); "
                       "the plan is used but not cached", stacklevel=2)
+
+
+def rebuild(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: int, graph_name: str,
+            seconds, profile) -> PartitionResult:
+    """The graphs of a cached plan, without solving. The plan stores decisions only; where
+    the copies go follows from them and the cost model (``passes.transfer``), as when solved."""
+    by_name = {node.name: node for node in a.joint.gm.graph.nodes}
+    saved = {by_name[name] for name in plan.saved}
+    offloaded = {by_name[name] for name in plan.offloaded}
+    fw_gm, bw_gm = build_graphs(a, inputs_for_their_views(a, saved))
+    transfers = plan_transfers(a, saved, offloaded, seconds, profile, settings.prefetch) if offloaded else None
+    fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers, num_fwd_outputs)
+    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    plan.graph_name = graph_name
+    plan.notes.append("reused from the plan cache")
+    return PartitionResult(plan, fw_gm, bw_gm, a, None)

@@ -11,17 +11,13 @@ import os
 import re
 from dataclasses import dataclass
 
-from .passes.plan import format_bytes
-
 from . import config
+from .passes.cost import BUILTIN_PROFILE_MEMORY_BYTES, BUILTIN_PROFILES
+from .passes.plan import format_bytes
 
 SOLVERS = ("greedy", "exact")
 INNER_COMPILERS = ("inductor", "eager")
-PROFILE_NAMES = ("h100", "a100", "rtx4090", "cpu")
-# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts),
-# nominal: on the GPU itself the check uses the total CUDA reports, a little less (an
-# "80 GB" H100 reports about 79.2 GiB).
-PROFILE_MEMORY_BYTES = {"h100": 80 * 2**30, "a100": 80 * 2**30, "rtx4090": 24 * 2**30}
+PROFILE_NAMES = tuple(BUILTIN_PROFILES)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -50,6 +46,7 @@ class Settings:
     device_profile: str | None
     inner_compiler: str
     pinned_pool_limit: int | None
+    suppress_errors: bool = False
 
     def describe_budget(self) -> str:
         if self.budget_bytes is not None:
@@ -183,6 +180,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         device_profile=profile,
         inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
         pinned_pool_limit=pool_limit,
+        suppress_errors=_flag("suppress_errors", values["suppress_errors"]),
     )
     return settings
 
@@ -198,8 +196,8 @@ def device_memory(settings: Settings, device) -> tuple[int, str] | None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         properties = torch.cuda.get_device_properties(index)
         return properties.total_memory, f"cuda:{index} ({properties.name})"
-    if settings.device_profile in PROFILE_MEMORY_BYTES:
-        return PROFILE_MEMORY_BYTES[settings.device_profile], f"the {settings.device_profile!r} device profile's GPU"
+    if settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES:
+        return BUILTIN_PROFILE_MEMORY_BYTES[settings.device_profile], f"the {settings.device_profile!r} device profile's GPU"
     return None
 
 
@@ -229,7 +227,7 @@ def warn_if_profile_does_not_match(settings: Settings, device, graph_name: str =
     import torch
 
     device = torch.device(device)
-    if settings.device_profile in PROFILE_MEMORY_BYTES and device.type not in ("cuda", "meta"):
+    if settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type not in ("cuda", "meta"):
         warnings.warn(
             f"compile_offload: {graph_name}: device_profile={settings.device_profile!r} describes a GPU but this "
             f"graph runs on {device.type}; the plan is correct but its recompute/offload trade-offs are made for "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .passes.plan import Plan
+from .passes.plan import Plan, byte_unit
 
 from .explain import explain
 
@@ -27,9 +27,7 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
     except ImportError as error:
         raise RuntimeError("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]'") from error
     path.parent.mkdir(parents=True, exist_ok=True)
-    from .dump import plot_unit
-
-    unit, scale = plot_unit(max(p.predicted_peak_bytes for p in plans))
+    unit, scale = byte_unit(max(p.predicted_peak_bytes for p in plans))
     peaks = [p.predicted_peak_bytes / scale for p in plans]
     ratios = [p.predicted_step_seconds / p.baseline_step_seconds for p in plans]
     axes.plot(peaks, ratios, "o-")

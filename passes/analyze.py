@@ -238,6 +238,12 @@ class JointAnalysis:
         return self.bytes_of.get(self.roots.get(node, node), 0)
 
 
+class UnsupportedGraph(NotImplementedError):
+    """A joint graph the planner is known not to handle. The backend falls back to torch's
+    own partition for it (correct, without the budget) with one warning; any other error
+    is a bug and raises (unless ``config.suppress_errors``)."""
+
+
 def unsupported_nodes(graph: fx.Graph) -> list[str]:
     """What in ``graph`` the planner cannot partition: higher-order ops with subgraphs
     (``torch.cond``, ``while_loop``, ``flex_attention``, ...). Their branches are
@@ -256,7 +262,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
     graph = joint.gm.graph
     unsupported = unsupported_nodes(graph)
     if unsupported:
-        raise NotImplementedError(f"unsupported in the joint graph: {', '.join(unsupported)}")
+        raise UnsupportedGraph(f"unsupported in the joint graph: {', '.join(unsupported)}")
     info = joint.node_info
     nodes = list(graph.nodes)
     output = nodes[-1]

@@ -132,7 +132,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 # --------------------------------------------------------------------------------------------
 # Built-in profiles. Datasheet peaks are scaled to what large, well-shaped kernels achieve:
 # cuBLAS bf16 GEMMs reach ~70% of the dense tensor-core peak on H100/A100 (a GPT-8 step of
-# ~46 TFLOP in 76.3 ms on H100 is ~600 TFLOP/s end to end, see ../shared/README.md), and
+# ~46 TFLOP in 76.3 ms on H100 is ~600 TFLOP/s end to end, see docs/index.md), and
 # streaming kernels reach ~80% of the HBM/GDDR datasheet bandwidth. Pinned-copy figures are
 # measured values already (PCIe 5 x16 on the H100 machine; ~25 GB/s is typical for PCIe 4 x16).
 # fp32 matmuls use the non-tensor-core rate: torch's default float32_matmul_precision is
@@ -193,6 +193,11 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
         launch_overhead_seconds=1e-6,
     ),
 }
+
+# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts),
+# nominal: on the GPU itself the budget check uses the total CUDA reports, a little less
+# (an "80 GB" H100 reports about 79.2 GiB). The cpu profile has none.
+BUILTIN_PROFILE_MEMORY_BYTES: dict[str, int] = {"h100": 80 * 2**30, "a100": 80 * 2**30, "rtx4090": 24 * 2**30}
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,6 +458,7 @@ def graph_seconds(graph: fx.GraphModule | fx.Graph | Iterable[fx.Node], profile:
 
 
 __all__ = [
+    "BUILTIN_PROFILE_MEMORY_BYTES",
     "BUILTIN_PROFILES",
     "COMPUTE_EFFICIENCY",
     "DeviceProfile",

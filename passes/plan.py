@@ -13,15 +13,20 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
-DECISION_KINDS: tuple[str, ...] = ("keep", "recompute", "offload")
 PLAN_SCHEMA = "compile_offload.plan/1"
 
 
-def format_bytes(n: float) -> str:
+def byte_unit(n: float) -> tuple[str, int]:
+    """The largest binary unit (name, bytes) not above ``n``: readable numbers in text and plots."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+            return unit, scale
+    return "B", 1
+
+
+def format_bytes(n: float) -> str:
+    unit, scale = byte_unit(n)
+    return f"{int(n)} B" if scale == 1 else f"{n / scale:.2f} {unit}"
 
 
 @dataclass
@@ -61,6 +66,16 @@ class Plan:
     timeline_bytes: list[int] = field(default_factory=list)
     backward_start: int = 0
 
+    @classmethod
+    def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
+                  graph_name: str, why: str) -> "Plan":
+        """The plan of a graph torch partitioned instead (no backward, or a fallback): no
+        decisions and no predictions, ``why`` as its note. ``feasible`` says whether the
+        budget holds anyway (a graph without a backward saves nothing)."""
+        return cls(feasible=feasible, budget_bytes=budget_bytes, predicted_peak_bytes=0,
+                   predicted_step_seconds=0.0, baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0,
+                   device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why])
+
     def count(self, kind: str) -> int:
         return sum(1 for d in self.decisions if d.decision == kind)
 
@@ -97,6 +112,10 @@ class Plan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_json(self) -> dict:
+        """``to_dict`` tagged with the schema: what ``save``, dumps and traces write."""
+        return {"schema": PLAN_SCHEMA, **self.to_dict()}
+
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         """The inverse of ``to_dict``; raises ``ValueError`` on anything malformed,
@@ -119,7 +138,7 @@ class Plan:
         import json
         from pathlib import Path
 
-        Path(path).write_text(json.dumps({"schema": PLAN_SCHEMA, **self.to_dict()}, indent=1))
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path) -> "Plan":

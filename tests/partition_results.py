@@ -7,21 +7,22 @@ import torch
 import torch.fx as fx
 
 import compile_offload
-from compile_offload import planning, settings as settings_mod
+from compile_offload import partitioner, settings as settings_mod
+from compile_offload.result import PartitionResult
 
 
-def capture_partitions(monkeypatch) -> list[tuple[planning.PartitionResult, fx.GraphModule]]:
-    """From now on, record ``(result, joint_gm)`` for every ``plan_partition`` call (the
-    partitioner looks the function up in ``planning`` on each call)."""
+def capture_partitions(monkeypatch) -> list[tuple[PartitionResult, fx.GraphModule]]:
+    """From now on, record ``(result, joint_gm)`` for every ``plan_partition`` call the
+    partitioner makes (it looks the function up in its module on each call)."""
     captured = []
-    plan_partition = planning.plan_partition
+    plan_partition = partitioner.plan_partition
 
     def plan_and_capture(joint_gm, *args, **kwargs):
         result = plan_partition(joint_gm, *args, **kwargs)
         captured.append((result, joint_gm))
         return result
 
-    monkeypatch.setattr(planning, "plan_partition", plan_and_capture)
+    monkeypatch.setattr(partitioner, "plan_partition", plan_and_capture)
     return captured
 
 

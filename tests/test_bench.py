@@ -115,14 +115,6 @@ def test_prediction_sums_the_plans_of_several_graphs(monkeypatch):
     assert predicted["plan_graphs"] == 2 and predicted["plan_feasible"]
 
 
-def test_prediction_falls_back_to_explain_when_explain_all_is_missing(monkeypatch):
-    monkeypatch.delattr(compile_offload, "explain_all", raising=False)
-    monkeypatch.setattr(compile_offload, "explain", lambda model, *inputs, memory_budget=None: _plan(100, 0.001, None),
-                        raising=False)
-    predicted = runner.predict(strategies.Strategy("ours", None), torch.nn.Linear(2, 2), (torch.ones(2),))
-    assert predicted["predicted_peak_bytes"] == 100 and predicted["plan_graphs"] == 1
-
-
 # --- max batch ------------------------------------------------------------------------------
 
 

@@ -248,7 +248,7 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     # Memory: one step of a larger batch, measured after two warm-up steps (DDP rebuilds its
     # buckets on the second), gradients set to None first as the plans assume. Also kept:
     # the gradients of that step, the warnings and the compile_offload INFO lines.
-    import compile_offload.backend as backend_module
+    import compile_offload.ddp as ddp_support
 
     x = _batch(rank, 0, tokens=512)
 
@@ -287,12 +287,12 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     for budget in (fitting, 2**20):
         split[budget] = measure(memory_ddp, budget, True)
     # The fallback when the bucket graphs cannot be counted: the whole budget per graph.
-    counter = backend_module._ddp_bucket_graph_count
-    backend_module._ddp_bucket_graph_count = lambda: None
+    counter = ddp_support.bucket_graph_count
+    ddp_support.bucket_graph_count = lambda: None
     try:
         uncounted = measure(memory_ddp, fitting, True)
     finally:
-        backend_module._ddp_bucket_graph_count = counter
+        ddp_support.bucket_graph_count = counter
     single = {budget: measure(memory_ddp, budget, False) for budget in (0.0, 0.75)}
     torch._dynamo.config.optimize_ddp = True
 
@@ -470,10 +470,10 @@ def test_ddp_one_graph_budget_bounds_the_step(ddp_results):
 def test_ddp_bucket_graph_count_is_the_number_of_submodules_ddp_optimizer_compiles():
     """No process group needed: DDPOptimizer run directly on a traced 3-block model with one
     bucket per block calls the backend once per bucket graph, and from inside each call
-    ``_ddp_bucket_graph_count`` finds 3; outside DDPOptimizer it finds nothing."""
+    ``bucket_graph_count`` finds 3; outside DDPOptimizer it finds nothing."""
     from torch._dynamo.backends.distributed import DDPOptimizer
 
-    from compile_offload.backend import _ddp_bucket_graph_count
+    from compile_offload.ddp import bucket_graph_count
 
     model = Net(blocks=3)
     gm = torch.fx.symbolic_trace(model)
@@ -485,25 +485,25 @@ def test_ddp_bucket_graph_count_is_the_number_of_submodules_ddp_optimizer_compil
     counts = []
 
     def backend(submodule, example_inputs, **_):
-        counts.append(_ddp_bucket_graph_count())
+        counts.append(bucket_graph_count())
         return submodule.forward
 
     bucket = _bytes(model.blocks[0])
     split = DDPOptimizer(bucket_bytes_cap=bucket, backend_compile_fn=backend, first_bucket_cap=bucket)
     compiled = split.compile_fn(gm, [x])
     assert len(split.buckets) == 3 and counts == [3, 3, 3], (len(split.buckets), counts)
-    assert _ddp_bucket_graph_count() is None
+    assert bucket_graph_count() is None
     torch.testing.assert_close(compiled(x), model(x))
 
 
 def test_budget_per_ddp_bucket_splits_bytes_keeps_fractions_and_falls_back_with_one_warning(monkeypatch, caplog):
-    import compile_offload.backend as backend_module
+    import compile_offload.ddp as ddp_module
     from compile_offload import settings as settings_mod
 
-    monkeypatch.setattr(backend_module, "_warned_ddp_split", False)
-    monkeypatch.setattr(backend_module, "_logged_ddp_splits", set())
+    monkeypatch.setattr(ddp_module, "_warned_ddp_split", False)
+    monkeypatch.setattr(ddp_module, "_logged_ddp_splits", set())
     caplog.set_level(logging.INFO, logger="compile_offload")
-    split = backend_module._budget_per_ddp_bucket
+    split = ddp_module.budget_per_bucket
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing warns while the bucket graphs are counted
         three_mib = settings_mod.resolve({"memory_budget": "3MiB", "strict_budget": True})

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload.dump import PLAN_SCHEMA, dump_result
+from compile_offload.dump import dump_result
+from compile_offload.passes.plan import PLAN_SCHEMA
 from compile_offload.logs import emit
 from compile_offload.passes.plan import Plan
 
@@ -81,7 +82,7 @@ def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypat
 
 def test_an_unplanned_graph_is_dumped_with_the_reason_for_no_picture(tmp_path, monkeypatch):
     result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs())
-    fallback = Plan(False, None, 0, 0.0, 0, 0.0, 0, graph_name="graph_7_0", notes=["fallback: boom"])
+    fallback = Plan.unplanned(feasible=False, budget_bytes=None, device_profile="cpu", solver="greedy", graph_name="graph_7_0", why="fallback: boom")
     unplanned = dataclasses.replace(result, plan=fallback, analysis=None, solution=None)
     folder = dump_result(tmp_path, unplanned, joint_gm)
     assert folder.name == "graph_7_0"

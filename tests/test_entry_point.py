@@ -4,7 +4,6 @@ interpreter through the ``torch_dynamo_backends`` entry point, with or without i
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import json
 import os

@@ -1,4 +1,4 @@
-"""Failure-mode tests: the checklist of ``../shared/reliability.md`` §5, and bad input.
+"""Failure-mode tests: the checklist of ``docs/reliability.md`` (§5.1-§5.15), and bad input.
 
 Each test names the checklist item it covers (``§5.N``); ``docs/reliability.md`` maps every
 item to its tests, here and elsewhere. Oracle, unless a test says otherwise: the same
@@ -828,18 +828,38 @@ def test_inductor_cudagraphs_with_offload_never_replay_stale_data():
 
 
 def test_a_graph_the_planner_cannot_handle_falls_back_with_one_warning(monkeypatch):
-    """An unsupported graph: one warning naming the reason, then torch's min-cut
-    partition, which trains like eager."""
+    """A graph analysis says is unsupported: one warning naming the reason, then torch's
+    min-cut partition, which trains like eager."""
     import compile_offload.planning as planning
+    from compile_offload.passes.analyze import UnsupportedGraph
 
     def unsupported(*args, **kwargs):
-        raise NotImplementedError("unsupported op example::op")
+        raise UnsupportedGraph("unsupported op example::op")
 
     monkeypatch.setattr(planning, "analyze_joint", unsupported)
     result = check_training_parity(MLP, mlp_inputs, eager_backend(memory_budget=0.5), steps=2)
     fallbacks = [m for m in result.warning_messages() if FALLBACK in m]
     assert len(fallbacks) == 1, result.warning_messages()
-    assert "NotImplementedError: unsupported op example::op" in fallbacks[0]
+    assert "UnsupportedGraph: unsupported op example::op" in fallbacks[0]
+
+
+def test_a_planner_bug_raises_unless_suppress_errors(monkeypatch):
+    """Any other error is a bug of ours: it raises (a fallback would quietly drop the
+    budget); ``suppress_errors=True`` turns it into the fallback and its one warning."""
+    import compile_offload.planning as planning
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(planning, "analyze_joint", broken)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a bug") as raised:
+        torch.compile(MLP(), backend=eager_backend(memory_budget=0.5))(*mlp_inputs()).sum().backward()
+    assert FALLBACK not in str(raised.value)
+    torch._dynamo.reset()
+    result = check_training_parity(MLP, mlp_inputs, eager_backend(memory_budget=0.5, suppress_errors=True), steps=2)
+    fallbacks = [m for m in result.warning_messages() if FALLBACK in m]
+    assert len(fallbacks) == 1 and "KeyError" in fallbacks[0], result.warning_messages()
 
 
 def _with_cond(x, w):

@@ -52,7 +52,7 @@ def test_the_info_line_says_where_the_plan_came_from(planned):
     assert "[solver" in info_line(result)
     cached = dataclasses.replace(result, solution=None)  # what a plan cache hit returns
     assert info_line(cached).endswith("[from the plan cache]")
-    fallback_plan = Plan(False, None, 0, 0.0, 0, 0.0, 0, graph_name="graph_3_0", notes=["fallback: boom"])
+    fallback_plan = Plan.unplanned(feasible=False, budget_bytes=None, device_profile="cpu", solver="greedy", graph_name="graph_3_0", why="fallback: boom")
     unplanned = dataclasses.replace(result, plan=fallback_plan, analysis=None, solution=None)
     assert info_line(unplanned) == "graph_3_0: not planned (fallback: boom)"
 

@@ -1,4 +1,4 @@
-"""Reporting through the backend once planning.plan_partition calls logs.emit and passes the
+"""Reporting through the backend once the partitioner calls logs.emit and passes the
 analysis to plan_cache.lookup: every graph reported, however it was partitioned."""
 
 import json
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from compile_offload import planning
+from compile_offload.passes.analyze import UnsupportedGraph
 from compile_offload.passes.plan import Plan
 
 from .models import MLP, TransformerBlock, mlp_inputs, sequence_inputs
@@ -16,7 +17,7 @@ from .partition_results import train_step
 
 def test_a_graph_the_planner_cannot_handle_is_logged_and_dumped(tmp_path, monkeypatch, caplog):
     def unsupported(*args, **kwargs):
-        raise NotImplementedError("an op the planner does not know")
+        raise UnsupportedGraph("an op the planner does not know")
 
     monkeypatch.setattr(planning, "analyze_joint", unsupported)
     with caplog.at_level(logging.INFO, logger="compile_offload"), pytest.warns(UserWarning, match="falling back"):

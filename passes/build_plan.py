@@ -1,0 +1,106 @@
+"""A solved joint graph -> the printable ``Plan``: one decision per saved tensor, with its
+reason and cost, and the predicted figures.
+
+Also ``inputs_for_their_views``: the saved set as the rewrite should save it (a saved view
+of a graph input becomes the input itself).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from . import compat
+from .analyze import JointAnalysis, collective_source, tensor_value
+from .plan import Decision, Plan
+from .solve import Seconds, Solution, compute_node, step_seconds
+
+
+def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver: str, profile_name: str,
+               graph_name: str, solve_seconds: float) -> Plan:
+    decisions: list[Decision] = []
+    base = solution.baseline.saved
+    final = solution.chosen.saved
+    counted_parents: set[fx.Node] = set()
+    for tensor in sorted(base | final, key=a.position.__getitem__):
+        val = tensor_value(tensor)
+        if val is None or tensor in a.steady:
+            continue
+        if tensor in solution.chosen.offloaded:
+            transfers = solution.chosen.transfers
+            decision, reason = "offload", solution.offloaded[tensor]
+            cost = sum(copy.stall for copy in transfers.copies if copy.tensor is tensor)
+        elif tensor in solution.recomputed:
+            parent = compute_node(tensor)
+            cost = 0.0 if parent in counted_parents else seconds(parent)
+            counted_parents.add(parent)
+            decision, reason = "recompute", solution.recomputed[tensor]
+        elif tensor in solution.added:
+            decision, reason, cost = "keep", solution.added[tensor], 0.0
+        else:
+            decision, reason, cost = "keep", keep_reason(a, tensor, solution), 0.0
+        decisions.append(Decision(
+            name=tensor.name,
+            shape=tuple(compat.size_hint(s) for s in val.shape),
+            dtype=str(val.dtype).replace("torch.", ""),
+            bytes=a.storage_bytes(tensor),
+            decision=decision,
+            reason=reason,
+            cost_seconds=cost,
+        ))
+    transfers = solution.chosen.transfers
+    exposed = transfers.exposed_seconds if transfers else 0.0
+    notes = [f"offload: {len(solution.chosen.offloaded)} tensors, {exposed * 1e3:.3f} ms of copies not hidden"] if transfers else []
+    order = a.position.__getitem__
+    timeline = solution.chosen.timeline
+    return Plan(
+        saved=[n.name for n in sorted(final, key=order)],
+        offloaded={n.name: transfers.reload_distance.get(n, 1) for n in sorted(solution.chosen.offloaded, key=order)},
+        timeline_bytes=list(timeline.live_bytes) if timeline else [],
+        backward_start=timeline.backward_start if timeline else 0,
+        feasible=solution.feasible,
+        budget_bytes=solution.budget_bytes,
+        predicted_peak_bytes=solution.chosen.peak_bytes,
+        predicted_step_seconds=step_seconds(a, final, seconds) + (transfers.added_seconds if transfers else 0.0),
+        baseline_peak_bytes=solution.baseline.peak_bytes,
+        baseline_step_seconds=step_seconds(a, base, seconds),
+        min_peak_bytes=solution.minimum.peak_bytes,
+        decisions=decisions,
+        device_profile=profile_name,
+        solver=solver,
+        solve_seconds=solve_seconds,
+        graph_name=graph_name,
+        notes=notes,
+    )
+
+
+def keep_reason(a: JointAnalysis, tensor: fx.Node, solution: Solution) -> str:
+    """Why a tensor the unconstrained plan saves is still kept."""
+    if solution.budget_bytes is None:
+        return "no budget: unconstrained plan"
+    ban = a.ban.get(compute_node(tensor)) or a.ban.get(tensor)
+    if ban:
+        return f"cannot be recomputed: {ban}"
+    collective = collective_source(tensor)
+    if collective is not None:  # e.g. a view of an all-gathered weight
+        return f"output of the collective {collective.target}: never recomputed or offloaded"
+    if solution.feasible:
+        return "fits the budget"
+    return "recomputing it would not lower the peak"
+
+
+def inputs_for_their_views(a: JointAnalysis, saved) -> set[fx.Node]:
+    """``saved``, with each saved view of a graph input replaced by the input itself (the
+    view is recomputed in the backward: free, and the same storage).
+
+    Inductor returns a saved view of an input as ``reinterpret_tensor(input, ...)``, a new
+    tensor without the input's version counter, so a user who mutates the input between
+    forward and backward gets gradients of values the forward never saw, where eager raises
+    (pytorch#197887). The input itself is returned as the very tensor the user passed, and
+    autograd's saved-tensor check sees the mutation."""
+    result = set()
+    for node in saved:
+        root, step = a.roots.get(node, node), node
+        while step is not root and step not in a.ban and a.alias_parent.get(step) is not None:
+            step = a.alias_parent[step]
+        result.add(root if step is root and root is not node and root in a.steady else node)
+    return result
