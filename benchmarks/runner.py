@@ -399,7 +399,11 @@ def run_suite(suite: Suite, strategies: list[Strategy]) -> list[dict]:
     add_ratios(rows)
     write_jsonl(rows, suite.jsonl_path)
     suite.markdown_path.write_text(markdown_report(rows, meta))
-    pareto_plot(rows, suite.plot_path, title=_title(meta))
+    try:
+        pareto_plot(rows, suite.plot_path, title=_title(meta))
+    except ImportError:  # matplotlib is the optional `plot` extra: the figures are in the files
+        print(f"bench: no {suite.plot_path.name} (needs matplotlib: pip install 'compile_offload[plot]')",
+              file=sys.stderr)
     return rows
 
 

@@ -128,7 +128,8 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     rows = runner.run_suite(suite, strategies)
     print(suite.markdown_path.read_text())
-    print(f"results: {suite.jsonl_path}, {suite.markdown_path}, {suite.plot_path}", file=sys.stderr)
+    written = [path for path in (suite.jsonl_path, suite.markdown_path, suite.plot_path) if path.exists()]
+    print(f"results: {', '.join(map(str, written))}", file=sys.stderr)
     return 1 if any(row.get("status") == "error" for row in rows) else 0
 
 

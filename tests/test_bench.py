@@ -236,3 +236,25 @@ def test_bench_smoke_works_and_writes_well_formed_output(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = _check_outputs(tmp_path, "gpt")
     assert {"compile", "torch_budget:0.5", "ours:0.5"} <= {r["strategy"] for r in rows}
+
+
+def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plot(tmp_path):
+    """matplotlib is the optional ``plot`` extra: a user without it gets the JSON lines and
+    the markdown table, and one line saying why there is no picture (it crashed before)."""
+    code = (
+        "import sys, builtins\n"
+        "real_import = builtins.__import__\n"
+        "def no_matplotlib(name, *args, **kwargs):\n"
+        "    if name.split('.')[0] == 'matplotlib':\n"
+        "        raise ImportError('no matplotlib here')\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = no_matplotlib\n"
+        "from compile_offload.bench import main\n"
+        "main()\n"
+    )
+    command = [sys.executable, "-c", code, "--out", str(tmp_path), "--smoke", "--strategies", "eager"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "gpt.jsonl").read_text().strip() and "eager" in (tmp_path / "gpt.md").read_text()
+    assert not (tmp_path / "gpt_pareto.png").exists()
+    assert "needs matplotlib" in result.stderr
