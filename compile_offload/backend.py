@@ -74,18 +74,22 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
     if settings.inner_compiler == "eager":
         return _compile_eager(gm, example_inputs, partitioner)
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from .copy_order import keeping_copy_order
 
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
-    # Inductor's inference path.
+    # Inductor's inference path. Graphs with copies are compiled without Inductor's
+    # reordering passes, so the copies run where the plan put them (copy_order.py).
+    inner_compile = keeping_copy_order(compile_fx_inner)
     patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
     if settings.dump_dir is None:
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
     # compiled code without calling the partitioner, and so write nothing.
     patches["fx_graph_cache"] = False
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 def _inputs_device(example_inputs: Sequence[Any]) -> torch.device:

@@ -151,7 +151,8 @@ def _plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     plan = make_plan(analysis, solution, seconds, settings, profile.name, graph_name,
                      time.perf_counter() - started)
-    fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
+                                  _transfers_for(analysis, chosen.saved, seconds, profile, settings))
     _report_budget(plan, settings)
     if settings.plan_cache_dir is not None:
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
@@ -168,7 +169,8 @@ def _rebuild_from_cache(a: JointAnalysis, plan: Plan, settings: Settings, num_fw
     fw_gm, bw_gm = build_graphs(a, inputs_for_their_views(a, saved))
     transfers = plan_transfers(a, saved, offloaded, seconds, profile, settings.prefetch) if offloaded else None
     fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers, settings, num_fwd_outputs)
-    fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
+                                  _transfers_for(a, saved, seconds, profile, settings))
     plan.graph_name = graph_name
     plan.notes.append("reused from the plan cache")
     return PartitionResult(plan, fw_gm, bw_gm, a, None)
@@ -217,8 +219,14 @@ def _insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers: TransferPlan | 
     return fw_gm, bw_gm
 
 
-def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs: int):
-    """``debug_force_offload``: offload every eligible saved tensor of the chosen plan."""
+def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs: int, transfers_for=None):
+    """``debug_force_offload``: offload every eligible saved tensor of the chosen plan.
+
+    ``transfers_for(names)``: the offloaded joint nodes and their ``TransferPlan``; with it
+    the copies are placed as a planned offload's would be (waits and prefetch distances of
+    the transfer model under the configured profile), so a CPU run exercises the placement
+    a GPU run gets. Without it (the fallback partition, which has no analysis) each reload
+    goes one node ahead of its use."""
     if not (settings.offload and settings.debug_force_offload):
         return fw_gm, bw_gm
     from .passes.offload import eligible_saved_tensors, insert_offloads
@@ -228,8 +236,13 @@ def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs
 
     pinned_pool.set_limit(settings.pinned_pool_limit)
     names = eligible_saved_tensors(fw_gm, num_fwd_outputs)
-    fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
-                                   prefetch_distance=1 if settings.prefetch else 0)
+    placed = transfers_for(names) if transfers_for is not None else None
+    if placed is not None:
+        tensors, transfers = placed
+        fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, tensors, transfers, settings, num_fwd_outputs)
+    else:
+        fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
+                                       prefetch_distance=1 if settings.prefetch else 0)
     offloaded = set(names)
     for decision in plan.decisions:
         if decision.name in offloaded:
@@ -237,6 +250,21 @@ def _force_offload(fw_gm, bw_gm, plan: Plan, settings: Settings, num_fwd_outputs
             decision.reason = "debug_force_offload=True"
     plan.notes.append(f"debug_force_offload: {len(offloaded)} saved tensors offloaded")
     return fw_gm, bw_gm
+
+
+def _transfers_for(a: JointAnalysis, saved, seconds, profile, settings: Settings):
+    """For ``_force_offload``: saved tensor names -> (their joint nodes, the transfer
+    model's placement of their copies under the plan that saves ``saved``), or None when
+    a name is not a joint node (the forced copies are then placed without the model)."""
+    by_name = {node.name: node for node in a.position}
+
+    def transfers_for(names):
+        if not all(name in by_name for name in names):
+            return None
+        tensors = {by_name[name] for name in names}
+        return tensors, plan_transfers(a, set(saved), tensors, seconds, profile, settings.prefetch)
+
+    return transfers_for
 
 
 def _report_budget(plan: Plan, settings: Settings) -> None:
