@@ -204,3 +204,16 @@ def test_buffers_are_freed_outside_the_pools_lock(monkeypatch):
     assert pool.stats().bytes_held == size_class(2048)
     pool.trim()
     assert lock_held and not any(lock_held)
+
+
+def test_explain_reports_the_pinned_host_memory_of_its_offloads():
+    import compile_offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    plan = compile_offload.explain(model, torch.randn(128, 256), device_profile="h100", debug_force_offload=True)
+    offloaded = [d.bytes for d in plan.decisions if d.decision == "offload"]
+    assert offloaded, "nothing offloaded"
+    (note,) = [n for n in plan.notes if n.startswith("pinned host memory (predicted)")]
+    ratio = pinned_bytes(offloaded) / sum(offloaded)
+    assert f"({ratio:.3f}x)" in note and 1.0 <= ratio <= 1.1
