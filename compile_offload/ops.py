@@ -38,8 +38,9 @@ direction, the two directions overlapping each other and compute.
   tensor alive until then; its result (an alias of the reloaded tensor) replaces the saved
   tensor's uses in backward, so no use can be scheduled ahead of it.
 
-Ordering therefore rests on data edges only; nothing relies on timing or on Inductor keeping
-the graph order. The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
+Correctness therefore rests on data edges only; nothing relies on timing or on Inductor keeping
+the graph order. Overlap does rest on the order: the backend compiles graphs with these ops
+without Inductor's reordering passes (``compile_offload/copy_order.py``). The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
 Python-side bookkeeping would not be replayed by a CUDA graph.
 
 Events travel from a copy to its wait through ``_pending``, keyed by the ``data_ptr`` of

@@ -37,9 +37,11 @@ offloaded tensor still lives in it, whatever order tensors die in. Where the cou
 not exist the pool still works but never reuses (it warns once).
 
 Stream safety of reuse: see ``compile_offload.ops``. In short, a buffer only becomes idle
-after the graph dropped the host tensor, which happens after the wait that follows its last
-transfer; buffers are keyed by device, and all transfers of one device run on one transfer
-stream, so a new copy into a reused buffer is ordered after every earlier copy that used it.
+after the host tensor died, which happens after the wait that follows its last copy (a copy
+in flight keeps its host tensor referenced until its wait); that wait made the compute
+stream wait for the copy, and buffers are keyed by device, so a new copy into a reused
+buffer, whose transfer stream first waits for the compute stream, is ordered after every
+earlier copy that used it, whichever direction's stream ran it.
 
 Limit: ``limit_bytes`` (``compile_offload.config.pinned_pool_limit``) bounds the bytes the
 pool holds. When a new buffer would exceed it, idle buffers of other classes are freed
