@@ -54,6 +54,7 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
     string backend ``"offload_remat"``; options given there override the ones given here.
     """
     settings_mod.resolve(options)
+    closure_options = options  # the backend's own ``options`` are torch.compile's
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
                 mode: str | None = None) -> Callable[..., Any]:
@@ -61,7 +62,6 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
         return compile_graph(gm, example_inputs, settings_mod.resolve({**closure_options, **ours}),
                              inductor_options(mode, inductor), mode)
 
-    closure_options = options
     backend.__name__ = BACKEND_NAME
     return backend
 
@@ -103,13 +103,6 @@ def _cuda_graphs_requested(patches: dict) -> bool:
     return bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
 
 
-def _options_set_cuda_graphs(mode: str, patches: dict) -> bool:
-    """Whether ``triton.cudagraphs`` in ``patches`` comes from the options, not the mode."""
-    from torch._inductor import list_mode_options
-
-    return list_mode_options(mode).get("triton.cudagraphs") != patches["triton.cudagraphs"]
-
-
 def _without_offload_under_cuda_graphs(settings: Settings, mode_said: str) -> Settings:
     """CUDA graphs and offload do not mix: Inductor would split the captured graphs at every
     copy (their ``cudagraph_unsafe`` tag: no overlap left) and copy each reloaded tensor into
@@ -139,7 +132,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     if settings.inner_compiler == "inductor" and _cuda_graphs_requested(inductor_patches):
         if "triton.cudagraphs" not in inductor_patches:
             said = "torch._inductor.config.triton.cudagraphs=True"
-        elif mode not in (None, "default") and not _options_set_cuda_graphs(mode, inductor_patches):
+        elif mode not in (None, "default"):  # torch.compile takes a mode or options, not both
             said = f"torch.compile(mode={mode!r})"
         else:
             said = "options={'triton.cudagraphs': True}"
