@@ -25,6 +25,7 @@ from torch._inductor.utils import run_and_get_code
 
 import compile_offload
 from compile_offload import copy_order
+from compile_offload.partitioner import OffloadRematPartitioner
 from compile_offload.passes.offload import ROLE_OFFLOAD, ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD
 
 COPY_OPS = (ROLE_OFFLOAD, ROLE_WAIT_OFFLOAD, ROLE_RELOAD, ROLE_WAIT_RELOAD)
@@ -87,10 +88,19 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.GELU())])
 
 
-def _compile_and_read(reorder_passes=None):
-    """Forward and backward code and the FX graphs Inductor lowered, for one training step."""
+def _compile_and_read(reorder_passes=None, planned=None):
+    """Forward and backward code and the FX graphs Inductor lowered, for one training step;
+    ``planned`` (a list) receives the steps of the graphs the partitioner returned."""
     model, x = _mlp(), torch.randn(32, 64)
     recorder = _RecordGraphs()
+    partition = OffloadRematPartitioner.__call__
+
+    def partition_and_record(self, *args, **kwargs):
+        graphs = partition(self, *args, **kwargs)
+        if planned is not None:
+            planned.extend([_fx_step(n) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs)
+        return graphs
+
     backend = compile_offload.offload_remat(debug_force_offload=True, device_profile="h100")
 
     def step():
@@ -100,12 +110,11 @@ def _compile_and_read(reorder_passes=None):
     with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=recorder), \
             torch._functorch.config.patch(enable_autograd_cache=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the h100 profile on a CPU warns (reliability.md)
-        if reorder_passes is None:
-            _, codes = run_and_get_code(step)
-        else:
-            with pytest.MonkeyPatch.context() as patch:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(OffloadRematPartitioner, "__call__", partition_and_record)
+            if reorder_passes is not None:
                 patch.setattr(copy_order, "_REORDERING_PASSES", reorder_passes)
-                _, codes = run_and_get_code(step)
+            _, codes = run_and_get_code(step)
     assert len(codes) == 2 and len(recorder.graphs) == 2, (len(codes), len(recorder.graphs))
     return codes, recorder.graphs
 
@@ -179,7 +188,11 @@ def _placement_problems(codes, graphs) -> list[str]:
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_inductor_runs_the_copies_where_the_plan_put_them():
-    codes, graphs = _compile_and_read()
+    planned: list = []
+    codes, graphs = _compile_and_read(planned=planned)
+    # Inductor's graph passes keep the partitioner's placement ...
+    assert [_skeleton(g) for g in graphs] == [_skeleton(g) for g in planned]
+    # ... and so does its scheduler.
     assert _placement_problems(codes, graphs) == []
     # What the plan put there, so the checks above compare something: on the h100 model
     # the forward's waits and the backward's prefetches cover compute.
