@@ -6,7 +6,7 @@ offloaded to pinned host memory and prefetched back, choosing the fastest plan w
 memory stays under ``compile_offload.config.memory_budget``.
 """
 
-from . import config, ops  # ops: registers the offload ops before any compiled graph that uses them runs
+from . import config, ops  # noqa: F401  ops: registers the offload ops before any compiled graph that uses them runs
 from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
 from .explain import explain, explain_all
 from .max_batch import MaxBatch, max_batch

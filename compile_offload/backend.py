@@ -10,8 +10,10 @@ plain Python (no code generation).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,13 +38,11 @@ def offload_remat_backend(
     options: dict | None = None,
     mode: str | None = None,
 ) -> Callable[..., Any]:
-    """The Dynamo backend. ``options`` come from ``torch.compile(..., options={...})``."""
-    if mode not in (None, "default"):
-        raise ValueError(
-            f"compile_offload: torch.compile(mode={mode!r}) is not supported by the offload_remat backend; "
-            "leave mode unset (Inductor options can be set through torch._inductor.config)"
-        )
-    return compile_graph(gm, example_inputs, settings_mod.resolve(options))
+    """The Dynamo backend. ``options`` come from ``torch.compile(..., options={...})``: our
+    knobs (``compile_offload.config``) and Inductor's options (``"triton.cudagraphs"``, ...);
+    ``mode`` is one of Inductor's modes (``torch._inductor.list_mode_options()``)."""
+    ours, inductor = split_options(options)
+    return compile_graph(gm, example_inputs, settings_mod.resolve(ours), inductor_options(mode, inductor), mode)
 
 
 def offload_remat(**options: Any) -> Callable[..., Any]:
@@ -50,18 +50,93 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
 
     ``torch.compile(model, backend=compile_offload.offload_remat(memory_budget="4GiB"))``.
     Options are validated here, so a bad value fails at once rather than at first call.
+    ``torch.compile``'s own ``mode`` and ``options`` reach the backend as they reach the
+    string backend ``"offload_remat"``; options given there override the ones given here.
     """
     settings_mod.resolve(options)
+    closure_options = options  # the backend's own ``options`` are torch.compile's
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return compile_graph(gm, example_inputs, settings_mod.resolve(options))
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
+                mode: str | None = None) -> Callable[..., Any]:
+        ours, inductor = split_options(options)
+        return compile_graph(gm, example_inputs, settings_mod.resolve({**closure_options, **ours}),
+                             inductor_options(mode, inductor), mode)
 
     backend.__name__ = BACKEND_NAME
     return backend
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
-    """Compile one Dynamo graph under ``settings``."""
+def split_options(options: dict | None) -> tuple[dict, dict]:
+    """``torch.compile(options=...)`` split into our knobs and Inductor's config options;
+    a name that is neither raises ``ValueError`` naming it."""
+    if not options:
+        return {}, {}
+    from torch._inductor import config as inductor_config
+
+    from . import config
+
+    known_inductor = inductor_config.get_config_copy()
+    ours = {name: value for name, value in options.items() if name not in known_inductor or name in config.get_config_copy()}
+    inductor = {name: value for name, value in options.items() if name not in ours}
+    settings_mod.check_option_names(ours)
+    return ours, inductor
+
+
+def inductor_options(mode: str | None, options: dict) -> dict:
+    """Inductor config patches for ``torch.compile(mode=...)`` and Inductor ``options``."""
+    if mode in (None, "default"):
+        return dict(options)
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode not in modes:
+        raise ValueError(f"compile_offload: torch.compile(mode={mode!r}) is not an Inductor mode; accepted: "
+                         f"{', '.join(sorted(modes))} (or leave mode unset)")
+    return {**modes[mode], **options}
+
+
+def _cuda_graphs_requested(patches: dict) -> bool:
+    """Whether Inductor will capture CUDA graphs: ``triton.cudagraphs`` from the mode or
+    options, else its global config."""
+    from torch._inductor import config as inductor_config
+
+    return bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+
+def _without_offload_under_cuda_graphs(settings: Settings, mode_said: str) -> Settings:
+    """CUDA graphs and offload do not mix: Inductor would split the captured graphs at every
+    copy (their ``cudagraph_unsafe`` tag: no overlap left) and copy each reloaded tensor into
+    a static buffer (no memory saved). So offload is turned off, with one warning per
+    compiled graph, and the planner keeps or recomputes under the same budget."""
+    if not settings.offload:
+        return settings
+    warnings.warn(
+        f"compile_offload: CUDA graphs are on ({mode_said}): offloading is turned off for this graph (captured "
+        "graphs would be split at every copy and each reloaded tensor copied into a static buffer); the plan only "
+        f"keeps or recomputes, under the same memory budget ({settings.describe_budget()})",
+        stacklevel=4,
+    )
+    return dataclasses.replace(settings, offload=False)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                  inductor_patches: dict | None = None, mode: str | None = None) -> Callable[..., Any]:
+    """Compile one Dynamo graph under ``settings``; ``inductor_patches``: Inductor config
+    from ``torch.compile``'s ``mode`` and ``options`` (``inductor_options``)."""
+    inductor_patches = dict(inductor_patches or {})
+    if settings.inner_compiler == "eager" and inductor_patches:
+        raise ValueError(
+            f"compile_offload: Inductor options {sorted(inductor_patches)} (from torch.compile's mode or options) "
+            "need inner_compiler='inductor'; with inner_compiler='eager' no Inductor code runs"
+        )
+    if settings.inner_compiler == "inductor" and _cuda_graphs_requested(inductor_patches):
+        if "triton.cudagraphs" not in inductor_patches:
+            said = "torch._inductor.config.triton.cudagraphs=True"
+        elif mode not in (None, "default"):  # torch.compile takes a mode or options, not both
+            said = f"torch.compile(mode={mode!r})"
+        else:
+            said = "options={'triton.cudagraphs': True}"
+        settings = _without_offload_under_cuda_graphs(settings, said)
     bucket_graphs = None
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()
@@ -76,18 +151,22 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":
         return _compile_eager(gm, example_inputs, partitioner)
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from .copy_order import keeping_copy_order
 
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
-    # Inductor's inference path.
-    patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
+    # Inductor's inference path. Graphs with copies are compiled without Inductor's
+    # reordering passes, so the copies run where the plan put them (copy_order.py).
+    inner_compile = keeping_copy_order(compile_fx_inner)
+    patches: dict[str, Any] = {**inductor_patches, "custom_partitioner_fn": partitioner}
     if settings.dump_dir is None:
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
     # compiled code without calling the partitioner, and so write nothing.
     patches["fx_graph_cache"] = False
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

@@ -128,7 +128,23 @@ def explain_all(
             "compile_offload.explain: no training graph was produced; the model's outputs must require grad "
             "(parameters with requires_grad=True or inputs with requires_grad=True)"
         )
+    for plan in plans:
+        _note_pinned_memory(plan)
     return plans
+
+
+def _note_pinned_memory(plan: Plan) -> None:
+    """Add to ``plan.notes`` the pinned host memory its offloads will hold (predicted: the
+    pool's buffer sizes for the offloaded tensors, ``pinned_pool.pinned_bytes``)."""
+    from .passes.plan import format_bytes
+    from .pinned_pool import pinned_bytes
+
+    offloaded = [d.bytes for d in plan.decisions if d.decision == "offload"]
+    if not offloaded:
+        return
+    pinned = pinned_bytes(offloaded)
+    plan.notes.append(f"pinned host memory (predicted): {format_bytes(pinned)} for {format_bytes(sum(offloaded))} "
+                      f"offloaded ({pinned / sum(offloaded):.3f}x)")
 
 
 def explain(model_or_fn, *example_inputs, memory_budget: Any = _UNSET, device_profile: Any = _UNSET, **options) -> Plan:

@@ -9,11 +9,17 @@ Graph pattern (inserted by ``passes.offload.insert_offloads`` after partitioning
                ...   (one or more backward nodes)
                x_    = compile_offload.wait_reload(dev, saved)           # replaces x in backward
 
-Streams and events (CUDA). Each device has one transfer stream (``transfer_stream``).
+Streams and events (CUDA). Each device has two transfer streams (``transfer_stream``), one
+per direction of the link: offloads (device to host) run on one, reloads (host to device)
+on the other, so a reload never queues behind the forward's offloads or the other way
+round. That is what the transfer model (``passes/transfer.py``) assumes: one FIFO per
+direction, the two directions overlapping each other and compute.
 
-* ``offload`` makes the transfer stream wait for the current (compute) stream, so the copy
+* ``offload`` makes the offload stream wait for the current (compute) stream, so the copy
   starts after ``x`` was produced, copies ``x`` into a pinned buffer from
   ``compile_offload.pinned_pool`` with ``non_blocking=True`` and records a completion event.
+  ``x`` stays referenced by the pending entry until the wait (as well as by the wait's
+  argument), so even a step that fails before the wait cannot free it under the copy.
 * ``wait_offload`` makes the compute stream wait for that event. It takes ``x`` as an
   argument although it only keeps it alive: that data edge makes ``x`` live in the graph
   (for Inductor's buffer reuse and ``del`` as much as for the caching allocator) until the
@@ -22,28 +28,33 @@ Streams and events (CUDA). Each device has one transfer stream (``transfer_strea
   ``record_stream``. Its result is an alias of the host tensor (declared in the schema), and
   the forward returns it as the saved value, so the wait cannot be dead-code-eliminated
   and nothing can use the saved value before the wait.
-* ``reload`` allocates the device tensor on the compute stream, makes the transfer stream
-  wait for the compute stream (the fresh block may still be read by earlier kernels, and the
-  compute stream has passed the forward's ``wait_offload``, so the host data is complete),
-  copies and records an event. All copies of one device run on its one transfer stream, so a
-  reload is also ordered after its offload on the transfer stream itself.
+* ``reload`` allocates the device tensor on the compute stream, makes the reload stream
+  wait for the compute stream (the fresh block may still be read by earlier kernels), copies
+  and records an event. The reload is ordered after its offload through the compute stream:
+  the compute stream waited for the offload's event at the forward's ``wait_offload``, and
+  the reload stream waits for everything queued on the compute stream before the reload, so
+  the host data is complete when the reload starts.
 * ``wait_reload`` makes the compute stream wait for the reload's event, keeping the host
   tensor alive until then; its result (an alias of the reloaded tensor) replaces the saved
   tensor's uses in backward, so no use can be scheduled ahead of it.
 
-Ordering therefore rests on data edges only; nothing relies on timing or on Inductor keeping
-the graph order. The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
+Correctness therefore rests on data edges only; nothing relies on timing or on Inductor keeping
+the graph order. Overlap does rest on the order: the backend compiles graphs with these ops
+without Inductor's reordering passes (``compile_offload/copy_order.py``). The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
 Python-side bookkeeping would not be replayed by a CUDA graph.
 
 Events travel from a copy to its wait through ``_pending``, keyed by the ``data_ptr`` of
 the tensor the copy returned (the host tensor for an offload, the device tensor for a
 reload). The key is unique while the copy is pending because that tensor stays alive until
 its wait, which removes the entry; so running the same graph again and again leaves nothing
-behind (``pending_transfer_count()`` is 0 after a full step). A wait without an entry is a
-no-op: the transfer was synchronous (zero bytes) or already waited for. An entry also keeps
-the copy's device-side temporaries and the reloaded tensor alive, so a step that raises
-between a copy and its wait leaks them instead of letting the allocator reuse memory a copy
-still writes; ``drain_pending_transfers()`` finishes and forgets such leftovers.
+behind (``pending_transfer_count()`` is 0 after a full step). A wait for a tensor with
+elements and without an entry raises ``RuntimeError``: the tensor it received is not the one
+its copy returned (a layout copy, an alias at an offset, a changed code generation) or the
+copy was already waited for, and returning would let compute read memory a copy may still
+be writing. (Zero-element tensors have no copy and no entry.) An entry keeps both ends of its
+copy alive, with the copy's device-side temporaries, so a step that raises between a copy
+and its wait leaks them instead of letting the allocator or the pinned pool reuse memory a
+copy still reads or writes; ``drain_pending_transfers()`` finishes and forgets such leftovers.
 
 Layouts. The round trip preserves size, stride and every element bitwise; the reloaded
 tensor has storage offset 0.
@@ -113,16 +124,20 @@ def _custom_op(name: str):
 # --- transfer streams, delay hook, pending transfers ----------------------------------------
 
 _lock = threading.Lock()
-_transfer_streams: dict[torch.device, torch.cuda.Stream] = {}
+_transfer_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 _delay_cycles = {"offload": 0, "reload": 0}
+DIRECTIONS = ("offload", "reload")  # device to host, host to device
 
 
-def transfer_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one stream that runs every offload and reload copy of ``device``."""
+def transfer_stream(device: torch.device, direction: str = "offload") -> torch.cuda.Stream:
+    """The stream that runs every copy of ``device`` in ``direction`` ("offload": device to
+    host, "reload": host to device)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"transfer_stream: direction must be one of {DIRECTIONS}, got {direction!r}")
     with _lock:
-        stream = _transfer_streams.get(device)
+        stream = _transfer_streams.get((device, direction))
         if stream is None:
-            stream = _transfer_streams[device] = torch.cuda.Stream(device=device)
+            stream = _transfer_streams[(device, direction)] = torch.cuda.Stream(device=device)
         return stream
 
 
@@ -153,11 +168,23 @@ def _register_pending(key_tensor: torch.Tensor, pending: _Pending) -> None:
         _pending[key_tensor.data_ptr()] = pending
 
 
-def _pop_pending(key_tensor: torch.Tensor) -> _Pending | None:
+def _pop_pending(key_tensor: torch.Tensor, wait: str) -> _Pending | None:
+    """The pending copy that returned ``key_tensor``, removed; None for a zero-element
+    tensor (no copy was made). Raises when a tensor with elements has none (module doc)."""
     if key_tensor.numel() == 0:
         return None
     with _lock:
-        return _pending.pop(key_tensor.data_ptr(), None)
+        pending = _pending.pop(key_tensor.data_ptr(), None)
+    if pending is None:
+        copy = "offload" if wait == "wait_offload" else "reload"
+        raise RuntimeError(
+            f"compile_offload.{wait}: no {copy} is in flight for the tensor it received (size "
+            f"{tuple(key_tensor.shape)}, stride {key_tensor.stride()}, {key_tensor.device}, data_ptr "
+            f"{key_tensor.data_ptr():#x}). A wait must receive the very tensor its {copy} returned; this one "
+            "differs from it (a copy, or a view at another offset) or was already waited for. Waiting for "
+            "nothing would let compute read memory the copy may still be writing."
+        )
+    return pending
 
 
 def pending_transfer_count() -> int:
@@ -200,7 +227,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, kind: str)
     if device.type != "cuda":
         dst.copy_(src)
         return None
-    stream = transfer_stream(device)
+    stream = transfer_stream(device, kind)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         if _delay_cycles[kind]:
@@ -249,7 +276,10 @@ def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
         return host
     device = _normalize(src.device)
     event = _copy(host, payload, device, "offload")
-    _register_pending(host, _Pending(event, device, (payload,) if payload is not src else ()))
+    # Both ends stay referenced until the wait: the source (and its gathered copy) so its
+    # memory is not reused under the copy, the host tensor so its pinned buffer is not
+    # handed out again while the copy writes it (module doc).
+    _register_pending(host, _Pending(event, device, (src, payload, host) if payload is not src else (src, host)))
     return host
 
 
@@ -299,13 +329,14 @@ def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | Non
     else:
         event, keepalive = _copy(out, host, device, "reload"), ()
     # ``out`` itself is kept too: if a failing step dropped it before its wait, the allocator
-    # must not hand its memory out while the copy still writes into it.
-    _register_pending(out, _Pending(event, device, (out, *keepalive)))
+    # must not hand its memory out while the copy still writes into it; and ``host``, whose
+    # pinned buffer the copy reads.
+    _register_pending(out, _Pending(event, device, (out, host, *keepalive)))
     return out
 
 
 def _copy_then_scatter(out: torch.Tensor, staging: torch.Tensor, host: torch.Tensor, device: torch.device):
-    stream = transfer_stream(device)
+    stream = transfer_stream(device, "reload")
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         if _delay_cycles["reload"]:
@@ -346,13 +377,13 @@ _lib.define("wait_reload(Tensor(a) reloaded, Tensor host) -> Tensor(a)", tags=_C
 
 def _wait_offload_impl(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """Compute stream waits for ``host``'s copy; ``source`` was kept alive until here."""
-    _wait(_pop_pending(host))
+    _wait(_pop_pending(host, "wait_offload"))
     return torch.ops.aten.alias.default(host)
 
 
 def _wait_reload_impl(reloaded: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     """Compute stream waits for ``reloaded``'s copy; ``host`` was kept alive until here."""
-    _wait(_pop_pending(reloaded))
+    _wait(_pop_pending(reloaded, "wait_reload"))
     return torch.ops.aten.alias.default(reloaded)
 
 

@@ -31,7 +31,7 @@ from .passes.offload import eligible_for_offload
 from .passes.plan import Plan
 from .passes.rewrite import build_graphs
 from .passes.transfer import plan_transfers
-from .place_offloads import force_offload, insert_planned_offloads
+from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import PartitionResult
 from .settings import Settings
 
@@ -154,7 +154,8 @@ def rebuild(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: i
     fw_gm, bw_gm = build_graphs(a, inputs_for_their_views(a, saved))
     transfers = plan_transfers(a, saved, offloaded, seconds, profile, settings.prefetch) if offloaded else None
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers, num_fwd_outputs)
-    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
+                                 planned_placement(a, saved, seconds, profile, settings.prefetch))
     plan.graph_name = graph_name
     plan.notes.append("reused from the plan cache")
     return PartitionResult(plan, fw_gm, bw_gm, a, None)

@@ -25,7 +25,7 @@ from .passes.plan import Plan, format_bytes
 from .passes.rewrite import build_graphs
 from .passes.solve import SolverError, solve_exact, without_banned_recompute
 from .passes.solve_offload import OffloadOptions, solve_joint
-from .place_offloads import force_offload, insert_planned_offloads
+from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
 from .settings import Settings
 
@@ -107,7 +107,8 @@ def _solve_and_partition(joint: compat.JointGraph, settings: Settings, profile, 
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
-    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
+                                 planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
     if settings.plan_cache_dir is not None:
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)

@@ -37,7 +37,9 @@ def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
 def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile",
                  plans: Sequence[Plan] | None = None) -> dict:
     """Run ``fn(*args)`` once under the CUDA memory recorder; returns the measured peak
-    above the start of the step and the files written. ``plans`` drawn over the measured
+    above the start of the step, the files written, the bytes ``plans`` offload
+    (``offloaded_bytes``) and the pinned host memory held after the step
+    (``pinned_host_bytes``, the pinned pool's ``bytes_held``). ``plans`` drawn over the measured
     curve default to the latest plan of each graph partitioned in this process (compiled
     or explained), including those ``fn`` compiled; pass ``[]`` for none."""
     if not torch.cuda.is_available():
@@ -65,8 +67,14 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
 
         plans = latest_plans()
     _draw(out / "measured.png", series, plans)
+    from .pinned_pool import get_pool
+
     return {"measured_peak_bytes": measured_peak, "snapshot": str(out / "snapshot.pickle"),
-            "plot": str(out / "measured.png")}
+            "plot": str(out / "measured.png"),
+            # Host side: bytes the plans offload, and the pinned host memory the process's
+            # pool holds after the step (page-locked bytes, as the pool counts them).
+            "offloaded_bytes": sum(plan.bytes_of("offload") for plan in plans),
+            "pinned_host_bytes": get_pool().stats().bytes_held}
 
 
 def _progress(series: Sequence) -> list[float]:

@@ -135,12 +135,15 @@ def test_opcheck_offload_and_reload(layout, dtype):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided_slice", "zero_dim", "size_zero"])
-def test_opcheck_waits(layout):
+def test_opcheck_waits(layout, monkeypatch):
     """Schema (the result aliases the waited tensor), autograd and fake checks.
 
     ``test_aot_dispatch_dynamic`` is left out: functionalization rejects custom ops with
     aliasing outputs, and the waits are only ever inserted after AOTAutograd has
-    functionalized and partitioned the graph."""
+    functionalized and partitioned the graph. opcheck calls each wait several times with
+    the same tensors, where the runtime raises (a second wait has no copy to wait for): the
+    waits here find a finished (CPU) copy each time."""
+    monkeypatch.setattr(ops, "_pop_pending", lambda tensor, wait: ops._Pending(None, tensor.device, ()))
     x = LAYOUTS[layout](_base(torch.float32))
     contiguous_host, stride = host_layout(x)
     for requires_grad in (False, True):
@@ -211,11 +214,47 @@ def test_each_wait_clears_its_pending_transfer():
     assert ops.pending_transfer_count() == 0
 
 
-def test_a_wait_without_a_pending_transfer_is_a_no_op():
+def test_a_wait_without_its_copy_raises():
+    """A wait that receives a tensor other than the one its copy returned, or waits twice,
+    raises instead of silently not synchronising (reliability.md)."""
     x = _base(torch.float32)
+    host = ops.offload(x, False)
+    with pytest.raises(RuntimeError, match=r"wait_offload: no offload is in flight .* differs from it"):
+        ops.wait_offload(host[1:], x)  # an alias at another offset
+    with pytest.raises(RuntimeError, match=r"wait_offload: no offload is in flight"):
+        ops.wait_offload(host.clone(), x)  # a copy
+    host = ops.wait_offload(host, x)  # the tensor the copy returned: waits
+    with pytest.raises(RuntimeError, match=r"wait_offload: no offload is in flight .* already waited for"):
+        ops.wait_offload(host, x)  # twice
+    reloaded = ops.reload(host, x.device)
+    with pytest.raises(RuntimeError, match=r"wait_reload: no reload is in flight"):
+        ops.wait_reload(reloaded.clone(), host)
+    assert_bitwise_equal(ops.wait_reload(reloaded, host), x)
+    assert ops.pending_transfer_count() == 0
+
+
+def test_a_zero_element_wait_has_nothing_to_wait_for():
+    x = _base(torch.float32)[:0]
     host = ops.wait_offload(ops.offload(x, False), x)
-    again = ops.wait_offload(host, x)
-    assert_bitwise_equal(again, x)
+    back = ops.wait_reload(ops.reload(host, x.device), host)
+    assert back.shape == x.shape and ops.pending_transfer_count() == 0
+
+
+def test_the_copy_source_stays_referenced_until_its_wait():
+    """The offload's pending entry holds its source, so a step that fails between the copy
+    and its wait cannot free the source under the copy; the wait lets it go."""
+    import weakref
+
+    x = _base(torch.float32)
+    source = weakref.ref(x)
+    host = ops.offload(x, False)
+    keepalive = torch.empty(0)
+    del x
+    gc.collect()
+    assert source() is not None
+    ops.wait_offload(host, keepalive)
+    gc.collect()
+    assert source() is None
 
 
 def _training_step(x: torch.Tensor) -> torch.Tensor:

@@ -6,14 +6,18 @@ offloading only moves data, so outputs and gradients must match it bitwise
 """
 
 import functools
+import gc
+import mmap
 import re
+import warnings
 
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from compile_offload import ops
+import compile_offload
+from compile_offload import ops, pinned_pool
 from compile_offload.ops import OFFLOAD_OPS
 from compile_offload.pinned_pool import get_pool
 from compile_offload.passes.offload import eligible_saved_tensors, host_layout, insert_offloads
@@ -140,7 +144,15 @@ def test_round_trip_on_cuda_is_bitwise_under_delay(layout, dtype):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided_slice", "zero_dim"])
-def test_opcheck_on_cuda(layout):
+def test_opcheck_on_cuda(layout, monkeypatch):
+    # opcheck calls each wait several times with the same tensors; after the first, the
+    # runtime would raise (no copy in flight): those calls find a finished copy instead.
+    def pop_or_finished(tensor, wait):
+        with ops._lock:
+            entry = ops._pending.pop(tensor.data_ptr(), None)
+        return entry or ops._Pending(None, tensor.device, ())
+
+    monkeypatch.setattr(ops, "_pop_pending", pop_or_finished)
     x = LAYOUTS[layout](torch.randn(64, 48, device="cuda"))
     contiguous_host, stride = host_layout(x)
     torch.library.opcheck(ops.offload, (x, contiguous_host))
@@ -257,3 +269,144 @@ def test_inductor_never_frees_or_reuses_a_source_before_its_wait(method, monkeyp
     assert checked and len(checked) == code.count("compile_offload.offload.default(")
     assert code.count("compile_offload.wait_offload.default(") == len(checked)
     FileCheck().check("compile_offload.offload.default(").check("compile_offload.wait_offload.default(").run(code)
+
+
+# --- pinned memory that is what it claims (issue 20, item 2) ---------------------------------
+
+
+def _host_register_works() -> bool:
+    """Whether cudaHostRegister page-locks a fresh mapping here (container limits on locked
+    memory can refuse it; the pool then falls back to torch's pinned allocator)."""
+    fns = pinned_pool._register_fns()
+    if fns is None:
+        return False
+    tensor = torch.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), dtype=torch.uint8)
+    try:
+        fns[0](tensor.data_ptr(), mmap.PAGESIZE)
+    except RuntimeError:
+        return False
+    fns[1](tensor.data_ptr())
+    return True
+
+
+def test_pool_buffers_take_the_registered_path_and_bytes_held_are_the_pinned_bytes():
+    if not _host_register_works():
+        pytest.skip("cudaHostRegister is refused on this machine; the pool falls back to torch's pinned allocator")
+    pool = pinned_pool.PinnedHostPool()
+    sizes = [3 * 2**20 + 7, 2**16, 5000]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns: it must not be taken
+        tensors = [pool.acquire(n, "cuda") for n in sizes]
+    buffers = [b for bucket in pool._buffers.values() for b in bucket]
+    assert len(buffers) == 3 and all(b.registered_ptr is not None and not b.from_torch_pinned for b in buffers)
+    assert all(b.registered_ptr == b.tensor.untyped_storage().data_ptr() for b in buffers)
+    assert all(t.is_pinned() for t in tensors)
+    assert pool.stats().bytes_held == pinned_pool.pinned_bytes(sizes) == sum(b.nbytes for b in buffers)
+    # A non_blocking copy into a registered buffer lands intact.
+    src = torch.arange(2**18, device="cuda", dtype=torch.float32)
+    dst = tensors[0][: 2**20].view(torch.float32)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src.cpu())
+    del tensors, dst
+    gc.collect()
+    assert pool.trim() == pinned_pool.pinned_bytes(sizes) and pool.stats().bytes_held == 0
+
+
+@pytest.mark.slow
+def test_profile_step_reports_pinned_memory_within_1_1x_of_the_offloaded_bytes(tmp_path, captured_plans):
+    if not _host_register_works():
+        pytest.skip("cudaHostRegister is refused on this machine; the pool falls back to torch's pinned allocator")
+    pinned_pool.get_pool().trim()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(1024, 1024), torch.nn.GELU())]).cuda()
+    x = torch.randn(512, 1024, device="cuda")
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(debug_force_offload=True))
+
+    def step():
+        compiled(x).sum().backward()
+
+    step()  # compiles and fills the pool
+    result = compile_offload.profile_step(step, out=tmp_path, plans=captured_plans)
+    assert result["offloaded_bytes"] > 0
+    assert result["offloaded_bytes"] <= result["pinned_host_bytes"] <= 1.1 * result["offloaded_bytes"]
+
+
+# --- a wait never vanishes (issue 20, item 3) ------------------------------------------------
+
+
+def test_a_wait_for_another_tensor_raises_on_cuda():
+    x = torch.randn(1024, 1024, device="cuda")
+    host = ops.offload(x, False)
+    with pytest.raises(RuntimeError, match="wait_offload: no offload is in flight"):
+        ops.wait_offload(host[1:], x)
+    host = ops.wait_offload(host, x)
+    back = ops.reload(host, x.device)
+    with pytest.raises(RuntimeError, match="wait_reload: no reload is in flight"):
+        ops.wait_reload(back[1:], host)
+    assert torch.equal(ops.wait_reload(back, host), x)
+
+
+def test_an_offloads_source_is_not_reused_before_its_wait_even_when_dropped():
+    """The pending entry holds the source: dropping every other reference while the
+    (delayed) copy runs must not let the allocator hand its memory to new work."""
+    x = torch.randn(DIM, DIM, device="cuda")
+    expected = x.cpu()
+    keep = torch.empty(0, device="cuda")
+    with ops.inject_transfer_delay(DELAY_CYCLES):
+        host = ops.offload(x, False)
+        del x
+        overwrite = torch.full((DIM, DIM), 7.0, device="cuda")  # x's block, were it freed
+        host = ops.wait_offload(host, keep)
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected)
+    del overwrite
+
+
+# --- CUDA graphs (issue 20, item 4) ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile_kwargs", [{"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}],
+                         ids=["mode", "options"])
+def test_cuda_graphs_through_the_closure_backend_train_like_no_offload(compile_kwargs):
+    def run(backend, data):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+        compiled = torch.compile(model, backend=backend, **compile_kwargs)
+        results = []
+        for x in data:
+            model.zero_grad(set_to_none=True)
+            compiled(x).pow(2).sum().backward()
+            results.append([p.grad.clone() for p in model.parameters()])
+        return results
+
+    data = [torch.randn(64, 256, device="cuda") for _ in range(4)]
+    expected = run(compile_offload.offload_remat(offload=False, memory_budget=0.5), data)
+    with pytest.warns(UserWarning, match="CUDA graphs are on") as caught:
+        actual = run(compile_offload.offload_remat(debug_force_offload=True, memory_budget=0.5), data)
+    assert sum("CUDA graphs are on" in str(w.message) for w in caught) == 1
+    for step_index, (got, want) in enumerate(zip(actual, expected)):
+        assert_bitwise(got, want, f"step {step_index}")
+
+
+# --- one stream per direction (issue 20, item 5) ---------------------------------------------
+
+
+def test_offloads_do_not_queue_behind_reloads():
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert ops.transfer_stream(device, "offload") is not ops.transfer_stream(device, "reload")
+    x = torch.randn(256, 256, device="cuda")
+    host = ops.wait_offload(ops.offload(x, False), x)
+    torch.cuda.synchronize()
+    with ops.inject_transfer_delay(DELAY_CYCLES, offload=False):
+        back = ops.reload(host, device)  # its stream spins before copying
+        y = torch.randn(256, 256, device="cuda")
+        host_y = ops.offload(y, False)
+        ops._pending[host_y.data_ptr()].event.synchronize()  # the offload finished ...
+        assert not ops._pending[back.data_ptr()].event.query()  # ... while the reload still waits
+    assert torch.equal(ops.wait_reload(back, host), x)
+    ops.wait_offload(host_y, y)
+    torch.cuda.synchronize()
+    assert torch.equal(host_y, y.cpu())

@@ -5,11 +5,14 @@ import gc
 import pytest
 import torch
 
+from compile_offload import pinned_pool
 from compile_offload.pinned_pool import (
     CLASS_STEPS,
     MIN_CLASS_BYTES,
+    PAGE_BYTES,
     PinnedHostPool,
     PinnedPoolLimitError,
+    pinned_bytes,
     size_class,
 )
 
@@ -29,8 +32,10 @@ def test_size_classes_are_monotone_and_few():
     sizes = range(1, 1 << 16, 37)
     classes = [size_class(n) for n in sizes]
     assert classes == sorted(classes)
-    # Eight classes per power of two above 4 KiB: 64 KiB of sizes map to few distinct buffers.
-    assert len(set(classes)) <= 8 * 4 + 8
+    # CLASS_STEPS classes per power of two above MIN_CLASS_BYTES * CLASS_STEPS (8 KiB),
+    # multiples of MIN_CLASS_BYTES below: 64 KiB of sizes map to few distinct buffers.
+    below = MIN_CLASS_BYTES * CLASS_STEPS
+    assert len(set(classes)) <= below // MIN_CLASS_BYTES + CLASS_STEPS * ((1 << 16) // below).bit_length()
 
 
 def test_acquire_returns_exact_size_and_reuses_after_release():
@@ -140,3 +145,75 @@ def test_set_limit_rejects_non_byte_counts(bad):
 def test_acquire_rejects_empty_requests():
     with pytest.raises(ValueError):
         PinnedHostPool().acquire(0, CPU)
+
+
+# --- pinned memory that is what it claims (no GPU needed for the logic) ----------------------
+
+
+@pytest.mark.parametrize("nbytes", [2**16, 2**16 + 1, 100_003, 2**20 + 64, 3 * 2**20 + 7, 2**30 + 1])
+def test_pinned_bytes_stay_within_1_1x_of_tensors_of_64_kib_and_more(nbytes):
+    held = pinned_bytes([nbytes])
+    assert nbytes <= held <= 1.1 * nbytes and held % PAGE_BYTES == 0
+
+
+def test_pinned_bytes_of_a_saved_set_stay_within_1_1x():
+    # A transformer-like saved set: activations of a few shapes, in bf16 and fp32.
+    sizes = [b * s * d * e for b in (4, 8) for s in (512, 1000) for d in (768, 3072) for e in (2, 4)]
+    assert sum(sizes) <= pinned_bytes(sizes) <= 1.1 * sum(sizes)
+
+
+def test_torchs_pinned_allocator_is_counted_at_the_power_of_two_it_pins():
+    assert pinned_pool._torch_pinned_bytes(3 * 2**20 + 7) == 4 * 2**20
+    assert pinned_pool._torch_pinned_bytes(2**20) == 2**20
+
+
+def test_registration_covers_the_storage_start_that_is_pinned_asks_about(monkeypatch):
+    """The registered range starts where the buffer's storage starts (page-aligned), which
+    is the address CUDA is asked about by ``is_pinned()``: modelled here by a registry."""
+    registered, unregistered = {}, []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.untyped_storage().data_ptr() in registered)
+    buffer = pinned_pool._allocate_registered(3 * PAGE_BYTES, lambda ptr, n: registered.__setitem__(ptr, n),
+                                              unregistered.append)
+    start = buffer.tensor.untyped_storage().data_ptr()
+    assert registered == {start: 3 * PAGE_BYTES} and buffer.registered_ptr == start
+    assert start % PAGE_BYTES == 0 and buffer.tensor.numel() == buffer.nbytes == 3 * PAGE_BYTES
+    assert buffer.tensor.is_pinned() and unregistered == []
+    buffer.tensor.fill_(7)  # writable memory
+    assert int(buffer.tensor.sum()) == 7 * 3 * PAGE_BYTES
+
+
+def test_a_registration_that_does_not_pin_is_undone_and_refused(monkeypatch):
+    registered, unregistered = [], []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    with pytest.raises(RuntimeError, match="does not report as pinned"):
+        pinned_pool._allocate_registered(PAGE_BYTES, lambda ptr, n: registered.append(ptr), unregistered.append)
+    assert registered == unregistered and len(registered) == 1
+
+
+def test_buffers_are_freed_outside_the_pools_lock(monkeypatch):
+    """Freeing synchronises the device; that must not hold up other threads' offloads."""
+    pool = PinnedHostPool(limit_bytes=4096)
+    lock_held = []
+    release = pinned_pool._release
+    monkeypatch.setattr(pinned_pool, "_release", lambda released: (lock_held.append(pool._lock.locked()),
+                                                                  release(released)))
+    a = pool.acquire(4096, CPU)
+    del a
+    gc.collect()
+    pool.acquire(2048, CPU)  # frees the idle 4 KiB buffer to make room
+    assert pool.stats().bytes_held == size_class(2048)
+    pool.trim()
+    assert lock_held and not any(lock_held)
+
+
+def test_explain_reports_the_pinned_host_memory_of_its_offloads():
+    import compile_offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    plan = compile_offload.explain(model, torch.randn(128, 256), device_profile="h100", debug_force_offload=True)
+    offloaded = [d.bytes for d in plan.decisions if d.decision == "offload"]
+    assert offloaded, "nothing offloaded"
+    (note,) = [n for n in plan.notes if n.startswith("pinned host memory (predicted)")]
+    ratio = pinned_bytes(offloaded) / sum(offloaded)
+    assert f"({ratio:.3f}x)" in note and 1.0 <= ratio <= 1.1

@@ -1,0 +1,95 @@
+"""CUDA graphs and offload (reliability.md, bad input): ``torch.compile(mode="reduce-overhead")``
+and ``options={"triton.cudagraphs": True}``, through the string backend and the closure
+``offload_remat(...)`` alike, turn offloading off with one warning naming the spelling; the
+plan then keeps or recomputes under the same budget, exactly the plan of ``offload=False``.
+
+On a CPU Inductor compiles the graphs and cudagraph trees skip the CPU graphs, so these
+tests check the warning, the plan chosen and the gradients; the CUDA run is in
+``tests/test_ops_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import compile_offload
+
+SPELLINGS = {
+    "mode": ({"mode": "reduce-overhead"}, "torch.compile(mode='reduce-overhead')"),
+    "options": ({"options": {"triton.cudagraphs": True}}, "options={'triton.cudagraphs': True}"),
+}
+KNOBS = {"memory_budget": 0.5, "device_profile": "h100", "debug_force_offload": True}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def _train_step(backend, **compile_kwargs):
+    model, x = _model(), torch.randn(4, 16)
+    with warnings.catch_warnings(record=True) as caught, \
+            torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        warnings.simplefilter("always")
+        torch.compile(model, backend=backend, **compile_kwargs)(x).pow(2).sum().backward()
+    messages = [str(w.message) for w in caught if "CUDA graphs are on" in str(w.message)]
+    return {n: p.grad for n, p in model.named_parameters()}, messages
+
+
+def _decisions(plan) -> list[tuple[str, str]]:
+    return [(d.name, d.decision) for d in plan.decisions]
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("backend_kind", ["string", "closure"])
+def test_cuda_graphs_turn_offload_off_with_one_warning_and_plan_recompute_only(spelling, backend_kind,
+                                                                              captured_plans):
+    compile_kwargs, said = SPELLINGS[spelling]
+    if backend_kind == "string" and spelling == "options":
+        grads, messages = _train_step("offload_remat", options={**compile_kwargs["options"], **KNOBS})
+    elif backend_kind == "string":  # torch.compile takes mode or options, not both
+        with compile_offload.config.patch(**KNOBS):
+            grads, messages = _train_step("offload_remat", **compile_kwargs)
+    else:
+        grads, messages = _train_step(compile_offload.offload_remat(**KNOBS), **compile_kwargs)
+    assert len(messages) == 1 and said in messages[0], messages
+    assert "same memory budget" in messages[0]
+    (plan,) = captured_plans
+    assert plan.count("offload") == 0 and not plan.offloaded
+
+    # The same budget with offload off, without CUDA graphs: the same plan.
+    reference, _ = _train_step(compile_offload.offload_remat(**{**KNOBS, "offload": False}))
+    assert len(captured_plans) == 2
+    assert plan.budget_bytes == captured_plans[1].budget_bytes
+    assert _decisions(plan) == _decisions(captured_plans[1])
+    # Without CUDA graphs the same knobs offload (so the check above has teeth).
+    _train_step(compile_offload.offload_remat(**KNOBS))
+    assert captured_plans[2].count("offload") > 0
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name])
+
+
+def test_an_unknown_mode_is_refused_by_name():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"mode='fastest'\) is not an Inductor mode"):
+        torch.compile(nn.Linear(4, 2), backend=compile_offload.offload_remat(), mode="fastest")(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_inductor_options_with_the_eager_inner_compiler_are_refused_by_name(spelling):
+    compile_kwargs, _ = SPELLINGS[spelling]
+    backend = compile_offload.offload_remat(inner_compiler="eager")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"\['triton.cudagraphs'\] .* need inner_compiler='inductor'"):
+        torch.compile(nn.Linear(4, 2), backend=backend, **compile_kwargs)(torch.randn(3, 4))
+
+
+def test_an_option_neither_ours_nor_inductors_is_refused_by_name():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"unknown option\(s\) \['triton.cudagraph'\]"):
+        torch.compile(nn.Linear(4, 2), backend="offload_remat",
+                      options={"triton.cudagraph": True, "inner_compiler": "eager"})(torch.randn(3, 4))
