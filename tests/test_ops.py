@@ -1,4 +1,8 @@
-"""The offload custom ops on CPU: op contracts, bitwise round trips, gradients, bookkeeping."""
+"""The offload custom ops: op contracts, bitwise round trips, gradients, bookkeeping.
+
+The tests that hold on any device are parametrised by device (``cuda`` marked and skipped
+without a GPU); GPU-only behaviour (races, streams, pinned memory, Inductor on CUDA) is in
+``test_ops_cuda.py``."""
 
 import gc
 
@@ -34,6 +38,11 @@ LAYOUTS = {
     "size_zero": lambda b: b[:0],
     "size_one_dims": lambda b: b[None, :, None],
 }
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+# Spin the transfer streams before each copy (~3 ms on an H100; a no-op on the CPU, where
+# copies are synchronous): only the waits may then order a copy before what follows it.
+DELAY_CYCLES = 5_000_000
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.bool]
 
 
@@ -66,13 +75,21 @@ def _no_leftover_transfers():
 # --- bitwise round trip ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_round_trip_is_bitwise_and_keeps_size_and_stride(layout, dtype):
-    x = LAYOUTS[layout](_base(dtype))
-    y = round_trip(x)
+def test_round_trip_is_bitwise_and_keeps_size_and_stride(layout, dtype, device):
+    base = _base(dtype).to(device)
+    x = LAYOUTS[layout](base)
+    expected = x.clone()
+    contiguous_host, stride = host_layout(x)
+    with ops.inject_transfer_delay(DELAY_CYCLES):
+        host = ops.wait_offload(ops.offload(x, contiguous_host), x)
+        assert host.device.type == "cpu" and (device == "cpu" or host.numel() == 0 or host.is_pinned())
+        base.zero_()  # would corrupt the host copy if the wait had not ordered the copy first
+        y = ops.wait_reload(ops.reload(host, x.device, stride), host)
     assert y.shape == x.shape and y.stride() == x.stride() and y.device == x.device
-    assert_bitwise_equal(y, x)
+    assert_bitwise_equal(y, expected)
     if x.numel():
         assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
@@ -120,11 +137,13 @@ def test_reload_refuses_an_overlapping_stride():
 WAIT_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "storage_offset", "strided_slice", "zero_dim", "size_zero"])
-def test_opcheck_offload_and_reload(layout, dtype):
+def test_opcheck_offload_and_reload(layout, dtype, device):
     # No NaN here: opcheck compares eager and compiled results with assert_close.
-    x = LAYOUTS[layout](_base(dtype).nan_to_num(0.0, 0.0, 0.0) if dtype.is_floating_point else _base(dtype))
+    base = _base(dtype).nan_to_num(0.0, 0.0, 0.0) if dtype.is_floating_point else _base(dtype)
+    x = LAYOUTS[layout](base.to(device))
     contiguous_host, stride = host_layout(x)
     for requires_grad in (False, True) if dtype.is_floating_point else (False,):
         src = x.detach().requires_grad_(requires_grad)
@@ -134,17 +153,23 @@ def test_opcheck_offload_and_reload(layout, dtype):
     ops.drain_pending_transfers()  # opcheck ran the copies without their waits
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["contiguous", "strided_slice", "zero_dim", "size_zero"])
-def test_opcheck_waits(layout, monkeypatch):
+def test_opcheck_waits(layout, device, monkeypatch):
     """Schema (the result aliases the waited tensor), autograd and fake checks.
 
     ``test_aot_dispatch_dynamic`` is left out: functionalization rejects custom ops with
     aliasing outputs, and the waits are only ever inserted after AOTAutograd has
     functionalized and partitioned the graph. opcheck calls each wait several times with
     the same tensors, where the runtime raises (a second wait has no copy to wait for): the
-    waits here find a finished (CPU) copy each time."""
-    monkeypatch.setattr(ops, "_pop_pending", lambda tensor, wait: ops._Pending(None, tensor.device, ()))
-    x = LAYOUTS[layout](_base(torch.float32))
+    waits after the first find a finished copy instead."""
+    def pop_or_finished(tensor, wait):
+        with ops._lock:
+            entry = ops._pending.pop(tensor.data_ptr(), None)
+        return entry or ops._Pending(None, tensor.device, ())
+
+    monkeypatch.setattr(ops, "_pop_pending", pop_or_finished)
+    x = LAYOUTS[layout](_base(torch.float32).to(device))
     contiguous_host, stride = host_layout(x)
     for requires_grad in (False, True):
         src = x.detach().requires_grad_(requires_grad)
@@ -214,10 +239,11 @@ def test_each_wait_clears_its_pending_transfer():
     assert ops.pending_transfer_count() == 0
 
 
-def test_a_wait_without_its_copy_raises():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_wait_without_its_copy_raises(device):
     """A wait that receives a tensor other than the one its copy returned, or waits twice,
     raises instead of silently not synchronising (reliability.md)."""
-    x = _base(torch.float32)
+    x = _base(torch.float32).to(device)
     host = ops.offload(x, False)
     with pytest.raises(RuntimeError, match=r"wait_offload: no offload is in flight .* differs from it"):
         ops.wait_offload(host[1:], x)  # an alias at another offset

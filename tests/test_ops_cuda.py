@@ -20,7 +20,7 @@ import compile_offload
 from compile_offload import ops, pinned_pool
 from compile_offload.ops import OFFLOAD_OPS
 from compile_offload.pinned_pool import get_pool
-from compile_offload.passes.offload import eligible_saved_tensors, host_layout, insert_offloads
+from compile_offload.passes.offload import eligible_saved_tensors, insert_offloads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -114,54 +114,7 @@ def _fresh_compile():
     assert ops.drain_pending_transfers() == 0
 
 
-# --- op level ------------------------------------------------------------------------------
-
-
-LAYOUTS = {
-    "contiguous": lambda b: b,
-    "transposed": lambda b: b.t(),
-    "storage_offset": lambda b: b[3:],
-    "strided_slice": lambda b: b[:, 1::3],
-    "zero_dim": lambda b: b[1, 2],
-    "size_zero": lambda b: b[:0],
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_round_trip_on_cuda_is_bitwise_under_delay(layout, dtype):
-    base = torch.randint(0, 100, (256, 300), device="cuda").to(dtype)
-    x = LAYOUTS[layout](base)
-    expected = x.clone()
-    contiguous_host, stride = host_layout(x)
-    with ops.inject_transfer_delay(DELAY_CYCLES // 10):
-        host = ops.wait_offload(ops.offload(x, contiguous_host), x)
-        assert host.device.type == "cpu" and (host.numel() == 0 or host.is_pinned())
-        base.zero_()  # would corrupt the copy if the wait had not ordered it
-        back = ops.wait_reload(ops.reload(host, x.device, stride), host)
-    assert back.device == x.device and back.shape == x.shape and back.stride() == x.stride()
-    assert torch.equal(back, expected)
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "strided_slice", "zero_dim"])
-def test_opcheck_on_cuda(layout, monkeypatch):
-    # opcheck calls each wait several times with the same tensors; after the first, the
-    # runtime would raise (no copy in flight): those calls find a finished copy instead.
-    def pop_or_finished(tensor, wait):
-        with ops._lock:
-            entry = ops._pending.pop(tensor.data_ptr(), None)
-        return entry or ops._Pending(None, tensor.device, ())
-
-    monkeypatch.setattr(ops, "_pop_pending", pop_or_finished)
-    x = LAYOUTS[layout](torch.randn(64, 48, device="cuda"))
-    contiguous_host, stride = host_layout(x)
-    torch.library.opcheck(ops.offload, (x, contiguous_host))
-    host = ops.wait_offload(ops.offload(x, contiguous_host), x)
-    torch.library.opcheck(ops.reload, (host, x.device, stride))
-    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(ops.wait_offload, (ops.offload(x, contiguous_host), x), test_utils=checks)
-    torch.library.opcheck(ops.wait_reload, (ops.reload(host, x.device, stride), host), test_utils=checks)
-    ops.drain_pending_transfers()
+# Round trips, op contracts and waits without their copy, on CUDA too: test_ops.py, parametrised by device.
 
 
 # --- races under injected delays (reliability.md §5 items 1 and 2) ---------------------------
@@ -333,18 +286,6 @@ def test_profile_step_reports_pinned_memory_within_1_1x_of_the_offloaded_bytes(t
 
 
 # --- a wait never vanishes (issue 20, item 3) ------------------------------------------------
-
-
-def test_a_wait_for_another_tensor_raises_on_cuda():
-    x = torch.randn(1024, 1024, device="cuda")
-    host = ops.offload(x, False)
-    with pytest.raises(RuntimeError, match="wait_offload: no offload is in flight"):
-        ops.wait_offload(host[1:], x)
-    host = ops.wait_offload(host, x)
-    back = ops.reload(host, x.device)
-    with pytest.raises(RuntimeError, match="wait_reload: no reload is in flight"):
-        ops.wait_reload(back[1:], host)
-    assert torch.equal(ops.wait_reload(back, host), x)
 
 
 def test_an_offloads_source_is_not_reused_before_its_wait_even_when_dropped():
