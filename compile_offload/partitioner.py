@@ -28,7 +28,6 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         self.settings = settings
         self.graph_name = graph_name
         self.on_result = on_result
-        self.last_plan = None  # the plan of the latest graph partitioned (tests read it)
 
     def __call__(
         self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -42,7 +41,6 @@ class OffloadRematPartitioner(CustomPartitionerFn):
             graph_name=self.graph_name,
         )
         emit(result, gm, self.settings)
-        self.last_plan = result.plan
         if self.on_result is not None:
             self.on_result(result)
         return result.fw_gm, result.bw_gm

@@ -50,20 +50,12 @@ def fallback_random():
 
 
 @pytest.fixture
-def captured_plans(monkeypatch) -> list:
+def captured_plans():
     """The Plan of every graph the offload_remat partitioner partitions during the test,
-    in order. A compile served from Inductor's or AOTAutograd's cache never calls the
-    partitioner, so tests that read this and compile through Inductor turn those caches
-    off."""
-    from compile_offload.partitioner import OffloadRematPartitioner
+    in order (``partition_results.partitions``). A compile served from Inductor's or
+    AOTAutograd's cache never calls the partitioner, so tests that read this and compile
+    through Inductor turn those caches off."""
+    from .partition_results import partitions
 
-    plans = []
-    partition = OffloadRematPartitioner.__call__
-
-    def partition_and_capture(self, *args, **kwargs):
-        graphs = partition(self, *args, **kwargs)
-        plans.append(self.last_plan)
-        return graphs
-
-    monkeypatch.setattr(OffloadRematPartitioner, "__call__", partition_and_capture)
-    return plans
+    with partitions() as found:
+        yield found.plans

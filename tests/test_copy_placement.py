@@ -25,8 +25,9 @@ from torch._inductor.utils import run_and_get_code
 
 import compile_offload
 from compile_offload import copy_order
-from compile_offload.partitioner import OffloadRematPartitioner
 from compile_offload.passes.offload import ROLE_OFFLOAD, ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD
+
+from .partition_results import partitions
 
 COPY_OPS = (ROLE_OFFLOAD, ROLE_WAIT_OFFLOAD, ROLE_RELOAD, ROLE_WAIT_RELOAD)
 _CALL = re.compile(r"^(?:(\w+) = )?(extern_kernels\.\w+|cpp_fused_\w+|torch\.ops\.compile_offload\.(\w+)\.default|"
@@ -93,14 +94,6 @@ def _compile_and_read(reorder_passes=None, planned=None):
     ``planned`` (a list) receives the steps of the graphs the partitioner returned."""
     model, x = _mlp(), torch.randn(32, 64)
     recorder = _RecordGraphs()
-    partition = OffloadRematPartitioner.__call__
-
-    def partition_and_record(self, *args, **kwargs):
-        graphs = partition(self, *args, **kwargs)
-        if planned is not None:
-            planned.extend([_fx_step(n) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs)
-        return graphs
-
     backend = compile_offload.offload_remat(debug_force_offload=True, device_profile="h100")
 
     def step():
@@ -110,11 +103,13 @@ def _compile_and_read(reorder_passes=None, planned=None):
     with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=recorder), \
             torch._functorch.config.patch(enable_autograd_cache=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the h100 profile on a CPU warns (reliability.md)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(OffloadRematPartitioner, "__call__", partition_and_record)
+        with pytest.MonkeyPatch.context() as patch, partitions() as found:
             if reorder_passes is not None:
                 patch.setattr(copy_order, "_REORDERING_PASSES", reorder_passes)
             _, codes = run_and_get_code(step)
+    if planned is not None:
+        planned.extend([_fx_step(n) for n in gm.graph.nodes if n.op == "call_function"]
+                       for p in found for gm in (p.fw, p.bw))
     assert len(codes) == 2 and len(recorder.graphs) == 2, (len(codes), len(recorder.graphs))
     return codes, recorder.graphs
 

@@ -113,30 +113,30 @@ class _Capture:
     collectives and the forward and backward graphs' collectives and offloaded tensors."""
 
     def __enter__(self) -> _Capture:
-        from compile_offload.partitioner import OffloadRematPartitioner
+        from compile_offload import partitioner
 
         self.graphs: list[dict] = []
-        self._original = partition = OffloadRematPartitioner.__call__
+        self._original = plan_partition = partitioner.plan_partition
         capture = self
 
-        def partition_and_capture(partitioner, joint_gm, *args, **kwargs):
-            joint = _collectives(joint_gm)
-            fw_gm, bw_gm = partition(partitioner, joint_gm, *args, **kwargs)
+        def plan_and_capture(joint_gm, *args, **kwargs):
+            joint = _collectives(joint_gm)  # before planning prepares the graph
+            result = plan_partition(joint_gm, *args, **kwargs)
             capture.graphs.append({
-                "plan": partitioner.last_plan,
+                "plan": result.plan,
                 "joint_collectives": joint,
-                "partitioned_collectives": sorted(_collectives(fw_gm) + _collectives(bw_gm)),
-                "offloaded": _offloaded_sources(fw_gm),
+                "partitioned_collectives": sorted(_collectives(result.fw_gm) + _collectives(result.bw_gm)),
+                "offloaded": _offloaded_sources(result.fw_gm),
             })
-            return fw_gm, bw_gm
+            return result
 
-        OffloadRematPartitioner.__call__ = partition_and_capture
+        partitioner.plan_partition = plan_and_capture
         return self
 
     def __exit__(self, *exc) -> None:
-        from compile_offload.partitioner import OffloadRematPartitioner
+        from compile_offload import partitioner
 
-        OffloadRematPartitioner.__call__ = self._original
+        partitioner.plan_partition = self._original
 
     def plans(self):
         return [g["plan"] for g in self.graphs]

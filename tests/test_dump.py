@@ -15,7 +15,7 @@ from compile_offload.logs import emit
 from compile_offload.passes.plan import Plan
 
 from .models import MLP, mlp_inputs
-from .partition_results import capture_partitions, partition_once, train_step
+from .partition_results import partition_once, partitions, train_step
 
 
 def _is_png(path) -> bool:
@@ -59,7 +59,7 @@ def test_folders_are_named_after_dynamos_compile_ids(tmp_path):
 
 
 def test_emit_writes_the_dump_and_names_it_in_the_info_line(tmp_path, monkeypatch, caplog):
-    result, joint_gm, settings = partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+    result, joint_gm, settings = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
     settings = dataclasses.replace(settings, dump_dir=str(tmp_path / "dumps"))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="compile_offload"):
@@ -73,7 +73,7 @@ def test_emit_writes_the_dump_and_names_it_in_the_info_line(tmp_path, monkeypatc
 
 
 def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypatch):
-    result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+    result, joint_gm, _ = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
     cached = dataclasses.replace(result, solution=None)  # a plan cache hit: no solver run
     folder = dump_result(tmp_path, cached, joint_gm)
     assert _is_png(folder / "timeline.png")
@@ -81,7 +81,7 @@ def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypat
 
 
 def test_an_unplanned_graph_is_dumped_with_the_reason_for_no_picture(tmp_path, monkeypatch):
-    result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs())
+    result, joint_gm, _ = partition_once(MLP(), mlp_inputs())
     fallback = Plan.unplanned(feasible=False, budget_bytes=None, device_profile="cpu", solver="greedy", graph_name="graph_7_0", why="fallback: boom")
     unplanned = dataclasses.replace(result, plan=fallback, analysis=None, solution=None)
     folder = dump_result(tmp_path, unplanned, joint_gm)
@@ -93,7 +93,7 @@ def test_an_unplanned_graph_is_dumped_with_the_reason_for_no_picture(tmp_path, m
 
 
 def test_without_matplotlib_the_report_says_how_to_get_the_picture(tmp_path, monkeypatch):
-    result, joint_gm, _ = partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+    result, joint_gm, _ = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     folder = dump_result(tmp_path, result, joint_gm)
     assert "pip install 'compile_offload[plot]'" in (folder / "report.md").read_text()
@@ -103,9 +103,9 @@ def test_without_matplotlib_the_report_says_how_to_get_the_picture(tmp_path, mon
 def test_every_graph_of_a_graph_break_gets_its_own_folder(tmp_path, monkeypatch):
     from .models import GraphBreakMLP
 
-    captured = capture_partitions(monkeypatch)
-    train_step(GraphBreakMLP(), mlp_inputs(), dump_dir=str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(result.plan.graph_name for result, _ in captured)
+    with partitions() as captured:
+        train_step(GraphBreakMLP(), mlp_inputs(), dump_dir=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(c.plan.graph_name for c in captured)
     assert len(captured) == 2
 
 

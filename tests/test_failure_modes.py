@@ -12,17 +12,14 @@ test Inductor's code; CUDA tests are marked ``cuda`` and skip cleanly without a 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import random
 import re
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -34,11 +31,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import compile_offload
 from compile_offload import copy_order
 from compile_offload import ops
-from compile_offload.partitioner import OffloadRematPartitioner
 from compile_offload.pinned_pool import get_pool
 from compile_offload.passes.analyze import storage_roots
 from compile_offload.passes.plan import Plan
 
+from .partition_results import Partition, partitions
 from .models import ConvBN, MLP, TransformerBlock, check_training_parity, mlp_inputs, sequence_inputs
 
 FALLBACK = "falling back to torch's default"
@@ -53,32 +50,6 @@ WAIT_RELOAD = torch.ops.compile_offload.wait_reload.default
 
 def eager_backend(**options) -> Callable:
     return compile_offload.offload_remat(inner_compiler="eager", **options)
-
-
-@dataclass
-class Partition:
-    plan: Plan
-    fw: fx.GraphModule
-    bw: fx.GraphModule
-    num_fwd_outputs: int
-
-
-@contextlib.contextmanager
-def partitions(rewrite: Callable[[fx.GraphModule], fx.GraphModule] | None = None) -> Iterator[list[Partition]]:
-    """Every partition the backend makes inside the block; ``rewrite`` (if given) replaces
-    each partitioned graph before it is compiled."""
-    found: list[Partition] = []
-    partition = OffloadRematPartitioner.__call__
-
-    def capture(self, gm, joint_inputs, **kwargs):
-        fw, bw = partition(self, gm, joint_inputs, **kwargs)
-        if rewrite is not None:
-            fw, bw = rewrite(fw), rewrite(bw)
-        found.append(Partition(self.last_plan, fw, bw, kwargs["num_fwd_outputs"]))
-        return fw, bw
-
-    with mock.patch.object(OffloadRematPartitioner, "__call__", capture):
-        yield found
 
 
 def step(module: nn.Module, forward: Callable, inputs: list[torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -46,11 +46,12 @@ from hypothesis import strategies as st
 
 import compile_offload
 from compile_offload import ops
-from compile_offload.partitioner import OffloadRematPartitioner
+from compile_offload import partitioner as partitioner_module
 from compile_offload.planning import plan_partition
 from compile_offload.passes.memory import graphs_program, simulate
 from compile_offload.passes.plan import Plan
 
+from .partition_results import Partition, partitions
 from .fuzz_programs import InputSpec, Program, program_from_source, programs
 
 # --------------------------------------------------------------------------- profiles
@@ -165,32 +166,6 @@ def run_step(program: Program, module: torch.nn.Module, forward: Callable,
 
 
 @dataclass
-class Partition:
-    """What one call of the partitioner produced."""
-
-    plan: Plan
-    fw_gm: torch.fx.GraphModule
-    bw_gm: torch.fx.GraphModule
-    num_fwd_outputs: int
-
-
-@contextlib.contextmanager
-def captured_partitions() -> Iterator[list[Partition]]:
-    """Every partition the offload_remat partitioner makes inside the block (like the
-    ``captured_plans`` fixture, which hypothesis cannot use: it is per test, not per example)."""
-    partitions: list[Partition] = []
-    partition = OffloadRematPartitioner.__call__
-
-    def partition_and_capture(self, gm, joint_inputs, **kwargs):
-        fw_gm, bw_gm = partition(self, gm, joint_inputs, **kwargs)
-        partitions.append(Partition(self.last_plan, fw_gm, bw_gm, kwargs["num_fwd_outputs"]))
-        return fw_gm, bw_gm
-
-    with mock.patch.object(OffloadRematPartitioner, "__call__", partition_and_capture):
-        yield partitions
-
-
-@dataclass
 class CompiledRun:
     tensors: dict[str, torch.Tensor | None]
     partitions: list[Partition]
@@ -201,12 +176,12 @@ def run_compiled(program: Program, backend: Callable, rng_seed: int = 0) -> Comp
     """One step of ``program`` compiled with ``backend`` (fullgraph, fresh Dynamo)."""
     torch._dynamo.reset()
     module = program.make_module(rng_seed).to(DEVICE)
-    with warnings.catch_warnings(record=True) as caught, captured_partitions() as partitions, \
+    with warnings.catch_warnings(record=True) as caught, partitions() as captured, \
             torch._inductor.config.patch(fallback_random=True):
         warnings.simplefilter("always")
         compiled = torch.compile(module, backend=backend, fullgraph=True)
         tensors = run_step(program, module, compiled, rng_seed)
-    return CompiledRun(tensors, partitions, [str(w.message) for w in caught])
+    return CompiledRun(tensors, list(captured), [str(w.message) for w in caught])
 
 
 def run_eager(program: Program, rng_seed: int = 0) -> dict[str, torch.Tensor | None]:
@@ -265,16 +240,16 @@ def check_partition(p: Partition, forced_offload: bool) -> None:
     if currently_in_test_context():  # shown with a failing example; regular tests have the messages
         note(plan.summary())
     assert not [n for n in plan.notes if n.startswith("fallback")], plan.notes
-    p.fw_gm.graph.lint()
-    p.bw_gm.graph.lint()
+    p.fw.graph.lint()
+    p.bw.graph.lint()
     # The forward draws each random number once; a backward that drew again would
     # differentiate a different mask than the forward applied.
-    assert not [n.name for n in p.bw_gm.graph.nodes if is_random(n)], p.bw_gm.code
+    assert not [n.name for n in p.bw.graph.nodes if is_random(n)], p.bw.code
     # Buffer updates happen once, in the forward (never re-applied by recompute).
-    assert not [n.name for n in p.bw_gm.graph.nodes if mutates_input(n)], p.bw_gm.code
+    assert not [n.name for n in p.bw.graph.nodes if mutates_input(n)], p.bw.code
     if not plan.decisions:
         return  # the graph saves nothing: nothing was planned
-    built = simulate(graphs_program(p.fw_gm, p.bw_gm, p.num_fwd_outputs)).peak_bytes
+    built = simulate(graphs_program(p.fw, p.bw, p.num_fwd_outputs)).peak_bytes
     if forced_offload:
         # Moving saved tensors to host memory never raises the device peak.
         assert built <= plan.predicted_peak_bytes, f"forced offloads peak at {built} bytes: {plan.summary()}"
@@ -389,26 +364,23 @@ def planned_under_budgets(fractions: list[float]) -> Iterator[list[tuple[int | s
     ("backend", the plan the backend itself made). One trace serves every budget, so this
     is much cheaper than calling ``compile_offload.explain`` per budget."""
     plans: list[tuple[int | str | None, Plan]] = []
-    partition = OffloadRematPartitioner.__call__
+    plan_backend = partitioner_module.plan_partition
 
-    def plan_each_budget(self, gm, joint_inputs, **kwargs):
+    def plan_each_budget(joint_gm, joint_inputs, settings, **kwargs):
         def plan(budget: int | None) -> Plan:
-            settings = dataclasses.replace(self.settings, budget_bytes=budget, budget_fraction=None)
-            result = plan_partition(copy_graph_module(gm), joint_inputs, settings,
-                                    num_fwd_outputs=kwargs["num_fwd_outputs"],
-                                    static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
-            return result.plan
+            copy_settings = dataclasses.replace(settings, budget_bytes=budget, budget_fraction=None)
+            return plan_partition(copy_graph_module(joint_gm), joint_inputs, copy_settings, **kwargs).plan
 
         unconstrained = plan(None)
         plans.append((None, unconstrained))
         peak = unconstrained.baseline_peak_bytes
         for budget in sorted({int(f * peak) for f in fractions} | {1}, reverse=True):
             plans.append((budget, plan(budget)))
-        graphs = partition(self, gm, joint_inputs, **kwargs)
-        plans.append(("backend", self.last_plan))
-        return graphs
+        result = plan_backend(joint_gm, joint_inputs, settings, **kwargs)
+        plans.append(("backend", result.plan))
+        return result
 
-    with warnings.catch_warnings(), mock.patch.object(OffloadRematPartitioner, "__call__", plan_each_budget):
+    with warnings.catch_warnings(), mock.patch.object(partitioner_module, "plan_partition", plan_each_budget):
         warnings.simplefilter("ignore")  # below-the-minimum warnings for the tiny budgets
         yield plans
 

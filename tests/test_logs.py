@@ -30,8 +30,8 @@ def test_one_info_line_per_graph(caplog):
 
 
 @pytest.fixture
-def planned(monkeypatch):
-    return partition_once(monkeypatch, MLP(), mlp_inputs(), memory_budget=0.5)
+def planned():
+    return partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
 
 
 def test_emit_logs_one_info_line_and_the_decision_table_at_debug(planned, caplog):

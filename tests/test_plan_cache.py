@@ -9,7 +9,6 @@ import torch
 import compile_offload
 from compile_offload import plan_cache
 from compile_offload.device_profile import resolve_profile
-from compile_offload.partitioner import OffloadRematPartitioner
 from compile_offload.passes.plan import Plan
 
 from .models import MLP, ReadsMutatedBuffer, TransformerBlock, mlp_inputs, sequence_inputs
@@ -85,17 +84,8 @@ def test_a_cached_plan_over_its_budget_warns_and_strict_raises_like_a_solved_one
 
 
 @pytest.fixture
-def plans(monkeypatch):
-    calls = []
-    original = OffloadRematPartitioner.__call__
-
-    def spy(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        calls.append(self.last_plan)
-        return result
-
-    monkeypatch.setattr(OffloadRematPartitioner, "__call__", spy)
-    return calls
+def plans(captured_plans):
+    return captured_plans
 
 
 def test_a_restart_reuses_the_saved_plan(tmp_path, plans):
@@ -157,7 +147,7 @@ def test_a_cache_folder_that_cannot_be_written_is_a_warning(tmp_path, plans):
 def _store_and_lookup(monkeypatch, tmp_path, model, inputs, edit=None):
     """Plan ``model``, store the plan, optionally edit the stored plan, look it up with the
     graph's analysis. Returns ``(looked up plan, analysis)``."""
-    result, _, settings = partition_once(monkeypatch, model, inputs, memory_budget=0.5, plan_cache_dir=str(tmp_path))
+    result, _, settings = partition_once(model, inputs, memory_budget=0.5, plan_cache_dir=str(tmp_path))
     joint_gm, analysis = result.analysis.joint.gm, result.analysis
     profile = resolve_profile(settings.device_profile, torch.device("cpu")).to_dict()
     plan = Plan.from_dict(result.plan.to_dict())
