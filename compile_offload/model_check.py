@@ -52,7 +52,6 @@ import argparse
 import datetime
 import functools
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +66,7 @@ from .passes import compat
 from .passes.analyze import JointAnalysis, analyze_joint, tensor_value
 from .passes.calibrate import Fit, FitRow, fit_constants, kernel_terms
 from .passes.cost import BUILTIN_PROFILES, H100_CALIBRATION, H100_DATASHEET, DeviceProfile, node_seconds
-from .passes.memory import Program, compute_steps, fused_nodes, plan_nodes, plan_program, recomputed_nodes, simulate
+from .passes.memory import Program, compute_steps, fused_nodes, plan_nodes, plan_program, simulate
 from .passes.offload import eligible_for_offload
 from .passes.solve import SolverError, step_seconds, without_banned_recompute
 from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool, pick
@@ -216,15 +215,10 @@ def capture_joint(model: nn.Module, x: torch.Tensor, decompose: bool = True) -> 
 # --- evaluating a plan -----------------------------------------------------------------------
 
 
-@dataclass
-class Evaluated:
-    analysis: JointAnalysis
-    seconds: Callable[[fx.Node], float]
-
-
-def evaluation(joint: compat.JointGraph, profile: DeviceProfile, fusion: bool) -> Evaluated:
-    a = analyze_joint(joint, fusion=fusion)
-    fused = fused_nodes(a.position, set(a.fw_outputs) | set(a.bw_outputs)) if fusion else set()
+def seconds_function(a: JointAnalysis, profile: DeviceProfile) -> Callable[[fx.Node], float]:
+    """Each node's predicted seconds under ``profile``; with fusion, a pointwise op Inductor
+    fuses into its consumers costs nothing of its own (as ``planning.py`` charges it)."""
+    fused = fused_nodes(a.position, set(a.fw_outputs) | set(a.bw_outputs)) if a.fusion else set()
     memo: dict[fx.Node, float] = {}
 
     def seconds(node: fx.Node) -> float:
@@ -232,7 +226,7 @@ def evaluation(joint: compat.JointGraph, profile: DeviceProfile, fusion: bool) -
             memo[node] = 0.0 if node in fused else node_seconds(node, profile)
         return memo[node]
 
-    return Evaluated(a, seconds)
+    return seconds
 
 
 class MeanSquare(nn.Module):
@@ -259,14 +253,16 @@ def forward_end_bytes(a: JointAnalysis, saved) -> int:
     return sum(a.bytes_of.get(r, 0) for r in roots if r not in a.steady)
 
 
-def predict(e: Evaluated, saved, loss_bytes: int = 0) -> tuple[int, float]:
-    """(predicted peak bytes, predicted step seconds) of the compiled plan saving ``saved``;
-    the peak is the larger of the graphs' and the eager loss's (``loss_bytes`` on top of
-    what the forward leaves alive)."""
+def predicted_peak(a: JointAnalysis, saved, loss_bytes: int = 0, eager: str | None = None) -> int:
+    """Predicted peak bytes of the plan saving ``saved``: the larger of the graphs' and the
+    eager loss's (``loss_bytes`` on top of what the forward leaves alive). ``eager``: None
+    for a compiled plan, "autograd" or "checkpoint" for eager ones (``eager_program``)."""
     saved = set(saved)
-    peak = simulate(plan_program(e.analysis, saved, fusion=e.analysis.fusion)).peak_bytes
-    peak = max(peak, forward_end_bytes(e.analysis, saved) + loss_bytes)
-    return peak, step_seconds(e.analysis, saved, e.seconds)
+    if eager is None:
+        program = plan_program(a, saved, fusion=a.fusion)
+    else:
+        program = eager_program(a, saved, whole_regions=eager == "checkpoint")
+    return max(simulate(program).peak_bytes, forward_end_bytes(a, saved) + loss_bytes)
 
 
 def autograd_saved(a: JointAnalysis) -> set[fx.Node]:
@@ -362,61 +358,67 @@ def _round(value, digits: int = 1):
 
 
 @dataclass
+class Plan:
+    """One strategy's plan: the joint graph it runs on, what it saves, how it runs."""
+
+    analysis: JointAnalysis
+    saved: set[fx.Node]
+    eager: str | None = None  # None (compiled), "autograd" or "checkpoint"
+
+
+@dataclass
 class ShapePlans:
-    """A shape's joint graphs and the plans of its compiled strategies."""
+    """A shape's modelled strategies as plans (graphs captured once; the profile only
+    enters the step times)."""
 
     shape: AnchorShape
-    compiled: Evaluated  # Inductor's decompositions and fusion
-    saved: dict[str, set[fx.Node]]  # compiled strategy -> saved set, on ``compiled``'s graph
-    extra: dict[str, tuple[int, float]]  # strategies on their own graphs: (peak, seconds)
+    plans: dict[str, Plan]
     loss_bytes: int = 0  # the eager loss's peak on top of the forward's result (``loss_peak_bytes``)
 
+    @property
+    def compiled(self) -> JointAnalysis:
+        return self.plans[FIT_STRATEGY].analysis
 
-def torch_plans(shape: AnchorShape, profile: DeviceProfile, layers: int | None = None) -> ShapePlans:
+
+def torch_plans(shape: AnchorShape, layers: int | None = None) -> ShapePlans:
     """Capture the shape's graphs and build every modelled strategy's plan."""
     args = shape.args
     model, x = decoder_on_meta(args, layers)
     joint = capture_joint(model, x)
-    compiled = evaluation(joint, profile, fusion=True)
-    loss = loss_peak_bytes(args)
-    saved: dict[str, set[fx.Node]] = {"compile": set(compat.min_cut_saved_values(joint))}
+    compiled = analyze_joint(joint, fusion=True)
+    plans = {FIT_STRATEGY: Plan(compiled, set(compat.min_cut_saved_values(joint)))}
     for strategy in shape.rows:
         if strategy.startswith("compile_budget_"):
             budget = float(strategy.rsplit("_", 1)[1])
-            saved[strategy] = set(compat.budget_saved_values(joint, budget))
-    extra: dict[str, tuple[int, float]] = {}
+            plans[strategy] = Plan(compiled, set(compat.budget_saved_values(joint, budget)))
     if "compile_sac_offload" in shape.rows:
-        sac = evaluation(capture_joint(CheckpointedDecoder(model, _sac_offload_policy), x), profile, fusion=True)
-        extra["compile_sac_offload"] = predict(sac, compat.min_cut_saved_values(sac.analysis.joint), loss)
-    if {"eager", "eager_ckpt"} & set(shape.rows):
-        eager = evaluation(capture_joint(model, x, decompose=False), profile, fusion=False)
-        kept = autograd_saved(eager.analysis)
-        extra["eager"] = (max(simulate(eager_program(eager.analysis, kept, False)).peak_bytes,
-                              forward_end_bytes(eager.analysis, kept) + loss),
-                          step_seconds(eager.analysis, kept, eager.seconds))
-        ckpt = evaluation(capture_joint(CheckpointedDecoder(model), x, decompose=False), profile, fusion=False)
-        kept = checkpoint_inputs(ckpt.analysis)
-        extra["eager_ckpt"] = (max(simulate(eager_program(ckpt.analysis, kept, True)).peak_bytes,
-                                   forward_end_bytes(ckpt.analysis, kept) + loss),
-                               step_seconds(ckpt.analysis, kept, ckpt.seconds))
-    return ShapePlans(shape, compiled, saved, extra, loss)
+        sac = analyze_joint(capture_joint(CheckpointedDecoder(model, _sac_offload_policy), x), fusion=True)
+        plans["compile_sac_offload"] = Plan(sac, set(compat.min_cut_saved_values(sac.joint)))
+    if "eager" in shape.rows:
+        eager = analyze_joint(capture_joint(model, x, decompose=False), fusion=False)
+        plans["eager"] = Plan(eager, autograd_saved(eager), "autograd")
+    if "eager_ckpt" in shape.rows:
+        ckpt = analyze_joint(capture_joint(CheckpointedDecoder(model), x, decompose=False), fusion=False)
+        plans["eager_ckpt"] = Plan(ckpt, checkpoint_inputs(ckpt), "checkpoint")
+    return ShapePlans(shape, plans, loss_peak_bytes(args))
 
 
 def default_terms(plans: ShapePlans):
     """The ``compile`` plan's kernels at datasheet rates (what the calibration fits)."""
-    a = plans.compiled.analysis
-    nodes = plan_nodes(a, plans.saved["compile"])
+    a = plans.compiled
+    nodes = plan_nodes(a, plans.plans[FIT_STRATEGY].saved)
     fused = fused_nodes(a.position, set(a.fw_outputs) | set(a.bw_outputs)) if a.fusion else set()
     run = [n for n in sorted({*nodes.forward, *nodes.recomputed, *a.bw_nodes}, key=a.position.__getitem__)
            if n.op == "call_function"]
     return kernel_terms(run, H100_DATASHEET, lambda n: n not in fused)
 
 
-def anchor_predictions(plans: ShapePlans) -> list[AnchorPrediction]:
+def anchor_predictions(plans: ShapePlans, profile: DeviceProfile) -> list[AnchorPrediction]:
     shape = plans.shape
-    predicted: dict[str, tuple[int, float]] = dict(plans.extra)
-    for strategy, saved in plans.saved.items():
-        predicted[strategy] = predict(plans.compiled, saved, plans.loss_bytes)
+    predicted: dict[str, tuple[int, float]] = {}
+    for strategy, plan in plans.plans.items():
+        seconds = step_seconds(plan.analysis, plan.saved, seconds_function(plan.analysis, profile))
+        predicted[strategy] = (predicted_peak(plan.analysis, plan.saved, plans.loss_bytes, plan.eager), seconds)
     measured_base = shape.rows[FIT_STRATEGY]["ms_median"]
     predicted_base = predicted[FIT_STRATEGY][1]
     result = []
@@ -451,23 +453,27 @@ def fit_h100(all_plans: Sequence[ShapePlans]) -> Fit:
 
 def pareto_points(plans: ShapePlans, profile: DeviceProfile) -> list[dict]:
     """At the predicted peak of each torch budget plan, our solver's plan (offload on)."""
-    e = plans.compiled
-    a = e.analysis
-    base = without_banned_recompute(a, plans.saved["compile"])
-    _, base_seconds = predict(e, base)
+    a = plans.compiled
+    seconds = seconds_function(a, profile)
+    base = without_banned_recompute(a, plans.plans[FIT_STRATEGY].saved)
+    base_seconds = step_seconds(a, base, seconds)
     offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)
     points = []
-    for strategy in sorted(s for s in plans.saved if s.startswith("compile_budget_")):
-        torch_peak, torch_seconds = predict(e, plans.saved[strategy], plans.loss_bytes)
+    for strategy in sorted(s for s in plans.plans if s.startswith("compile_budget_")):
+        torch_saved = plans.plans[strategy].saved
+        torch_peak = predicted_peak(a, torch_saved, plans.loss_bytes)
+        torch_seconds = step_seconds(a, torch_saved, seconds)
         started = time.perf_counter()
-        solution = solve_joint(a, base, e.seconds, torch_peak, None, offload)
+        # Our solver's budget is on the graphs' own peak; the loss's share is added back below.
+        solution = solve_joint(a, base, seconds, torch_peak, None, offload)
         chosen = solution.chosen
-        ours_seconds = step_seconds(a, chosen.saved, e.seconds) + (chosen.transfers.added_seconds if chosen.transfers else 0.0)
+        ours_peak = max(chosen.peak_bytes, forward_end_bytes(a, chosen.saved - chosen.offloaded) + plans.loss_bytes)
+        ours_seconds = step_seconds(a, chosen.saved, seconds) + (chosen.transfers.added_seconds if chosen.transfers else 0.0)
         points.append({"kind": "pareto", "shape": plans.shape.name, "torch_strategy": strategy,
                        "budget_mb": round(torch_peak / MB, 1),
                        "torch_peak_mb": round(torch_peak / MB, 1), "torch_ratio": round(torch_seconds / base_seconds, 3),
-                       "ours_peak_mb": round(chosen.peak_bytes / MB, 1), "ours_ratio": round(ours_seconds / base_seconds, 3),
-                       "ours_fits": solution.feasible, "planning_s": round(time.perf_counter() - started, 1)})
+                       "ours_peak_mb": round(ours_peak / MB, 1), "ours_ratio": round(ours_seconds / base_seconds, 3),
+                       "ours_fits": ours_peak <= torch_peak, "planning_s": round(time.perf_counter() - started, 1)})
     return points
 
 
@@ -499,26 +505,26 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
     """Greedy against exhaustive at ``points`` budgets evenly spaced between the lowest
     peak the exhaustive search finds and the unconstrained peak."""
     model, x = OPTIMALITY_GRAPHS[graph]()
-    e = evaluation(capture_joint(model, x), profile, fusion=True)
-    a = e.analysis
+    a = analyze_joint(capture_joint(model, x), fusion=True)
+    seconds = seconds_function(a, profile)
     base = without_banned_recompute(a, compat.min_cut_saved_values(a.joint))
     offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)
-    base_seconds = step_seconds(a, base, e.seconds)
-    pool = greedy_pool(a, base, e.seconds, offload)
+    base_seconds = step_seconds(a, base, seconds)
+    pool = greedy_pool(a, base, seconds, offload)
     greedy_by_budget = {}
-    unconstrained = solve_joint(a, base, e.seconds, None, None, offload).baseline.peak_bytes
+    unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
     # First the greedy plans (their saved storages join the pool, so the exhaustive space
     # contains every plan the greedy can choose), then the exhaustive search once.
-    exact_all = exhaustive_candidates(a, base, e.seconds, offload, pool, max_plans)
+    exact_all = exhaustive_candidates(a, base, seconds, offload, pool, max_plans)
     lowest = min(c.peak_bytes for c in exact_all)
     budgets = [int(lowest + (unconstrained - lowest) * i / (points - 1)) for i in range(points)]
     extra_pool = set()
     for budget in budgets:
-        solution = solve_joint(a, base, e.seconds, budget, None, offload)
+        solution = solve_joint(a, base, seconds, budget, None, offload)
         greedy_by_budget[budget] = solution
         extra_pool |= {a.roots.get(t, t) for t in solution.chosen.saved if tensor_value(t) is not None}
     if not extra_pool <= pool:
-        exact_all = exhaustive_candidates(a, base, e.seconds, offload, pool | extra_pool, max_plans)
+        exact_all = exhaustive_candidates(a, base, seconds, offload, pool | extra_pool, max_plans)
     result = []
     for budget in budgets:
         greedy = greedy_by_budget[budget]
@@ -568,16 +574,15 @@ def run_model_check(args: argparse.Namespace) -> int:
     header = {"kind": "header", "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "profile": "h100", "calibration": dict(H100_CALIBRATION),
               "measured_on": sorted({f"{s.device}, torch {s.torch_version}" for s in anchors})}
-    all_plans = [torch_plans(shape, profile) for shape in anchors]
+    all_plans = [torch_plans(shape) for shape in anchors]
     if args.fit:
         fit = fit_h100(all_plans)
         header["calibration"] = {"compute": fit.compute_efficiency, "memory": fit.memory_efficiency,
                                  "launch": fit.launch_overhead_seconds}
         header["fit_predicted_ms"] = {k: round(v * 1e3, 2) for k, v in fit.predicted_seconds.items()}
         profile = fit.profile(H100_DATASHEET, "h100")
-        all_plans = [torch_plans(shape, profile) for shape in anchors]
     records: list[dict] = [header]
-    records += [p.record() for plans in all_plans for p in anchor_predictions(plans)]
+    records += [p.record() for plans in all_plans for p in anchor_predictions(plans, profile)]
     pareto_shapes = {s for s in args.pareto_shapes.split(",") if s}
     for plans in all_plans:
         if plans.shape.name in pareto_shapes:

@@ -66,6 +66,7 @@ def exhaustive_candidates(a: JointAnalysis, base_saved: Iterable[fx.Node], secon
     eligible = offload.eligible if offload is not None else None
     candidates = [evaluate(Prefix(frozenset(base_saved), frozenset(), ()))]
     evaluated = 0
+    seen = {(frozenset(base_saved), frozenset())}
     read_by_backward = {arg for n in a.bw_nodes for arg in a.inputs[n] if a.is_forward(arg)}
     for size in range(len(free) + 1):
         for chosen in itertools.combinations(free, size):
@@ -81,7 +82,10 @@ def exhaustive_candidates(a: JointAnalysis, base_saved: Iterable[fx.Node], secon
                     evaluated += 1
                     if evaluated > max_plans:
                         raise SolverError(f"exhaustive search: more than max_plans={max_plans} plans")
-                    candidates.append(evaluate(Prefix(frozenset(saved), frozenset(offloaded), ())))
+                    plan = Prefix(frozenset(saved), frozenset(offloaded), ())
+                    if (plan.saved, plan.offloaded) not in seen:
+                        seen.add((plan.saved, plan.offloaded))
+                        candidates.append(evaluate(plan))
     return candidates
 
 
