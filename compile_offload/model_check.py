@@ -73,7 +73,14 @@ from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool, pick
 from .passes.solve_offload import OffloadOptions, solve_joint
 
 MB = 2**20
-ANCHOR_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "anchors"
+
+def _anchor_dir() -> Path:
+    from . import benchmarks  # installed as compile_offload.benchmarks (package data)
+
+    return Path(benchmarks.__file__).resolve().parent / "anchors"
+
+
+ANCHOR_DIR = _anchor_dir()
 SHAPES = {"gpt8": "anchors_gpt8.jsonl", "deep24": "anchors_deep24.jsonl"}
 FIT_STRATEGY = "compile"
 NOT_MODELLED = {"eager_offload", "eager_ckpt_offload"}
