@@ -72,3 +72,30 @@ def test_exhaustive_optimum_is_never_slower_than_the_greedy_plan():
             greedy_total = step_seconds(a, greedy.chosen.saved, seconds) + (
                 greedy.chosen.transfers.added_seconds if greedy.chosen.transfers else 0.0)
             assert base_seconds + exact.extra_seconds <= greedy_total + 1e-12
+
+
+def test_refine_keeps_the_budget_and_is_never_slower_than_the_greedy_plan():
+    from compile_offload.benchmarks.workloads import Decoder
+    from compile_offload.passes.memory import recomputed_nodes
+    from compile_offload.passes.refine import refine
+    from compile_offload.passes.solve_offload import Evaluator
+
+    a, base = capture_analysis(Decoder(1, 64, 4), torch.randn(2, 32, 64, requires_grad=True), fusion=True)
+    base = without_banned_recompute(a, base)
+    profile = BUILTIN_PROFILES["h100"]
+
+    def seconds(node):
+        return node_seconds(node, profile)
+
+    offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)
+    evaluate = Evaluator(a, seconds, offload, base)
+    unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
+    lowest = solve_joint(a, base, seconds, 0, None, offload).minimum.peak_bytes
+    for step in range(5):
+        budget = lowest + (unconstrained - lowest) * step // 4
+        chosen = solve_joint(a, base, seconds, budget, None, offload).chosen
+        refined = refine(a, chosen, base, budget, evaluate)
+        assert refined.peak_bytes <= max(budget, chosen.peak_bytes)
+        assert refined.extra_seconds <= chosen.extra_seconds
+        assert not any(n in a.ban for n in recomputed_nodes(a, set(refined.saved)))
+        assert refined.offloaded <= refined.saved
