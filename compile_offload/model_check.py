@@ -388,13 +388,16 @@ class ShapePlans:
         return self.plans[FIT_STRATEGY].analysis
 
 
-def torch_plans(shape: AnchorShape, layers: int | None = None) -> ShapePlans:
-    """Capture the shape's graphs and build every modelled strategy's plan."""
+def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = False) -> ShapePlans:
+    """Capture the shape's graphs and build every modelled strategy's plan (``fit_only``:
+    the ``compile`` plan alone, what the calibration needs)."""
     args = shape.args
     model, x = decoder_on_meta(args, layers)
     joint = capture_joint(model, x)
     compiled = analyze_joint(joint, fusion=True)
     plans = {FIT_STRATEGY: Plan(compiled, set(compat.min_cut_saved_values(joint)))}
+    if fit_only:
+        return ShapePlans(shape, plans)
     for strategy in shape.rows:
         if strategy.startswith("compile_budget_"):
             budget = float(strategy.rsplit("_", 1)[1])

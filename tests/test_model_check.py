@@ -122,3 +122,17 @@ def test_shipped_anchors_load():
     shapes = load_anchors()
     assert {s.name for s in shapes} == {"gpt8", "deep24"}
     assert all("compile" in s.rows and s.args["layers"] > 0 for s in shapes)
+
+
+@pytest.mark.slow
+def test_the_builtin_h100_constants_are_what_the_fit_gives_on_the_shipped_anchors():
+    """Reproducible calibration: refitting on the torch.compile rows of the shipped anchors
+    gives the built-in constants. Fails when the cost model or the simulator changes what
+    the compile plans predict: then refit (model-check --fit) and update passes/cost.py and
+    docs/benchmarks.md."""
+    from compile_offload.model_check import fit_h100, torch_plans
+    from compile_offload.passes.cost import H100_CALIBRATION
+
+    fit = fit_h100([torch_plans(shape, fit_only=True) for shape in load_anchors()])
+    assert {"compute": fit.compute_efficiency, "memory": fit.memory_efficiency,
+            "launch": fit.launch_overhead_seconds} == H100_CALIBRATION
