@@ -475,7 +475,7 @@ def pareto_points(plans: ShapePlans, profile: DeviceProfile) -> list[dict]:
         torch_peak = predicted_peak(a, torch_saved, plans.loss_bytes)
         torch_seconds = step_seconds(a, torch_saved, seconds)
         started = time.perf_counter()
-        # Our solver's budget is on the graphs' own peak; the loss's share is added back below.
+        # The budget bounds our solver's graph peak; the eager loss's peak is checked after.
         solution = solve_joint(a, base, seconds, torch_peak, None, offload)
         chosen = solution.chosen
         ours_peak = max(chosen.peak_bytes, forward_end_bytes(a, chosen.saved - chosen.offloaded) + plans.loss_bytes)
@@ -524,8 +524,9 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
     pool = greedy_pool(a, base, seconds, offload)
     greedy_by_budget = {}
     unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
-    # First the greedy plans (their saved storages join the pool, so the exhaustive space
-    # contains every plan the greedy can choose), then the exhaustive search once.
+    # The search, then the greedy at each budget of the sweep; if a greedy plan saves a
+    # storage outside the pool, the search runs again with it, so the exhaustive space
+    # always contains every plan the greedy chose.
     exact_all = exhaustive_candidates(a, base, seconds, offload, pool, max_plans)
     lowest = min(c.peak_bytes for c in exact_all)
     budgets = [int(lowest + (unconstrained - lowest) * i / (points - 1)) for i in range(points)]
@@ -544,7 +545,7 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
         chosen = greedy.chosen
         greedy_seconds = base_seconds + chosen.extra_seconds
         exact_seconds = base_seconds + exact.extra_seconds
-        refined_seconds = base_seconds + refine(a, chosen, base, budget, evaluate).extra_seconds
+        refined_seconds = base_seconds + refine(a, chosen, base, budget, evaluate, swaps=True).extra_seconds
         result.append({"kind": "optimality", "graph": graph, "budget": budget,
                        "budget_mb": round(budget / MB, 2),
                        "greedy_step_ms": round(greedy_seconds * 1e3, 4) if greedy.feasible else None,

@@ -22,23 +22,25 @@ import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
 from .memory import recomputed_nodes
-from .solve import Candidate
+from .solve import Candidate, storage_group
 from .solve_offload import Evaluator, Prefix
 
 MAX_ROUNDS = 200
 
 
 def refine(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], budget_bytes: int,
-           evaluate: Evaluator) -> Candidate:
+           evaluate: Evaluator, swaps: bool = False) -> Candidate:
     """The plan after undoing, one at a time, the moves ``budget_bytes`` does not need
-    (``plan`` itself when none can be undone, or when it does not fit)."""
+    (``plan`` itself when none can be undone, or when it does not fit). ``swaps``: also
+    try each undo together with recomputing one other storage the plan saves (quadratic
+    in the number of storages per round: for small graphs)."""
     base_saved = frozenset(base_saved)
     if plan.peak_bytes > budget_bytes:
         return plan
     current = plan
     for _ in range(MAX_ROUNDS):
         best = None
-        for option in _undos(a, current, base_saved):
+        for option in _undos(a, current, base_saved, swaps):
             candidate = evaluate(option)
             if candidate.peak_bytes > budget_bytes or candidate.extra_seconds >= current.extra_seconds:
                 continue
@@ -50,9 +52,9 @@ def refine(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], bud
     return current
 
 
-def _undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node]):
+def _undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], swaps: bool = False):
     """Plans one undo away from ``plan``: one offload less, or one storage of the
-    unconstrained plan saved again."""
+    unconstrained plan saved again (with ``swaps``, also while recomputing one other)."""
     for tensor in sorted(plan.offloaded, key=a.position.__getitem__):
         yield Prefix(plan.saved, plan.offloaded - {tensor}, plan.moves)
     saved_roots = {a.roots.get(t, t) for t in plan.saved}
@@ -63,8 +65,21 @@ def _undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node]):
     for root in sorted(by_root, key=a.position.__getitem__):
         if root in saved_roots:
             continue
-        saved = _unread_dropped(a, set(plan.saved) | by_root[root], base_saved)
+        resaved = set(plan.saved) | by_root[root]
+        saved = _unread_dropped(a, resaved, base_saved)
         yield Prefix(frozenset(saved), plan.offloaded & saved, plan.moves)
+        if not swaps:
+            continue
+        for other in sorted(saved_roots - {root}, key=a.position.__getitem__):
+            members = {t for t in resaved if a.roots.get(t, t) is other}
+            group = storage_group(a, members) if members else None
+            if group is None or members & plan.offloaded:
+                continue
+            swapped = (resaved - members) | {s for s in group.sources if s not in group.closure}
+            if any(n in a.ban for n in recomputed_nodes(a, swapped)):
+                continue
+            swapped = _unread_dropped(a, swapped, base_saved - members)
+            yield Prefix(frozenset(swapped), plan.offloaded & swapped, plan.moves)
 
 
 def _unread_dropped(a: JointAnalysis, saved: set[fx.Node], base_saved: frozenset[fx.Node]) -> set[fx.Node]:

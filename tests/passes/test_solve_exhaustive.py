@@ -94,8 +94,9 @@ def test_refine_keeps_the_budget_and_is_never_slower_than_the_greedy_plan():
     for step in range(5):
         budget = lowest + (unconstrained - lowest) * step // 4
         chosen = solve_joint(a, base, seconds, budget, None, offload).chosen
-        refined = refine(a, chosen, base, budget, evaluate)
-        assert refined.peak_bytes <= max(budget, chosen.peak_bytes)
-        assert refined.extra_seconds <= chosen.extra_seconds
-        assert not any(n in a.ban for n in recomputed_nodes(a, set(refined.saved)))
-        assert refined.offloaded <= refined.saved
+        for swaps in (False, True):
+            refined = refine(a, chosen, base, budget, evaluate, swaps=swaps)
+            assert refined.peak_bytes <= max(budget, chosen.peak_bytes)
+            assert refined.extra_seconds <= chosen.extra_seconds
+            assert not any(n in a.ban for n in recomputed_nodes(a, set(refined.saved)))
+            assert refined.offloaded <= refined.saved
