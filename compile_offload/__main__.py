@@ -1,4 +1,4 @@
-"""Command line: ``python -m compile_offload {demo,explain,bench} ...``."""
+"""Command line: ``python -m compile_offload {demo,explain,bench,model-check} ...``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark our backend against the alternatives, side by side")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    from .model_check import add_model_check_arguments, run_model_check
+
+    model_check = sub.add_parser("model-check", help="predicted against measured H100 anchors, and greedy against exact plans")
+    add_model_check_arguments(model_check)
+    model_check.set_defaults(func=run_model_check)
     return parser
 
 

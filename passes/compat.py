@@ -94,6 +94,19 @@ def min_cut_saved_values(joint: JointGraph) -> list[fx.Node]:
     return list(_p.choose_saved_values_set(joint.gm.graph, joint.node_info, memory_budget=1.0))
 
 
+def budget_saved_values(joint: JointGraph, memory_budget: float) -> list[fx.Node]:
+    """The saved set torch.compile's partitioner chooses under
+    ``torch._functorch.config.activation_memory_budget = memory_budget`` (its knapsack over
+    the nodes its min-cut would not recompute; 0.0 saves only the inputs, recomputing the
+    whole forward). The solver and runtime estimator are those of the current
+    ``torch._functorch.config``."""
+    if not 0.0 <= memory_budget <= 1.0:
+        raise ValueError(f"activation_memory_budget must be in [0, 1], got {memory_budget!r}")
+    min_cut_saved_values(joint)  # sets the dist_from_bw the knapsack reads
+    with _p.config.patch(activation_memory_budget=memory_budget):
+        return list(_p.choose_saved_values_set(joint.gm.graph, joint.node_info, memory_budget=memory_budget))
+
+
 def is_sym_node(node: fx.Node) -> bool:
     return _p.is_sym_node(node)
 
