@@ -16,6 +16,7 @@ from .passes.plan import Decision, Plan, format_bytes
 from .passes.memory import fused_nodes
 from .passes.rewrite import build_graphs
 from .passes.offload import eligible_for_offload
+from .passes import user_policy
 from .passes.solve import (
     Solution,
     SolverError,
@@ -88,6 +89,7 @@ def _plan_partition(
     from .device_profile import resolve_profile
 
     started = time.perf_counter()
+    policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     profile = resolve_profile(settings.device_profile, graph_device(joint_gm))
     if not compat.has_backward(joint):
@@ -97,6 +99,7 @@ def _plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     try:
         analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
+        policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
         memo: dict[fx.Node, float] = {}
         # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
         fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
@@ -114,24 +117,37 @@ def _plan_partition(
                 _report_budget(from_cache.plan, settings)  # a cached plan misses its budget as loudly
                 return from_cache
         base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
+        base_saved = user_policy.saved_offload_roots(analysis, policy, base_saved)
 
-        solution = None
-        if settings.solver == "exact":
-            try:
-                solution = solve_exact(analysis, base_saved, seconds, settings.budget_bytes,
+        offload = None
+        # Planning for a CPU, "host memory" is the device's own memory: an offloaded copy
+        # frees nothing (AllocationTracker measured 3.20 MiB against a predicted 2.20 MiB
+        # for TinyGPT 2x d64 at budget 0.75 on the CPU), so the solver only keeps or
+        # recomputes there. debug_force_offload still offloads (tests of the runtime).
+        if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
+            offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0] and policy.may_offload(node),
+                                     settings.prefetch)
+        exact_failed: list[str] = []
+
+        def solve(cost) -> Solution:
+            if settings.solver == "exact" and not exact_failed:
+                try:
+                    return solve_exact(analysis, base_saved, cost, settings.budget_bytes,
                                        settings.exact_max_candidates, settings.budget_fraction)
-            except SolverError as error:
-                warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=2)
-        if solution is None:
-            offload = None
-            # Planning for a CPU, "host memory" is the device's own memory: an offloaded copy
-            # frees nothing (AllocationTracker measured 3.20 MiB against a predicted 2.20 MiB
-            # for TinyGPT 2x d64 at budget 0.75 on the CPU), so the solver only keeps or
-            # recomputes there. debug_force_offload still offloads (tests of the runtime).
-            if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
-                offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], settings.prefetch)
-            solution = solve_joint(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction,
-                                   offload)
+                except SolverError as error:
+                    exact_failed.append(str(error))
+                    warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=3)
+            return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload)
+
+        solution = solve(seconds)
+        if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
+            preferring = solve(policy.biased(seconds)) if policy.bias else None
+            solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload,
+                                                      base_saved)
+            if not settings.debug_force_offload:  # which offloads all it can anyway
+                no_offload = "offload=False" if not settings.offload else "the cpu profile: host memory is the device's own"
+                solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
+                                                      base_saved, graph_name)
         fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, solution.chosen.saved))
         chosen = solution.chosen
         fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, settings,
@@ -151,6 +167,7 @@ def _plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     plan = make_plan(analysis, solution, seconds, settings, profile.name, graph_name,
                      time.perf_counter() - started)
+    user_policy.annotate(plan, policy, analysis, graph_name)
     fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     _report_budget(plan, settings)
     if settings.plan_cache_dir is not None:
