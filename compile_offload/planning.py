@@ -145,7 +145,8 @@ def _plan_partition(
             solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload,
                                                       base_saved)
             if not settings.debug_force_offload:  # which offloads all it can anyway
-                no_offload = "offload=False" if not settings.offload else "the cpu profile: host memory is the device's own"
+                no_offload = ("offload=False" if not settings.offload
+                              else "the cpu profile: host memory is the device's own")
                 solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
                                                       base_saved, graph_name)
         fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, solution.chosen.saved))

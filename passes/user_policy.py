@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis
+from .analyze import MUST_SAVE_REASON, JointAnalysis
 
 MUST_SAVE, PREFER_SAVE = "MUST_SAVE", "PREFER_SAVE"
 MUST_RECOMPUTE, PREFER_RECOMPUTE = "MUST_RECOMPUTE", "PREFER_RECOMPUTE"
@@ -47,9 +47,9 @@ MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD = "MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"
 # The decision each policy asks for (Plan decision kinds).
 WANTS = {MUST_SAVE: "keep", PREFER_SAVE: "keep", MUST_RECOMPUTE: "recompute", PREFER_RECOMPUTE: "recompute",
          MUST_CPU_OFFLOAD: "offload", PREFER_CPU_OFFLOAD: "offload"}
-# How much dearer (PREFER_SAVE) or cheaper (PREFER_RECOMPUTE) recomputing a preferred tensor
-# looks to the solver: enough to reorder tensors of similar worth, not to make the solver
-# miss a budget (every plan it could pick without the bias is still a candidate).
+# How much dearer recomputing a PREFER_SAVE tensor looks to the solver: enough to reorder
+# tensors of similar worth. It cannot cost a fitting plan: the graph is also solved without
+# it, and that plan wins unless the biased one fits and recomputes fewer preferred tensors.
 PREFERENCE_BIAS = 2.0
 
 
@@ -61,7 +61,7 @@ class UserPolicy:
     must_recompute: frozenset[fx.Node] = frozenset()
     must_offload: frozenset[fx.Node] = frozenset()
     prefer_offload: frozenset[fx.Node] = frozenset()
-    # Factor on each preferred (or must-recompute) node's recompute seconds.
+    # Factor on each PREFER_SAVE node's recompute seconds, as the solver sees them.
     bias: dict[fx.Node, float] = field(default_factory=dict)
     policy_of: dict[fx.Node, str] = field(default_factory=dict)  # every tagged node -> its policy's name
 
@@ -128,7 +128,7 @@ def apply_policy(a: JointAnalysis, tags: dict[str, str]) -> UserPolicy:
     for node, name in policy_of.items():
         by_policy.setdefault(name, set()).add(node)
     for node in by_policy.get(MUST_SAVE, set()) | by_policy.get(MUST_CPU_OFFLOAD, set()):
-        if node.op == "call_function" and (node not in a.ban or a.ban[node].startswith("marked must-save")):
+        if node.op == "call_function" and (node not in a.ban or a.ban[node] == MUST_SAVE_REASON):
             a.ban[node] = f"user policy {policy_of[node]}"
     bias = {node: PREFERENCE_BIAS for node in by_policy.get(PREFER_SAVE, ())}
     return UserPolicy(
@@ -141,7 +141,8 @@ def apply_policy(a: JointAnalysis, tags: dict[str, str]) -> UserPolicy:
     )
 
 
-def why_not_offloadable(a: JointAnalysis, tensor: fx.Node, saved, eligible: Callable[[fx.Node], tuple[bool, str]]) -> str | None:
+def why_not_offloadable(a: JointAnalysis, tensor: fx.Node, saved,
+                        eligible: Callable[[fx.Node], tuple[bool, str]]) -> str | None:
     """Why a saved ``tensor`` cannot be offloaded (the rules of
     ``passes.solve_offload.offloadable``, each named), or None if it can."""
     root = a.roots.get(tensor, tensor)
