@@ -267,10 +267,12 @@ def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> Non
             decision.reason = f"user policy {name}" + ("" if decision.decision == "keep" else f"; {decision.reason}")
         elif name.startswith("PREFER"):
             decision.reason += f" (overrides the user policy {name})"
-        else:
+        elif name == MUST_RECOMPUTE:
+            why = a.ban.get(tensor) or "saved as the input of another recomputation"
+            decision.reason += f" (user policy {name} not applied: {why})"
+            unmet.append(f"{tensor.name} ({why})")
+        else:  # MUST_CPU_OFFLOAD kept: offload_tagged warned why
             decision.reason += f" (user policy {name} not applied)"
-            if name == MUST_RECOMPUTE:
-                unmet.append(f"{tensor.name} ({a.ban.get(tensor) or 'saved so that other tensors can be recomputed'})")
     if unmet:
         warnings.warn(f"compile_offload: {graph_name}: user policy MUST_RECOMPUTE not applied to "
                       + "; ".join(unmet) + ": saved instead", stacklevel=3)

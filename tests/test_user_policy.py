@@ -9,6 +9,7 @@ offloads); the offload ops themselves run on the CPU here.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import pytest
@@ -171,6 +172,30 @@ def test_prefer_recompute_is_what_a_plain_checkpoint_does():
     assert len(kept) < len(decisions(untagged, "keep")), "the regions' insides are recomputed"
 
 
+class RandomInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.linear(x), 0.5, training=True).sin()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = functools.partial(create_selective_checkpoint_contexts, recompute_everything)
+        return checkpoint(self.body, x, use_reentrant=False, context_fn=context)
+
+
+def recompute_everything(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def test_must_recompute_of_a_random_op_is_saved_with_a_warning_naming_it():
+    with pytest.warns(UserWarning, match=r"MUST_RECOMPUTE not applied to rand \(random op"):
+        plan = compile_offload.explain(RandomInside(), torch.randn(8, 64, requires_grad=True), device_profile="h100")
+    (rand,) = [d for d in plan.decisions if d.name == "rand"]
+    assert rand.decision == "keep" and "MUST_RECOMPUTE not applied: random op" in rand.reason
+
+
 @needs_offload_policies
 def test_must_cpu_offload_offloads_the_tagged_tensors():
     for budget in (None, 0.5):
@@ -214,3 +239,11 @@ def test_training_with_a_policy_matches_eager(policy, budget, captured_plans):
     # The offload ops ran, and gradients still match (a preference may give way to the budget).
     if policy.__name__ == "must_offload_sin" or (policy.__name__ == "prefer_offload_sin" and budget is None):
         assert plan.offloaded
+
+
+def test_training_with_a_random_op_tagged_must_recompute_matches_eager():
+    backend = compile_offload.offload_remat(inner_compiler="eager", device_profile="h100")
+    result = check_training_parity(RandomInside, lambda: (torch.randn(8, 64, requires_grad=True),), backend, steps=2)
+    # fallback_random (set by the harness for dropout parity) keeps native_dropout whole:
+    # its outputs are what is saved, and named.
+    assert any(re.search(r"MUST_RECOMPUTE not applied to \w+ \(random op", m) for m in result.warning_messages())
