@@ -282,7 +282,7 @@ def _fresh_model(suite: Suite) -> torch.nn.Module:
 def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Callable) -> dict:
     """Measure one strategy; never raises except on KeyboardInterrupt."""
     row = {"strategy": strategy.name, "family": strategy.family, "budget": strategy.budget}
-    reason = strategy.unavailable_reason(suite.device)
+    reason = strategy.unavailable_reason(suite.device, suite.workload)
     if reason is not None:
         return {**row, "status": "unavailable", "error": reason}
     torch._dynamo.reset()
@@ -295,6 +295,8 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
         if strategy.family == "ours" and suite.predict:
             row.update(_safe_predict(strategy, model, inputs))
         fn = strategy.prepare(model)
+        if strategy.detail:
+            row["detail"] = strategy.detail
 
         def step() -> None:
             with strategy.forward_context(suite.device):

@@ -12,6 +12,12 @@ Strategy names, as ``--strategies`` takes them:
 ``eager_ckpt``             ``torch.utils.checkpoint`` (non-reentrant) around every block
 ``eager_save_on_cpu``      ``torch.autograd.graph.save_on_cpu`` (pinned on CUDA)
 ``eager_ckpt_save_on_cpu`` both: only block inputs are saved, and they go to the host
+``hf_ckpt_offload``        Hugging Face's own switch on a transformers model (``--model hf_gpt2``):
+                           ``activation_checkpointing_enable(offload=True)`` (called
+                           ``gradient_checkpointing_enable(offload=True)`` before transformers
+                           v6): checkpointing with the saved block inputs in (pinned) host
+                           memory through ``save_on_cpu``; on a transformers without ``offload``,
+                           the same built by hand
 ``compile``                ``torch.compile(model)``: the reference for every ratio
 ``torch_budget:F``         ``torch.compile`` with ``torch._functorch.config.activation_memory_budget=F``
 ``torch_sac_offload``      per-block SAC tagging matmul/attention/conv outputs
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import inspect
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,7 +43,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-EAGER_FAMILIES = ("eager", "eager_ckpt", "eager_save_on_cpu", "eager_ckpt_save_on_cpu")
+EAGER_FAMILIES = ("eager", "eager_ckpt", "eager_save_on_cpu", "eager_ckpt_save_on_cpu", "hf_ckpt_offload")
 COMPILED_FAMILIES = ("compile", "torch_budget", "torch_sac_offload", "ours")
 FAMILIES = EAGER_FAMILIES + COMPILED_FAMILIES
 REFERENCE = "compile"  # ratios are taken against this strategy
@@ -111,10 +119,10 @@ class CheckpointedBlock(nn.Module):
         self.inner = inner
         self.context_fn = context_fn
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):  # keywords too: Hugging Face blocks take them
         if self.context_fn is None:
-            return checkpoint(self.inner, *args, use_reentrant=False)
-        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self.context_fn)
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
 
 def wrap_blocks(model: nn.Module, context_fn: Callable | None = None) -> int:
@@ -135,6 +143,58 @@ def wrap_blocks(model: nn.Module, context_fn: Callable | None = None) -> int:
     for parent, name, child in targets:
         setattr(parent, name, CheckpointedBlock(child, context_fn))
     return len(targets)
+
+
+# --- Hugging Face's checkpointing with offload --------------------------------------------
+
+
+def hf_offload_unavailable_reason(workload: str | None) -> str | None:
+    """Why ``hf_ckpt_offload`` cannot run on ``workload``, or None when it can."""
+    from . import workloads
+
+    if importlib.util.find_spec("transformers") is None:
+        return "needs Hugging Face transformers (pip install transformers)"
+    if workload is not None and workload not in workloads.HF_WORKLOADS:
+        return f"runs on Hugging Face models only (--model {' or '.join(workloads.HF_WORKLOADS)})"
+    return None
+
+
+def enable_hf_checkpoint_offload(model: nn.Module) -> str:
+    """Turn on Hugging Face's checkpointing with activation offload on ``model`` (or its
+    ``hf_model``), as its users do; returns which way it was done.
+
+    transformers >= 5 takes ``offload=True`` (``activation_checkpointing_enable``, or the
+    deprecated ``gradient_checkpointing_enable``); it runs each block's checkpoint under
+    ``torch.autograd.graph.save_on_cpu(pin_memory=True)``. Older releases lack the switch,
+    and without an accelerator the switch fails (transformers 5.23 asks for pinned memory
+    on a CPU-only torch: "pin_memory=True requires a CUDA or other accelerator backend"),
+    so there the same is built here around the checkpoint function they install, with
+    pageable host memory."""
+    hf_model = getattr(model, "hf_model", model)
+    enable = getattr(hf_model, "activation_checkpointing_enable", None) or hf_model.gradient_checkpointing_enable
+    parameters = inspect.signature(enable).parameters
+    kwargs_name = next((name for name in parameters if name.endswith("checkpointing_kwargs")), None)
+    options = {kwargs_name: {"use_reentrant": False}} if kwargs_name else {}
+    if "offload" in parameters and _has_accelerator():
+        enable(offload=True, **options)
+        return f"{enable.__name__}(offload=True)"
+    enable(**options)
+    device_type = next(hf_model.parameters()).device.type
+    for module in hf_model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is not None:
+            module._gradient_checkpointing_func = functools.partial(_checkpoint_on_cpu, function, device_type)
+    return f"{enable.__name__}() + save_on_cpu"
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available())
+
+
+def _checkpoint_on_cpu(function: Callable, device_type: str, *args, **kwargs):
+    with torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda"):
+        return function(*args, **kwargs)
 
 
 # --- budgets ------------------------------------------------------------------------------
@@ -183,6 +243,7 @@ class Strategy:
     budget: Budget = None
     inner_compiler: str = "inductor"  # ours only
     device_profile: str | None = None  # ours only
+    detail: str | None = None  # how prepare() did it, where there is more than one way
 
     @property
     def name(self) -> str:
@@ -198,9 +259,11 @@ class Strategy:
     def checkpoints_blocks(self) -> bool:
         return self.family in ("eager_ckpt", "eager_ckpt_save_on_cpu", "torch_sac_offload")
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
+    def unavailable_reason(self, device: torch.device, workload: str | None = None) -> str | None:
         if self.family == "torch_sac_offload":
             return sac_offload_unavailable_reason(device)
+        if self.family == "hf_ckpt_offload":
+            return hf_offload_unavailable_reason(workload)
         return None
 
     def ours_options(self) -> dict:
@@ -211,6 +274,9 @@ class Strategy:
 
     def prepare(self, model: nn.Module) -> Callable:
         """The callable one step runs; wraps blocks and compiles as the strategy says."""
+        if self.family == "hf_ckpt_offload":
+            self.detail = enable_hf_checkpoint_offload(model)
+            return model
         if self.checkpoints_blocks:
             context_fn = _sac_offload_context_fn() if self.family == "torch_sac_offload" else None
             wrap_blocks(model, context_fn)

@@ -12,6 +12,10 @@ Every model names the modules that ``torch.utils.checkpoint`` should wrap one by
 - ``resnet``: a ResNet-50-like net of bottleneck blocks with BatchNorm, cross-entropy loss.
 - ``unet``: a UNet-like encoder/decoder of conv-BN-ReLU pairs with skip connections,
   per-pixel cross-entropy loss.
+- ``hf_gpt2``: Hugging Face transformers' ``GPT2LMHeadModel`` from a config (random
+  weights, nothing downloaded, dropout off), next-token cross-entropy on random tokens;
+  needs ``transformers``. The strategies that use Hugging Face's own switches
+  (``hf_ckpt_offload``) run on it.
 """
 
 from __future__ import annotations
@@ -52,12 +56,14 @@ DEFAULT_SIZES = {
     "deep": Size(layers=24, width=1024, heads=16, seq=4096, batch=4),
     "resnet": Size(layers=3, width=64, heads=1, seq=224, batch=64),
     "unet": Size(layers=4, width=64, heads=1, seq=256, batch=16),
+    "hf_gpt2": Size(layers=12, width=768, heads=12, seq=1024, batch=8),
 }
 SMOKE_SIZES = {
     "gpt": Size(layers=2, width=64, heads=4, seq=32, batch=2),
     "deep": Size(layers=3, width=32, heads=2, seq=32, batch=2),
     "resnet": Size(layers=1, width=8, heads=1, seq=32, batch=2),
     "unet": Size(layers=2, width=8, heads=1, seq=32, batch=2),
+    "hf_gpt2": Size(layers=2, width=32, heads=2, seq=32, batch=2),
 }
 
 
@@ -232,7 +238,46 @@ def make_unet(size: Size, device, dtype: torch.dtype):
     return model, (images,), loss_fn
 
 
-FACTORIES: dict[str, Factory] = {"gpt": make_gpt, "deep": make_deep, "resnet": make_resnet, "unet": make_unet}
+# --- Hugging Face transformers ----------------------------------------------------------------
+
+HF_VOCAB = 512
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM as the benchmarks call models: ``model(tokens)`` -> logits.
+    ``hf_model`` is the transformers model itself, for the strategies that use its own
+    switches (``gradient_checkpointing_enable``)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.checkpoint_block_types = tuple(type(block) for block in hf_model.transformer.h[:1])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf_model(input_ids=tokens, use_cache=False).logits
+
+
+def make_hf_gpt2(size: Size, device, dtype: torch.dtype):
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as error:
+        raise ImportError("the hf_gpt2 workload needs transformers (pip install transformers)") from error
+    config = GPT2Config(vocab_size=HF_VOCAB, n_positions=size.seq, n_embd=size.width, n_layer=size.layers,
+                        n_head=size.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    model = HFCausalLM(GPT2LMHeadModel(config)).to(device, dtype).train()
+    tokens = torch.randint(0, HF_VOCAB, (size.batch, size.seq + 1), device=device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return model, (inputs,), loss_fn
+
+
+FACTORIES: dict[str, Factory] = {"gpt": make_gpt, "deep": make_deep, "resnet": make_resnet, "unet": make_unet,
+                                 "hf_gpt2": make_hf_gpt2}
+HF_WORKLOADS = ("hf_gpt2",)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

@@ -36,7 +36,8 @@ def _benchmarks():
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` options; size options left unset take the workload's defaults."""
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--model", default="gpt", choices=("gpt", "deep", "resnet", "unet"))
+    workload.add_argument("--model", default="gpt", choices=("gpt", "deep", "resnet", "unet", "hf_gpt2"),
+                          help="hf_gpt2: a tiny-to-GPT-2-sized Hugging Face model, random weights (needs transformers)")
     workload.add_argument("--layers", type=int, help="blocks (transformers), blocks per stage scale (resnet) or levels (unet)")
     workload.add_argument("--width", type=int, help="model width (transformers) or base channels (conv nets)")
     workload.add_argument("--heads", type=int)

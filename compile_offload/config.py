@@ -36,6 +36,9 @@ from torch.utils._config_module import Config, install_config_module
 # was allocated when it started (saved activations, transient buffers, gradients), which
 # is what torch.cuda.max_memory_allocated() minus the allocation before the step measures.
 # With several graphs (graph breaks) it applies to each graph separately.
+# None with torch._functorch.config.activation_memory_budget below 1.0: torch's knob is used
+# as the fraction (the same measure; said once in the log). Both set: this one wins, with
+# one warning if they differ.
 # A byte budget above the memory of the CUDA device (or, planning without one, of the GPU
 # a named device_profile describes) is an error: it could never bind.
 memory_budget = Config(default=None, env_name_default="COMPILE_OFFLOAD_MEMORY_BUDGET", value_type=Optional[str])

@@ -1,7 +1,7 @@
 """Reuse saved plans across restarts (``config.plan_cache_dir``).
 
 An entry is keyed by everything the plan depends on: the prepared joint graph (code,
-shapes, dtypes and strides), the knobs that change decisions, the device profile, the torch
+shapes, dtypes, strides and checkpoint policy tags), the knobs that change decisions, the device profile, the torch
 version and compile_offload's own source. Entries are never trusted blindly: one that
 cannot be read or has fields of the wrong type (``Plan.load`` checks both) is corrupt; one
 that names a tensor the graph does not have or, given the graph's analysis, would save a
@@ -46,6 +46,9 @@ def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> st
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             digest.update(f"{node.name}:{tuple(val.shape)}:{val.stride()}:{val.dtype}:{val.device.type}".encode())
+        policy = node.meta.get("recompute")  # checkpoint policies change decisions, not the code
+        if policy is not None:
+            digest.update(f"{node.name}:{getattr(policy, 'name', policy)}:{node.meta.get('ac_graph_id')}".encode())
     knobs = {knob: getattr(settings, knob) for knob in _DECISION_KNOBS}
     digest.update(json.dumps([knobs, profile, torch.__version__, source_hash()], sort_keys=True, default=str).encode())
     return digest.hexdigest()[:32]

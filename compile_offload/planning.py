@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from . import plan_cache
 from .device_profile import device_of, resolve_profile
-from .passes import compat
+from .passes import compat, user_policy
 from .passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
 from .passes.build_plan import build_plan, inputs_for_their_views
 from .passes.cost import node_seconds
@@ -23,7 +23,7 @@ from .passes.memory import fused_nodes
 from .passes.offload import eligible_for_offload
 from .passes.plan import Plan, format_bytes
 from .passes.rewrite import build_graphs
-from .passes.solve import SolverError, solve_exact, without_banned_recompute
+from .passes.solve import Solution, SolverError, solve_exact, without_banned_recompute
 from .passes.solve_offload import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
@@ -47,6 +47,7 @@ def plan_partition(
     the minimum warns, or raises ``BudgetError`` under ``strict_budget``.
     """
     started = time.perf_counter()
+    policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
     if not compat.has_backward(joint):
@@ -55,7 +56,7 @@ def plan_partition(
                               solver=settings.solver, graph_name=graph_name, why="no backward: torch's default partition")
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     try:
-        result = _solve_and_partition(joint, settings, profile, num_fwd_outputs, graph_name, started)
+        result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started)
     except (BudgetError, SolverError):
         raise
     except Exception as error:
@@ -67,9 +68,10 @@ def plan_partition(
     return result
 
 
-def _solve_and_partition(joint: compat.JointGraph, settings: Settings, profile, num_fwd_outputs: int,
+def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
                          graph_name: str, started: float) -> PartitionResult:
     analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
+    policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
     memo: dict[fx.Node, float] = {}
     # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
     fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
@@ -84,29 +86,42 @@ def _solve_and_partition(joint: compat.JointGraph, settings: Settings, profile, 
         if cached is not None:
             return plan_cache.rebuild(analysis, cached, settings, num_fwd_outputs, graph_name, seconds, profile)
     base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
+    base_saved = user_policy.saved_offload_roots(analysis, policy, base_saved)
 
-    solution = None
-    if settings.solver == "exact":
-        try:
-            solution = solve_exact(analysis, base_saved, seconds, settings.budget_bytes,
+    offload = None
+    # Planning for a CPU, "host memory" is the device's own memory: an offloaded copy frees
+    # nothing (measured 3.20 MiB against a predicted 2.20 MiB for TinyGPT 2x d64 at budget
+    # 0.75 on the CPU), so the solver only keeps or recomputes there. debug_force_offload
+    # still offloads (tests of the runtime).
+    if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
+        offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0] and policy.may_offload(node),
+                                 settings.prefetch)
+    exact_failed: list[str] = []
+
+    def solve(cost) -> Solution:
+        if settings.solver == "exact" and not exact_failed:
+            try:
+                return solve_exact(analysis, base_saved, cost, settings.budget_bytes,
                                    settings.exact_max_candidates, settings.budget_fraction)
-        except SolverError as error:
-            warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=4)
-    if solution is None:
-        offload = None
-        # Planning for a CPU, "host memory" is the device's own memory: an offloaded copy
-        # frees nothing (measured 3.20 MiB against a predicted 2.20 MiB for TinyGPT 2x d64
-        # at budget 0.75 on the CPU), so the solver only keeps or recomputes there.
-        # debug_force_offload still offloads (tests of the runtime).
-        if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
-            offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], settings.prefetch)
-        solution = solve_joint(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction,
-                               offload)
+            except SolverError as error:
+                exact_failed.append(str(error))
+                warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=5)
+        return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload)
+
+    solution = solve(seconds)
+    if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
+        preferring = solve(policy.biased(seconds)) if policy.bias else None
+        solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload, base_saved)
+        if not settings.debug_force_offload:  # which offloads all it can anyway
+            no_offload = "offload=False" if not settings.offload else "the cpu profile: host memory is the device's own"
+            solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
+                                                  base_saved, graph_name)
     chosen = solution.chosen
     fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, chosen.saved))
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
+    user_policy.annotate(plan, policy, analysis, graph_name)
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
                                  planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
     if settings.plan_cache_dir is not None:

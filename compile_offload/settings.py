@@ -6,9 +6,11 @@ unconstrained plan is known) from here on; nothing downstream reads the config m
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 from . import config
@@ -140,6 +142,52 @@ def check_option_names(options: dict) -> None:
         raise ValueError(f"compile_offload: unknown option(s) {unknown}; known options: {', '.join(sorted(known))}")
 
 
+# What was already said about torch's activation_memory_budget (said once per value pair).
+_TORCH_BUDGET_ANNOUNCED: set[tuple] = set()
+
+
+def torch_activation_budget() -> float | None:
+    """``torch._functorch.config.activation_memory_budget`` when it asks for less than all
+    activations (a float in [0, 1)); None when it is 1.0 (torch's default) or unusable."""
+    from torch._functorch import config as functorch_config
+
+    value = getattr(functorch_config, "activation_memory_budget", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value) if 0.0 <= value < 1.0 else None
+
+
+def _with_torch_budget(budget_bytes: int | None, budget_fraction: float | None) -> float | None:
+    """The fraction budget, taking torch's ``activation_memory_budget`` when ours is unset.
+
+    Our backend replaces torch's partitioner, which is what reads torch's knob: without
+    this, a user's ``activation_memory_budget = 0.5`` would vanish silently. It measures the
+    same thing as our fraction (the share of the activations the unconstrained plan saves),
+    so it is used as is, and said once in the log. When both are set ours wins, with one
+    warning if they differ."""
+    theirs = torch_activation_budget()
+    if theirs is None:
+        return budget_fraction
+    ours = budget_fraction if budget_fraction is not None else budget_bytes
+    key = (ours, theirs)
+    first_time = key not in _TORCH_BUDGET_ANNOUNCED
+    _TORCH_BUDGET_ANNOUNCED.add(key)
+    if ours is None:
+        if first_time:
+            logging.getLogger("compile_offload").info(
+                "compile_offload: using torch._functorch.config.activation_memory_budget=%g as the memory budget "
+                "(compile_offload.config.memory_budget is None; the same fraction of the activations)", theirs)
+        return theirs
+    if first_time and ours != theirs:
+        described = f"{ours:g} (a fraction)" if budget_fraction is not None else format_bytes(budget_bytes)
+        warnings.warn(
+            f"compile_offload: torch._functorch.config.activation_memory_budget={theirs:g} is ignored: "
+            f"compile_offload.config.memory_budget={described} is set and wins (set one of them)",
+            stacklevel=4,
+        )
+    return budget_fraction
+
+
 def resolve(overrides: dict | None = None) -> Settings:
     """Read ``compile_offload.config`` (with ``overrides`` on top) and validate every knob."""
     values = config.get_config_copy()
@@ -148,6 +196,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         values.update(overrides)
     budget_from_env = not (overrides and "memory_budget" in overrides) and _from_environment("memory_budget")
     budget_bytes, budget_fraction = parse_budget(values["memory_budget"], budget_from_env)
+    budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
     profile = values["device_profile"]
     if profile is not None:  # "H100" is "h100", as device_profile.builtin_profile reads it
         profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,

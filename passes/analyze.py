@@ -18,6 +18,9 @@ from . import compat
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 _RECOMPUTABLE_NAMESPACES = ("aten", "prims")
+# Why a node torch tagged MUST_SAVE is not recomputed (``passes.user_policy`` gives the
+# nodes a user's checkpoint policy tagged their own reason).
+MUST_SAVE_REASON = "marked must-save (mutation source, collective or effectful op)"
 
 
 def tensor_value(node: fx.Node) -> torch.Tensor | None:
@@ -122,7 +125,7 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return f"{node.op} node"
     if compat.must_save(node):
-        return "marked must-save (mutation source, collective or effectful op)"
+        return MUST_SAVE_REASON
     if compat.must_be_in_forward(node):
         return "must stay in the forward (mutation)"
     target = node.target

@@ -4,6 +4,7 @@ outputs are well formed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,8 +27,14 @@ from compile_offload.passes.plan import Plan  # noqa: E402
 # --- workloads ------------------------------------------------------------------------------
 
 
+def _needs_packages(name: str) -> None:
+    if name in workloads.HF_WORKLOADS:
+        pytest.importorskip("transformers")
+
+
 @pytest.mark.parametrize("name", sorted(workloads.FACTORIES))
 def test_workload_trains_one_step(name):
+    _needs_packages(name)
     model, inputs, loss_fn = workloads.build(name, workloads.SMOKE_SIZES[name], "cpu", torch.float32)
     loss = loss_fn(model(*inputs))
     loss.backward()
@@ -37,6 +44,7 @@ def test_workload_trains_one_step(name):
 
 @pytest.mark.parametrize("name", sorted(workloads.FACTORIES))
 def test_checkpointed_blocks_give_the_same_gradients(name):
+    _needs_packages(name)
     size = workloads.SMOKE_SIZES[name]
     model, inputs, loss_fn = workloads.build(name, size, "cpu", torch.float64)
     wrapped, _, _ = workloads.build(name, size, "cpu", torch.float64)
@@ -79,6 +87,46 @@ def test_expand_sweeps_budgets_and_rejects_unknown_names():
 def test_sac_offload_is_unavailable_without_cuda():
     reason = strategies.Strategy("torch_sac_offload").unavailable_reason(torch.device("cpu"))
     assert reason is not None and "CUDA" in reason
+
+
+def test_hf_ckpt_offload_runs_on_hugging_face_models_only():
+    hf = strategies.Strategy("hf_ckpt_offload")
+    assert "Hugging Face models only" in hf.unavailable_reason(torch.device("cpu"), "gpt")
+    if importlib.util.find_spec("transformers") is None:
+        assert "needs Hugging Face transformers" in hf.unavailable_reason(torch.device("cpu"), "hf_gpt2")
+    else:
+        assert hf.unavailable_reason(torch.device("cpu"), "hf_gpt2") is None
+
+
+def test_hf_ckpt_offload_checkpoints_offloads_and_gives_the_same_gradients(monkeypatch):
+    pytest.importorskip("transformers")
+    import transformers.modeling_utils
+
+    entered = []
+    real_save_on_cpu = torch.autograd.graph.save_on_cpu
+
+    def counting_save_on_cpu(*args, **kwargs):
+        entered.append(kwargs)
+        return real_save_on_cpu(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", counting_save_on_cpu)
+    monkeypatch.setattr(transformers.modeling_utils, "save_on_cpu", counting_save_on_cpu, raising=False)
+    size = workloads.SMOKE_SIZES["hf_gpt2"]
+    model, inputs, loss_fn = workloads.build("hf_gpt2", size, "cpu", torch.float64)
+    offloaded, _, _ = workloads.build("hf_gpt2", size, "cpu", torch.float64)
+    strategy = strategies.Strategy("hf_ckpt_offload")
+    run = strategy.prepare(offloaded)
+    assert strategy.detail
+    calls = []
+    # A pre-hook: the recompute stops early (torch.utils.checkpoint) before the MLP returns.
+    offloaded.hf_model.transformer.h[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    loss_fn(model(*inputs)).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    loss_fn(run(*inputs)).backward()
+    for want, got in zip(expected, (p.grad for p in offloaded.parameters()), strict=True):
+        torch.testing.assert_close(got, want)
+    assert len(calls) == 2, "the block ran again in the backward: it was checkpointed"
+    assert len(entered) == size.layers, "each block's checkpoint ran under save_on_cpu"
 
 
 # --- runner pieces --------------------------------------------------------------------------
@@ -227,6 +275,15 @@ def test_bench_find_max_batch_writes_a_row_per_byte_budget(tmp_path, monkeypatch
     assert [(r["strategy"], r["batch"]) for r in rows] == [("max_batch:7000", 7), ("max_batch:20KB", 20)]
     assert (tmp_path / "gpt_max_batch.md").stat().st_size > 0
     assert "skipping budgets 0.5" in capsys.readouterr().err  # said, not silently dropped
+
+
+def test_bench_compares_hugging_face_offload_with_ours_on_a_tiny_hf_model(tmp_path):
+    pytest.importorskip("transformers")
+    result = _run_bench(tmp_path, "--smoke", "--model", "hf_gpt2", "--strategies", "hf_ckpt_offload,ours:0.5")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = _check_outputs(tmp_path, "hf_gpt2")
+    assert [(r["strategy"], r["status"]) for r in rows] == [("hf_ckpt_offload", "ok"), ("ours:0.5", "ok")]
+    assert rows[0]["detail"] and rows[1]["predicted_peak_bytes"] > 0
 
 
 @pytest.mark.slow

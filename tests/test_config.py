@@ -266,3 +266,54 @@ def test_explicit_bool_budget_is_rejected_whatever_the_environment():
 
 def test_device_profile_names_are_case_insensitive():
     assert settings.resolve({"device_profile": " H100 "}).device_profile == "h100"
+
+
+# --------------------------------------------------------------------------- torch's budget knob
+
+
+@pytest.fixture
+def fresh_torch_budget_notices(monkeypatch):
+    """Each test sees the once-only notices about torch's activation_memory_budget anew."""
+    monkeypatch.setattr(settings, "_TORCH_BUDGET_ANNOUNCED", set())
+
+
+def _decisions(plan):
+    return [(d.name, d.decision) for d in plan.decisions]
+
+
+def test_torch_activation_memory_budget_alone_gives_the_same_plan_as_ours(fresh_torch_budget_notices, caplog):
+    from compile_offload.benchmarks.workloads import Decoder
+
+    model = Decoder(2, 64, 2)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    ours = compile_offload.explain(model, x, memory_budget=0.3, device_profile="h100")
+    unconstrained = compile_offload.explain(model, x, device_profile="h100")
+    with torch._functorch.config.patch(activation_memory_budget=0.3), caplog.at_level("INFO", "compile_offload"):
+        theirs = compile_offload.explain(model, x, device_profile="h100")
+    assert _decisions(ours) != _decisions(unconstrained), "0.3 must change the plan for the test to mean anything"
+    assert (theirs.budget_bytes, theirs.saved, theirs.offloaded) == (ours.budget_bytes, ours.saved, ours.offloaded)
+    assert _decisions(theirs) == _decisions(ours)
+    notices = [r for r in caplog.records if "activation_memory_budget=0.3" in r.getMessage()]
+    assert len(notices) == 1, "said once, though explain resolves the settings more than once"
+
+
+def test_torch_budget_is_a_fraction_in_the_settings(fresh_torch_budget_notices):
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        resolved = settings.resolve()
+    assert (resolved.budget_bytes, resolved.budget_fraction) == (None, 0.5)
+    with torch._functorch.config.patch(activation_memory_budget=1.0):  # torch's default: no budget
+        assert settings.resolve().budget_fraction is None
+
+
+def test_our_budget_wins_with_one_warning_when_they_disagree(fresh_torch_budget_notices, recwarn):
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        for _ in range(3):
+            resolved = settings.resolve({"memory_budget": 0.25})
+        agreeing = settings.resolve({"memory_budget": 0.5})
+        in_bytes = settings.resolve({"memory_budget": "1GiB"})
+    assert resolved.budget_fraction == 0.25 and agreeing.budget_fraction == 0.5
+    assert (in_bytes.budget_bytes, in_bytes.budget_fraction) == (2**30, None)
+    messages = [str(w.message) for w in recwarn if "activation_memory_budget" in str(w.message)]
+    assert len(messages) == 2, messages  # once for 0.25, none for the agreeing 0.5, once for 1GiB
+    assert "memory_budget=0.25 (a fraction) is set and wins" in messages[0]
+    assert "1.00 GiB" in messages[1]
