@@ -393,14 +393,14 @@ def test_boxed_python_runs_with_the_boxed_convention_and_frees_its_arguments():
 
 
 def test_backend_graph_name_reads_dynamos_compile_id():
-    from compile_offload import backend
+    from compile_offload import backend, ddp
 
     assert backend._graph_name() == "graph"  # outside Dynamo
-    assert backend._ddp_bucket_index() is None
+    assert ddp.bucket_index() is None
     seen = []
 
     def record(gm, example_inputs):
-        seen.append((backend._graph_name(), backend._ddp_bucket_index(), backend._ddp_bucket_graph_count()))
+        seen.append((backend._graph_name(), ddp.bucket_index(), ddp.bucket_graph_count()))
         return gm.forward
 
     torch._dynamo.reset()
