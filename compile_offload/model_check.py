@@ -575,6 +575,11 @@ def add_model_check_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shapes on which our solver plans at torch's budgets ('' for none; deep24 takes minutes)")
 
 
+def _table_head(*columns: str) -> list[str]:
+    """A blank line, then a markdown table's header and rule."""
+    return ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def run_model_check(args: argparse.Namespace) -> int:
     out = sys.stdout
     shapes = [s for s in args.shapes.split(",") if s]
@@ -640,15 +645,15 @@ def format_tables(records: list[dict]) -> str:
                      f"{_cell(ratio_error, '{:+.3f}')} |")
     pareto = [r for r in records if r["kind"] == "pareto"]
     if pareto:
-        lines += ["", "| shape | torch plan | budget (its predicted peak) MiB | torch predicted ratio | "
-                  "ours predicted peak MiB | ours predicted ratio | fits |", "|---|---|---|---|---|---|---|"]
+        lines += _table_head("shape", "torch plan", "budget (its predicted peak) MiB", "torch predicted ratio",
+                             "ours predicted peak MiB", "ours predicted ratio", "fits")
         for r in pareto:
             lines.append(f"| {r['shape']} | {r['torch_strategy']} | {r['budget_mb']:.0f} | {r['torch_ratio']:.3f} | "
                          f"{r['ours_peak_mb']:.0f} | {r['ours_ratio']:.3f} | {'yes' if r['ours_fits'] else 'no'} |")
     optimality = [r for r in records if r["kind"] == "optimality"]
     if optimality:
-        lines += ["", "| graph | budget MiB | greedy predicted ms | exact predicted ms | gap | greedy + refine ms | "
-                  "gap after refine | plans searched |", "|---|---|---|---|---|---|---|---|"]
+        lines += _table_head("graph", "budget MiB", "greedy predicted ms", "exact predicted ms", "gap",
+                             "greedy + refine ms", "gap after refine", "plans searched")
         for r in optimality:
             if "error" in r:
                 lines.append(f"| {r['graph']} | – | – | – | {r['error']} | – | – | – |")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import typing
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -159,12 +160,31 @@ def _gpu_profile(name: str, datasheet_tflops: dict[str, float], hbm_tb_per_s: fl
     )
 
 
-# H100 SXM5 80GB datasheet (dense): bf16/fp16 989 TFLOP/s, fp8 1979, fp32 67 (non-tensor),
-# fp64 67 (tensor core); HBM3 3.35 TB/s. Pinned copies measured: d2h 55.1, h2d 54.9 GB/s.
-_H100_TFLOPS = {"bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0, "float8_e5m2": 1979.0,
-                "float32": 67.0, "float64": 67.0}
-H100_DATASHEET = _gpu_profile("h100-datasheet", _H100_TFLOPS, hbm_tb_per_s=3.35, d2h_gb_per_s=55.1,
-                              h2d_gb_per_s=54.9, compute_efficiency=1.0, memory_efficiency=1.0)
+class GpuDatasheet(typing.NamedTuple):
+    """A GPU's datasheet: dense matmul TFLOP/s per dtype and memory TB/s; the pinned-copy
+    GB/s each way are measured (or typical) figures."""
+
+    tflops: dict[str, float]
+    hbm_tb_per_s: float
+    d2h_gb_per_s: float
+    h2d_gb_per_s: float
+
+
+GPU_DATASHEETS: dict[str, GpuDatasheet] = {
+    # H100 SXM5 80GB (dense): bf16/fp16 989 TFLOP/s, fp8 1979, fp32 67 (non-tensor), fp64 67
+    # (tensor core); HBM3 3.35 TB/s. Pinned copies measured: d2h 55.1, h2d 54.9 GB/s.
+    "h100": GpuDatasheet({"bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0, "float8_e5m2": 1979.0,
+                          "float32": 67.0, "float64": 67.0}, 3.35, 55.1, 54.9),
+    # A100 SXM4 80GB (dense): bf16/fp16 312 TFLOP/s, fp32 19.5, fp64 19.5 (tensor core);
+    # HBM2e 2.04 TB/s; PCIe 4 x16 pinned copies ~25 GB/s. No fp8.
+    "a100": GpuDatasheet({"bfloat16": 312.0, "float16": 312.0, "float32": 19.5, "float64": 19.5}, 2.04, 25.0, 25.0),
+    # RTX 4090 (dense, fp32 accumulate): bf16/fp16 165.2 TFLOP/s, fp8 330.3, fp32 82.6, fp64
+    # 1.29 (1/64 rate); GDDR6X 1.01 TB/s; PCIe 4 x16 ~25 GB/s.
+    "rtx4090": GpuDatasheet({"bfloat16": 165.2, "float16": 165.2, "float8_e4m3fn": 330.3, "float8_e5m2": 330.3,
+                             "float32": 82.6, "float64": 1.29}, 1.01, 25.0, 25.0),
+}
+H100_DATASHEET = _gpu_profile("h100-datasheet", *GPU_DATASHEETS["h100"], compute_efficiency=1.0,
+                              memory_efficiency=1.0)
 # The h100 profile's constants, fitted to measured steps (``passes.calibrate``; run
 # ``python -m compile_offload model-check --fit``, docs/benchmarks.md "Calibration"): the
 # achieved fraction of the datasheet matmul rate and of the HBM bandwidth, and the
@@ -180,26 +200,13 @@ H100_DATASHEET = _gpu_profile("h100-datasheet", _H100_TFLOPS, hbm_tb_per_s=3.35,
 H100_CALIBRATION = {"compute": 0.80, "memory": 1.00, "launch": 3e-6}
 
 
+# Fitted constants per profile (the others use the priors above).
+_FITTED = {"h100": {"compute_efficiency": H100_CALIBRATION["compute"],
+                    "memory_efficiency": H100_CALIBRATION["memory"],
+                    "launch_overhead_seconds": H100_CALIBRATION["launch"]}}
+
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
-    "h100": _gpu_profile("h100", _H100_TFLOPS, hbm_tb_per_s=3.35, d2h_gb_per_s=55.1, h2d_gb_per_s=54.9,
-                         compute_efficiency=H100_CALIBRATION["compute"],
-                         memory_efficiency=H100_CALIBRATION["memory"],
-                         launch_overhead_seconds=H100_CALIBRATION["launch"]),
-    # A100 SXM4 80GB datasheet (dense): bf16/fp16 312 TFLOP/s, fp32 19.5, fp64 19.5 (tensor
-    # core); HBM2e 2.04 TB/s; PCIe 4 x16 pinned copies ~25 GB/s. No fp8.
-    "a100": _gpu_profile(
-        "a100",
-        {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5, "float64": 19.5},
-        hbm_tb_per_s=2.04, d2h_gb_per_s=25.0, h2d_gb_per_s=25.0,
-    ),
-    # RTX 4090 datasheet (dense, fp32 accumulate): bf16/fp16 165.2 TFLOP/s, fp8 330.3,
-    # fp32 82.6, fp64 1.29 (1/64 rate); GDDR6X 1.01 TB/s; PCIe 4 x16 ~25 GB/s.
-    "rtx4090": _gpu_profile(
-        "rtx4090",
-        {"bfloat16": 165.2, "float16": 165.2, "float8_e4m3fn": 330.3, "float8_e5m2": 330.3,
-         "float32": 82.6, "float64": 1.29},
-        hbm_tb_per_s=1.01, d2h_gb_per_s=25.0, h2d_gb_per_s=25.0,
-    ),
+    **{name: _gpu_profile(name, *sheet, **_FITTED.get(name, {})) for name, sheet in GPU_DATASHEETS.items()},
     # A modest multi-core CPU: ~100 GFLOP/s fp32 GEMM (half that for bf16/fp16/fp64 without
     # AMX), ~20 GB/s DRAM; a "transfer" is a memcpy, which reads and writes: ~10 GB/s.
     # Per-op overhead is a compiled kernel call, not a CUDA launch.
