@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 
-from . import ddp, pinned_pool
+from . import config_guard, ddp, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
@@ -42,7 +42,7 @@ def offload_remat_backend(
             f"compile_offload: torch.compile(mode={mode!r}) is not supported by the offload_remat backend; "
             "leave mode unset (Inductor options can be set through torch._inductor.config)"
         )
-    return compile_graph(gm, example_inputs, settings_mod.resolve(options))
+    return compile_graph(gm, example_inputs, settings_mod.resolve(options), fixed_knobs=options or ())
 
 
 def offload_remat(**options: Any) -> Callable[..., Any]:
@@ -54,14 +54,27 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
     settings_mod.resolve(options)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return compile_graph(gm, example_inputs, settings_mod.resolve(options))
+        return compile_graph(gm, example_inputs, settings_mod.resolve(options), fixed_knobs=options)
 
     backend.__name__ = BACKEND_NAME
     return backend
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
-    """Compile one Dynamo graph under ``settings``."""
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                  fixed_knobs: Iterable[str] = ()) -> Callable[..., Any]:
+    """Compile one Dynamo graph under ``settings`` (``fixed_knobs``: those the backend's
+    options set, which no change of ``compile_offload.config`` can reach).
+
+    The frame is guarded on the config as read now (``config_guard``): a call under other
+    values compiles again and plans for them, never runs a plan made for another budget.
+    """
+    compiled = _compile_graph(gm, example_inputs, settings)
+    if not config_guard.install(fixed_knobs):
+        compiled = config_guard.warn_when_changed(compiled, _graph_name(), fixed_knobs)
+    return compiled
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
     bucket_graphs = None
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()

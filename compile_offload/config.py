@@ -96,3 +96,9 @@ pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNE
 suppress_errors: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_SUPPRESS_ERRORS")
 
 install_config_module(sys.modules[__name__])
+
+# An assignment reaches every thread (torch >= 2.12 would keep it in the assigning
+# thread's context only); config.patch stays per thread. See process_config.py.
+from .process_config import install as _install_process_wide  # noqa: E402
+
+_install_process_wide(sys.modules[__name__])

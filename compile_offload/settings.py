@@ -88,7 +88,8 @@ def _from_environment(knob: str) -> bool:
     override = config._config[knob].user_override
     if isinstance(override, ContextVar):  # torch >= 2.12 keeps overrides per thread/context
         override = override.get()
-    return override is _UNSET_SENTINEL
+    # An assignment is process-wide (process_config.py), kept outside torch's entry.
+    return override is _UNSET_SENTINEL and knob not in getattr(config, "_process_values", {})
 
 
 def parse_budget(value: object, from_environment: bool = False) -> tuple[int | None, float | None]:
