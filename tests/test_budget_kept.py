@@ -132,3 +132,72 @@ def test_a_patch_stays_in_its_thread():
         config.memory_budget = None
     assert seen == {"inside": "2MiB", "main during patch": "1MiB", "after": "3MiB"}
     assert compile_offload.settings.resolve().budget_bytes is None
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize("value, message", [
+    ("", "memory_budget='' is empty; use None"),
+    ("1e400", "memory_budget='1e400' is too large"),
+    ("1e400GiB", "memory_budget='1e400GiB' is too large"),
+    ("2.5e0", "memory_budget='2.5e0' is neither a fraction"),
+])
+def test_bad_budget_strings_name_the_knob(value, message):
+    with config.patch(memory_budget=value), pytest.raises(ValueError, match=message):
+        compile_offload.settings.resolve()
+
+
+def test_an_exponent_budget_means_what_its_decimal_means():
+    from compile_offload.settings import parse_budget
+
+    assert parse_budget("1e-3") == parse_budget("0.001") == (None, 0.001)
+    assert parse_budget("1e9") == parse_budget("1000000000") == (10**9, None)
+
+
+@pytest.mark.parametrize("knob", ["dump_dir", "plan_cache_dir"])
+def test_an_empty_folder_path_is_an_error_not_the_current_folder(knob):
+    with config.patch(**{knob: ""}), pytest.raises(ValueError, match=f"{knob}='' is an empty path"):
+        compile_offload.settings.resolve()
+
+
+def test_a_dump_dir_that_cannot_be_written_fails_before_compiling(tmp_path, eager_inner, captured_plans):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    (x,) = mlp_inputs()
+    for dump_dir, message in ((a_file, "it is a file, not a folder"), (a_file / "below", "cannot write into it")):
+        # Dynamo wraps what a backend raises in BackendCompilerFailed, with our message.
+        with config.patch(dump_dir=str(dump_dir)), pytest.raises(
+                (ValueError, torch._dynamo.exc.BackendCompilerFailed), match=f"ValueError: .*dump_dir=.*{message}"):
+            torch.compile(MLP(), backend="offload_remat")(x)
+        with pytest.raises(ValueError, match=f"dump_dir=.*{message}"):
+            compile_offload.offload_remat(dump_dir=str(dump_dir))
+    assert captured_plans == []  # refused before any planning
+
+
+def test_environment_flags_accept_words(tmp_path):
+    """COMPILE_OFFLOAD_OFFLOAD=false is False (torch's config module only turns 0/1 into
+    bools); a word that is not a flag names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import compile_offload\n"
+              "try:\n    s = compile_offload.settings.resolve(); print(s.offload, s.prefetch)\n"
+              "except ValueError as e:\n    print('error:', e)\n")
+
+    def run(**environment):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, **environment})
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip()
+
+    assert run(COMPILE_OFFLOAD_OFFLOAD="false", COMPILE_OFFLOAD_PREFETCH="On") == "False True"
+    assert run(COMPILE_OFFLOAD_OFFLOAD="maybe").startswith(
+        "error: COMPILE_OFFLOAD_OFFLOAD='maybe' (compile_offload.config.offload) is not a flag")
+
+
+@pytest.mark.parametrize("budget", [0.5, None])
+def test_max_batch_says_its_budget_is_bytes(budget):
+    with pytest.raises(TypeError, match=rf"max_batch\(budget={budget!r}\): the budget is a number of bytes"):
+        compile_offload.max_batch(lambda batch, device: None, budget)
