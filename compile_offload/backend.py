@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 
-from . import config_guard, ddp, pinned_pool
+from . import config_guard, ddp, dynamic_check, graph_reports, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
+from .result import PartitionResult
 from .settings import Settings
 
 log = logging.getLogger("compile_offload")
@@ -79,7 +80,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()
         settings = ddp.budget_per_bucket(settings, bucket_graphs)
-    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs))
+    results: list[PartitionResult] = []
+    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs), on_result=results.append)
     device = device_of(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
@@ -88,19 +90,56 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         # here, not while planning, so that a compile served from a cache sets it too.
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":
-        return _compile_eager(gm, example_inputs, partitioner)
+        compiled = _compile_eager(gm, example_inputs, partitioner)
+        records = _records(results)
+    else:
+        compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results)
+    # With dynamic sizes the plan is made for this call's sizes: check the others' peaks.
+    return dynamic_check.check_sizes(compiled, example_inputs, [r.program for r in records if r.program is not None],
+                                     settings.budget_bytes, partitioner.graph_name)
+
+
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                      partitioner: OffloadRematPartitioner, results: list[PartitionResult]):
+    """Inductor's ``compile_fx`` with our partitioner; the compiled graph and the plans it
+    got, whether made now or read back for a compile served from Inductor's caches."""
     from torch._inductor.compile_fx import compile_fx
 
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
     patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
-    if settings.dump_dir is None:
-        return compile_fx(gm, example_inputs, config_patches=patches)
-    # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
-    # compiled code without calling the partitioner, and so write nothing.
-    patches["fx_graph_cache"] = False
+    if settings.dump_dir is not None:
+        # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
+        # compiled code without calling the partitioner, and so write nothing.
+        return _compile_past_caches(gm, example_inputs, patches), _records(results)
+    key = graph_reports.record_key(gm, example_inputs, settings)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if results:
+        graph_reports.store(key, _records(results))
+        return compiled, _records(results)
+    if not graph_reports.trains(example_inputs):
+        return compiled, []
+    # Served from the cache: report the plans the record keeps, as when they were made.
+    records = graph_reports.load(key)
+    if records is not None:
+        graph_reports.replay(records, settings, partitioner.graph_name)
+        return compiled, records
+    log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
+              partitioner.graph_name)
+    compiled = _compile_past_caches(gm, example_inputs, patches)
+    graph_reports.store(key, _records(results))
+    return compiled, _records(results)
+
+
+def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]):
+    from torch._inductor.compile_fx import compile_fx
+
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches={**patches, "fx_graph_cache": False})
+
+
+def _records(results: list[PartitionResult]) -> list[graph_reports.GraphRecord]:
+    return [graph_reports.GraphRecord(r.plan, dynamic_check.program_of(r)) for r in results]
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

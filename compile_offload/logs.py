@@ -66,6 +66,21 @@ def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
     trace_plan(result.plan)
 
 
+def emit_cached(plan: Plan) -> None:
+    """Report a plan whose graphs came from Inductor's or AOTAutograd's cache (the
+    partitioner did not run): the same log lines and trace as when it was made."""
+    _latest_plans.pop(plan.graph_name, None)
+    _latest_plans[plan.graph_name] = plan
+    if plan.notes and not plan.decisions:  # torch's partition was used: say why, as info_line does
+        line = f"{plan.graph_name}: not planned ({'; '.join(plan.notes)})"
+    else:
+        line = plan.summary()
+    log.info("%s [compiled code from Inductor's cache]", line)
+    if plan.decisions:
+        log.debug("%s: decisions\n%s", plan.graph_name, plan.table())
+    trace_plan(plan)
+
+
 def info_line(result: PartitionResult) -> str:
     """The one INFO line for a graph: its plan's summary and where the plan came from."""
     plan = result.plan

@@ -201,3 +201,54 @@ def test_environment_flags_accept_words(tmp_path):
 def test_max_batch_says_its_budget_is_bytes(budget):
     with pytest.raises(TypeError, match=rf"max_batch\(budget={budget!r}\): the budget is a number of bytes"):
         compile_offload.max_batch(lambda batch, device: None, budget)
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+
+
+def test_a_dynamic_size_over_the_budget_warns_once(eager_inner, captured_plans):
+    """dynamic=True plans once, for the first size: a later size whose predicted peak
+    exceeds the byte budget warns once, naming the size; sizes under it do not."""
+    model = MLP(d_in=64, d_hidden=256, d_out=8)
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget="1MiB"), dynamic=True)
+    caught_per_batch = {}
+    for batch in (16, 64, 1024, 2048):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_step(compiled, torch.randn(batch, 64))
+        caught_per_batch[batch] = [str(w.message) for w in caught if "dynamic shapes" in str(w.message)]
+    assert len(captured_plans) == 1  # one graph served every size
+    assert caught_per_batch[16] == caught_per_batch[64] == []
+    (message,) = caught_per_batch[1024]
+    assert "=1024" in message and "above the memory budget 1.00 MiB" in message
+    assert caught_per_batch[2048] == []  # once per graph
+
+
+def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, captured_plans):
+    """The symbolic program evaluated at a size gives the peak a static compile at that
+    size predicts for the same plan (here: no budget, so the same saved set)."""
+    from compile_offload import dynamic_check
+
+    programs = []
+    original = dynamic_check.check_sizes
+
+    def keep(compiled, example_inputs, found, budget_bytes, graph_name):
+        programs.extend(found)
+        return original(compiled, example_inputs, found, budget_bytes, graph_name)
+
+    import compile_offload.backend as backend
+
+    backend.dynamic_check.check_sizes = keep
+    try:
+        model = MLP(d_in=64, d_hidden=256, d_out=8)
+        _train_step(torch.compile(model, backend="offload_remat", dynamic=True), torch.randn(16, 64))
+    finally:
+        backend.dynamic_check.check_sizes = original
+    (program,) = programs
+    for batch in (16, 512):
+        torch._dynamo.reset()
+        _train_step(torch.compile(MLP(d_in=64, d_hidden=256, d_out=8), backend="offload_remat", dynamic=False),
+                    torch.randn(batch, 64))
+        static_peak = captured_plans[-1].predicted_peak_bytes
+        sizes = {name: (batch if i == 0 else 64) for i, name in enumerate(program.symbols)}
+        assert program.peak_bytes(sizes) == static_peak, (batch, sizes)
