@@ -151,6 +151,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     if not symbols or any(s not in where for s in symbols):
         return compiled
     hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
+    planned = tuple(hints[s] for s in symbols)
     seen: set[tuple[int, ...]] = set()
     warned = False
     boxed = getattr(compiled, "_boxed_call", False)
@@ -162,7 +163,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
             # Read before the call: a boxed call (one list) may clear the list.
             inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
             sizes = tuple(_read(inputs, where[s]) for s in symbols)
-            if sizes not in seen:
+            if sizes not in seen and sizes != planned:  # the planned sizes: the plan's own warning, if any
                 seen.add(sizes)
                 at = dict(zip(symbols, sizes))
                 try:

@@ -252,3 +252,71 @@ def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, cap
         static_peak = captured_plans[-1].predicted_peak_bytes
         sizes = {name: (batch if i == 0 else 64) for i, name in enumerate(program.symbols)}
         assert program.peak_bytes(sizes) == static_peak, (batch, sizes)
+
+
+# --------------------------------------------------------------------------- warm caches
+
+WARM_CACHE_SCRIPT = """
+import json, logging, sys, warnings
+import torch
+import compile_offload
+from compile_offload import config, pinned_pool
+from compile_offload.logs import latest_plans
+from tests.models import MLP
+
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logger = logging.getLogger("compile_offload")
+logger.setLevel(logging.INFO)
+logger.addHandler(Keep())
+config.device_profile = "cpu"
+config.memory_budget = "1KiB"  # below any plan's minimum: a warning
+config.pinned_pool_limit = "3MiB"
+torch.manual_seed(0)
+model = MLP(d_in=64, d_hidden=128, d_out=8)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    compiled = torch.compile(model, backend="offload_remat", dynamic=True)
+    for batch in (16, 4096):
+        compiled(torch.randn(batch, 64)).sum().backward()
+print(json.dumps({
+    "warnings": sorted({str(w.message) for w in caught if "compile_offload" in str(w.message)}),
+    "info": [line for line in lines if "graph_" in line],
+    "pool_limit": pinned_pool.get_pool().limit_bytes,
+    "plans": [plan.summary() for plan in latest_plans()],
+}))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_warm_cache_tells_the_user_what_a_cold_compile_told(tmp_path):
+    """The same compile in two fresh processes sharing Inductor's cache: the second is
+    served from the cache (its log line says so) and reports the same plan, warnings
+    (budget below the minimum, a dynamic size over the budget) and pinned pool limit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    environment.pop("TORCH_LOGS", None)
+    runs = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", WARM_CACHE_SCRIPT], capture_output=True, text=True,
+                                timeout=600, env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert any("below the minimum" in w for w in cold["warnings"])
+    assert any("dynamic shapes" in w for w in cold["warnings"])
+    assert warm["warnings"] == cold["warnings"]
+    assert cold["pool_limit"] == warm["pool_limit"] == 3 * 2**20
+    assert warm["plans"] == cold["plans"]
+    assert [line.split(" [")[0] for line in warm["info"]] == [line.split(" [")[0] for line in cold["info"]]
+    assert all("[compiled code from Inductor's cache]" in line for line in warm["info"]), warm["info"]
+    assert not any("from Inductor's cache" in line for line in cold["info"])
