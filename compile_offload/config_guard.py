@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import Any
 
-from . import config
+from . import config, process_config
 
 KNOBS = tuple(sorted(config._config))  # every knob: each one changes the plan or what is reported
 
@@ -54,8 +55,20 @@ def install(skip: Iterable[str] = ()) -> bool:
     planned = knob_values(skip)
     verbose = [f"compile_offload.config as when planned ({_describe(planned)}; every knob compared)"]
 
+    # Reading every knob costs ~80 us; the guard runs at every call of the frame. A context
+    # that found the knobs as planned at some change count need not read them again until
+    # a knob changes (the count is process-wide, the cache per context: a patch in one
+    # thread never passes another thread's check).
+    checked_at: ContextVar[int | None] = ContextVar("compile_offload_config_checked_at", default=None)
+
     def check(_frame_locals: Any) -> bool:
-        return knob_values(skip) == planned
+        changes = process_config.version()
+        if changes is not None and checked_at.get() == changes:
+            return True
+        matches = knob_values(skip) == planned
+        if matches and changes is not None:
+            checked_at.set(changes)
+        return matches
 
     def COMPILE_OFFLOAD_CONFIG_MATCH(builder: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's guard naming)
         add = builder.guard_manager.root.add_lambda_guard

@@ -33,6 +33,21 @@ except ImportError:  # pragma: no cover - torch without the sentinel: nothing to
     pass
 
 
+_changes = 0  # bumped by every change of a knob, in any thread: lets readers skip re-reading
+_installed = False
+
+
+def version() -> int | None:
+    """A number that changes whenever any thread changes a knob (an assignment, a patch
+    entered or left, a delete); None where nothing is installed (then read the knobs)."""
+    return _changes if _installed else None
+
+
+def _changed() -> None:
+    global _changes
+    _changes += 1
+
+
 class _Patching(threading.local):
     depth = 0  # > 0 while this thread is inside one of our config.patch blocks
 
@@ -58,6 +73,7 @@ def install(module: ModuleType) -> None:
         _bypass_keys = base._bypass_keys | {"_process_values"}
 
         def __setattr__(self, name: str, value: object) -> None:
+            _changed()
             if name in self._config and _patching.depth == 0 and self._config[name].alias is None:
                 # A plain assignment: the process's value; this context's own override
                 # (if any) is cleared so that this thread reads it too.
@@ -77,6 +93,7 @@ def install(module: ModuleType) -> None:
             return super().__getattr__(name)
 
         def __delattr__(self, name: str) -> None:
+            _changed()
             process_values.pop(name, None)
             super().__delattr__(name)
 
@@ -99,6 +116,8 @@ def install(module: ModuleType) -> None:
     # ModuleType.__setattr__: the config class's own refuses names that are not knobs.
     ModuleType.__setattr__(module, "__class__", ProcessWideConfig)
     ModuleType.__setattr__(module, "_process_values", process_values)
+    global _installed
+    _installed = True
 
 
 class _ThreadPatch(ContextDecorator):
@@ -135,4 +154,5 @@ class _ThreadPatch(ContextDecorator):
             self.module._config[name].user_override.set(override)
             self.module._hash_dirty_var.set(True)
             self.module._mark_get_dict_dirty(name)
+        _changed()
         return False
