@@ -17,6 +17,12 @@ call with ``torch.compile(model, backend="offload_remat", options={...})`` or
 
 Values are validated (``compile_offload.settings.resolve``) no later than the first
 compile; a bad value raises ``ValueError``/``TypeError`` naming the knob.
+
+When values are read: when each graph is compiled (its first call, not ``torch.compile``),
+and compared at every call of the compiled graph: a call under other values compiles
+again for them (``config_guard.py``). An assignment applies to every thread, a
+``config.patch`` to its own (``process_config.py``). ``docs/api.md``, "When the config is
+read", also covers dynamic shapes and warm caches.
 """
 
 import sys
