@@ -115,8 +115,9 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     key = graph_reports.record_key(gm, example_inputs, settings)
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if results:
-        graph_reports.store(key, _records(results))
-        return compiled, _records(results)
+        records = _records(results)
+        graph_reports.store(key, records)
+        return compiled, records
     if not graph_reports.trains(example_inputs):
         return compiled, []
     # Served from the cache: report the plans the record keeps, as when they were made.
@@ -127,8 +128,9 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
               partitioner.graph_name)
     compiled = _compile_past_caches(gm, example_inputs, patches)
-    graph_reports.store(key, _records(results))
-    return compiled, _records(results)
+    records = _records(results)
+    graph_reports.store(key, records)
+    return compiled, records
 
 
 def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]):
