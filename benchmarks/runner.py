@@ -60,6 +60,12 @@ class Suite:
     extra_meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Zero steps have no median (a StatisticsError in the table), and an empty batch
+        # times nothing and would still report "ok".
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"Suite: steps={self.steps} must be at least 1 and warmup={self.warmup} at least 0")
+        if getattr(self.size, "batch", 1) < 1:
+            raise ValueError(f"Suite: size.batch={self.size.batch} must be at least 1")
         self.tag = self.tag or self.workload
         self.out_dir = Path(self.out_dir)
 

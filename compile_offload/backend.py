@@ -14,16 +14,17 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 
-from . import ddp, pinned_pool
+from . import config_guard, ddp, dynamic_check, graph_reports, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
+from .result import PartitionResult
 from .settings import Settings
 
 log = logging.getLogger("compile_offload")
@@ -42,7 +43,8 @@ def offload_remat_backend(
     knobs (``compile_offload.config``) and Inductor's options (``"triton.cudagraphs"``, ...);
     ``mode`` is one of Inductor's modes (``torch._inductor.list_mode_options()``)."""
     ours, inductor = split_options(options)
-    return compile_graph(gm, example_inputs, settings_mod.resolve(ours), inductor_options(mode, inductor), mode)
+    return compile_graph(gm, example_inputs, settings_mod.resolve(ours), inductor_options(mode, inductor), mode,
+                         fixed_knobs=ours)
 
 
 def offload_remat(**options: Any) -> Callable[..., Any]:
@@ -59,8 +61,9 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
                 mode: str | None = None) -> Callable[..., Any]:
         ours, inductor = split_options(options)
-        return compile_graph(gm, example_inputs, settings_mod.resolve({**closure_options, **ours}),
-                             inductor_options(mode, inductor), mode)
+        knobs = {**closure_options, **ours}
+        return compile_graph(gm, example_inputs, settings_mod.resolve(knobs), inductor_options(mode, inductor), mode,
+                             fixed_knobs=knobs)
 
     backend.__name__ = BACKEND_NAME
     return backend
@@ -120,10 +123,23 @@ def _without_offload_under_cuda_graphs(settings: Settings, mode_said: str) -> Se
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                  inductor_patches: dict | None = None, mode: str | None = None) -> Callable[..., Any]:
+                  inductor_patches: dict | None = None, mode: str | None = None,
+                  fixed_knobs: Iterable[str] = ()) -> Callable[..., Any]:
     """Compile one Dynamo graph under ``settings``; ``inductor_patches``: Inductor config
-    from ``torch.compile``'s ``mode`` and ``options`` (``inductor_options``)."""
-    inductor_patches = dict(inductor_patches or {})
+    from ``torch.compile``'s ``mode`` and ``options`` (``inductor_options``); ``fixed_knobs``:
+    those the backend's options set, which no change of ``compile_offload.config`` can reach.
+
+    The frame is guarded on the config as read now (``config_guard``): a call under other
+    values compiles again and plans for them, never runs a plan made for another budget.
+    """
+    compiled = _compile_graph(gm, example_inputs, settings, dict(inductor_patches or {}), mode)
+    if not config_guard.install(fixed_knobs):
+        compiled = config_guard.warn_when_changed(compiled, _graph_name(), fixed_knobs)
+    return compiled
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                   inductor_patches: dict, mode: str | None) -> Callable[..., Any]:
     if settings.inner_compiler == "eager" and inductor_patches:
         raise ValueError(
             f"compile_offload: Inductor options {sorted(inductor_patches)} (from torch.compile's mode or options) "
@@ -141,7 +157,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()
         settings = ddp.budget_per_bucket(settings, bucket_graphs)
-    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs))
+    results: list[PartitionResult] = []
+    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs), on_result=results.append)
     device = device_of(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
@@ -150,23 +167,69 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         # here, not while planning, so that a compile served from a cache sets it too.
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":
-        return _compile_eager(gm, example_inputs, partitioner)
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        compiled = _compile_eager(gm, example_inputs, partitioner)
+        records = _records(results)
+    else:
+        compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results, inductor_patches)
+    # With dynamic sizes the plan is made for this call's sizes: check the others' peaks.
+    return dynamic_check.check_sizes(compiled, example_inputs, [r.program for r in records if r.program is not None],
+                                     settings.budget_bytes, partitioner.graph_name)
+
+
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                      partitioner: OffloadRematPartitioner, results: list[PartitionResult], inductor_patches: dict):
+    """Inductor's ``compile_fx`` with our partitioner; the compiled graph and the plans it
+    got, whether made now or read back for a compile served from Inductor's caches."""
+    from torch._inductor.compile_fx import compile_fx
+
+    # Graphs without grad never reach the partitioner: compile_fx sends them straight to
+    # Inductor's inference path.
+    patches: dict[str, Any] = {**inductor_patches, "custom_partitioner_fn": partitioner}
+    if settings.dump_dir is not None:
+        # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
+        # compiled code without calling the partitioner, and so write nothing.
+        return _compile_past_caches(gm, example_inputs, patches), _records(results)
+    key = graph_reports.record_key(gm, example_inputs, settings)
+    compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(), config_patches=patches)
+    if results:
+        records = _records(results)
+        graph_reports.store(key, records)
+        return compiled, records
+    if not graph_reports.trains(example_inputs):
+        return compiled, []
+    # Served from the cache: report the plans the record keeps, as when they were made.
+    records = graph_reports.load(key)
+    if records is not None:
+        graph_reports.replay(records, settings, partitioner.graph_name)
+        return compiled, records
+    log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
+              partitioner.graph_name)
+    compiled = _compile_past_caches(gm, example_inputs, patches)
+    records = _records(results)
+    graph_reports.store(key, records)
+    return compiled, records
+
+
+def _inner_compile():
+    """Inductor's inner compiler, with its reordering passes off for graphs that carry our
+    copies, so the copies run where the plan put them (copy_order.py)."""
+    from torch._inductor.compile_fx import compile_fx_inner
 
     from .copy_order import keeping_copy_order
 
-    # Graphs without grad never reach the partitioner: compile_fx sends them straight to
-    # Inductor's inference path. Graphs with copies are compiled without Inductor's
-    # reordering passes, so the copies run where the plan put them (copy_order.py).
-    inner_compile = keeping_copy_order(compile_fx_inner)
-    patches: dict[str, Any] = {**inductor_patches, "custom_partitioner_fn": partitioner}
-    if settings.dump_dir is None:
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
-    # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
-    # compiled code without calling the partitioner, and so write nothing.
-    patches["fx_graph_cache"] = False
+    return keeping_copy_order(compile_fx_inner)
+
+
+def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]):
+    from torch._inductor.compile_fx import compile_fx
+
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=_inner_compile(),
+                          config_patches={**patches, "fx_graph_cache": False})
+
+
+def _records(results: list[PartitionResult]) -> list[graph_reports.GraphRecord]:
+    return [graph_reports.GraphRecord(r.plan, dynamic_check.program_of(r)) for r in results]
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

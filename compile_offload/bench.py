@@ -90,9 +90,64 @@ def _pick(value, smoke_value, default):
     return value if value is not None else (smoke_value if smoke_value is not None else default)
 
 
+def _fail(message: str):
+    """A bad flag: the message on stderr and exit status 2, as argparse does, before any work."""
+    print(f"bench: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _parse_flag(flag: str, parse, text: str):
+    try:
+        return parse(text)
+    except (TypeError, ValueError) as error:
+        _fail(f"{flag} {text}: {error}")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Reject bad flag values (``SystemExit`` 2 naming the flag) before anything is built:
+    empty tensors would time nothing and report "ok", zero steps have no statistics."""
+    for flag in ("layers", "width", "heads", "seq", "batch", "steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            _fail(f"--{flag} {value}: must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        _fail(f"--warmup {args.warmup}: must be at least 0")
+    if args.time_limit is not None and not args.time_limit > 0:
+        _fail(f"--time-limit {args.time_limit}: must be a positive number of seconds")
+    if args.device:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            _fail(f"--device {args.device}: not a device torch knows; accepted: cpu, cuda, cuda:N")
+        if device.type not in ("cpu", "cuda"):
+            _fail(f"--device {args.device}: accepted: cpu, cuda, cuda:N")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            _fail(f"--device {args.device}: no CUDA device is available here")
+    if args.device_profile is not None:
+        from .settings import PROFILE_NAMES
+
+        if args.device_profile.strip().lower() not in PROFILE_NAMES:
+            _fail(f"--device-profile {args.device_profile}: accepted: {', '.join(PROFILE_NAMES)}")
+    from .benchmarks import strategies as strategies_mod
+
+    if args.budgets is not None:
+        _parse_flag("--budgets", strategies_mod.parse_budget_list, args.budgets)
+    if args.torch_budgets is not None:
+        _parse_flag("--torch-budgets", lambda text: [strategies_mod.parse_torch_budget(t) for t in text.split(",")],
+                    args.torch_budgets)
+    from .settings import folder_problem
+
+    problem = folder_problem(args.out)
+    if problem is not None:
+        _fail(f"--out {args.out}: {problem}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the sweep (or the max-batch search); 0 when every strategy ran or was
     unavailable here, 1 when some failed (their errors are in the results)."""
+    check_arguments(args)
     runner = _benchmarks()
     from .benchmarks import strategies as strategies_mod
     from .benchmarks import workloads
@@ -101,10 +156,12 @@ def run_bench(args: argparse.Namespace) -> int:
     device = _resolve_device(args)
     dtype = _resolve_dtype(args, device, workloads)
     size = _resolve_size(args, workloads)
-    budgets = strategies_mod.parse_budget_list(_pick(args.budgets, SMOKE_BUDGETS if smoke else None, "0.25,0.5,0.75"))
+    budgets = _parse_flag("--budgets", strategies_mod.parse_budget_list,
+                          _pick(args.budgets, SMOKE_BUDGETS if smoke else None, "0.25,0.5,0.75"))
     if args.find_max_batch:
         return _run_max_batch(args, runner, workloads, size, device, dtype, budgets)
-    torch_budgets = [strategies_mod.parse_torch_budget(t) for t in _pick(args.torch_budgets, None, "0.5,0.0").split(",")]
+    torch_budgets = _parse_flag("--torch-budgets", lambda text: [strategies_mod.parse_torch_budget(t) for t in text.split(",")],
+                                _pick(args.torch_budgets, None, "0.5,0.0"))
     inner_compiler = _pick(args.inner_compiler, "eager" if smoke else None, "inductor")
     strategies = strategies_mod.expand(
         _pick(args.strategies, SMOKE_STRATEGIES if smoke else None, DEFAULT_STRATEGIES).split(","),

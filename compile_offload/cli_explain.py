@@ -74,9 +74,15 @@ def explain_options(args: argparse.Namespace) -> dict:
     if args.no_offload:
         options["offload"] = False
     try:
-        settings_mod.resolve(options)
-    except ValueError as error:
-        raise SystemExit(f"explain: {error}") from None
+        settings = settings_mod.resolve(options)
+        # A byte budget above the profile's GPU memory could never bind (checked again
+        # per graph while planning, where it would be a traceback).
+        if settings.device_profile is not None:
+            settings_mod.check_budget_fits_device(settings, "meta")
+    except (TypeError, ValueError) as error:
+        flags = [flag for knob, flag in (("memory_budget", "--budget"), ("device_profile", "--profile"),
+                                         ("dump_dir", "--out")) if f"config.{knob}" in str(error)]
+        raise SystemExit(f"explain: {''.join(flag + ': ' for flag in flags[:1])}{error}") from None
     return options
 
 
@@ -88,8 +94,17 @@ def run_explain(args: argparse.Namespace) -> int:
     if not (isinstance(made, tuple) and len(made) == 2):
         raise SystemExit("explain: the factory must return (model, example_inputs)")
     model, inputs = made
+    if not callable(model):
+        raise SystemExit(f"explain: the factory returned a model of type {type(model).__name__}, which cannot be "
+                         "called; return (model, example_inputs) with model an nn.Module or a function")
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    for plan in compile_offload.explain_all(model, *inputs, **options):
+    try:
+        plans = compile_offload.explain_all(model, *inputs, **options)
+    except ValueError as error:  # ours (a budget the device cannot hold, a strict budget): no traceback
+        if not str(error).startswith("compile_offload"):
+            raise
+        raise SystemExit(f"explain: {error}") from None
+    for plan in plans:
         print(plan)
         print()
     if args.out:

@@ -17,6 +17,12 @@ call with ``torch.compile(model, backend="offload_remat", options={...})`` or
 
 Values are validated (``compile_offload.settings.resolve``) no later than the first
 compile; a bad value raises ``ValueError``/``TypeError`` naming the knob.
+
+When values are read: when each graph is compiled (its first call, not ``torch.compile``),
+and compared at every call of the compiled graph: a call under other values compiles
+again for them (``config_guard.py``). An assignment applies to every thread, a
+``config.patch`` to its own (``process_config.py``). ``docs/api.md``, "When the config is
+read", also covers dynamic shapes and warm caches.
 """
 
 import sys
@@ -102,3 +108,9 @@ pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNE
 suppress_errors: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_SUPPRESS_ERRORS")
 
 install_config_module(sys.modules[__name__])
+
+# An assignment reaches every thread (torch >= 2.12 would keep it in the assigning
+# thread's context only); config.patch stays per thread. See process_config.py.
+from .process_config import install as _install_process_wide  # noqa: E402
+
+_install_process_wide(sys.modules[__name__])

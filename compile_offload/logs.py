@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
+
 import torch.fx as fx
 
 from .dump import dump_result
@@ -52,11 +54,31 @@ def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
     _latest_plans[result.plan.graph_name] = result.plan
     folder = None
     if settings.dump_dir is not None:
-        folder = dump_result(settings.dump_dir, result, joint_gm)
+        try:
+            folder = dump_result(settings.dump_dir, result, joint_gm)
+        except OSError as error:  # checked when the knob was read; the folder changed since
+            warnings.warn(f"compile_offload: {result.plan.graph_name}: could not write the dump into "
+                          f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
+                          stacklevel=2)
     log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
     if result.plan.decisions:
         log.debug("%s: decisions\n%s", result.plan.graph_name, result.plan.table())
     trace_plan(result.plan)
+
+
+def emit_cached(plan: Plan) -> None:
+    """Report a plan whose graphs came from Inductor's or AOTAutograd's cache (the
+    partitioner did not run): the same log lines and trace as when it was made."""
+    _latest_plans.pop(plan.graph_name, None)
+    _latest_plans[plan.graph_name] = plan
+    if plan.notes and not plan.decisions:  # torch's partition was used: say why, as info_line does
+        line = f"{plan.graph_name}: not planned ({'; '.join(plan.notes)})"
+    else:
+        line = plan.summary()
+    log.info("%s [compiled code from Inductor's cache]", line)
+    if plan.decisions:
+        log.debug("%s: decisions\n%s", plan.graph_name, plan.table())
+    trace_plan(plan)
 
 
 def info_line(result: PartitionResult) -> str:

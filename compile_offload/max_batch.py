@@ -124,7 +124,12 @@ def max_batch(
     on ``device``, compiled with ``offload_remat`` at the budget and timed over ``steps``
     steps after ``warmup``, giving the measured step time and peak above steady state.
     """
-    budget_bytes = parse_bytes(budget, "memory_budget")
+    if budget is None or isinstance(budget, float):
+        raise TypeError(
+            f"max_batch(budget={budget!r}): the budget is a number of bytes (an int, or a string such as '6GiB'); "
+            "a fraction or None cannot bound a batch: both are relative to the batch being tried"
+        )
+    budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)")
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     options = {} if device_profile is None else {"device_profile": device_profile}
     probes: dict[int, Probe] = {}

@@ -45,6 +45,11 @@ class OffloadRematPartitioner(CustomPartitionerFn):
             self.on_result(result)
         return result.fw_gm, result.bw_gm
 
+    def __getstate__(self) -> dict:
+        # Inductor's cache key pickles its config, this object included: only what decides
+        # the partition (not ``on_result``'s target, which holds graphs).
+        return {"settings": self.settings, "graph_name": self.graph_name, "on_result": None}
+
     def uuid(self) -> str:
         # Inductor's FX graph cache and AOTAutograd's cache key on this: a cache hit must
         # never skip a different plan.

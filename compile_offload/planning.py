@@ -64,7 +64,7 @@ def plan_partition(
             raise
         return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
                          graph_name, error)
-    _report_budget(result.plan, settings)
+    report_budget(result.plan, settings)
     return result
 
 
@@ -146,7 +146,9 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
     return PartitionResult(plan, fw_gm, bw_gm, None, None)
 
 
-def _report_budget(plan: Plan, settings: Settings) -> None:
+def report_budget(plan: Plan, settings: Settings) -> None:
+    """Warn (or, under ``strict_budget``, raise) when ``plan`` could not meet its budget;
+    also run for a plan whose graphs came from a cache (``graph_reports.replay``)."""
     if plan.feasible or plan.budget_bytes is None:
         return
     if settings.budget_fraction == 0.0:

@@ -58,26 +58,30 @@ class Settings:
         return "none"
 
 
-def parse_bytes(value: object, knob: str) -> int:
+def parse_bytes(value: object, knob: str, label: str | None = None) -> int:
     """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``.
-    Errors list what ``knob`` accepts (a budget also takes a fraction; other sizes do not)."""
+    Errors name ``label`` (default ``compile_offload.config.<knob>``) and list what ``knob``
+    accepts (a budget also takes a fraction; other sizes do not)."""
     accepted = _ACCEPTED_BUDGET if knob == "memory_budget" else _ACCEPTED_SIZE
+    name = label or f"compile_offload.config.{knob}"
     if isinstance(value, bool):
-        raise TypeError(f"compile_offload.config.{knob}={value!r}: a bool is not a size; accepted: {accepted}")
+        raise TypeError(f"{name}={value!r}: a bool is not a size; accepted: {accepted}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"compile_offload.config.{knob}={value!r} is negative; accepted: {accepted}")
+            raise ValueError(f"{name}={value!r} is negative; accepted: {accepted}")
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(
-                f"compile_offload.config.{knob}={value!r} is not a size (unknown unit or syntax); "
+                f"{name}={value!r} is not a size (unknown unit or syntax); "
                 f"accepted units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; accepted: {accepted}"
             )
-        number = float(match.group(1))
-        return int(number * _UNITS[match.group(2).lower()])
-    raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: {accepted}")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        if not math.isfinite(number):
+            raise ValueError(f"{name}={value!r} is too large to be a number of bytes; accepted: {accepted}")
+        return int(number)
+    raise TypeError(f"{name}={value!r} has type {type(value).__name__}; accepted: {accepted}")
 
 
 def _from_environment(knob: str) -> bool:
@@ -90,7 +94,8 @@ def _from_environment(knob: str) -> bool:
     override = config._config[knob].user_override
     if isinstance(override, ContextVar):  # torch >= 2.12 keeps overrides per thread/context
         override = override.get()
-    return override is _UNSET_SENTINEL
+    # An assignment is process-wide (process_config.py), kept outside torch's entry.
+    return override is _UNSET_SENTINEL and knob not in getattr(config, "_process_values", {})
 
 
 def parse_budget(value: object, from_environment: bool = False) -> tuple[int | None, float | None]:
@@ -112,11 +117,28 @@ def parse_budget(value: object, from_environment: bool = False) -> tuple[int | N
         return None, value
     if isinstance(value, str):
         stripped = value.strip()
-        if stripped.lower() in ("none", ""):
+        if stripped.lower() == "none":
             return None, None
-        # A plain decimal string from the environment: "0.5" is a fraction, "1000" bytes.
+        if not stripped:
+            raise ValueError(f"compile_offload.config.memory_budget={value!r} is empty; use None (or leave "
+                             f"COMPILE_OFFLOAD_MEMORY_BUDGET unset) for no budget; accepted: {_ACCEPTED_BUDGET}")
+        # A plain decimal string (as the environment gives): "0.5" is a fraction, "1000" bytes.
         if re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.", stripped):
             return parse_budget(float(stripped))
+        # Exponent notation without a unit: "1e-3" is the fraction 0.001 as "0.001" is,
+        # "1e9" is bytes; nothing in between is either.
+        if re.fullmatch(r"[0-9]*\.?[0-9]+[eE][+-]?[0-9]+", stripped):
+            number = float(stripped)
+            if number <= 1.0:
+                return parse_budget(number)
+            if not math.isfinite(number):
+                raise ValueError(f"compile_offload.config.memory_budget={value!r} is too large to be a number of "
+                                 f"bytes; accepted: {_ACCEPTED_BUDGET}")
+            if not number.is_integer():
+                raise ValueError(
+                    f"compile_offload.config.memory_budget={value!r} is neither a fraction in [0, 1] nor a whole "
+                    f"number of bytes; accepted: {_ACCEPTED_BUDGET}"
+                )
     return parse_bytes(value, "memory_budget"), None
 
 
@@ -128,7 +150,18 @@ def _choice(knob: str, value: object, accepted: tuple[str, ...]) -> str:
     return value
 
 
-def _flag(knob: str, value: object) -> bool:
+_ENVIRONMENT_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+                      "0": False, "false": False, "no": False, "off": False}
+
+
+def _flag(knob: str, value: object, from_environment: bool = False) -> bool:
+    if isinstance(value, str) and from_environment:
+        # torch's config module turns only "0"/"1" into bools; "false", "True", "off" stay strings.
+        word = value.strip().lower()
+        if word in _ENVIRONMENT_FLAGS:
+            return _ENVIRONMENT_FLAGS[word]
+        raise ValueError(f"COMPILE_OFFLOAD_{knob.upper()}={value!r} (compile_offload.config.{knob}) is not a flag; "
+                         f"accepted: {', '.join(_ENVIRONMENT_FLAGS)}")
     if not isinstance(value, bool):
         raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: True or False")
     return value
@@ -188,25 +221,67 @@ def _with_torch_budget(budget_bytes: int | None, budget_fraction: float | None) 
     return budget_fraction
 
 
+def _folder(knob: str, folder: object) -> str | None:
+    """A folder knob: None, or a path that is (or can be made) a writable folder. An empty
+    path would silently mean the current folder; a file, or a folder that cannot be created
+    or written, would fail in the middle of a compile. The dump asked for is an error; the
+    plan cache only saves time, so for it a warning, and the plan cache writes nothing."""
+    if folder is None:
+        return None
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"compile_offload.config.{knob}={folder!r}: accepted: None or a folder path")
+    path = os.fspath(folder)
+    if not path.strip():
+        raise ValueError(f"compile_offload.config.{knob}={folder!r} is an empty path; use None for no "
+                         f"{'dump' if knob == 'dump_dir' else 'plan cache'}, or name a folder ('.' for this one)")
+    problem = folder_problem(path)
+    if problem is None:
+        return path
+    message = f"compile_offload.config.{knob}={path!r}: {problem}"
+    if knob == "dump_dir":
+        raise ValueError(message + "; name a folder that can be written, or None for no dump")
+    import warnings
+
+    warnings.warn(message + "; plans will not be cached", stacklevel=3)
+    return None
+
+
+def folder_problem(path: str) -> str | None:
+    """Why ``path`` cannot be used as a folder to write into, or None when it can. The
+    folder is created if missing (as the first write would) and a file is created and
+    removed in it: permission bits do not tell (root, read-only mounts, /proc)."""
+    import tempfile
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "it is a file, not a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        where = f" ({error.filename!r})" if error.filename and error.filename != path else ""
+        return f"cannot write into it: {reason}{where}"
+    return None
+
+
 def resolve(overrides: dict | None = None) -> Settings:
     """Read ``compile_offload.config`` (with ``overrides`` on top) and validate every knob."""
     values = config.get_config_copy()
     if overrides:
         check_option_names(overrides)
         values.update(overrides)
-    budget_from_env = not (overrides and "memory_budget" in overrides) and _from_environment("memory_budget")
-    budget_bytes, budget_fraction = parse_budget(values["memory_budget"], budget_from_env)
+
+    def from_environment(knob: str) -> bool:
+        return not (overrides and knob in overrides) and _from_environment(knob)
+
+    budget_bytes, budget_fraction = parse_budget(values["memory_budget"], from_environment("memory_budget"))
     budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
     profile = values["device_profile"]
     if profile is not None:  # "H100" is "h100", as device_profile.builtin_profile reads it
         profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,
                           PROFILE_NAMES)
-    folders = {}
-    for knob in ("dump_dir", "plan_cache_dir"):
-        folder = values[knob]
-        if folder is not None and not isinstance(folder, (str, os.PathLike)):
-            raise TypeError(f"compile_offload.config.{knob}={folder!r}: accepted: None or a folder path")
-        folders[knob] = None if folder is None else os.fspath(folder)
+    folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
     exact_max = values["exact_max_candidates"]
     if isinstance(exact_max, str) and exact_max.strip().isdigit():  # from the environment
         exact_max = int(exact_max)
@@ -218,10 +293,10 @@ def resolve(overrides: dict | None = None) -> Settings:
     settings = Settings(
         budget_bytes=budget_bytes,
         budget_fraction=budget_fraction,
-        strict_budget=_flag("strict_budget", values["strict_budget"]),
-        offload=_flag("offload", values["offload"]),
-        prefetch=_flag("prefetch", values["prefetch"]),
-        debug_force_offload=_flag("debug_force_offload", values["debug_force_offload"]),
+        strict_budget=_flag("strict_budget", values["strict_budget"], from_environment("strict_budget")),
+        offload=_flag("offload", values["offload"], from_environment("offload")),
+        prefetch=_flag("prefetch", values["prefetch"], from_environment("prefetch")),
+        debug_force_offload=_flag("debug_force_offload", values["debug_force_offload"], from_environment("debug_force_offload")),
         solver=_choice("solver", values["solver"], SOLVERS),
         exact_max_candidates=exact_max,
         dump_dir=folders["dump_dir"],
@@ -229,7 +304,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         device_profile=profile,
         inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
         pinned_pool_limit=pool_limit,
-        suppress_errors=_flag("suppress_errors", values["suppress_errors"]),
+        suppress_errors=_flag("suppress_errors", values["suppress_errors"], from_environment("suppress_errors")),
     )
     return settings
 

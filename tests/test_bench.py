@@ -315,3 +315,38 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     assert (tmp_path / "gpt.jsonl").read_text().strip() and "eager" in (tmp_path / "gpt.md").read_text()
     assert not (tmp_path / "gpt_pareto.png").exists()
     assert "needs matplotlib" in result.stderr
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    (["--device", "tpu"], "--device tpu: not a device torch knows"),
+    (["--device", "meta"], "--device meta: accepted: cpu, cuda"),
+    (["--budgets", "1.5"], "--budgets 1.5: .*a fraction must lie in \\[0, 1\\]"),
+    (["--budgets", "lots"], "--budgets lots: .*is not a size"),
+    (["--torch-budgets", "2"], "--torch-budgets 2: .*must lie in \\[0, 1\\]"),
+    (["--out", "/proc/no_such/out"], "--out /proc/no_such/out: cannot write into it"),
+])
+def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
+    """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an
+    "ok" row on empty tensors or a StatisticsError in the table."""
+    import re
+
+    from compile_offload import bench
+
+    monkeypatch.setattr(bench, "_benchmarks", lambda: pytest.fail("work started before the flags were checked"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--smoke", *arguments])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_suite_of_zero_steps_is_refused():
+    from compile_offload.benchmarks import runner, workloads
+
+    size = workloads.SMOKE_SIZES["gpt"]
+    with pytest.raises(ValueError, match="steps=0 must be at least 1"):
+        runner.Suite(workload="gpt", size=size, device=torch.device("cpu"), dtype=torch.float32, steps=0)
+    with pytest.raises(ValueError, match="size.batch=0 must be at least 1"):
+        runner.Suite(workload="gpt", size=size.replace(batch=0), device=torch.device("cpu"), dtype=torch.float32)

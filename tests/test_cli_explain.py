@@ -19,6 +19,8 @@ META_FACTORY = textwrap.dedent("""
         return model, (x,)
     def not_a_pair():
         return 1
+    def not_callable():
+        return 3, (torch.randn(2, 4),)
 """)
 
 
@@ -52,6 +54,11 @@ def test_the_command_line_writes_the_dump_for_a_module_of_the_current_folder(fac
     (["{folder}/my_models.py:not_a_pair"], r"must return \(model, example_inputs\)"),
     (["{folder}/my_models.py:make", "--budget", "lots"], "memory_budget='lots' is not a size"),
     (["{folder}/my_models.py:make", "--profile", "b200"], "device_profile='b200' is unknown"),
+    (["{folder}/my_models.py:not_callable"], "model of type int, which cannot be called"),
+    (["{folder}/my_models.py:make", "--budget", "200GiB", "--profile", "h100"],
+     r"--budget: .*is more than the 80.00 GiB of memory of the 'h100' device profile's GPU"),
+    (["{folder}/my_models.py:make", "--out", "{folder}/my_models.py"], "--out: .*dump_dir=.*it is a file, not a folder"),
+    (["{folder}/my_models.py:make", "--out", "/proc/no_such/dump"], "--out: .*dump_dir=.*cannot write into it"),
 ])
 def test_mistakes_exit_with_a_message_not_a_traceback(factory_folder, arguments, message):
     with pytest.raises(SystemExit) as exit_info:

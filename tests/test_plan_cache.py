@@ -136,7 +136,8 @@ def test_a_stale_entry_is_ignored_with_a_warning(tmp_path, plans):
 def test_a_cache_folder_that_cannot_be_written_is_a_warning(tmp_path, plans):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
-    with pytest.warns(UserWarning, match="could not write the plan cache entry"):
+    # Found when the knob is read, before any planning (compile_offload.settings).
+    with pytest.warns(UserWarning, match=r"plan_cache_dir=.*is a file, not a folder.*plans will not be cached"):
         plan = _train_once(blocker, plans)
     assert plan.decisions  # planned and used all the same
 

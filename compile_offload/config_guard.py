@@ -1,0 +1,105 @@
+"""A compiled graph is reused only under the configuration that planned it.
+
+Dynamo reuses the compiled code of a frame while its guards hold, and a string backend
+(``backend="offload_remat"``) is the same backend for every ``torch.compile`` call: without
+a guard of ours, a new ``torch.compile`` of another instance of the same model class, or a
+call after ``config.memory_budget`` changed, would run the plan made for the old budget.
+``install`` adds one guard to the frame being compiled: the knobs read now must equal the
+knobs that planned the graph, else Dynamo compiles the frame again (and our backend plans
+again, under the new values). ``TORCH_LOGS=recompiles`` names it.
+
+The guard is a lambda guard on Dynamo's root guard manager, the way Dynamo guards its own
+global state (grad mode, functorch state); that is private API, so where it is missing
+(another torch) the compiled graph is wrapped instead, and its first call under changed
+knobs warns once that the running plan was made for other values.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from typing import Any
+
+from . import config, process_config
+
+KNOBS = tuple(sorted(config._config))  # every knob: each one changes the plan or what is reported
+
+
+def knob_values(skip: Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
+    """The knobs as this thread reads them now (``skip``: those a backend's options fix)."""
+    skip = frozenset(skip)
+    return tuple((knob, getattr(config, knob)) for knob in KNOBS if knob not in skip)
+
+
+def _describe(values: tuple[tuple[str, Any], ...], changed_from: tuple[tuple[str, Any], ...] | None = None) -> str:
+    if changed_from is None:
+        return ", ".join(f"{knob}={value!r}" for knob, value in values if knob == "memory_budget") or "its knobs"
+    old = dict(changed_from)
+    return ", ".join(f"{knob}={old.get(knob)!r} (now {value!r})" for knob, value in values if old.get(knob) != value)
+
+
+def install(skip: Iterable[str] = ()) -> bool:
+    """Guard the frame Dynamo is compiling on the knobs read now; False where this torch
+    offers no way to (then use ``warn_when_changed``)."""
+    try:
+        from torch._dynamo.source import GlobalStateSource
+        from torch._guards import Guard, TracingContext
+    except ImportError:  # pragma: no cover - another torch
+        return False
+    context = TracingContext.try_get()
+    if context is None or getattr(context, "guards_context", None) is None:
+        return False
+    skip = frozenset(skip)
+    planned = knob_values(skip)
+    verbose = [f"compile_offload.config as when planned ({_describe(planned)}; every knob compared)"]
+
+    # Reading every knob costs ~80 us; the guard runs at every call of the frame. A context
+    # that found the knobs as planned at some change count need not read them again until
+    # a knob changes (the count is process-wide, the cache per context: a patch in one
+    # thread never passes another thread's check).
+    checked_at: ContextVar[int | None] = ContextVar("compile_offload_config_checked_at", default=None)
+
+    def check(_frame_locals: Any) -> bool:
+        changes = process_config.version()
+        if changes is not None and checked_at.get() == changes:
+            return True
+        matches = knob_values(skip) == planned
+        if matches and changes is not None:
+            checked_at.set(changes)
+        return matches
+
+    def COMPILE_OFFLOAD_CONFIG_MATCH(builder: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's guard naming)
+        add = builder.guard_manager.root.add_lambda_guard
+        try:
+            add(check, verbose, None)  # torch >= 2.12: (fn, verbose code parts, user stack)
+        except TypeError:
+            add(check, verbose)
+
+    context.guards_context.dynamo_guards.add(Guard(GlobalStateSource(), COMPILE_OFFLOAD_CONFIG_MATCH))
+    return True
+
+
+def warn_when_changed(compiled: Callable[..., Any], graph_name: str, skip: Iterable[str] = ()) -> Callable[..., Any]:
+    """``compiled``, warning once when it is called under other knobs than planned it."""
+    skip = frozenset(skip)
+    planned = knob_values(skip)
+    warned = False
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal warned
+        if not warned:
+            now = knob_values(skip)
+            if now != planned:
+                warned = True
+                warnings.warn(
+                    f"compile_offload: {graph_name}: running a plan made for other settings: "
+                    f"{_describe(now, planned)}; this torch offers no guard to recompile on a config change: "
+                    "call torch._dynamo.reset() or compile with backend=compile_offload.offload_remat(...)",
+                    stacklevel=2,
+                )
+        return compiled(*args, **kwargs)
+
+    return run

@@ -1,0 +1,329 @@
+"""The user's budget is never dropped silently (issue 21): a changed config recompiles,
+an assignment reaches worker threads, a dynamic size over the budget warns, and a warm
+cache tells the user what a cold compile told them."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import compile_offload
+from compile_offload import config
+from tests.models import MLP, mlp_inputs
+
+
+def _train_step(compiled, x):
+    compiled(x).sum().backward()
+
+
+@pytest.fixture
+def eager_inner():
+    with config.patch(inner_compiler="eager", device_profile="cpu"):
+        yield
+
+
+def test_changed_budget_recompiles_a_new_instance(eager_inner, captured_plans):
+    """The issue's case: compile with no budget, set 0.0, compile a new instance of the
+    same class: the plan must be the 0.0 plan, not the cached no-budget one."""
+    (x,) = mlp_inputs()
+    _train_step(torch.compile(MLP(), backend="offload_remat"), x)
+    config.memory_budget = 0.0
+    try:
+        _train_step(torch.compile(MLP(), backend="offload_remat"), x)
+    finally:
+        config.memory_budget = None
+    assert len(captured_plans) == 2
+    unconstrained, minimum = captured_plans
+    assert unconstrained.budget_bytes is None
+    assert minimum.budget_bytes is not None  # 0.0 resolved to the minimum plan's bytes
+    assert minimum.predicted_peak_bytes <= unconstrained.predicted_peak_bytes
+
+
+def test_changed_budget_recompiles_the_same_compiled_model(eager_inner, captured_plans):
+    """config.patch around calls of one compiled model: each budget gets its own plan, and
+    going back to a budget already planned reuses that graph (Dynamo's cache, no third plan)."""
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend="offload_remat")
+    _train_step(compiled, x)
+    with config.patch(memory_budget=0.0):
+        _train_step(compiled, x)
+    _train_step(compiled, x)
+    assert [plan.budget_bytes is None for plan in captured_plans] == [True, False]
+
+
+def test_options_fix_their_knobs_against_config_changes(eager_inner, captured_plans):
+    """A knob an offload_remat(...) option sets cannot change, so changing it in the
+    config recompiles nothing."""
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend=compile_offload.offload_remat(memory_budget=0.5))
+    _train_step(compiled, x)
+    with config.patch(memory_budget=0.0):
+        _train_step(compiled, x)
+    assert len(captured_plans) == 1
+
+
+def test_without_a_guard_a_changed_budget_warns_once(eager_inner, captured_plans, monkeypatch):
+    """On a torch with no guard for us, the running plan warns once that it was made for
+    another budget."""
+    from compile_offload import config_guard
+
+    monkeypatch.setattr(config_guard, "install", lambda skip=(): False)
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend="offload_remat")
+    _train_step(compiled, x)
+    with config.patch(memory_budget=0.0), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_step(compiled, x)
+        _train_step(compiled, x)
+    messages = [str(w.message) for w in caught if "running a plan made for other settings" in str(w.message)]
+    assert len(messages) == 1 and "memory_budget=None (now 0.0)" in messages[0]
+    assert len(captured_plans) == 1
+
+
+def test_an_assignment_reaches_a_worker_thread(eager_inner, captured_plans):
+    """config.memory_budget set in the main thread is the budget of a compile in a worker
+    thread (torch >= 2.12 keeps config overrides per thread)."""
+    (x,) = mlp_inputs()
+    errors = []
+
+    def train():
+        try:
+            _train_step(torch.compile(MLP(), backend="offload_remat"), x)
+        except Exception as error:  # surfaced below: an assert in a thread fails nothing
+            errors.append(error)
+
+    config.memory_budget = "1MiB"
+    try:
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join()
+    finally:
+        config.memory_budget = None
+    assert not errors
+    assert [plan.budget_bytes for plan in captured_plans] == [2**20]
+
+
+def test_a_patch_stays_in_its_thread():
+    """config.patch applies to the thread that entered it; after it the thread reads the
+    process's value again, including one assigned while the patch was active."""
+    seen = {}
+    entered, assigned = threading.Event(), threading.Event()
+
+    def patched():
+        with config.patch(memory_budget="2MiB"):
+            seen["inside"] = config.memory_budget
+            entered.set()
+            assigned.wait(10)
+        seen["after"] = config.memory_budget
+
+    config.memory_budget = "1MiB"
+    try:
+        worker = threading.Thread(target=patched)
+        worker.start()
+        entered.wait(10)
+        seen["main during patch"] = config.memory_budget
+        config.memory_budget = "3MiB"
+        assigned.set()
+        worker.join()
+    finally:
+        config.memory_budget = None
+    assert seen == {"inside": "2MiB", "main during patch": "1MiB", "after": "3MiB"}
+    assert compile_offload.settings.resolve().budget_bytes is None
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize("value, message", [
+    ("", "memory_budget='' is empty; use None"),
+    ("1e400", "memory_budget='1e400' is too large"),
+    ("1e400GiB", "memory_budget='1e400GiB' is too large"),
+    ("2.5e0", "memory_budget='2.5e0' is neither a fraction"),
+])
+def test_bad_budget_strings_name_the_knob(value, message):
+    with config.patch(memory_budget=value), pytest.raises(ValueError, match=message):
+        compile_offload.settings.resolve()
+
+
+def test_an_exponent_budget_means_what_its_decimal_means():
+    from compile_offload.settings import parse_budget
+
+    assert parse_budget("1e-3") == parse_budget("0.001") == (None, 0.001)
+    assert parse_budget("1e9") == parse_budget("1000000000") == (10**9, None)
+
+
+@pytest.mark.parametrize("knob", ["dump_dir", "plan_cache_dir"])
+def test_an_empty_folder_path_is_an_error_not_the_current_folder(knob):
+    with config.patch(**{knob: ""}), pytest.raises(ValueError, match=f"{knob}='' is an empty path"):
+        compile_offload.settings.resolve()
+
+
+def test_a_dump_dir_that_cannot_be_written_fails_before_compiling(tmp_path, eager_inner, captured_plans):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    (x,) = mlp_inputs()
+    for dump_dir, message in ((a_file, "it is a file, not a folder"), (a_file / "below", "cannot write into it")):
+        # Dynamo wraps what a backend raises in BackendCompilerFailed, with our message.
+        with config.patch(dump_dir=str(dump_dir)), pytest.raises(
+                (ValueError, torch._dynamo.exc.BackendCompilerFailed), match=f"ValueError: .*dump_dir=.*{message}"):
+            torch.compile(MLP(), backend="offload_remat")(x)
+        with pytest.raises(ValueError, match=f"dump_dir=.*{message}"):
+            compile_offload.offload_remat(dump_dir=str(dump_dir))
+    assert captured_plans == []  # refused before any planning
+
+
+def test_environment_flags_accept_words(tmp_path):
+    """COMPILE_OFFLOAD_OFFLOAD=false is False (torch's config module only turns 0/1 into
+    bools); a word that is not a flag names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import compile_offload\n"
+              "try:\n    s = compile_offload.settings.resolve(); print(s.offload, s.prefetch)\n"
+              "except ValueError as e:\n    print('error:', e)\n")
+
+    def run(**environment):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, **environment})
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip()
+
+    assert run(COMPILE_OFFLOAD_OFFLOAD="false", COMPILE_OFFLOAD_PREFETCH="On") == "False True"
+    assert run(COMPILE_OFFLOAD_OFFLOAD="maybe").startswith(
+        "error: COMPILE_OFFLOAD_OFFLOAD='maybe' (compile_offload.config.offload) is not a flag")
+
+
+@pytest.mark.parametrize("budget", [0.5, None])
+def test_max_batch_says_its_budget_is_bytes(budget):
+    with pytest.raises(TypeError, match=rf"max_batch\(budget={budget!r}\): the budget is a number of bytes"):
+        compile_offload.max_batch(lambda batch, device: None, budget)
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+
+
+def test_a_dynamic_size_over_the_budget_warns_once(eager_inner, captured_plans):
+    """dynamic=True plans once, for the first size: a later size whose predicted peak
+    exceeds the byte budget warns once, naming the size; sizes under it do not."""
+    model = MLP(d_in=64, d_hidden=256, d_out=8)
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget="1MiB"), dynamic=True)
+    caught_per_batch = {}
+    for batch in (16, 64, 1024, 2048):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_step(compiled, torch.randn(batch, 64))
+        caught_per_batch[batch] = [str(w.message) for w in caught if "dynamic shapes" in str(w.message)]
+    assert len(captured_plans) == 1  # one graph served every size
+    assert caught_per_batch[16] == caught_per_batch[64] == []
+    (message,) = caught_per_batch[1024]
+    assert "=1024" in message and "above the memory budget 1.00 MiB" in message
+    assert caught_per_batch[2048] == []  # once per graph
+
+
+def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, captured_plans):
+    """The symbolic program evaluated at a size gives the peak a static compile at that
+    size predicts for the same plan (here: no budget, so the same saved set)."""
+    from compile_offload import dynamic_check
+
+    programs = []
+    original = dynamic_check.check_sizes
+
+    def keep(compiled, example_inputs, found, budget_bytes, graph_name):
+        programs.extend(found)
+        return original(compiled, example_inputs, found, budget_bytes, graph_name)
+
+    import compile_offload.backend as backend
+
+    backend.dynamic_check.check_sizes = keep
+    try:
+        model = MLP(d_in=64, d_hidden=256, d_out=8)
+        _train_step(torch.compile(model, backend="offload_remat", dynamic=True), torch.randn(16, 64))
+    finally:
+        backend.dynamic_check.check_sizes = original
+    (program,) = programs
+    for batch in (16, 512):
+        torch._dynamo.reset()
+        _train_step(torch.compile(MLP(d_in=64, d_hidden=256, d_out=8), backend="offload_remat", dynamic=False),
+                    torch.randn(batch, 64))
+        static_peak = captured_plans[-1].predicted_peak_bytes
+        sizes = {name: (batch if i == 0 else 64) for i, name in enumerate(program.symbols)}
+        assert program.peak_bytes(sizes) == static_peak, (batch, sizes)
+
+
+# --------------------------------------------------------------------------- warm caches
+
+WARM_CACHE_SCRIPT = """
+import json, logging, sys, warnings
+import torch
+import compile_offload
+from compile_offload import config, pinned_pool
+from compile_offload.logs import latest_plans
+from tests.models import MLP
+
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logger = logging.getLogger("compile_offload")
+logger.setLevel(logging.INFO)
+logger.addHandler(Keep())
+config.device_profile = "cpu"
+config.memory_budget = "1KiB"  # below any plan's minimum: a warning
+config.pinned_pool_limit = "3MiB"
+torch.manual_seed(0)
+model = MLP(d_in=64, d_hidden=128, d_out=8)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    compiled = torch.compile(model, backend="offload_remat", dynamic=True)
+    for batch in (16, 4096):
+        compiled(torch.randn(batch, 64)).sum().backward()
+print(json.dumps({
+    "warnings": sorted({str(w.message) for w in caught if "compile_offload" in str(w.message)}),
+    "info": [line for line in lines if "graph_" in line],
+    "pool_limit": pinned_pool.get_pool().limit_bytes,
+    "plans": [plan.summary() for plan in latest_plans()],
+}))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_warm_cache_tells_the_user_what_a_cold_compile_told(tmp_path):
+    """The same compile in two fresh processes sharing Inductor's cache: the second is
+    served from the cache (its log line says so) and reports the same plan, warnings
+    (budget below the minimum, a dynamic size over the budget) and pinned pool limit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    environment.pop("TORCH_LOGS", None)
+    import shutil
+
+    runs = []
+    for attempt in range(3):
+        if attempt == 2:  # a warm cache without our records (another version filled it)
+            shutil.rmtree(tmp_path / "inductor" / "compile_offload_records")
+        result = subprocess.run([sys.executable, "-c", WARM_CACHE_SCRIPT], capture_output=True, text=True,
+                                timeout=600, env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    cold, warm, without_records = runs
+    # Without a record the graph is compiled again past the caches: planned, and reported.
+    assert without_records["warnings"] == cold["warnings"] and without_records["plans"] == cold["plans"]
+    assert all("[solver greedy" in line for line in without_records["info"])
+    assert any("below the minimum" in w for w in cold["warnings"])
+    assert any("dynamic shapes" in w for w in cold["warnings"])
+    assert warm["warnings"] == cold["warnings"]
+    assert cold["pool_limit"] == warm["pool_limit"] == 3 * 2**20
+    assert warm["plans"] == cold["plans"]
+    assert [line.split(" [")[0] for line in warm["info"]] == [line.split(" [")[0] for line in cold["info"]]
+    assert all("[compiled code from Inductor's cache]" in line for line in warm["info"]), warm["info"]
+    assert not any("from Inductor's cache" in line for line in cold["info"])
