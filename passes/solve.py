@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.fx as fx
 
@@ -34,15 +35,42 @@ class SolverError(RuntimeError):
 
 
 @dataclass
+class PlanState:
+    """A plan being built move by move: what the forward saves, what the backward
+    recomputes, and which saved storages go to host memory."""
+
+    saved: set[fx.Node]
+    recomputed: set[fx.Node]
+    offloaded: set[fx.Node] = field(default_factory=set)
+
+
+@dataclass
 class Move:
     """Recompute ``group`` in the backward, saving ``added`` in its place."""
+
+    kind: ClassVar[str] = "recompute"
 
     group: "Group"
     added: tuple[fx.Node, ...]
     extra_seconds: float
     freed_bytes: int
     closure: frozenset[fx.Node] = frozenset()  # every node the move recomputes
-    kind: str = "recompute"  # or "offload": copy the group's storage to host memory instead
+
+    def apply(self, plan: PlanState) -> None:
+        plan.saved.difference_update(self.group.members)
+        plan.recomputed.update(self.closure)
+        plan.saved.update(self.added)
+
+
+@dataclass
+class OffloadMove(Move):
+    """Copy ``group``'s storage (one storage-owning saved tensor) to host memory after its
+    producer and reload it for the backward; nothing is recomputed."""
+
+    kind: ClassVar[str] = "offload"
+
+    def apply(self, plan: PlanState) -> None:
+        plan.offloaded.add(self.group.root)
 
 
 @dataclass
@@ -126,13 +154,6 @@ def storage_group(a: JointAnalysis, members: Iterable[fx.Node]) -> Group | None:
     return Group(root, members, frozenset(closure), sources)
 
 
-def is_candidate(a: JointAnalysis, node: fx.Node) -> bool:
-    """Could this saved tensor be recomputed instead? (Not an input, not banned, a tensor.)"""
-    if node in a.steady or node.op == "placeholder" or tensor_value(node) is None:
-        return False
-    return storage_group(a, [node]) is not None
-
-
 def _groups(a: JointAnalysis, saved: Iterable[fx.Node], group_of=None) -> list[Group]:
     """The recomputable storage groups of ``saved``, in graph order. ``group_of(members)``:
     ``storage_group(a, members)``, or a memo of it."""
@@ -189,14 +210,14 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
     second of recompute first (ties: more bytes, then the earlier storage). Offload moves
     are mixed in by ``passes.solve_offload``."""
     saved = set(base_saved)
-    recomputed = recomputed_nodes(a, saved)
+    plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
     moves: list[Move] = []
     while True:
-        best = best_move(a, moves_of(saved, recomputed))
+        best = best_move(a, moves_of(plan.saved, plan.recomputed))
         if best is None:
             return moves
-        _apply(best, saved, recomputed)
+        best.apply(plan)
         moves.append(best)
 
 
@@ -282,10 +303,36 @@ def best_move(a: JointAnalysis, moves: Iterable[Move]) -> Move | None:
     return best
 
 
-def _apply(move: Move, saved: set, recomputed: set) -> None:
-    saved.difference_update(move.group.members)
-    recomputed.update(move.closure)
-    saved.update(move.added)
+@dataclass(frozen=True)
+class Prefix:
+    """A candidate before simulation: what the plan after a prefix of moves saves and
+    offloads, and the moves."""
+
+    saved: frozenset[fx.Node]
+    offloaded: frozenset[fx.Node]
+    moves: tuple[Move, ...]
+
+
+def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity: int = 0) -> Iterator[Prefix]:
+    """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
+    prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
+    the previous one kept; the last prefix is always kept. Each is yielded as soon as it
+    is known, so ``moves`` may be a generator."""
+    saved = set(start.saved)
+    plan = PlanState(saved, recomputed_nodes(a, saved), set(start.offloaded))
+    applied: list[Move] = []
+    pending = 0
+    kept_last = False
+    for move in moves:
+        move.apply(plan)
+        applied.append(move)
+        pending += move.freed_bytes
+        kept_last = pending >= granularity
+        if kept_last:
+            yield Prefix(frozenset(plan.saved), frozenset(plan.offloaded), start.moves + tuple(applied))
+            pending = 0
+    if applied and not kept_last:
+        yield Prefix(frozenset(plan.saved), frozenset(plan.offloaded), start.moves + tuple(applied))
 
 
 def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
@@ -312,7 +359,7 @@ def _seconds_of(a: JointAnalysis, nodes: Iterable[fx.Node], seconds: Seconds) ->
     return sum(seconds(n) for n in sorted(nodes, key=a.position.__getitem__) if n.op == "call_function")
 
 
-def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:
+def pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:
     """The fastest candidate whose peak fits (ties: lower peak, then earlier); else the
     lowest-peak one, reported infeasible."""
     if budget is None:
@@ -326,16 +373,18 @@ def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, b
 def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
                  budget_fraction: float | None = None) -> Solution:
     """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits."""
-    candidates = [evaluate(a, set(base_saved), 0.0)]
-    saved = set(base_saved)
-    recomputed = recomputed_nodes(a, saved)
+    start = Prefix(frozenset(base_saved), frozenset(), ())
+    candidates = [evaluate(a, start.saved, 0.0)]
     recompute_seconds = 0.0
-    moves = greedy_moves(a, base_saved, seconds)
-    for index, move in enumerate(moves):
-        _apply(move, saved, recomputed)
-        recompute_seconds += move.extra_seconds
-        candidates.append(evaluate(a, saved, recompute_seconds, moves[: index + 1]))
-    return _solution(a, candidates, budget_bytes, budget_fraction)
+    for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
+        recompute_seconds += plan.moves[-1].extra_seconds
+        candidates.append(evaluate(a, plan.saved, recompute_seconds, plan.moves))
+    return select(a, candidates, budget_bytes, budget_fraction, _with_timeline(a))
+
+
+def _with_timeline(a: JointAnalysis) -> Callable[[Candidate], Candidate]:
+    """A recompute-only candidate simulated again, keeping its timeline."""
+    return lambda c: evaluate(a, c.saved, c.extra_seconds, c.moves, keep_timeline=True)
 
 
 def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int) -> list[Candidate]:
@@ -368,7 +417,7 @@ def solve_exact(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
                 max_candidates: int, budget_fraction: float | None = None) -> Solution:
     candidates = exact_subsets(a, base_saved, seconds, max_candidates)
     # The unconstrained plan is the empty subset: first in the list.
-    return _solution(a, candidates, budget_bytes, budget_fraction)
+    return select(a, candidates, budget_bytes, budget_fraction, _with_timeline(a))
 
 
 def budget_of_fraction(a: JointAnalysis, baseline: Candidate, fraction: float) -> int:
@@ -383,15 +432,23 @@ def budget_of_fraction(a: JointAnalysis, baseline: Candidate, fraction: float) -
     return int(baseline.peak_bytes - (1.0 - fraction) * saved_bytes)
 
 
-def _solution(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None,
-              budget_fraction: float | None) -> Solution:
+def lowest_peak(candidate: Candidate) -> tuple[int, float]:
+    return candidate.peak_bytes, candidate.extra_seconds
+
+
+def select(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None, budget_fraction: float | None,
+           with_timeline: Callable[[Candidate], Candidate]) -> Solution:
+    """The solution among simulated ``candidates`` (the unconstrained plan first): the
+    fastest that fits the budget, else the lowest-peak one (``pick``), explained.
+    ``with_timeline(candidate)``: the candidate simulated again, keeping its timeline
+    (for the chosen and the unconstrained plan only)."""
     baseline = candidates[0]
     if budget_bytes is None and budget_fraction is not None:
         budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
-    chosen, feasible = _pick(candidates, budget_bytes)
-    minimum = min(candidates, key=lambda c: (c.peak_bytes, c.extra_seconds))
-    chosen = evaluate(a, chosen.saved, chosen.extra_seconds, chosen.moves, keep_timeline=True)
-    baseline = evaluate(a, baseline.saved, 0.0, keep_timeline=True)
+    chosen, feasible = pick(candidates, budget_bytes)
+    minimum = min(candidates, key=lowest_peak)
+    chosen = with_timeline(chosen)
+    baseline = with_timeline(baseline)
     solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
     _explain(a, solution)
     return solution
@@ -408,3 +465,23 @@ def _explain(a: JointAnalysis, solution: Solution) -> None:
     for tensor in sorted(final - base, key=a.position.__getitem__):
         users = sorted((n.name for n in tensor.users if n in recomputed), key=str)
         solution.added[tensor] = f"saved so that {', '.join(users) or 'others'} can be recomputed"
+    solution.offloaded = offload_reasons(solution.chosen.transfers)
+
+
+def offload_reasons(transfers: TransferPlan | None) -> dict[fx.Node, str]:
+    """Why and how each offloaded tensor moves, for the plan's decision table."""
+    if transfers is None:
+        return {}
+    reasons = {}
+    for copy in transfers.copies:
+        if copy.direction == "d2h":
+            wait = transfers.offload_wait_after[copy.tensor].name
+            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
+            reasons[copy.tensor] = f"offloaded to host memory (copy {hidden}, forward waits after {wait})"
+    for copy in transfers.copies:
+        if copy.direction == "h2d" and copy.tensor in reasons:
+            before = transfers.reload_before[copy.tensor].name
+            behind = transfers.hidden_behind_seconds[copy.tensor] * 1e3
+            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
+            reasons[copy.tensor] += f"; reloaded from before {before}, behind {behind:.3f} ms of compute ({hidden})"
+    return reasons

@@ -21,7 +21,7 @@ block, while offloading what that plan saves lowers it). The recompute-only sequ
 a candidate set too, so enabling offload never predicts a slower plan.
 
 Every prefix of every sequence is a candidate plan, simulated. A budget picks the fastest
-candidate that fits, else the lowest-peak one (``passes.solve._pick``). The candidate set
+candidate that fits, else the lowest-peak one (``passes.solve.pick``). The candidate set
 does not depend on the budget, so a smaller budget never gets a larger predicted peak
 (monotone).
 """
@@ -44,19 +44,21 @@ from .solve import (
     Candidate,
     Group,
     Move,
+    OffloadMove,
+    PlanState,
+    Prefix,
     RecomputeMoves,
     Seconds,
     Solution,
-    _apply,
-    _explain,
-    _pick,
     best_move,
-    budget_of_fraction,
     greedy_moves,
+    lowest_peak,
+    prefixes,
+    select,
     solve_greedy,
     step_seconds,
 )
-from .transfer import LinkEstimate, Schedule, TransferPlan, plan_schedules, plan_transfers
+from .transfer import LinkEstimate, Schedule, plan_schedules, plan_transfers
 
 # Progress of long solves (large graphs take minutes): ``TORCH_LOGS=compile_offload`` shows it.
 log = logging.getLogger("compile_offload.solver")
@@ -102,7 +104,9 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
             sequence.append(plan)
         sequences.append(sequence)
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
-    return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
+    candidates = [evaluate(plan) for plan in plans]
+    return select(a, candidates, budget_bytes, budget_fraction,
+                  lambda c: evaluate(Prefix(c.saved, c.offloaded, c.moves), keep_timeline=True))
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
@@ -114,21 +118,12 @@ def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) ->
     points = [sequence[0]]
     for level in range(levels - 1, 0, -1):
         points.append(next((plan for plan, peak in zip(sequence, peaks) if peak < level / levels * peaks[0]), None))
-    points.append(min(sequence, key=lambda plan: _lowest(evaluate(plan))))
+    points.append(min(sequence, key=lambda plan: lowest_peak(evaluate(plan))))
     distinct = {id(plan): plan for plan in points if plan is not None}
     return list(distinct.values())
 
 
-def _lowest(candidate: Candidate) -> tuple[int, float]:
-    return candidate.peak_bytes, candidate.extra_seconds
-
-
 # --- the mixed greedy sequence ---------------------------------------------------------------
-
-
-def offload_group(tensor: fx.Node) -> Group:
-    """The move's subject: one storage-owning saved tensor, nothing recomputed."""
-    return Group(tensor, frozenset({tensor}), frozenset(), frozenset())
 
 
 def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.Node], eligible) -> list[fx.Node]:
@@ -161,19 +156,15 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     estimated exposed and launch time."""
     saved_sets = saved_sets or SavedSetCache(a, seconds)
     saved = set(base_saved)
-    recomputed = recomputed_nodes(a, saved)
-    offloaded: set[fx.Node] = set()
+    plan = PlanState(saved, recomputed_nodes(a, saved))
     eligible = _memo(offload.eligible)
     moves_of = RecomputeMoves(a, seconds)
     while True:
-        best = best_move(a, [*moves_of(saved, recomputed, skip=offloaded),
-                             *_offload_moves(a, saved, offloaded, offload, eligible, saved_sets)])
+        best = best_move(a, [*moves_of(plan.saved, plan.recomputed, skip=plan.offloaded),
+                             *_offload_moves(a, plan.saved, plan.offloaded, offload, eligible, saved_sets)])
         if best is None:
             return
-        if best.kind == "offload":
-            offloaded.add(best.group.root)
-        else:
-            _apply(best, saved, recomputed)
+        best.apply(plan)
         yield best
 
 
@@ -188,7 +179,8 @@ def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: Offloa
     link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
-        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload")
+        subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
+        yield OffloadMove(subject, (), added, a.bytes_of[tensor])
 
 
 def _memo(fn):
@@ -246,41 +238,6 @@ class SavedSetFacts:
 # --- candidates ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Prefix:
-    """A candidate before simulation: what the plan after a prefix of moves saves and
-    offloads, and the moves."""
-
-    saved: frozenset[fx.Node]
-    offloaded: frozenset[fx.Node]
-    moves: tuple[Move, ...]
-
-
-def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity: int = 0) -> Iterator[Prefix]:
-    """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
-    prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
-    the previous one kept; the last prefix is always kept. Each is yielded as soon as it
-    is known, so ``moves`` may be a generator."""
-    saved, offloaded = set(start.saved), set(start.offloaded)
-    recomputed = recomputed_nodes(a, saved)
-    applied: list[Move] = []
-    pending = 0
-    kept_last = False
-    for move in moves:
-        if move.kind == "offload":
-            offloaded.add(move.group.root)
-        else:
-            _apply(move, saved, recomputed)
-        applied.append(move)
-        pending += move.freed_bytes
-        kept_last = pending >= granularity
-        if kept_last:
-            yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
-            pending = 0
-    if applied and not kept_last:
-        yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
-
-
 def _unique(plans: list[Prefix]) -> list[Prefix]:
     """The first of each (saved, offloaded) pair, in order."""
     unique: dict[tuple[frozenset, frozenset], Prefix] = {}
@@ -329,40 +286,3 @@ class Evaluator:
             self.reported = now
             log.info("solving: %d candidate plans simulated in %.0f s", len(self.results), now - self.started)
         return candidate
-
-
-def _solution(a: JointAnalysis, plans: list[Prefix], budget_bytes: int | None, budget_fraction: float | None,
-              evaluate: Evaluator) -> Solution:
-    """Simulate every plan, pick by the budget (``passes.solve._pick``: the fastest that
-    fits, else the lowest peak) and explain the choice."""
-    candidates = [evaluate(plan) for plan in plans]
-    baseline = candidates[0]
-    if budget_bytes is None and budget_fraction is not None:
-        budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
-    chosen, feasible = _pick(candidates, budget_bytes)
-    minimum = min(candidates, key=_lowest)
-    chosen = evaluate(Prefix(chosen.saved, chosen.offloaded, chosen.moves), keep_timeline=True)
-    baseline = evaluate(plans[0], keep_timeline=True)
-    solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
-    _explain(a, solution)
-    solution.offloaded = offload_reasons(chosen.transfers)
-    return solution
-
-
-def offload_reasons(transfers: TransferPlan | None) -> dict[fx.Node, str]:
-    """Why and how each offloaded tensor moves, for the plan's decision table."""
-    if transfers is None:
-        return {}
-    reasons = {}
-    for copy in transfers.copies:
-        if copy.direction == "d2h":
-            wait = transfers.offload_wait_after[copy.tensor].name
-            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
-            reasons[copy.tensor] = f"offloaded to host memory (copy {hidden}, forward waits after {wait})"
-    for copy in transfers.copies:
-        if copy.direction == "h2d" and copy.tensor in reasons:
-            before = transfers.reload_before[copy.tensor].name
-            behind = transfers.hidden_behind_seconds[copy.tensor] * 1e3
-            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
-            reasons[copy.tensor] += f"; reloaded from before {before}, behind {behind:.3f} ms of compute ({hidden})"
-    return reasons

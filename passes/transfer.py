@@ -166,10 +166,6 @@ class TransferPlan:
         """What the copies add to a step: stalls and launches."""
         return self.exposed_seconds + self.launch_seconds
 
-    def link_seconds(self, direction: str) -> float:
-        """Time the link is busy in one direction."""
-        return sum(c.end - c.begin for c in self.copies if c.direction == direction)
-
 
 def plan_transfers(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.Node], seconds: Seconds,
                    profile: DeviceProfile, prefetch: bool = True,
@@ -348,10 +344,6 @@ class LinkEstimate:
         """The compute stream's time to launch the tensor's copies and waits."""
         copies = 2 if tensor in self.first_use else 1
         return 2 * copies * self.profile.launch_overhead_seconds
-
-    def link_seconds(self, tensor: fx.Node) -> tuple[float, float]:
-        """(d2h, h2d) seconds the tensor's copies occupy the link."""
-        return self._d2h(tensor), self._h2d(tensor)
 
 
 class _Queue:
