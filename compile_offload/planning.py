@@ -24,6 +24,7 @@ from .passes.solve import (
     step_seconds,
     without_banned_recompute,
 )
+from .passes.progress import Progress
 from .passes.solve_offload import OffloadOptions, solve_joint
 from .passes.transfer import TransferPlan, plan_transfers
 
@@ -116,10 +117,12 @@ def _plan_partition(
         base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
 
         solution = None
+        limit = settings.plan_time_limit
+        progress = Progress(None if limit is None else max(0.0, limit - (time.perf_counter() - started)), graph_name)
         if settings.solver == "exact":
             try:
                 solution = solve_exact(analysis, base_saved, seconds, settings.budget_bytes,
-                                       settings.exact_max_candidates, settings.budget_fraction)
+                                       settings.exact_max_candidates, settings.budget_fraction, progress)
             except SolverError as error:
                 warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=2)
         if solution is None:
@@ -131,7 +134,7 @@ def _plan_partition(
             if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
                 offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], settings.prefetch)
             solution = solve_joint(analysis, base_saved, seconds, settings.budget_bytes, settings.budget_fraction,
-                                   offload)
+                                   offload, progress)
         fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, solution.chosen.saved))
         chosen = solution.chosen
         fw_gm, bw_gm = _insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, settings,
@@ -151,9 +154,11 @@ def _plan_partition(
         return PartitionResult(plan, fw_gm, bw_gm, None, None)
     plan = make_plan(analysis, solution, seconds, settings, profile.name, graph_name,
                      time.perf_counter() - started)
+    if progress.out_of_time:
+        plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
     fw_gm, bw_gm = _force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     _report_budget(plan, settings)
-    if settings.plan_cache_dir is not None:
+    if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
 

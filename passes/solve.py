@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
 from .memory import PlanNodes, Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+from .progress import Progress
 from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
@@ -205,20 +206,19 @@ def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at
     return frozenset(closure), tuple(sorted(added, key=a.position.__getitem__))
 
 
-def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> list[Move]:
+def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> Iterator[Move]:
     """The greedy sequence of recompute moves from ``base_saved``, most bytes freed per
-    second of recompute first (ties: more bytes, then the earlier storage). Offload moves
-    are mixed in by ``passes.solve_offload``."""
+    second of recompute first (ties: more bytes, then the earlier storage), each yielded
+    as soon as chosen. Offload moves are mixed in by ``passes.solve_offload``."""
     saved = set(base_saved)
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
-    moves: list[Move] = []
     while True:
         best = best_move(a, moves_of(plan.saved, plan.recomputed))
         if best is None:
-            return moves
+            return
         best.apply(plan)
-        moves.append(best)
+        yield best
 
 
 def group_moves(a: JointAnalysis, group: Group, saved: set, recomputed: set, held: set, seconds: Seconds,
@@ -371,15 +371,42 @@ def pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bo
 
 
 def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                 budget_fraction: float | None = None) -> Solution:
-    """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits."""
+                 budget_fraction: float | None = None, progress: Progress | None = None,
+                 complete: bool = False) -> Solution:
+    """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits.
+
+    Without a budget the unconstrained plan is the answer: nothing is searched. With one,
+    the sequence stops as soon as no later plan can be chosen: recompute time only grows
+    along it, so once a plan fits, the first later plan with more recompute time ends the
+    search (plans with as much are still simulated, for the tie-break on peak). The choice
+    is that of simulating the whole sequence; what changes is ``Solution.minimum``, the
+    lowest peak among the plans simulated. ``complete=True`` simulates every plan anyway
+    (the reference the tests compare with, and the true minimum)."""
+    progress = progress or Progress()
     start = Prefix(frozenset(base_saved), frozenset(), ())
     candidates = [evaluate(a, start.saved, 0.0)]
+    budget_bytes = resolve_budget(a, candidates[0], budget_bytes, budget_fraction)
+    if budget_bytes is None and not complete:
+        return select(a, candidates, None, None, _with_timeline(a))
+    fitting_seconds = 0.0 if candidates[0].peak_bytes <= (budget_bytes or 0) else None
     recompute_seconds = 0.0
     for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
         recompute_seconds += plan.moves[-1].extra_seconds
+        if fitting_seconds is not None and recompute_seconds > fitting_seconds and not complete:
+            break
         candidates.append(evaluate(a, plan.saved, recompute_seconds, plan.moves))
-    return select(a, candidates, budget_bytes, budget_fraction, _with_timeline(a))
+        if fitting_seconds is None and budget_bytes is not None and candidates[-1].peak_bytes <= budget_bytes:
+            fitting_seconds = recompute_seconds
+        if not progress.step():
+            break
+    return select(a, candidates, budget_bytes, None, _with_timeline(a))
+
+
+def resolve_budget(a: JointAnalysis, baseline: Candidate, budget_bytes: int | None,
+                    budget_fraction: float | None) -> int | None:
+    if budget_bytes is None and budget_fraction is not None:
+        return budget_of_fraction(a, baseline, budget_fraction)
+    return budget_bytes
 
 
 def _with_timeline(a: JointAnalysis) -> Callable[[Candidate], Candidate]:
@@ -387,8 +414,11 @@ def _with_timeline(a: JointAnalysis) -> Callable[[Candidate], Candidate]:
     return lambda c: evaluate(a, c.saved, c.extra_seconds, c.moves, keep_timeline=True)
 
 
-def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int) -> list[Candidate]:
-    """Every valid plan that recomputes a subset of the storage groups saved by default."""
+def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int,
+                  progress: Progress | None = None) -> list[Candidate]:
+    """Every valid plan that recomputes a subset of the storage groups saved by default
+    (those simulated before ``progress`` runs out of time)."""
+    progress = progress or Progress()
     pool = _groups(a, base_saved)
     if len(pool) > max_candidates:
         raise SolverError(
@@ -410,12 +440,15 @@ def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds,
                 continue
             extra = _seconds_of(a, recomputed - base_recomputed, seconds)
             candidates.append(evaluate(a, saved, extra))
+            if not progress.step():
+                return candidates
     return candidates
 
 
 def solve_exact(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                max_candidates: int, budget_fraction: float | None = None) -> Solution:
-    candidates = exact_subsets(a, base_saved, seconds, max_candidates)
+                max_candidates: int, budget_fraction: float | None = None,
+                progress: Progress | None = None) -> Solution:
+    candidates = exact_subsets(a, base_saved, seconds, max_candidates, progress)
     # The unconstrained plan is the empty subset: first in the list.
     return select(a, candidates, budget_bytes, budget_fraction, _with_timeline(a))
 

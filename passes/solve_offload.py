@@ -28,8 +28,6 @@ does not depend on the budget, so a smaller budget never gets a larger predicted
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -54,15 +52,13 @@ from .solve import (
     greedy_moves,
     lowest_peak,
     prefixes,
+    resolve_budget,
     select,
     solve_greedy,
     step_seconds,
 )
-from .transfer import LinkEstimate, Schedule, plan_schedules, plan_transfers
-
-# Progress of long solves (large graphs take minutes): ``TORCH_LOGS=compile_offload`` shows it.
-log = logging.getLogger("compile_offload.solver")
-PROGRESS_EVERY_SECONDS = 10.0
+from .progress import Progress
+from .transfer import LinkEstimate, Schedule, TransferPlan, plan_schedules, plan_transfers
 
 
 @dataclass(frozen=True)
@@ -83,30 +79,73 @@ BRANCHES = 8
 
 
 def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                budget_fraction: float | None = None, offload: OffloadOptions | None = None) -> Solution:
+                budget_fraction: float | None = None, offload: OffloadOptions | None = None,
+                progress: Progress | None = None, complete: bool = False) -> Solution:
     """Keep, recompute or offload each saved tensor so the simulated peak fits the budget
     at the least predicted step time. ``offload=None`` is recompute only
-    (``passes.solve.solve_greedy``)."""
+    (``passes.solve.solve_greedy``).
+
+    Without a budget the unconstrained plan is the answer: nothing is searched. With one,
+    every candidate plan is priced (its predicted step time, copies included) as it is
+    generated, but its memory is simulated only when the choice needs it: in order of
+    price, until the cheapest plans that fit are known (``select_by_price``). The choice is
+    that of simulating every plan; ``Solution.minimum`` is the lowest peak simulated.
+    ``complete=True`` simulates every plan (the reference the tests compare with)."""
+    progress = progress or Progress()
     if offload is None:
-        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction)
+        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete)
     saved_sets = SavedSetCache(a, seconds)
     evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     start = Prefix(frozenset(base_saved), frozenset(), ())
+    with_timeline = lambda c: evaluate(Prefix(c.saved, c.offloaded, c.moves), keep_timeline=True)  # noqa: E731
+    baseline = evaluate(start)
+    budget_bytes = resolve_budget(a, baseline, budget_bytes, budget_fraction)
+    if budget_bytes is None and not complete:
+        return select(a, [baseline], None, None, with_timeline)
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
-    # predicts a slower plan), and mixed sequences branching off it.
-    recompute = list(prefixes(a, start, greedy_moves(a, base_saved, seconds)))
-    granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
+    # predicts a slower plan), and mixed sequences branching off it. The recompute-only
+    # plans are simulated as they come: where the branches start depends on their peaks.
+    recompute = []
+    for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
+        evaluate(plan)
+        recompute.append(plan)
+        if not progress.step():
+            break
+    granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     sequences = [recompute]
     for branch in branch_points([start, *recompute], evaluate, BRANCHES):
+        if progress.out_of_time:
+            break
         sequence = []
         for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets), granularity):
-            evaluate(plan)  # now, while ``saved_sets`` still holds its saved set (results are kept)
+            evaluate.price(plan)  # now, while ``saved_sets`` still holds its saved set (prices are kept)
             sequence.append(plan)
+            if not progress.step():
+                break
         sequences.append(sequence)
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
-    candidates = [evaluate(plan) for plan in plans]
-    return select(a, candidates, budget_bytes, budget_fraction,
-                  lambda c: evaluate(Prefix(c.saved, c.offloaded, c.moves), keep_timeline=True))
+    candidates = select_by_price(plans, evaluate, budget_bytes, complete)
+    return select(a, candidates, budget_bytes, None, with_timeline)
+
+
+def select_by_price(plans: list[Prefix], evaluate: "Evaluator", budget_bytes: int | None,
+                    complete: bool = False) -> list[Candidate]:
+    """The candidates ``passes.solve.pick`` needs to choose among ``plans`` (the
+    unconstrained plan first) as if all were simulated: plans are simulated cheapest
+    first, and once one fits, every plan as cheap is simulated (the tie-break on peak and
+    order) and none dearer. When none fits, every plan is simulated (the lowest peak is
+    chosen). Returned in the order of ``plans``."""
+    order = sorted(range(len(plans)), key=lambda i: (evaluate.price(plans[i])[0], i))
+    simulated = {0: evaluate(plans[0])}
+    fitting_seconds = None
+    for i in order:
+        extra = evaluate.price(plans[i])[0]
+        if fitting_seconds is not None and extra > fitting_seconds and not complete:
+            break
+        simulated[i] = candidate = evaluate(plans[i])
+        if fitting_seconds is None and budget_bytes is not None and candidate.peak_bytes <= budget_bytes:
+            fitting_seconds = extra
+    return [simulated[i] for i in sorted(simulated)]
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
@@ -260,29 +299,33 @@ class Evaluator:
         self.steps = StepBuilder(a, a.fusion)  # plans are simulated in sequence order
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
-        self.started = self.reported = time.perf_counter()
+        self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
+
+    def price(self, plan: Prefix) -> tuple[float, TransferPlan | None]:
+        """(extra seconds, copies) of a plan, without simulating its memory."""
+        key = (plan.saved, plan.offloaded)
+        if key not in self.prices:
+            facts = self.saved_sets(plan.saved)
+            transfers = (plan_transfers(self.a, set(plan.saved), set(plan.offloaded), self.seconds,
+                                        self.offload.profile, self.offload.prefetch, facts.schedules)
+                         if plan.offloaded else None)
+            copies = transfers.added_seconds if transfers else 0.0
+            self.prices[key] = (facts.step_seconds - self.base_seconds + copies, transfers)
+        return self.prices[key]
 
     def __call__(self, plan: Prefix, keep_timeline: bool = False) -> Candidate:
         key = (plan.saved, plan.offloaded)
         if key in self.results and not keep_timeline:
             return self.results[key]
-        saved, offloaded = set(plan.saved), set(plan.offloaded)
+        extra, transfers = self.price(plan)
         facts = self.saved_sets(plan.saved)
-        transfers = (plan_transfers(self.a, saved, offloaded, self.seconds, self.offload.profile,
-                                    self.offload.prefetch, facts.schedules) if offloaded else None)
         timeline = simulate(plan_program(
-            self.a, saved, offloaded, fusion=self.a.fusion,
+            self.a, set(plan.saved), set(plan.offloaded), fusion=self.a.fusion,
             reload_distance=transfers.reload_distance if transfers else None,
             offload_wait_after=transfers.offload_wait_after if transfers else None,
             computed=self.steps(plan.saved, facts.nodes),
         ))
-        copies = transfers.added_seconds if transfers else 0.0
-        extra = facts.step_seconds - self.base_seconds + copies
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
                               timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
         self.results.setdefault(key, candidate)
-        now = time.perf_counter()
-        if now - self.reported > PROGRESS_EVERY_SECONDS:
-            self.reported = now
-            log.info("solving: %d candidate plans simulated in %.0f s", len(self.results), now - self.started)
         return candidate
