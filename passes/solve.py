@@ -4,10 +4,15 @@ Start from the unconstrained plan (torch.compile's default saved set). A *move* 
 one saved tensor in the backward instead of saving it; the tensors it is computed from are
 saved in its place unless they are already saved or recomputed. The greedy solver applies,
 one at a time, the move that frees the most bytes per second of recompute; this gives a
-sequence of plans with falling saved bytes and rising step time. Every plan in the sequence
-is simulated (``passes.memory``), and a budget picks the first plan whose simulated peak
-fits. Choosing the first fitting plan of one fixed sequence makes the result monotone: a
-smaller budget never gets a larger predicted peak.
+sequence of plans with falling saved bytes and rising step time. A budget picks the first
+plan whose simulated peak (``passes.memory``) fits; plans are simulated only until that
+answer is known, and without a budget not at all. Choosing the first fitting plan of one
+fixed sequence makes the result monotone: a smaller budget never gets a larger predicted
+peak.
+
+Both solvers share one skeleton: a ``Move`` applies itself to a ``PlanState``,
+``prefixes`` turns a sequence of moves into candidate plans, and ``select`` picks among
+the simulated candidates and explains the choice.
 
 The exact solver enumerates every subset of candidate tensors (small graphs only) and
 returns the fastest plan that fits, with the same tie-breaking, so it is monotone too.

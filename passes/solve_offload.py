@@ -20,8 +20,9 @@ which the recompute greedy only raises the peak, recomputing the residual stream
 block, while offloading what that plan saves lowers it). The recompute-only sequence is
 a candidate set too, so enabling offload never predicts a slower plan.
 
-Every prefix of every sequence is a candidate plan, simulated. A budget picks the fastest
-candidate that fits, else the lowest-peak one (``passes.solve.pick``). The candidate set
+Every prefix of every sequence is a candidate plan. A budget picks the fastest candidate
+that fits, else the lowest-peak one (``passes.solve.pick``); memory is simulated cheapest
+candidate first, only until that choice is known (``select_by_price``). The candidate set
 does not depend on the budget, so a smaller budget never gets a larger predicted peak
 (monotone).
 """
