@@ -59,7 +59,7 @@ from .solve import (
     step_seconds,
 )
 from .progress import Progress
-from .transfer import LinkEstimate, Schedule, TransferPlan, plan_schedules, plan_transfers
+from .transfer import LinkEstimate, Schedule, TransferPlan, first_backward_uses, plan_schedules, plan_transfers
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,9 @@ def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: Offloa
     candidates = offloadable(a, saved, offloaded, eligible)
     if not candidates:
         return
-    forward, backward = saved_sets(saved).schedules
-    link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
+    facts = saved_sets(saved)
+    forward, backward = facts.schedules
+    link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch, facts.first_uses)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
         subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
@@ -269,6 +270,12 @@ class SavedSetFacts:
     @cached_property
     def schedules(self) -> tuple[Schedule, Schedule]:
         return plan_schedules(self.nodes, self.seconds)
+
+    @cached_property
+    def first_uses(self) -> dict[fx.Node, int]:
+        """Each forward node's first use in the backward schedule (``LinkEstimate``'s)."""
+        forward, backward = self.schedules
+        return first_backward_uses(self.a, backward, forward.index)
 
     @cached_property
     def step_seconds(self) -> float:
