@@ -125,17 +125,18 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
                 break
         sequences.append(sequence)
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
-    candidates = select_by_price(plans, evaluate, budget_bytes, complete)
+    candidates = select_by_price(plans, evaluate, budget_bytes, complete, progress)
     return select(a, candidates, budget_bytes, None, with_timeline)
 
 
 def select_by_price(plans: list[Prefix], evaluate: "Evaluator", budget_bytes: int | None,
-                    complete: bool = False) -> list[Candidate]:
+                    complete: bool = False, progress: Progress | None = None) -> list[Candidate]:
     """The candidates ``passes.solve.pick`` needs to choose among ``plans`` (the
     unconstrained plan first) as if all were simulated: plans are simulated cheapest
     first, and once one fits, every plan as cheap is simulated (the tie-break on peak and
     order) and none dearer. When none fits, every plan is simulated (the lowest peak is
-    chosen). Returned in the order of ``plans``."""
+    chosen). Returned in the order of ``plans``. Once ``progress`` is out of time, only
+    plans already simulated are taken."""
     order = sorted(range(len(plans)), key=lambda i: (evaluate.price(plans[i])[0], i))
     simulated = {0: evaluate(plans[0])}
     fitting_seconds = None
@@ -143,6 +144,8 @@ def select_by_price(plans: list[Prefix], evaluate: "Evaluator", budget_bytes: in
         extra = evaluate.price(plans[i])[0]
         if fitting_seconds is not None and extra > fitting_seconds and not complete:
             break
+        if progress is not None and progress.out_of_time and not evaluate.simulated(plans[i]):
+            continue
         simulated[i] = candidate = evaluate(plans[i])
         if fitting_seconds is None and budget_bytes is not None and candidate.peak_bytes <= budget_bytes:
             fitting_seconds = extra
@@ -308,6 +311,9 @@ class Evaluator:
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
+
+    def simulated(self, plan: Prefix) -> bool:
+        return (plan.saved, plan.offloaded) in self.results
 
     def price(self, plan: Prefix) -> tuple[float, TransferPlan | None]:
         """(extra seconds, copies) of a plan, without simulating its memory."""
