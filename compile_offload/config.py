@@ -76,6 +76,12 @@ solver: str = Config(default="greedy", env_name_default="COMPILE_OFFLOAD_SOLVER"
 # The exact solver refuses graphs with more candidate storages than this (2**n plans).
 exact_max_candidates = Config(default=12, env_name_default="COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES", value_type=Optional[str])
 
+# Seconds one graph's planning may take (None: no limit). When they run out, the solver
+# stops searching and returns the best plan among those it has simulated (the
+# unconstrained plan at least), with one warning. Planning longer than about 5 s reports
+# its progress on stderr and on the compile_offload logger either way.
+plan_time_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PLAN_TIME_LIMIT", value_type=Optional[str])
+
 # Folder for dumped graphs and plans (one sub-folder per compiled graph). None: no dump.
 dump_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_DUMP_DIR", value_type=Optional[str])
 

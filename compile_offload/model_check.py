@@ -69,7 +69,8 @@ from .passes.cost import BUILTIN_PROFILES, H100_CALIBRATION, H100_DATASHEET, Dev
 from .passes.memory import Program, compute_steps, fused_nodes, plan_nodes, plan_program, simulate
 from .passes.offload import eligible_for_offload
 from .passes.solve import SolverError, step_seconds, without_banned_recompute
-from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool, pick
+from .passes.solve import pick
+from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool
 from .passes.refine import refine
 from .passes.solve_offload import Evaluator, OffloadOptions, solve_joint
 

@@ -23,6 +23,7 @@ from .passes.memory import fused_nodes
 from .passes.offload import eligible_for_offload
 from .passes.plan import Plan, format_bytes
 from .passes.rewrite import build_graphs
+from .passes.progress import Progress
 from .passes.solve import Solution, SolverError, solve_exact, without_banned_recompute
 from .passes.solve_offload import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
@@ -97,16 +98,19 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
         offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0] and policy.may_offload(node),
                                  settings.prefetch)
     exact_failed: list[str] = []
+    limit = settings.plan_time_limit
+    progress = Progress(None if limit is None else max(0.0, limit - (time.perf_counter() - started)), graph_name)
 
     def solve(cost) -> Solution:
         if settings.solver == "exact" and not exact_failed:
             try:
                 return solve_exact(analysis, base_saved, cost, settings.budget_bytes,
-                                   settings.exact_max_candidates, settings.budget_fraction)
+                                   settings.exact_max_candidates, settings.budget_fraction, progress)
             except SolverError as error:
                 exact_failed.append(str(error))
                 warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=5)
-        return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload)
+        return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload,
+                           progress)
 
     solution = solve(seconds)
     if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
@@ -122,9 +126,11 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
+    if progress.out_of_time:
+        plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
                                  planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
-    if settings.plan_cache_dir is not None:
+    if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
 

@@ -49,6 +49,7 @@ class Settings:
     inner_compiler: str
     pinned_pool_limit: int | None
     suppress_errors: bool = False
+    plan_time_limit: float | None = None
 
     def describe_budget(self) -> str:
         if self.budget_bytes is not None:
@@ -165,6 +166,27 @@ def _flag(knob: str, value: object, from_environment: bool = False) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: True or False")
     return value
+
+
+def parse_time_limit(value: object) -> float | None:
+    """``plan_time_limit``: None, or seconds >= 0 (an int, a float, or a number string from
+    the environment)."""
+    accepted = "None or a number of seconds >= 0 (such as 30 or 2.5)"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() in ("none", ""):
+            return None
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"compile_offload.config.plan_time_limit={value!r} is not a number; accepted: {accepted}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"compile_offload.config.plan_time_limit={value!r} has type {type(value).__name__}; "
+                        f"accepted: {accepted}")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"compile_offload.config.plan_time_limit={value!r}: accepted: {accepted}")
+    return float(value)
 
 
 def check_option_names(options: dict) -> None:
@@ -291,6 +313,7 @@ def resolve(overrides: dict | None = None) -> Settings:
     if pool_limit is not None:
         pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
     settings = Settings(
+        plan_time_limit=parse_time_limit(values["plan_time_limit"]),
         budget_bytes=budget_bytes,
         budget_fraction=budget_fraction,
         strict_budget=_flag("strict_budget", values["strict_budget"], from_environment("strict_budget")),

@@ -4,10 +4,15 @@ Start from the unconstrained plan (torch.compile's default saved set). A *move* 
 one saved tensor in the backward instead of saving it; the tensors it is computed from are
 saved in its place unless they are already saved or recomputed. The greedy solver applies,
 one at a time, the move that frees the most bytes per second of recompute; this gives a
-sequence of plans with falling saved bytes and rising step time. Every plan in the sequence
-is simulated (``passes.memory``), and a budget picks the first plan whose simulated peak
-fits. Choosing the first fitting plan of one fixed sequence makes the result monotone: a
-smaller budget never gets a larger predicted peak.
+sequence of plans with falling saved bytes and rising step time. A budget picks the first
+plan whose simulated peak (``passes.memory``) fits; plans are simulated only until that
+answer is known, and without a budget not at all. Choosing the first fitting plan of one
+fixed sequence makes the result monotone: a smaller budget never gets a larger predicted
+peak.
+
+Both solvers share one skeleton: a ``Move`` applies itself to a ``PlanState``,
+``prefixes`` turns a sequence of moves into candidate plans, and ``select`` picks among
+the simulated candidates and explains the choice.
 
 The exact solver enumerates every subset of candidate tensors (small graphs only) and
 returns the fastest plan that fits, with the same tie-breaking, so it is monotone too.
@@ -17,13 +22,15 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
 from .memory import PlanNodes, Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+from .progress import Progress
 from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
@@ -34,15 +41,42 @@ class SolverError(RuntimeError):
 
 
 @dataclass
+class PlanState:
+    """A plan being built move by move: what the forward saves, what the backward
+    recomputes, and which saved storages go to host memory."""
+
+    saved: set[fx.Node]
+    recomputed: set[fx.Node]
+    offloaded: set[fx.Node] = field(default_factory=set)
+
+
+@dataclass
 class Move:
     """Recompute ``group`` in the backward, saving ``added`` in its place."""
+
+    kind: ClassVar[str] = "recompute"
 
     group: "Group"
     added: tuple[fx.Node, ...]
     extra_seconds: float
     freed_bytes: int
     closure: frozenset[fx.Node] = frozenset()  # every node the move recomputes
-    kind: str = "recompute"  # or "offload": copy the group's storage to host memory instead
+
+    def apply(self, plan: PlanState) -> None:
+        plan.saved.difference_update(self.group.members)
+        plan.recomputed.update(self.closure)
+        plan.saved.update(self.added)
+
+
+@dataclass
+class OffloadMove(Move):
+    """Copy ``group``'s storage (one storage-owning saved tensor) to host memory after its
+    producer and reload it for the backward; nothing is recomputed."""
+
+    kind: ClassVar[str] = "offload"
+
+    def apply(self, plan: PlanState) -> None:
+        plan.offloaded.add(self.group.root)
 
 
 @dataclass
@@ -126,13 +160,6 @@ def storage_group(a: JointAnalysis, members: Iterable[fx.Node]) -> Group | None:
     return Group(root, members, frozenset(closure), sources)
 
 
-def is_candidate(a: JointAnalysis, node: fx.Node) -> bool:
-    """Could this saved tensor be recomputed instead? (Not an input, not banned, a tensor.)"""
-    if node in a.steady or node.op == "placeholder" or tensor_value(node) is None:
-        return False
-    return storage_group(a, [node]) is not None
-
-
 def _groups(a: JointAnalysis, saved: Iterable[fx.Node], group_of=None) -> list[Group]:
     """The recomputable storage groups of ``saved``, in graph order. ``group_of(members)``:
     ``storage_group(a, members)``, or a memo of it."""
@@ -184,20 +211,19 @@ def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at
     return frozenset(closure), tuple(sorted(added, key=a.position.__getitem__))
 
 
-def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> list[Move]:
+def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> Iterator[Move]:
     """The greedy sequence of recompute moves from ``base_saved``, most bytes freed per
-    second of recompute first (ties: more bytes, then the earlier storage). Offload moves
-    are mixed in by ``passes.solve_offload``."""
+    second of recompute first (ties: more bytes, then the earlier storage), each yielded
+    as soon as chosen. Offload moves are mixed in by ``passes.solve_offload``."""
     saved = set(base_saved)
-    recomputed = recomputed_nodes(a, saved)
+    plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
-    moves: list[Move] = []
     while True:
-        best = best_move(a, moves_of(saved, recomputed))
+        best = best_move(a, moves_of(plan.saved, plan.recomputed))
         if best is None:
-            return moves
-        _apply(best, saved, recomputed)
-        moves.append(best)
+            return
+        best.apply(plan)
+        yield best
 
 
 def group_moves(a: JointAnalysis, group: Group, saved: set, recomputed: set, held: set, seconds: Seconds,
@@ -282,10 +308,36 @@ def best_move(a: JointAnalysis, moves: Iterable[Move]) -> Move | None:
     return best
 
 
-def _apply(move: Move, saved: set, recomputed: set) -> None:
-    saved.difference_update(move.group.members)
-    recomputed.update(move.closure)
-    saved.update(move.added)
+@dataclass(frozen=True)
+class Prefix:
+    """A candidate before simulation: what the plan after a prefix of moves saves and
+    offloads, and the moves."""
+
+    saved: frozenset[fx.Node]
+    offloaded: frozenset[fx.Node]
+    moves: tuple[Move, ...]
+
+
+def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity: int = 0) -> Iterator[Prefix]:
+    """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
+    prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
+    the previous one kept; the last prefix is always kept. Each is yielded as soon as it
+    is known, so ``moves`` may be a generator."""
+    saved = set(start.saved)
+    plan = PlanState(saved, recomputed_nodes(a, saved), set(start.offloaded))
+    applied: list[Move] = []
+    pending = 0
+    kept_last = False
+    for move in moves:
+        move.apply(plan)
+        applied.append(move)
+        pending += move.freed_bytes
+        kept_last = pending >= granularity
+        if kept_last:
+            yield Prefix(frozenset(plan.saved), frozenset(plan.offloaded), start.moves + tuple(applied))
+            pending = 0
+    if applied and not kept_last:
+        yield Prefix(frozenset(plan.saved), frozenset(plan.offloaded), start.moves + tuple(applied))
 
 
 def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
@@ -312,7 +364,7 @@ def _seconds_of(a: JointAnalysis, nodes: Iterable[fx.Node], seconds: Seconds) ->
     return sum(seconds(n) for n in sorted(nodes, key=a.position.__getitem__) if n.op == "call_function")
 
 
-def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:
+def pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:
     """The fastest candidate whose peak fits (ties: lower peak, then earlier); else the
     lowest-peak one, reported infeasible."""
     if budget is None:
@@ -324,22 +376,54 @@ def _pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, b
 
 
 def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                 budget_fraction: float | None = None) -> Solution:
-    """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits."""
-    candidates = [evaluate(a, set(base_saved), 0.0)]
-    saved = set(base_saved)
-    recomputed = recomputed_nodes(a, saved)
+                 budget_fraction: float | None = None, progress: Progress | None = None,
+                 complete: bool = False) -> Solution:
+    """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits.
+
+    Without a budget the unconstrained plan is the answer: nothing is searched. With one,
+    the sequence stops as soon as no later plan can be chosen: recompute time only grows
+    along it, so once a plan fits, the first later plan with more recompute time ends the
+    search (plans with as much are still simulated, for the tie-break on peak). The choice
+    is that of simulating the whole sequence; what changes is ``Solution.minimum``, the
+    lowest peak among the plans simulated. ``complete=True`` simulates every plan anyway
+    (the reference the tests compare with, and the true minimum)."""
+    progress = progress or Progress()
+    start = Prefix(frozenset(base_saved), frozenset(), ())
+    candidates = [evaluate(a, start.saved, 0.0)]
+    budget_bytes = resolve_budget(a, candidates[0], budget_bytes, budget_fraction)
+    if budget_bytes is None and not complete:
+        return select(a, candidates, None, None, _with_timeline(a))
+    fitting_seconds = 0.0 if candidates[0].peak_bytes <= (budget_bytes or 0) else None
     recompute_seconds = 0.0
-    moves = greedy_moves(a, base_saved, seconds)
-    for index, move in enumerate(moves):
-        _apply(move, saved, recomputed)
-        recompute_seconds += move.extra_seconds
-        candidates.append(evaluate(a, saved, recompute_seconds, moves[: index + 1]))
-    return _solution(a, candidates, budget_bytes, budget_fraction)
+    for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
+        recompute_seconds += plan.moves[-1].extra_seconds
+        if fitting_seconds is not None and recompute_seconds > fitting_seconds and not complete:
+            break
+        candidates.append(evaluate(a, plan.saved, recompute_seconds, plan.moves))
+        if fitting_seconds is None and budget_bytes is not None and candidates[-1].peak_bytes <= budget_bytes:
+            fitting_seconds = recompute_seconds
+        if not progress.step():
+            break
+    return select(a, candidates, budget_bytes, None, _with_timeline(a))
 
 
-def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int) -> list[Candidate]:
-    """Every valid plan that recomputes a subset of the storage groups saved by default."""
+def resolve_budget(a: JointAnalysis, baseline: Candidate, budget_bytes: int | None,
+                    budget_fraction: float | None) -> int | None:
+    if budget_bytes is None and budget_fraction is not None:
+        return budget_of_fraction(a, baseline, budget_fraction)
+    return budget_bytes
+
+
+def _with_timeline(a: JointAnalysis) -> Callable[[Candidate], Candidate]:
+    """A recompute-only candidate simulated again, keeping its timeline."""
+    return lambda c: evaluate(a, c.saved, c.extra_seconds, c.moves, keep_timeline=True)
+
+
+def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, max_candidates: int,
+                  progress: Progress | None = None) -> list[Candidate]:
+    """Every valid plan that recomputes a subset of the storage groups saved by default
+    (those simulated before ``progress`` runs out of time)."""
+    progress = progress or Progress()
     pool = _groups(a, base_saved)
     if len(pool) > max_candidates:
         raise SolverError(
@@ -361,14 +445,17 @@ def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds,
                 continue
             extra = _seconds_of(a, recomputed - base_recomputed, seconds)
             candidates.append(evaluate(a, saved, extra))
+            if not progress.step():
+                return candidates
     return candidates
 
 
 def solve_exact(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                max_candidates: int, budget_fraction: float | None = None) -> Solution:
-    candidates = exact_subsets(a, base_saved, seconds, max_candidates)
+                max_candidates: int, budget_fraction: float | None = None,
+                progress: Progress | None = None) -> Solution:
+    candidates = exact_subsets(a, base_saved, seconds, max_candidates, progress)
     # The unconstrained plan is the empty subset: first in the list.
-    return _solution(a, candidates, budget_bytes, budget_fraction)
+    return select(a, candidates, budget_bytes, budget_fraction, _with_timeline(a))
 
 
 def budget_of_fraction(a: JointAnalysis, baseline: Candidate, fraction: float) -> int:
@@ -383,15 +470,23 @@ def budget_of_fraction(a: JointAnalysis, baseline: Candidate, fraction: float) -
     return int(baseline.peak_bytes - (1.0 - fraction) * saved_bytes)
 
 
-def _solution(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None,
-              budget_fraction: float | None) -> Solution:
+def lowest_peak(candidate: Candidate) -> tuple[int, float]:
+    return candidate.peak_bytes, candidate.extra_seconds
+
+
+def select(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None, budget_fraction: float | None,
+           with_timeline: Callable[[Candidate], Candidate]) -> Solution:
+    """The solution among simulated ``candidates`` (the unconstrained plan first): the
+    fastest that fits the budget, else the lowest-peak one (``pick``), explained.
+    ``with_timeline(candidate)``: the candidate simulated again, keeping its timeline
+    (for the chosen and the unconstrained plan only)."""
     baseline = candidates[0]
     if budget_bytes is None and budget_fraction is not None:
         budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
-    chosen, feasible = _pick(candidates, budget_bytes)
-    minimum = min(candidates, key=lambda c: (c.peak_bytes, c.extra_seconds))
-    chosen = evaluate(a, chosen.saved, chosen.extra_seconds, chosen.moves, keep_timeline=True)
-    baseline = evaluate(a, baseline.saved, 0.0, keep_timeline=True)
+    chosen, feasible = pick(candidates, budget_bytes)
+    minimum = min(candidates, key=lowest_peak)
+    chosen = with_timeline(chosen)
+    baseline = with_timeline(baseline)
     solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
     _explain(a, solution)
     return solution
@@ -408,3 +503,23 @@ def _explain(a: JointAnalysis, solution: Solution) -> None:
     for tensor in sorted(final - base, key=a.position.__getitem__):
         users = sorted((n.name for n in tensor.users if n in recomputed), key=str)
         solution.added[tensor] = f"saved so that {', '.join(users) or 'others'} can be recomputed"
+    solution.offloaded = offload_reasons(solution.chosen.transfers)
+
+
+def offload_reasons(transfers: TransferPlan | None) -> dict[fx.Node, str]:
+    """Why and how each offloaded tensor moves, for the plan's decision table."""
+    if transfers is None:
+        return {}
+    reasons = {}
+    for copy in transfers.copies:
+        if copy.direction == "d2h":
+            wait = transfers.offload_wait_after[copy.tensor].name
+            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
+            reasons[copy.tensor] = f"offloaded to host memory (copy {hidden}, forward waits after {wait})"
+    for copy in transfers.copies:
+        if copy.direction == "h2d" and copy.tensor in reasons:
+            before = transfers.reload_before[copy.tensor].name
+            behind = transfers.hidden_behind_seconds[copy.tensor] * 1e3
+            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
+            reasons[copy.tensor] += f"; reloaded from before {before}, behind {behind:.3f} ms of compute ({hidden})"
+    return reasons

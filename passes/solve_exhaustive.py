@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
 from .memory import recomputed_nodes
-from .solve import Candidate, Seconds, SolverError, _pick, greedy_moves, storage_group
+from .solve import Candidate, Seconds, SolverError, greedy_moves, pick, storage_group
 from .solve_offload import Evaluator, OffloadOptions, Prefix, mixed_moves, offloadable
 
 DEFAULT_MAX_PLANS = 100_000
@@ -93,13 +93,8 @@ def solve_exhaustive(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: S
                      offload: OffloadOptions | None, pool: Iterable[fx.Node],
                      max_plans: int = DEFAULT_MAX_PLANS) -> tuple[Candidate, bool]:
     """(the fastest plan whose predicted peak fits ``budget_bytes``, whether one fits);
-    when none fits, the lowest-peak plan (the tie-breaking of ``solve._pick``)."""
-    return _pick(exhaustive_candidates(a, base_saved, seconds, offload, pool, max_plans), budget_bytes)
-
-
-def pick(candidates: list[Candidate], budget_bytes: int | None) -> tuple[Candidate, bool]:
-    """``solve._pick`` over already evaluated candidates (a sweep evaluates once)."""
-    return _pick(candidates, budget_bytes)
+    when none fits, the lowest-peak plan (the tie-breaking of ``solve.pick``)."""
+    return pick(exhaustive_candidates(a, base_saved, seconds, offload, pool, max_plans), budget_bytes)
 
 
 def _split_pool(a: JointAnalysis, base_saved: list[fx.Node], pool: Iterable[fx.Node]):

@@ -20,16 +20,15 @@ which the recompute greedy only raises the peak, recomputing the residual stream
 block, while offloading what that plan saves lowers it). The recompute-only sequence is
 a candidate set too, so enabling offload never predicts a slower plan.
 
-Every prefix of every sequence is a candidate plan, simulated. A budget picks the fastest
-candidate that fits, else the lowest-peak one (``passes.solve._pick``). The candidate set
+Every prefix of every sequence is a candidate plan. A budget picks the fastest candidate
+that fits, else the lowest-peak one (``passes.solve.pick``); memory is simulated cheapest
+candidate first, only until that choice is known (``select_by_price``). The candidate set
 does not depend on the budget, so a smaller budget never gets a larger predicted peak
 (monotone).
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -44,23 +43,23 @@ from .solve import (
     Candidate,
     Group,
     Move,
+    OffloadMove,
+    PlanState,
+    Prefix,
     RecomputeMoves,
     Seconds,
     Solution,
-    _apply,
-    _explain,
-    _pick,
     best_move,
-    budget_of_fraction,
     greedy_moves,
+    lowest_peak,
+    prefixes,
+    resolve_budget,
+    select,
     solve_greedy,
     step_seconds,
 )
-from .transfer import LinkEstimate, Schedule, TransferPlan, plan_schedules, plan_transfers
-
-# Progress of long solves (large graphs take minutes): ``TORCH_LOGS=compile_offload`` shows it.
-log = logging.getLogger("compile_offload.solver")
-PROGRESS_EVERY_SECONDS = 10.0
+from .progress import Progress
+from .transfer import LinkEstimate, Schedule, TransferPlan, first_backward_uses, plan_schedules, plan_transfers
 
 
 @dataclass(frozen=True)
@@ -81,28 +80,76 @@ BRANCHES = 8
 
 
 def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
-                budget_fraction: float | None = None, offload: OffloadOptions | None = None) -> Solution:
+                budget_fraction: float | None = None, offload: OffloadOptions | None = None,
+                progress: Progress | None = None, complete: bool = False) -> Solution:
     """Keep, recompute or offload each saved tensor so the simulated peak fits the budget
     at the least predicted step time. ``offload=None`` is recompute only
-    (``passes.solve.solve_greedy``)."""
+    (``passes.solve.solve_greedy``).
+
+    Without a budget the unconstrained plan is the answer: nothing is searched. With one,
+    every candidate plan is priced (its predicted step time, copies included) as it is
+    generated, but its memory is simulated only when the choice needs it: in order of
+    price, until the cheapest plans that fit are known (``select_by_price``). The choice is
+    that of simulating every plan; ``Solution.minimum`` is the lowest peak simulated.
+    ``complete=True`` simulates every plan (the reference the tests compare with)."""
+    progress = progress or Progress()
     if offload is None:
-        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction)
+        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete)
     saved_sets = SavedSetCache(a, seconds)
     evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     start = Prefix(frozenset(base_saved), frozenset(), ())
+    with_timeline = lambda c: evaluate(Prefix(c.saved, c.offloaded, c.moves), keep_timeline=True)  # noqa: E731
+    baseline = evaluate(start)
+    budget_bytes = resolve_budget(a, baseline, budget_bytes, budget_fraction)
+    if budget_bytes is None and not complete:
+        return select(a, [baseline], None, None, with_timeline)
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
-    # predicts a slower plan), and mixed sequences branching off it.
-    recompute = list(prefixes(a, start, greedy_moves(a, base_saved, seconds)))
-    granularity = int(EVALUATION_GRANULARITY * evaluate(start).peak_bytes)
+    # predicts a slower plan), and mixed sequences branching off it. The recompute-only
+    # plans are simulated as they come: where the branches start depends on their peaks.
+    recompute = []
+    for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
+        evaluate(plan)
+        recompute.append(plan)
+        if not progress.step():
+            break
+    granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     sequences = [recompute]
     for branch in branch_points([start, *recompute], evaluate, BRANCHES):
+        if progress.out_of_time:
+            break
         sequence = []
         for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets), granularity):
-            evaluate(plan)  # now, while ``saved_sets`` still holds its saved set (results are kept)
+            evaluate.price(plan)  # now, while ``saved_sets`` still holds its saved set (prices are kept)
             sequence.append(plan)
+            if not progress.step():
+                break
         sequences.append(sequence)
     plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
-    return _solution(a, plans, budget_bytes, budget_fraction, evaluate)
+    candidates = select_by_price(plans, evaluate, budget_bytes, complete, progress)
+    return select(a, candidates, budget_bytes, None, with_timeline)
+
+
+def select_by_price(plans: list[Prefix], evaluate: "Evaluator", budget_bytes: int | None,
+                    complete: bool = False, progress: Progress | None = None) -> list[Candidate]:
+    """The candidates ``passes.solve.pick`` needs to choose among ``plans`` (the
+    unconstrained plan first) as if all were simulated: plans are simulated cheapest
+    first, and once one fits, every plan as cheap is simulated (the tie-break on peak and
+    order) and none dearer. When none fits, every plan is simulated (the lowest peak is
+    chosen). Returned in the order of ``plans``. Once ``progress`` is out of time, only
+    plans already simulated are taken."""
+    order = sorted(range(len(plans)), key=lambda i: (evaluate.price(plans[i])[0], i))
+    simulated = {0: evaluate(plans[0])}
+    fitting_seconds = None
+    for i in order:
+        extra = evaluate.price(plans[i])[0]
+        if fitting_seconds is not None and extra > fitting_seconds and not complete:
+            break
+        if progress is not None and progress.out_of_time and not evaluate.simulated(plans[i]):
+            continue
+        simulated[i] = candidate = evaluate(plans[i])
+        if fitting_seconds is None and budget_bytes is not None and candidate.peak_bytes <= budget_bytes:
+            fitting_seconds = extra
+    return [simulated[i] for i in sorted(simulated)]
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
@@ -114,21 +161,12 @@ def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) ->
     points = [sequence[0]]
     for level in range(levels - 1, 0, -1):
         points.append(next((plan for plan, peak in zip(sequence, peaks) if peak < level / levels * peaks[0]), None))
-    points.append(min(sequence, key=lambda plan: _lowest(evaluate(plan))))
+    points.append(min(sequence, key=lambda plan: lowest_peak(evaluate(plan))))
     distinct = {id(plan): plan for plan in points if plan is not None}
     return list(distinct.values())
 
 
-def _lowest(candidate: Candidate) -> tuple[int, float]:
-    return candidate.peak_bytes, candidate.extra_seconds
-
-
 # --- the mixed greedy sequence ---------------------------------------------------------------
-
-
-def offload_group(tensor: fx.Node) -> Group:
-    """The move's subject: one storage-owning saved tensor, nothing recomputed."""
-    return Group(tensor, frozenset({tensor}), frozenset(), frozenset())
 
 
 def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.Node], eligible) -> list[fx.Node]:
@@ -161,19 +199,15 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     estimated exposed and launch time."""
     saved_sets = saved_sets or SavedSetCache(a, seconds)
     saved = set(base_saved)
-    recomputed = recomputed_nodes(a, saved)
-    offloaded: set[fx.Node] = set()
+    plan = PlanState(saved, recomputed_nodes(a, saved))
     eligible = _memo(offload.eligible)
     moves_of = RecomputeMoves(a, seconds)
     while True:
-        best = best_move(a, [*moves_of(saved, recomputed, skip=offloaded),
-                             *_offload_moves(a, saved, offloaded, offload, eligible, saved_sets)])
+        best = best_move(a, [*moves_of(plan.saved, plan.recomputed, skip=plan.offloaded),
+                             *_offload_moves(a, plan.saved, plan.offloaded, offload, eligible, saved_sets)])
         if best is None:
             return
-        if best.kind == "offload":
-            offloaded.add(best.group.root)
-        else:
-            _apply(best, saved, recomputed)
+        best.apply(plan)
         yield best
 
 
@@ -184,11 +218,13 @@ def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: Offloa
     candidates = offloadable(a, saved, offloaded, eligible)
     if not candidates:
         return
-    forward, backward = saved_sets(saved).schedules
-    link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch)
+    facts = saved_sets(saved)
+    forward, backward = facts.schedules
+    link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch, facts.first_uses)
     for tensor in candidates:
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
-        yield Move(offload_group(tensor), (), added, a.bytes_of[tensor], kind="offload")
+        subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
+        yield OffloadMove(subject, (), added, a.bytes_of[tensor])
 
 
 def _memo(fn):
@@ -239,46 +275,17 @@ class SavedSetFacts:
         return plan_schedules(self.nodes, self.seconds)
 
     @cached_property
+    def first_uses(self) -> dict[fx.Node, int]:
+        """Each forward node's first use in the backward schedule (``LinkEstimate``'s)."""
+        forward, backward = self.schedules
+        return first_backward_uses(self.a, backward, forward.index)
+
+    @cached_property
     def step_seconds(self) -> float:
         return step_seconds(self.a, self.saved, self.seconds, self.nodes)
 
 
 # --- candidates ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prefix:
-    """A candidate before simulation: what the plan after a prefix of moves saves and
-    offloads, and the moves."""
-
-    saved: frozenset[fx.Node]
-    offloaded: frozenset[fx.Node]
-    moves: tuple[Move, ...]
-
-
-def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity: int = 0) -> Iterator[Prefix]:
-    """The plan after each non-empty prefix of ``moves`` applied to ``start``, skipping
-    prefixes that free fewer than ``granularity`` bytes (by the moves' estimates) beyond
-    the previous one kept; the last prefix is always kept. Each is yielded as soon as it
-    is known, so ``moves`` may be a generator."""
-    saved, offloaded = set(start.saved), set(start.offloaded)
-    recomputed = recomputed_nodes(a, saved)
-    applied: list[Move] = []
-    pending = 0
-    kept_last = False
-    for move in moves:
-        if move.kind == "offload":
-            offloaded.add(move.group.root)
-        else:
-            _apply(move, saved, recomputed)
-        applied.append(move)
-        pending += move.freed_bytes
-        kept_last = pending >= granularity
-        if kept_last:
-            yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
-            pending = 0
-    if applied and not kept_last:
-        yield Prefix(frozenset(saved), frozenset(offloaded), start.moves + tuple(applied))
 
 
 def _unique(plans: list[Prefix]) -> list[Prefix]:
@@ -303,66 +310,36 @@ class Evaluator:
         self.steps = StepBuilder(a, a.fusion)  # plans are simulated in sequence order
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
-        self.started = self.reported = time.perf_counter()
+        self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
+
+    def simulated(self, plan: Prefix) -> bool:
+        return (plan.saved, plan.offloaded) in self.results
+
+    def price(self, plan: Prefix) -> tuple[float, TransferPlan | None]:
+        """(extra seconds, copies) of a plan, without simulating its memory."""
+        key = (plan.saved, plan.offloaded)
+        if key not in self.prices:
+            facts = self.saved_sets(plan.saved)
+            transfers = (plan_transfers(self.a, set(plan.saved), set(plan.offloaded), self.seconds,
+                                        self.offload.profile, self.offload.prefetch, facts.schedules)
+                         if plan.offloaded else None)
+            copies = transfers.added_seconds if transfers else 0.0
+            self.prices[key] = (facts.step_seconds - self.base_seconds + copies, transfers)
+        return self.prices[key]
 
     def __call__(self, plan: Prefix, keep_timeline: bool = False) -> Candidate:
         key = (plan.saved, plan.offloaded)
         if key in self.results and not keep_timeline:
             return self.results[key]
-        saved, offloaded = set(plan.saved), set(plan.offloaded)
+        extra, transfers = self.price(plan)
         facts = self.saved_sets(plan.saved)
-        transfers = (plan_transfers(self.a, saved, offloaded, self.seconds, self.offload.profile,
-                                    self.offload.prefetch, facts.schedules) if offloaded else None)
         timeline = simulate(plan_program(
-            self.a, saved, offloaded, fusion=self.a.fusion,
+            self.a, set(plan.saved), set(plan.offloaded), fusion=self.a.fusion,
             reload_distance=transfers.reload_distance if transfers else None,
             offload_wait_after=transfers.offload_wait_after if transfers else None,
             computed=self.steps(plan.saved, facts.nodes),
         ))
-        copies = transfers.added_seconds if transfers else 0.0
-        extra = facts.step_seconds - self.base_seconds + copies
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
                               timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
         self.results.setdefault(key, candidate)
-        now = time.perf_counter()
-        if now - self.reported > PROGRESS_EVERY_SECONDS:
-            self.reported = now
-            log.info("solving: %d candidate plans simulated in %.0f s", len(self.results), now - self.started)
         return candidate
-
-
-def _solution(a: JointAnalysis, plans: list[Prefix], budget_bytes: int | None, budget_fraction: float | None,
-              evaluate: Evaluator) -> Solution:
-    """Simulate every plan, pick by the budget (``passes.solve._pick``: the fastest that
-    fits, else the lowest peak) and explain the choice."""
-    candidates = [evaluate(plan) for plan in plans]
-    baseline = candidates[0]
-    if budget_bytes is None and budget_fraction is not None:
-        budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
-    chosen, feasible = _pick(candidates, budget_bytes)
-    minimum = min(candidates, key=_lowest)
-    chosen = evaluate(Prefix(chosen.saved, chosen.offloaded, chosen.moves), keep_timeline=True)
-    baseline = evaluate(plans[0], keep_timeline=True)
-    solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))
-    _explain(a, solution)
-    solution.offloaded = offload_reasons(chosen.transfers)
-    return solution
-
-
-def offload_reasons(transfers: TransferPlan | None) -> dict[fx.Node, str]:
-    """Why and how each offloaded tensor moves, for the plan's decision table."""
-    if transfers is None:
-        return {}
-    reasons = {}
-    for copy in transfers.copies:
-        if copy.direction == "d2h":
-            wait = transfers.offload_wait_after[copy.tensor].name
-            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
-            reasons[copy.tensor] = f"offloaded to host memory (copy {hidden}, forward waits after {wait})"
-    for copy in transfers.copies:
-        if copy.direction == "h2d" and copy.tensor in reasons:
-            before = transfers.reload_before[copy.tensor].name
-            behind = transfers.hidden_behind_seconds[copy.tensor] * 1e3
-            hidden = "hidden" if copy.stall == 0 else f"{copy.stall * 1e3:.3f} ms exposed"
-            reasons[copy.tensor] += f"; reloaded from before {before}, behind {behind:.3f} ms of compute ({hidden})"
-    return reasons

@@ -166,10 +166,6 @@ class TransferPlan:
         """What the copies add to a step: stalls and launches."""
         return self.exposed_seconds + self.launch_seconds
 
-    def link_seconds(self, direction: str) -> float:
-        """Time the link is busy in one direction."""
-        return sum(c.end - c.begin for c in self.copies if c.direction == direction)
-
 
 def plan_transfers(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.Node], seconds: Seconds,
                    profile: DeviceProfile, prefetch: bool = True,
@@ -289,12 +285,14 @@ class LinkEstimate:
     """
 
     def __init__(self, a: JointAnalysis, forward: Schedule, backward: Schedule, offloaded: Iterable[fx.Node],
-                 profile: DeviceProfile, prefetch: bool = True) -> None:
+                 profile: DeviceProfile, prefetch: bool = True, first_use: dict[fx.Node, int] | None = None) -> None:
+        """``first_use``: ``first_backward_uses(a, backward, forward.index)``, when the
+        caller keeps it (it depends on the schedules alone)."""
         self.a, self.profile, self.prefetch = a, profile, prefetch
         self.forward, self.backward = forward, backward
         self.forward_index = forward.index
         offloaded = [t for t in offloaded if t in self.forward_index]
-        self.first_use = first_backward_uses(a, backward, self.forward_index)
+        self.first_use = first_backward_uses(a, backward, self.forward_index) if first_use is None else first_use
         self.d2h = self._release_queue([(self._release(t), self._d2h(t)) for t in offloaded])
         self.h2d = self._deadline_queue([(self._due(t), self._h2d(t)) for t in offloaded if t in self.first_use])
         self.forward_exposed = max(0.0, self.d2h.makespan - forward.total)
@@ -348,10 +346,6 @@ class LinkEstimate:
         """The compute stream's time to launch the tensor's copies and waits."""
         copies = 2 if tensor in self.first_use else 1
         return 2 * copies * self.profile.launch_overhead_seconds
-
-    def link_seconds(self, tensor: fx.Node) -> tuple[float, float]:
-        """(d2h, h2d) seconds the tensor's copies occupy the link."""
-        return self._d2h(tensor), self._h2d(tensor)
 
 
 class _Queue:

@@ -198,7 +198,8 @@ def offload_tagged(a: JointAnalysis, policy: UserPolicy, solution, seconds, offl
 def _resimulate(a: JointAnalysis, solution, offloaded, seconds, offload, base_saved):
     """``solution`` with its chosen plan offloading ``offloaded``, simulated again under the
     unbiased ``seconds`` (copies placed as a cached plan's would be)."""
-    from .solve_offload import Evaluator, Prefix, offload_reasons
+    from .solve import Prefix, offload_reasons
+    from .solve_offload import Evaluator
 
     chosen = solution.chosen
     evaluate = Evaluator(a, seconds, offload, base_saved)

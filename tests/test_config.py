@@ -82,6 +82,11 @@ BAD_VALUES = [
     ("exact_max_candidates", True, ValueError),
     ("pinned_pool_limit", -1, ValueError),
     ("pinned_pool_limit", "1 GiB of RAM", ValueError),
+    ("plan_time_limit", -1, ValueError),
+    ("plan_time_limit", NAN, ValueError),
+    ("plan_time_limit", "soon", ValueError),
+    ("plan_time_limit", True, TypeError),
+    ("plan_time_limit", [5], TypeError),
 ]
 
 
@@ -240,6 +245,7 @@ def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
         ({"COMPILE_OFFLOAD_OFFLOAD": "0", "COMPILE_OFFLOAD_SOLVER": "exact"}, {"offload": False, "solver": "exact"}),
         ({"COMPILE_OFFLOAD_INNER_COMPILER": "eager", "COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES": "7"},
          {"inner_compiler": "eager", "exact_max_candidates": 7}),
+        ({"COMPILE_OFFLOAD_PLAN_TIME_LIMIT": "2.5"}, {"plan_time_limit": 2.5}),
     ],
     ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
 )
@@ -262,6 +268,12 @@ def test_explicit_bool_budget_is_rejected_whatever_the_environment():
     resolved = resolve_with_env({"COMPILE_OFFLOAD_MEMORY_BUDGET": "1"}, overrides='{"memory_budget": True}')
     assert resolved.get("error") == "TypeError", resolved
 
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, None), (0, 0.0), (30, 30.0), (2.5, 2.5), ("12", 12.0),
+                                                ("None", None)])
+def test_plan_time_limit_parses_to_seconds(value, seconds):
+    assert settings.resolve({"plan_time_limit": value}).plan_time_limit == seconds
 
 
 def test_device_profile_names_are_case_insensitive():

@@ -137,3 +137,21 @@ def test_explain_a_train_mode_dropout_model_plans_like_the_backend(captured_plan
     compiled(x).sum().backward()
     assert [(d.name, d.decision) for d in captured_plans[-1].decisions] == \
         [(d.name, d.decision) for d in plan.decisions]
+
+
+def test_plan_time_limit_returns_the_best_plan_found_with_one_warning():
+    model, x = meta_gpt(layers=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        limited = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100", plan_time_limit=0)
+    limit_warnings = [w for w in caught if "plan_time_limit" in str(w.message)]
+    assert len(limit_warnings) == 1, [str(w.message) for w in caught]
+    assert any("plan_time_limit" in note for note in limited.notes)
+    complete = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
+    assert not any("plan_time_limit" in note for note in complete.notes)
+    # Chosen among fewer plans: never better than the complete search.
+    if limited.feasible:
+        assert limited.predicted_peak_bytes <= limited.budget_bytes
+        assert complete.feasible and limited.predicted_step_seconds >= complete.predicted_step_seconds
+    else:
+        assert limited.predicted_peak_bytes >= complete.min_peak_bytes

@@ -139,7 +139,7 @@ def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
     start) yields exactly the moves a fresh one yields for each plan, skips included."""
     import random
 
-    from compile_offload.passes.solve import RecomputeMoves, _apply
+    from compile_offload.passes.solve import PlanState, RecomputeMoves
 
     rng = random.Random(seed)
     blocks = nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)))
@@ -155,4 +155,4 @@ def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
             saved = set(base)
             recomputed = recomputed_nodes(analysis, saved)
         else:
-            _apply(rng.choice(moves), saved, recomputed)
+            rng.choice(moves).apply(PlanState(saved, recomputed))

@@ -11,7 +11,7 @@ from compile_offload.passes.cost import DeviceProfile, node_seconds
 from compile_offload.passes.memory import plan_program, recomputed_nodes, simulate
 from compile_offload.passes.offload import eligible_for_offload
 from compile_offload.passes.solve import solve_greedy, step_seconds
-from compile_offload.passes import solve_offload
+from compile_offload.passes import progress
 from compile_offload.passes.solve_offload import OffloadOptions, offloadable, solve_joint
 
 from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model
@@ -69,12 +69,22 @@ def test_recompute_is_chosen_when_the_copy_would_be_exposed():
     assert newly_recomputed(analysis, base, solution.chosen.saved)
 
 
-def test_long_solves_report_progress(monkeypatch, caplog):
-    monkeypatch.setattr(solve_offload, "PROGRESS_EVERY_SECONDS", -1.0)  # every plan
+def test_long_solves_report_progress(monkeypatch, caplog, capsys):
+    monkeypatch.setattr(progress, "SHOW_AFTER_SECONDS", 0.0)  # from the start,
+    monkeypatch.setattr(progress, "EVERY_SECONDS", 0.0)  # every plan
     with caplog.at_level(logging.INFO, logger="compile_offload.solver"):
-        _, _, _, solution = solve(HIDING, budget_fraction=0.6)
-    counts = [int(r.getMessage().split()[1]) for r in caplog.records if r.name == "compile_offload.solver"]
-    assert counts and counts == sorted(counts) and counts[-1] <= solution.candidates_evaluated
+        solve(HIDING, budget_fraction=0.6)
+    lines = [r.getMessage() for r in caplog.records if r.name == "compile_offload.solver"]
+    counts = [int(line.split("planning, ")[1].split()[0]) for line in lines]
+    assert len(counts) > 1 and counts == sorted(counts) and len(set(counts)) == len(counts)
+    assert capsys.readouterr().err.splitlines() == lines, "the same lines on stderr"
+
+
+def test_no_progress_for_short_solves(caplog, capsys):
+    with caplog.at_level(logging.INFO, logger="compile_offload.solver"):
+        solve(HIDING, budget_fraction=0.6)
+    assert not [r for r in caplog.records if r.name == "compile_offload.solver"]
+    assert "planning," not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("device", [HIDING, EXPOSING], ids=["hiding", "exposing"])

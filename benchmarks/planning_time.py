@@ -1,0 +1,160 @@
+"""Planning time against depth: torch's partitioners and ours on the same joint graphs.
+
+For each depth a GPT-style decoder stack is built on the meta device and traced once;
+its joint forward+backward graph is then partitioned, each partitioner on its own copy,
+in one process, by torch's default min-cut partitioner, torch's min-cut partitioner with
+``activation_memory_budget=0.5``, and ours (``device_profile="h100"``, offload on) with
+no budget, a budget of 0.5 and one of 2 GiB. Times are seconds of the partition call
+alone (our planner's analysis, solve and graph building included). The
+last row gives the growth factor per doubling of depth (the time at each depth over that
+at half of it, when both were run). ``--clock cpu`` (the default) counts the process's CPU
+seconds, which other jobs on a shared machine do not inflate; ``--clock wall`` counts
+wall-clock seconds.
+
+    python -m compile_offload.benchmarks.planning_time --depths 2,4,8,16
+    python -m compile_offload.benchmarks.planning_time --shape deep --depths 24,48,96 --only ours-0.5,torch-0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from .workloads import Decoder
+
+SHAPES = {  # width, heads, seq, batch
+    "gpt": (2048, 16, 2048, 8),
+    "deep": (1024, 16, 4096, 4),
+}
+COLUMNS = ("torch-default", "torch-0.5", "ours-none", "ours-0.5", "ours-2GiB")
+HEADERS = {
+    "torch-default": "torch default min-cut",
+    "torch-0.5": "torch `activation_memory_budget=0.5`",
+    "ours-none": "ours, no budget",
+    "ours-0.5": "ours, 0.5",
+    "ours-2GiB": "ours, 2 GiB",
+}
+
+
+def capture_joint(layers: int, shape: str):
+    """(joint graph, joint inputs, num_fwd_outputs) of one training step of the stack."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    width, heads, seq, batch = SHAPES[shape]
+    with torch.device("meta"):
+        model = Decoder(layers, width, heads).to(torch.bfloat16)
+        x = torch.randn(batch, seq, width, dtype=torch.bfloat16, requires_grad=True)
+    state = {name: torch.empty_like(t, device="cpu") for name, t in model.named_parameters()}
+    captured = {}
+
+    def shape_only(gm, inputs):
+        return gm
+
+    def capture(joint, joint_inputs, **kwargs):
+        captured.update(joint=copy.deepcopy(joint), inputs=joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    def backend(gm, inputs):
+        import torch._inductor.lowering  # noqa: F401  some decompositions need it loaded
+
+        return aot_module_simplified(gm, inputs, fw_compiler=shape_only, bw_compiler=shape_only,
+                                     partition_fn=capture, decompositions=select_decomp_table())
+
+    def run(inputs):
+        return torch.func.functional_call(model, state, (inputs,))
+
+    torch._dynamo.reset()
+    torch.compile(run, backend=backend)(torch.empty_like(x, device="cpu").requires_grad_())
+    return captured["joint"], captured["inputs"], captured["num_fwd_outputs"]
+
+
+def partitioners() -> dict[str, Callable]:
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from compile_offload import settings as settings_mod
+    from compile_offload.partitioner import OffloadRematPartitioner
+
+    def torch_min_cut(budget: float):
+        def partition(joint, inputs, num_fwd_outputs):
+            with functorch_config.patch(activation_memory_budget=budget):
+                return min_cut_rematerialization_partition(joint, inputs, compiler="inductor",
+                                                           num_fwd_outputs=num_fwd_outputs)
+        return partition
+
+    def ours(budget):
+        settings = settings_mod.resolve({"memory_budget": budget, "device_profile": "h100"})
+
+        def partition(joint, inputs, num_fwd_outputs):
+            return OffloadRematPartitioner(settings)(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+        return partition
+
+    return {
+        "torch-default": torch_min_cut(1.0),
+        "torch-0.5": torch_min_cut(0.5),
+        "ours-none": ours(None),
+        "ours-0.5": ours(0.5),
+        "ours-2GiB": ours("2GiB"),
+    }
+
+
+def time_depth(layers: int, shape: str, columns: list[str], clock=time.process_time) -> tuple[int, dict[str, float]]:
+    joint, inputs, num_fwd_outputs = capture_joint(layers, shape)
+    nodes = len(joint.graph.nodes)
+    table = partitioners()
+    times = {}
+    for column in columns:
+        graph = copy.deepcopy(joint)
+        started = clock()
+        table[column](graph, inputs, num_fwd_outputs)
+        times[column] = clock() - started
+    return nodes, times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", default="2,4,8", help="comma-separated layer counts (default: 2,4,8)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument("--only", default=",".join(COLUMNS), help=f"columns to run, of {','.join(COLUMNS)}")
+    args = parser.parse_args(argv)
+    depths = [int(d) for d in args.depths.split(",")]
+    columns = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(columns) - set(COLUMNS))
+    if unknown:
+        parser.error(f"unknown columns {unknown}; accepted: {', '.join(COLUMNS)}")
+    import warnings
+
+    warnings.filterwarnings("ignore", message="compile_offload")  # below-minimum budgets: not the point here
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    time_depth(1, args.shape, columns, clock)  # warm-up: first calls import and initialise, not plan
+    width, heads, seq, batch = SHAPES[args.shape]
+    print(f"{args.shape}: d{width}, {heads} heads, seq {seq}, batch {batch}, bf16, meta device, profile h100; "
+          f"torch {torch.__version__}, {platform.machine()} {platform.node()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.clock} seconds of the partition call\n")
+    print("| layers | joint nodes | " + " | ".join(HEADERS[c] for c in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    results: dict[int, dict[str, float]] = {}
+    for layers in depths:
+        nodes, times = time_depth(layers, args.shape, columns, clock)
+        results[layers] = times
+        cells = " | ".join(f"{times[c]:.2f} s" for c in columns)
+        print(f"| {layers} | {nodes:,} | {cells} |", flush=True)
+    growth = []
+    for column in columns:
+        ratios = [results[d][column] / results[d // 2][column] for d in depths if d % 2 == 0 and d // 2 in results]
+        growth.append(" ".join(f"{r:.1f}x" for r in ratios) or "-")
+    print("| growth per doubling | | " + " | ".join(growth) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

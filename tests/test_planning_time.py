@@ -1,0 +1,22 @@
+"""benchmarks/planning_time.py prints one row per depth and the growth per doubling."""
+
+import pytest
+
+from compile_offload.benchmarks import planning_time
+
+
+@pytest.mark.slow
+def test_planning_time_table(capsys):
+    assert planning_time.main(["--depths", "1,2", "--only", "torch-0.5,ours-none"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    header, one, two, growth = rows
+    assert "torch `activation_memory_budget=0.5`" in header and "ours, no budget" in header
+    nodes = [int(row.split("|")[2].replace(",", "")) for row in (one, two)]
+    assert 0 < nodes[0] < nodes[1], "two layers make a larger joint graph than one"
+    assert all(cell.strip().endswith(" s") for row in (one, two) for cell in row.split("|")[3:5])
+    assert growth.startswith("| growth per doubling") and growth.count("x") == 2
+
+
+def test_planning_time_rejects_unknown_columns():
+    with pytest.raises(SystemExit):
+        planning_time.main(["--only", "ours-0.3"])
