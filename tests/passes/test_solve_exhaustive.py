@@ -51,15 +51,20 @@ def test_exhaustive_search_finds_the_hand_computed_plans_of_two_tanhs():
     assert fits and chosen.extra_seconds == 0.0  # no budget: the unconstrained plan
 
 
-def test_exhaustive_optimum_is_never_slower_than_the_greedy_plan():
-    a, base = capture_analysis(Tower(64, 3), torch.randn(32, 64, requires_grad=True), fusion=True)
-    base = without_banned_recompute(a, base)
+def _planned_for_h100(model, x):
+    """(analysis, starting saved set, seconds, offload options) of ``model`` under the h100 profile."""
+    a, base = capture_analysis(model, x, fusion=True)
     profile = BUILTIN_PROFILES["h100"]
 
     def seconds(node):
         return node_seconds(node, profile)
 
     offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)
+    return a, without_banned_recompute(a, base), seconds, offload
+
+
+def test_exhaustive_optimum_is_never_slower_than_the_greedy_plan():
+    a, base, seconds, offload = _planned_for_h100(Tower(64, 3), torch.randn(32, 64, requires_grad=True))
     pool = greedy_pool(a, base, seconds, offload)
     candidates = exhaustive_candidates(a, base, seconds, offload, pool)
     assert any(c.offloaded for c in candidates) and any(c.saved != frozenset(base) for c in candidates)
@@ -81,14 +86,7 @@ def test_refine_keeps_the_budget_and_is_never_slower_than_the_greedy_plan():
     from compile_offload.passes.refine import refine
     from compile_offload.passes.solve_offload import Evaluator
 
-    a, base = capture_analysis(Decoder(1, 64, 4), torch.randn(2, 32, 64, requires_grad=True), fusion=True)
-    base = without_banned_recompute(a, base)
-    profile = BUILTIN_PROFILES["h100"]
-
-    def seconds(node):
-        return node_seconds(node, profile)
-
-    offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)
+    a, base, seconds, offload = _planned_for_h100(Decoder(1, 64, 4), torch.randn(2, 32, 64, requires_grad=True))
     evaluate = Evaluator(a, seconds, offload, base)
     unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
     lowest = solve_joint(a, base, seconds, 0, None, offload).minimum.peak_bytes
