@@ -43,7 +43,7 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
     if not torch.cuda.is_available():
         raise RuntimeError(
             "compile_offload.profile_step records a CUDA memory snapshot and needs a GPU; on the CPU measure "
-            "with compile_offload.memory_tracker.AllocationTracker instead"
+            "the peak with compile_offload.measure_peak('cpu') instead"
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,7 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    measured_peak = torch.cuda.max_memory_allocated() - start
+    measured_peak = torch.cuda.max_memory_allocated() - start  # measure_peak's CUDA figure
     (out / "snapshot.pickle").write_bytes(pickle.dumps(snapshot))
     series = allocated_over_time(snapshot, torch.cuda.current_device())
     if plans is None:
