@@ -61,7 +61,18 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> Callable[..., Any]:
-    """Compile one Dynamo graph under ``settings``."""
+    """Compile one Dynamo graph under ``settings``; with ``verify_budget``, its first step is
+    measured against the budget (``verify_budget.py``)."""
+    compiled, partitioner = _compile_graph(gm, example_inputs, settings)
+    if not settings.verify_budget:
+        return compiled
+    from .verify_budget import verify_first_step
+
+    return verify_first_step(compiled, lambda: partitioner.last_plan, device_of(example_inputs),
+                             partitioner.graph_name)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings):
     bucket_graphs = None
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()
@@ -75,19 +86,19 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         # here, not while planning, so that a compile served from a cache sets it too.
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":
-        return _compile_eager(gm, example_inputs, partitioner)
+        return _compile_eager(gm, example_inputs, partitioner), partitioner
     from torch._inductor.compile_fx import compile_fx
 
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
     patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
-    if settings.dump_dir is None:
-        return compile_fx(gm, example_inputs, config_patches=patches)
-    # A dump asks to see the partition: a warm FX graph or AOTAutograd cache would reuse
-    # compiled code without calling the partitioner, and so write nothing.
+    if settings.dump_dir is None and not settings.verify_budget:
+        return compile_fx(gm, example_inputs, config_patches=patches), partitioner
+    # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
+    # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
     patches["fx_graph_cache"] = False
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=patches), partitioner
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

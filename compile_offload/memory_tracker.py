@@ -13,8 +13,9 @@ and the docs use::
   allocator's figures for every allocation and free, including the buffers Inductor's
   generated code allocates through ``empty_strided_cpu`` (which never passes the dispatcher,
   so a ``TorchDispatchMode`` cannot see them: on one compiled step a dispatch-mode tracker
-  saw 10.5 MB of a 75.9 MB peak). The peak is the largest "Total Allocated" of the region
-  less the total before its first event.
+  saw 10.5 MB of a 75.9 MB peak). Replayed in order, they give the largest total allocated
+  during the region above the total before it (the allocator's "Total Allocated" less its
+  value before the first event).
 
 Either way it is the quantity the memory budget bounds: the peak above what was allocated
 when the region started (saved activations, transient buffers, gradients; not parameters
@@ -74,30 +75,53 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
             return
         self._profiler.__exit__(*exc_info)
         if exc_info[0] is None:
-            self.result.peak_bytes, self.result.events = cpu_peak_from_profile(self._profiler)
+            ledger = AllocationLedger()
+            ledger.add(self._profiler)
+            self.result.peak_bytes, self.result.events = ledger.peak_bytes, ledger.events
 
 
-def cpu_peak_from_profile(prof) -> tuple[int, int]:
-    """(peak bytes above the first event's starting total, number of events) of the CPU
-    allocator's memory events in a finished ``torch.profiler.profile(profile_memory=True)``.
+class AllocationLedger:
+    """The CPU allocator's allocations and frees, replayed in time order from one or more
+    finished ``torch.profiler.profile(profile_memory=True)`` regions (in the order they ran).
+    A free of memory allocated in an earlier region is matched by address; memory
+    allocated before the first region (parameters, inputs) never counts, as in the
+    allocator's own "Total Allocated", which counts only what it saw allocated. Memory
+    freed between two regions stays counted (the ledger did not see it go): with gaps,
+    the peak can only be over-stated."""
 
-    The events are read from the profiler's raw results (``_ExtraFields_Allocation``: the
-    allocation's size and the allocator's total after it, nanosecond timestamps), a private
-    but stable part of ``torch.profiler`` that its own memory profiler
-    (``torch.profiler._memory_profiler``) reads too; ``prof.events()`` carries only
+    def __init__(self) -> None:
+        self._live: dict[int, int] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.events = 0
+
+    def add(self, prof) -> None:
+        for ptr, size in cpu_allocation_events(prof):
+            self.events += 1
+            if size > 0:
+                self.current_bytes += size - self._live.get(ptr, 0)
+                self._live[ptr] = size
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            else:
+                self.current_bytes -= self._live.pop(ptr, 0)
+
+
+def cpu_allocation_events(prof) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every CPU allocation (bytes > 0) and free (bytes < 0) in a
+    finished ``torch.profiler.profile(profile_memory=True)``, in time order.
+
+    Read from the profiler's raw results (``_ExtraFields_Allocation``, nanosecond
+    timestamps), a private but stable part of ``torch.profiler`` that its own memory
+    profiler (``torch.profiler._memory_profiler``) reads too; ``prof.events()`` carries only
     microsecond times, too coarse to order an allocation and a free in the same microsecond."""
     from torch._C._profiler import _EventType
 
-    allocations = []
+    found = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         event = pending.pop()
         pending.extend(event.children)
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            allocations.append((event.start_time_ns, event.extra_fields))
-    if not allocations:
-        return 0, 0
-    allocations.sort(key=lambda item: item[0])
-    first = allocations[0][1]
-    before = first.total_allocated - first.alloc_size
-    return max(max(fields.total_allocated for _, fields in allocations) - before, 0), len(allocations)
+            found.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+    found.sort(key=lambda item: item[0])
+    return [(ptr, size) for _, ptr, size in found]

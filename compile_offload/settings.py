@@ -47,6 +47,7 @@ class Settings:
     inner_compiler: str
     pinned_pool_limit: int | None
     suppress_errors: bool = False
+    verify_budget: bool = False
 
     def describe_budget(self) -> str:
         if self.budget_bytes is not None:
@@ -181,6 +182,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
         pinned_pool_limit=pool_limit,
         suppress_errors=_flag("suppress_errors", values["suppress_errors"]),
+        verify_budget=_flag("verify_budget", values["verify_budget"]),
     )
     return settings
 
