@@ -66,7 +66,8 @@ def _hf(kind: str):
     import transformers
 
     if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=128)
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=128,
+                                           bos_token_id=0, eos_token_id=0)
         model = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
@@ -180,6 +181,26 @@ def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inducto
     return points
 
 
+INDUCTOR_VARIANTS = {
+    "default": {},
+    "reorder_for_peak_memory=False": {"reorder_for_peak_memory": False},
+    "reorder_for_locality=False": {"reorder_for_locality": False},
+    "max_fusion_size=1 (no fusion)": {"max_fusion_size": 1},
+}
+
+
+def why_over(name: str, fraction: float = 0.6) -> list[tuple[str, Point]]:
+    """One budget, measured under Inductor settings that switch off one behaviour at a time
+    (and with the plan run as Python): which behaviour makes the compiled peak exceed the plan."""
+    budget = int(fraction * measure_point(name, None).measured_bytes)
+    found = []
+    for label, patch in INDUCTOR_VARIANTS.items():
+        with torch._inductor.config.patch(patch):
+            found.append((label, measure_point(name, budget, fraction)))
+    found.append(("inner_compiler='eager'", measure_point(name, budget, fraction, "eager")))
+    return found
+
+
 def table(points: list[Point]) -> str:
     rows = ["| model | budget | predicted | measured | fits | warned | contract |", "|---|---|---|---|---|---|---|"]
     for p in points:
@@ -205,7 +226,17 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--inner-compiler", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument("--why", action="store_true",
+                        help="per model, the first fraction's budget under Inductor variants (fusion, reordering off)")
     args = parser.parse_args(argv)
+    if args.why:
+        print(f"torch {torch.__version__}, {datetime.date.today()}, CPU\n")
+        print("| model | Inductor | budget | predicted | measured | measured / budget |\n|---|---|---|---|---|---|")
+        for name in args.models.split(","):
+            for label, p in why_over(name, float(args.fractions.split(",")[0])):
+                print(f"| {name} | {label} | {format_bytes(p.budget_bytes)} | {format_bytes(p.predicted_bytes)} | "
+                      f"{format_bytes(p.measured_bytes)} | {p.measured_bytes / p.budget_bytes:.3f} |")
+        return 0
     fractions = [float(f) for f in args.fractions.split(",")]
     points = []
     for name in args.models.split(","):
