@@ -23,7 +23,23 @@ def _points(model: str) -> list:
     return _measured[model]
 
 
-@pytest.mark.parametrize("model", contract.MODELS)
+# Measured on CPU, torch 2.13, 2026-11-23 (docs/benchmarks.md, "The budget contract"): these
+# families break the contract today; strict, so a fix shows up as an unexpected pass.
+_BROKEN = {
+    "mlp_mixer": "at 0.6 the plan fits and the compiled step measures 2.77 MiB against a 2.63 MiB budget; "
+                 "predictions 5.4-6.9% low at 0.8/0.6 (Inductor's fusions hold buffers the plan frees)",
+    "conv_bn": "the minimum-memory plan measures 2.66 MiB against 2.51 MiB predicted (+5.6%): CPU convolution "
+               "backward workspace the cost model does not count",
+    "hf_gpt2": "at 0.4 the minimum-memory plan measures 5.02 MiB against 4.52 MiB predicted (+11%)",
+    "hf_llama": "at 0.8 and 0.6 the plan fits and the compiled step measures 4.13 / 4.10 MiB against 3.91 / "
+                "2.94 MiB budgets; the unconstrained prediction is 8.9% high",
+}
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_BROKEN[m])) if m in _BROKEN else m
+    for m in contract.MODELS
+])
 def test_budget_contract(model):
     points = _points(model)
     assert [p.fraction for p in points] == [None, *contract.FRACTIONS]
