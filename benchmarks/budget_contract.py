@@ -191,7 +191,9 @@ INDUCTOR_VARIANTS = {
 
 def why_over(name: str, fraction: float = 0.6) -> list[tuple[str, Point]]:
     """One budget, measured under Inductor settings that switch off one behaviour at a time
-    (and with the plan run as Python): which behaviour makes the compiled peak exceed the plan."""
+    (and with the plan run as Python): which behaviour makes the compiled peak exceed the plan.
+    The backend's own patches win over these (it turns ``reorder_for_peak_memory`` off for
+    graphs with a budget, so "default" equals that row)."""
     budget = int(fraction * measure_point(name, None).measured_bytes)
     found = []
     for label, patch in INDUCTOR_VARIANTS.items():
