@@ -91,6 +91,18 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
 
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
+    patches = inductor_config_patches(settings, partitioner)
+    if settings.dump_dir is None and not settings.verify_budget:
+        return compile_fx(gm, example_inputs, config_patches=patches), partitioner
+    # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
+    # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
+    patches["fx_graph_cache"] = False
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=patches), partitioner
+
+
+def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartitioner) -> dict[str, Any]:
+    """The Inductor config a graph compiles under (``explain`` plans under the same)."""
     patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
     if settings.budget_bytes is not None or settings.budget_fraction is not None:
         # Inductor's peak-memory reordering moves the plan's recomputations away from where
@@ -99,13 +111,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         # 2.94 MiB budgeted, 3.39 MiB without it (docs/design.md, "Where the compiled peak
         # exceeds the plan"). It only orders kernels (none is changed or added).
         patches["reorder_for_peak_memory"] = False
-    if settings.dump_dir is None and not settings.verify_budget:
-        return compile_fx(gm, example_inputs, config_patches=patches), partitioner
-    # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
-    # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
-    patches["fx_graph_cache"] = False
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches), partitioner
+    return patches
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

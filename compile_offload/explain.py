@@ -60,7 +60,7 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     return run
 
 
-def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadRematPartitioner):
+def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadRematPartitioner, settings):
     """The backend's own pipeline (``backend.compile_graph``'s Inductor path): Inductor's
     ``compile_fx`` with ``partitioner`` as its ``custom_partitioner_fn``, so the joint graph
     goes through Inductor's pre-grad and joint-graph passes and its decompositions exactly as
@@ -69,12 +69,14 @@ def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadR
     AOTAutograd's cache is off: a hit would skip the partitioner and so the plan."""
     from torch._inductor.compile_fx import compile_fx
 
+    from .backend import inductor_config_patches
+
     def shape_only_inner(graph: torch.fx.GraphModule, graph_inputs, **_kwargs):
         return _shape_only(graph, graph_inputs)
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, inputs, inner_compile=shape_only_inner,
-                          config_patches={"custom_partitioner_fn": partitioner})
+                          config_patches=inductor_config_patches(settings, partitioner))
 
 
 def _with_own_code(fn):
@@ -110,7 +112,7 @@ def explain_all(
     def planning_backend(gm: torch.fx.GraphModule, inputs):
         partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}",
                                               on_result=lambda result: plans.append(result.plan))
-        return compile_like_backend(gm, inputs, partitioner)
+        return compile_like_backend(gm, inputs, partitioner, settings)
 
     inputs = tree_map(_meta_to_cpu, list(example_inputs))
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
