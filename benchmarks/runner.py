@@ -152,29 +152,15 @@ def time_steps_ms(step: Callable[[], None], steps: int, device: torch.device) ->
 
 
 def cpu_peak_above_steady(step: Callable[[], None]) -> int | None:
-    """Peak bytes one step allocates above what was allocated before it, on the CPU.
+    """Peak bytes one step allocates above what was allocated before it, on the CPU: the
+    CPU allocator's events through ``torch.profiler`` (Inductor's generated code allocates
+    through the same allocator, so compiled steps are covered), as
+    ``compile_offload.measure_peak`` reads them, the one memory measure of the project."""
+    from compile_offload.memory_tracker import measure_peak
 
-    Replays the CPU allocator's events that ``torch.profiler`` records with
-    ``profile_memory=True`` (Inductor's generated code allocates through the same allocator,
-    so compiled steps are covered). Reads the profiler's raw kineto events, a private
-    attribute: returns None when this torch does not expose them.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with measure_peak("cpu") as measured:
         step()
-    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is None:
-        return None
-    events = sorted(
-        (e for e in results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-        key=lambda e: e.start_ns(),
-    )
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
+    return measured.peak_bytes
 
 
 def zero_grads(model: torch.nn.Module, inputs: Sequence) -> None:

@@ -10,6 +10,7 @@ from . import config, ops  # noqa: F401  ops: registers the offload ops before a
 from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
 from .explain import explain, explain_all
 from .max_batch import MaxBatch, max_batch
+from .memory_tracker import measure_peak
 from .passes.plan import Decision, Plan
 from .profile_step import profile_step
 from .result import BudgetError
@@ -34,5 +35,5 @@ from .logs import register_with_torch_logging  # noqa: E402
 
 register_with_torch_logging()
 
-__all__ = ["BudgetError", "Decision", "MaxBatch", "Plan", "config", "explain", "explain_all", "max_batch",
+__all__ = ["BudgetError", "Decision", "MaxBatch", "Plan", "config", "explain", "explain_all", "max_batch", "measure_peak",
            "offload_remat", "offload_remat_backend", "profile_step", "sweep", "__version__"]

@@ -113,6 +113,15 @@ pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNE
 # with subgraphs), which always fall back.
 suppress_errors: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_SUPPRESS_ERRORS")
 
+# Measure the first compiled step (forward and backward) of each graph at the allocator
+# (compile_offload.measure_peak: CUDA's max_memory_allocated, the CPU allocator's events
+# through the profiler) and warn once, with the measured peak, the budget and the
+# predicted peak, when the measurement exceeds the budget by more than 1%. The first thing
+# to turn on when memory surprises you. Costs one profiled step per graph on the CPU and
+# turns off Inductor's and AOTAutograd's caches for the graphs it compiles (a cache hit
+# would bring no plan to compare with). Graphs without a budget are not measured.
+verify_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_VERIFY_BUDGET")
+
 install_config_module(sys.modules[__name__])
 
 # An assignment reaches every thread (torch >= 2.12 would keep it in the assigning

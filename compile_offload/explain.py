@@ -1,7 +1,9 @@
 """``compile_offload.explain``: the plan the backend would make, without running the model.
 
-Dynamo and AOTAutograd trace the model (with fake tensors, as torch.compile does) and our
-partitioner plans each graph; no kernel runs. The compiled forward graphs are executed on
+Dynamo traces the model and each graph goes through the backend's own pipeline (Inductor's
+``compile_fx``: pre-grad passes, AOTAutograd with Inductor's decompositions, the joint-graph
+passes, our partitioner), so the plan is the one a compile makes; only Inductor's code
+generation is skipped and no kernel runs. The compiled forward graphs are executed on
 fake tensors only to get output shapes (so code after a graph break can be traced too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
 written: ``meta`` itself would make attention take the unfused math path (a
 seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
@@ -58,6 +60,25 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     return run
 
 
+def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadRematPartitioner, settings):
+    """The backend's own pipeline (``backend.compile_graph``'s Inductor path): Inductor's
+    ``compile_fx`` with ``partitioner`` as its ``custom_partitioner_fn``, so the joint graph
+    goes through Inductor's pre-grad and joint-graph passes and its decompositions exactly as
+    in a compile, and the plan is the backend's. Only code generation is replaced: Inductor's
+    ``inner_compile`` step (where it would lower and generate kernels) gets ``_shape_only``.
+    AOTAutograd's cache is off: a hit would skip the partitioner and so the plan."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from .backend import inductor_config_patches
+
+    def shape_only_inner(graph: torch.fx.GraphModule, graph_inputs, **_kwargs):
+        return _shape_only(graph, graph_inputs)
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, inputs, inner_compile=shape_only_inner,
+                          config_patches=inductor_config_patches(settings, partitioner))
+
+
 def _with_own_code(fn):
     """A copy of ``fn`` with a code object of its own. Dynamo keeps compiled code per code
     object: planning through a shared one would add an entry per call to the same cache
@@ -89,22 +110,9 @@ def explain_all(
     plans: list[Plan] = []
 
     def planning_backend(gm: torch.fx.GraphModule, inputs):
-        import torch._inductor.lowering  # noqa: F401  some decompositions in the table need it loaded
-        from torch._functorch.aot_autograd import aot_module_simplified
-        from torch._inductor.decomposition import select_decomp_table
-
         partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}",
                                               on_result=lambda result: plans.append(result.plan))
-
-        return aot_module_simplified(
-            gm,
-            inputs,
-            fw_compiler=_shape_only,
-            bw_compiler=_shape_only,
-            inference_compiler=_shape_only,
-            partition_fn=partitioner,
-            decompositions=select_decomp_table(),
-        )
+        return compile_like_backend(gm, inputs, partitioner, settings)
 
     inputs = tree_map(_meta_to_cpu, list(example_inputs))
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None

@@ -1,58 +1,127 @@
-"""Measure the memory a step allocates on any device, CPU included.
+"""The one measure of memory: the peak a region allocates, as the allocator reports it.
 
-``AllocationTracker`` is a ``TorchDispatchMode`` that records every storage an op creates
-and notices when it is freed (a weak reference on the storage object, which torch keeps
-unique per storage). Its ``peak_bytes`` is the largest total of tracked storages alive at
-once: what ``torch.cuda.max_memory_allocated()`` minus the allocation before the step
-measures on a GPU, but without a GPU and counted in exact tensor bytes (no allocator
-rounding). Storages that existed before the mode was entered (parameters, inputs) are not
-counted, which is the "above steady state" the memory budget speaks of.
+``measure_peak`` is what tests, ``profile_step``, ``benchmarks/``, ``config.verify_budget``
+and the docs use::
 
-Around a ``torch.compile``d call it measures the compiled code: the mode tells Dynamo to
-ignore it while compiling (``ignore_compile_internals``) and sees the ops the compiled
-graphs run. Any other dispatch mode makes Dynamo skip the frame and run it eagerly, which
-would measure eager's allocations instead.
+    with measure_peak("cpu") as measured:
+        compiled(x).sum().backward()
+    measured.peak_bytes   # the most bytes allocated at once above the start of the region
+
+- On CUDA it reads the caching allocator's own counters: ``reset_peak_memory_stats`` before,
+  ``max_memory_allocated() - memory_allocated()``-at-start after.
+- On CPU there are no such counters; the profiler's memory events carry the CPU
+  allocator's figures for every allocation and free, including the buffers Inductor's
+  generated code allocates through ``empty_strided_cpu`` (which never passes the dispatcher,
+  so a ``TorchDispatchMode`` cannot see them: on one compiled step a dispatch-mode tracker
+  saw 10.5 MB of a 75.9 MB peak). Replayed in order, they give the largest total allocated
+  during the region above the total before it (the allocator's "Total Allocated" less its
+  value before the first event).
+
+Either way it is the quantity the memory budget bounds: the peak above what was allocated
+when the region started (saved activations, transient buffers, gradients; not parameters
+or inputs that already existed). On CPU the figures are exact tensor bytes (the CPU
+allocator does not round); profiling adds time, not memory, to the region.
 """
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 
-class AllocationTracker(TorchDispatchMode):
+@dataclass
+class MeasuredPeak:
+    """What ``measure_peak`` found; ``peak_bytes`` is filled when the region ends."""
+
+    device: torch.device
+    peak_bytes: int = 0
+    events: int = 0  # allocator events seen (CPU); 0 on CUDA
+
+
+class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu") as m``
+    """Measure the peak bytes allocated on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``)
+    above the start of the ``with`` block, at the allocator. Regions do not nest on CUDA
+    (the peak counter is reset on entry)."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"compile_offload.measure_peak: device {device} is not supported; use 'cpu' or 'cuda'")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("compile_offload.measure_peak: device 'cuda' asked for, but no CUDA GPU is available")
+        self.result = MeasuredPeak(device)
+        self._profiler = None
+        self._start = 0
+
+    def __enter__(self) -> MeasuredPeak:
+        device = self.result.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._start = torch.cuda.memory_allocated(device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        return self.result
+
+    def __exit__(self, *exc_info) -> None:
+        device = self.result.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.result.peak_bytes = max(torch.cuda.max_memory_allocated(device) - self._start, 0)
+            return
+        self._profiler.__exit__(*exc_info)
+        if exc_info[0] is None:
+            ledger = AllocationLedger()
+            ledger.add(self._profiler)
+            self.result.peak_bytes, self.result.events = ledger.peak_bytes, ledger.events
+
+
+class AllocationLedger:
+    """The CPU allocator's allocations and frees, replayed in time order from one or more
+    finished ``torch.profiler.profile(profile_memory=True)`` regions (in the order they ran).
+    A free of memory allocated in an earlier region is matched by address; memory
+    allocated before the first region (parameters, inputs) never counts, as in the
+    allocator's own "Total Allocated", which counts only what it saw allocated. Memory
+    freed between two regions stays counted (the ledger did not see it go): with gaps,
+    the peak can only be over-stated."""
+
     def __init__(self) -> None:
-        super().__init__()
         self._live: dict[int, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.events = 0
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
+    def add(self, prof) -> None:
+        for ptr, size in cpu_allocation_events(prof):
+            self.events += 1
+            if size > 0:
+                self.current_bytes += size - self._live.get(ptr, 0)
+                self._live[ptr] = size
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            else:
+                self.current_bytes -= self._live.pop(ptr, 0)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # Views and in-place ops return an input's storage: not a new allocation (and a
-        # view of a parameter must not make the parameter count).
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for value in tree_leaves(out):
-            if isinstance(value, torch.Tensor):
-                self._track(value, inputs)
-        return out
 
-    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self._live or key in inputs or storage.nbytes() == 0:
-            return
-        self._live[key] = storage.nbytes()
-        self.current_bytes += storage.nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        weakref.finalize(storage, self._freed, key)
+def cpu_allocation_events(prof) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every CPU allocation (bytes > 0) and free (bytes < 0) in a
+    finished ``torch.profiler.profile(profile_memory=True)``, in time order.
 
-    def _freed(self, key: int) -> None:
-        self.current_bytes -= self._live.pop(key, 0)
+    Read from the profiler's raw results (``_ExtraFields_Allocation``, nanosecond
+    timestamps), a private but stable part of ``torch.profiler`` that its own memory
+    profiler (``torch.profiler._memory_profiler``) reads too; ``prof.events()`` carries only
+    microsecond times, too coarse to order an allocation and a free in the same microsecond."""
+    from torch._C._profiler import _EventType
+
+    found = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            found.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+    found.sort(key=lambda item: item[0])
+    return [(ptr, size) for _, ptr, size in found]

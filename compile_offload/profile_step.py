@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .memory_tracker import measure_peak
 from .passes.plan import Plan
 
 
@@ -45,21 +46,19 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
     if not torch.cuda.is_available():
         raise RuntimeError(
             "compile_offload.profile_step records a CUDA memory snapshot and needs a GPU; on the CPU measure "
-            "with compile_offload.memory_tracker.AllocationTracker instead"
+            "the peak with compile_offload.measure_peak('cpu') instead"
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    try:
-        fn(*args)
-        torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    measured_peak = torch.cuda.max_memory_allocated() - start
+    with measure_peak(torch.device("cuda", torch.cuda.current_device())) as measured:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        try:
+            fn(*args)
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    measured_peak = measured.peak_bytes
     (out / "snapshot.pickle").write_bytes(pickle.dumps(snapshot))
     series = allocated_over_time(snapshot, torch.cuda.current_device())
     if plans is None:

@@ -50,6 +50,7 @@ class Settings:
     pinned_pool_limit: int | None
     suppress_errors: bool = False
     plan_time_limit: float | None = None
+    verify_budget: bool = False
 
     def describe_budget(self) -> str:
         if self.budget_bytes is not None:
@@ -328,6 +329,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
         pinned_pool_limit=pool_limit,
         suppress_errors=_flag("suppress_errors", values["suppress_errors"], from_environment("suppress_errors")),
+        verify_budget=_flag("verify_budget", values["verify_budget"], from_environment("verify_budget")),
     )
     return settings
 

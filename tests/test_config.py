@@ -77,6 +77,7 @@ BAD_VALUES = [
     ("prefetch", None, TypeError),
     ("strict_budget", "no", TypeError),
     ("debug_force_offload", 0, TypeError),
+    ("verify_budget", "yes", TypeError),
     ("dump_dir", 5, TypeError),
     ("exact_max_candidates", 0, ValueError),
     ("exact_max_candidates", True, ValueError),
@@ -246,6 +247,8 @@ def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
         ({"COMPILE_OFFLOAD_INNER_COMPILER": "eager", "COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES": "7"},
          {"inner_compiler": "eager", "exact_max_candidates": 7}),
         ({"COMPILE_OFFLOAD_PLAN_TIME_LIMIT": "2.5"}, {"plan_time_limit": 2.5}),
+        ({}, {"verify_budget": False}),
+        ({"COMPILE_OFFLOAD_VERIFY_BUDGET": "1"}, {"verify_budget": True}),
     ],
     ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
 )

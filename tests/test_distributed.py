@@ -20,7 +20,7 @@ several tests:
 * **Collectives inside a graph** (functional all-gathers, as a hand-written FSDP does):
   never recomputed, the all-gathered parameters never offloaded, gradients equal eager.
 
-Memory is measured with ``compile_offload.memory_tracker.AllocationTracker`` on rank 0
+Memory is measured with ``compile_offload.memory_tracker.measure_peak`` (the CPU allocator) on rank 0
 (exact tensor bytes of the compiled code's allocations).
 
 Also here: the ``examples/train_ddp.py`` example run under ``torchrun`` on 2 CPU ranks, and
@@ -227,7 +227,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def ddp_scenario(rank: int, capture: _Capture) -> dict:
     import compile_offload
-    from compile_offload.memory_tracker import AllocationTracker
+    from compile_offload.memory_tracker import measure_peak
 
     model = Net()
     bucket = _bytes(model.blocks[0])  # a block per bucket: 3 graphs (the head joins the last block)
@@ -268,7 +268,7 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
                 for _ in range(2):
                     step(x).square().mean().backward()
                 ddp_module.zero_grad(set_to_none=True)
-                with AllocationTracker() as tracker:
+                with measure_peak("cpu") as tracker:
                     step(x).square().mean().backward()
         finally:
             logger.removeHandler(handler)

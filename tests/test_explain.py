@@ -155,3 +155,43 @@ def test_plan_time_limit_returns_the_best_plan_found_with_one_warning():
         assert complete.feasible and limited.predicted_step_seconds >= complete.predicted_step_seconds
     else:
         assert limited.predicted_peak_bytes >= complete.min_peak_bytes
+
+
+def _plan_facts(plan):
+    """What a plan decides and predicts (not how long solving took, nor the graph's name,
+    which differs between Dynamo's compile ids and explain's count)."""
+    return {
+        "decisions": [(d.name, d.decision, d.bytes) for d in plan.decisions],
+        "saved": plan.saved, "offloaded": plan.offloaded, "feasible": plan.feasible,
+        "budget": plan.budget_bytes, "predicted_peak": plan.predicted_peak_bytes,
+        "predicted_seconds": plan.predicted_step_seconds, "baseline_peak": plan.baseline_peak_bytes,
+        "min_peak": plan.min_peak_bytes, "timeline": plan.timeline_bytes,
+    }
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.5, 0.0])
+@pytest.mark.parametrize("family", ["mlp", "transformer", "convbn"])
+def test_explain_plans_exactly_what_the_inductor_backend_plans(family, budget, captured_plans):
+    """explain goes through the backend's pipeline (Inductor's pre-grad and joint-graph
+    passes, then our partitioner): the same decisions and predictions as a real compile."""
+    from . import models
+
+    make = {"mlp": (models.MLP, models.mlp_inputs), "transformer": (models.TransformerBlock, models.sequence_inputs),
+            "convbn": (models.ConvBN, models.image_inputs)}[family]
+    torch.manual_seed(0)
+    model, inputs = make[0]().train(), make[1]()
+    options = {"memory_budget": budget, "device_profile": "cpu"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a budget below the minimum warns in both
+        explained = compile_offload.explain_all(model, *inputs, **options)
+        captured_plans.clear()
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler="inductor", **options))
+            compiled(*inputs).sum().backward()
+    assert captured_plans and len(captured_plans) == len(explained)
+    for compiled_plan, explained_plan in zip(captured_plans, explained):
+        assert _plan_facts(explained_plan) == _plan_facts(compiled_plan)

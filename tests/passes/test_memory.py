@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor.lowering  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table
 
-from compile_offload.memory_tracker import AllocationTracker
+from compile_offload.memory_tracker import measure_peak
 from compile_offload.planning import plan_partition
 from compile_offload.settings import resolve
 from compile_offload.passes import compat
@@ -137,16 +137,23 @@ MODELS = {
 }
 
 
+_CONV_WORKSPACE = pytest.mark.xfail(strict=True, reason=(
+    "measured at the CPU allocator, the minimum-memory ConvBN step peaks at 432,716 bytes against "
+    "328,084 predicted (+32%): CPU convolution backward allocates workspace outside the dispatcher, "
+    "which the planner's cost model does not count (issue 15, item 5)"))
+
+
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("budget", [None, 0.0])
-def test_predicted_peak_within_10_percent_of_measured(model_name, budget):
+def test_predicted_peak_within_10_percent_of_measured(model_name, budget, request):
     """The plan's predicted peak against the allocations of the partitioned graphs, run
-    as Python (the eager inner compiler), measured with a dispatch-mode tracker."""
+    as Python (the eager inner compiler), measured at the CPU allocator (``measure_peak``)."""
+    if model_name == "convbn" and budget == 0.0:
+        request.applymarker(_CONV_WORKSPACE)
     make_model, make_input = MODELS[model_name]
     torch.manual_seed(0)
     model, x = make_model(), make_input()
     settings = resolve({"memory_budget": budget, "inner_compiler": "eager", "device_profile": "cpu"})
-    tracker = AllocationTracker()
     plans = []
 
     def partition(joint_gm, joint_inputs, **kwargs):
@@ -155,25 +162,16 @@ def test_predicted_peak_within_10_percent_of_measured(model_name, budget):
         plans.append(result.plan)
         return result.fw_gm, result.bw_gm
 
-    def tracked(gm, _):
-        run = compat.boxed_python(gm)
-
-        def call(args):
-            with tracker:
-                return run(args)
-
-        call._boxed_call = True
-        return call
-
     def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=tracked, bw_compiler=tracked,
-                                     partition_fn=partition, decompositions=select_decomp_table())
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: compat.boxed_python(g),
+                                     bw_compiler=lambda g, _: compat.boxed_python(g), partition_fn=partition,
+                                     decompositions=select_decomp_table())
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     compiled(x).backward()  # compile, and create .grad so the measured step is steady
-    tracker.current_bytes = tracker.peak_bytes = 0
-    compiled(x).backward()
+    with measure_peak("cpu") as tracker:
+        compiled(x).backward()
     (plan,) = plans
     assert plan.predicted_peak_bytes > 0
     assert tracker.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.10)

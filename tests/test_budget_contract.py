@@ -1,0 +1,35 @@
+"""The budget contract, CPU + Inductor, measured at the allocator (issue 15): model
+families x byte budgets at 0.8, 0.6 and 0.4 of the measured unconstrained peak. The same
+functions print the table of ``docs/benchmarks.md`` (``benchmarks/budget_contract.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from compile_offload.benchmarks import budget_contract as contract
+
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]
+
+# Measured on CPU, torch 2.13, 2026-11-23 (docs/benchmarks.md, "The budget contract"): these
+# families break the contract today; strict, so a fix shows up as an unexpected pass.
+_BROKEN = {
+    "conv_bn": "the minimum-memory plan measures 2.66 MiB against 2.51 MiB predicted (+5.6%): CPU convolution "
+               "backward workspace the cost model does not count",
+    "hf_gpt2": "at 0.8 and 0.6 the plan fits and the compiled step measures 6.48 / 4.90 MiB against 6.28 / "
+               "4.71 MiB budgets (Inductor's fusions); at 0.4 the minimum measures 4.90 MiB, 4.52 predicted",
+    "hf_llama": "at 0.6 the plan fits and the compiled step measures 3.39 MiB against a 2.94 MiB budget "
+                "(Inductor's fusions); predictions 7.8-18% off",
+}
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_BROKEN[m])) if m in _BROKEN else m
+    for m in contract.MODELS
+])
+def test_budget_contract(model):
+    if not contract.available(model):
+        pytest.skip("needs transformers")
+    points = contract.measure_model(model)
+    assert [p.fraction for p in points] == [None, *contract.FRACTIONS]
+    broken = {f"budget {p.fraction}": p.violations() for p in points if p.violations()}
+    assert not broken, "\n" + contract.table(points)

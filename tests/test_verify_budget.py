@@ -1,0 +1,82 @@
+"""``config.verify_budget``: the first compiled step of each graph is measured at the
+allocator and a measured peak over the budget warns once, with the three figures."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import compile_offload
+from compile_offload.memory_tracker import measure_peak
+from compile_offload.passes.plan import Plan, format_bytes
+from compile_offload.verify_budget import warn_if_over_budget
+
+
+def _plan(budget: int, predicted: int) -> Plan:
+    return Plan(feasible=predicted <= budget, budget_bytes=budget, predicted_peak_bytes=predicted,
+                predicted_step_seconds=0.0, baseline_peak_bytes=predicted, baseline_step_seconds=0.0,
+                min_peak_bytes=predicted)
+
+
+def test_warns_only_beyond_one_percent_over_the_budget():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not warn_if_over_budget(_plan(1_000_000, 990_000), 1_010_000, "graph_0")
+        assert warn_if_over_budget(_plan(1_000_000, 990_000), 1_010_001, "graph_0")
+    (warning,) = caught
+    text = str(warning.message)
+    assert "graph_0" in text and "verify_budget" in text
+    for figure in (1_010_001, 1_000_000, 990_000):  # measured, budget, predicted
+        assert format_bytes(figure) in text, text
+
+
+def _verify_messages(caught) -> list[str]:
+    return [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+
+
+def _steps(model, x, steps=3, **options):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(verify_budget=True, device_profile="cpu",
+                                                                          **options))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            compiled(x).sum().backward()
+    return _verify_messages(caught)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)), torch.randn(128, 64)
+
+
+def test_a_step_over_the_budget_warns_once_and_one_within_it_does_not():
+    model, x = _model()
+    # 64 KiB is below what this step can reach (its gradients alone are larger): measured
+    # above the budget, on the first step only.
+    over = _steps(model, x, memory_budget="64KiB", inner_compiler="eager")
+    assert len(over) == 1, over
+    # A budget far above the step's peak: measured within it, no warning.
+    with measure_peak("cpu") as measured:
+        model(x).sum().backward()
+    assert _steps(model, x, memory_budget=str(10 * measured.peak_bytes), inner_compiler="eager") == []
+
+
+def test_off_by_default_and_nothing_without_a_budget():
+    assert compile_offload.config.verify_budget is False
+    model, x = _model()
+    assert _steps(model, x, steps=1, memory_budget=None, inner_compiler="eager") == []
+
+
+@pytest.mark.inductor
+def test_measures_the_inductor_compiled_step():
+    """Under Inductor the measured step includes the buffers of the generated code; 64 KiB
+    cannot hold the gradients, so the first step warns, once."""
+    model, x = _model()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        messages = _steps(model, x, steps=2, memory_budget="64KiB", inner_compiler="inductor")
+    assert len(messages) == 1, messages
