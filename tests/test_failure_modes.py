@@ -463,9 +463,10 @@ def test_measured_peak_stays_within_a_feasible_budget():
         return tracker.peak_bytes, found[-1].plan
 
     unconstrained, free_plan = measured(None)
+    _, minimum_plan = measured(0.0)  # without a budget nothing is searched: no minimum known
     # Half-way between the minimum-memory plan and the unconstrained one: feasible, and
     # binding.
-    budget = (free_plan.min_peak_bytes + free_plan.baseline_peak_bytes) // 2
+    budget = (minimum_plan.min_peak_bytes + free_plan.baseline_peak_bytes) // 2
     peak, plan = measured(budget)
     assert plan.feasible and plan.count("recompute") > 0, plan.summary()
     assert peak <= 1.10 * plan.budget_bytes, f"measured {peak} bytes, budget {plan.budget_bytes}"
@@ -500,8 +501,9 @@ def test_cuda_peak_memory_contract():
 
     baseline, plans = peak(memory_budget=None, offload=False)
     (free_plan,) = plans
+    _, (minimum_plan,) = peak(memory_budget=0.0, offload=False)  # no budget, no search: no minimum known
     # Half-way between the minimum-memory plan and the unconstrained one: feasible, binding.
-    budgeted, plans = peak(memory_budget=(free_plan.min_peak_bytes + free_plan.baseline_peak_bytes) // 2)
+    budgeted, plans = peak(memory_budget=(minimum_plan.min_peak_bytes + free_plan.baseline_peak_bytes) // 2)
     (plan,) = plans
     assert plan.feasible and plan.predicted_peak_bytes < free_plan.baseline_peak_bytes
     assert budgeted < baseline
