@@ -193,10 +193,24 @@ def recompute_everything(ctx, func, *args, **kwargs):
 
 
 def test_must_recompute_of_a_random_op_is_saved_with_a_warning_naming_it():
-    with pytest.warns(UserWarning, match=r"MUST_RECOMPUTE not applied to rand \(random op"):
-        plan = compile_offload.explain(RandomInside(), torch.randn(8, 64, requires_grad=True), device_profile="h100")
-    (rand,) = [d for d in plan.decisions if d.name == "rand"]
+    """Without Inductor's joint passes (``inner_compiler="eager"``) the random op is saved,
+    with a warning naming it. Through Inductor (what ``explain`` plans), Inductor replaces it
+    by seeds the backward regenerates it from: the seeds are saved, the op is recomputed as
+    asked, and nothing warns."""
+    from .partition_results import partitions
+
+    x = torch.randn(8, 64, requires_grad=True)
+    backend = compile_offload.offload_remat(inner_compiler="eager", device_profile="cpu")
+    with pytest.warns(UserWarning, match=r"MUST_RECOMPUTE not applied to rand \(random op"), partitions() as found:
+        torch.compile(RandomInside(), backend=backend)(x).sum().backward()
+    (rand,) = [d for d in found[-1].plan.decisions if d.name == "rand"]
     assert rand.decision == "keep" and "MUST_RECOMPUTE not applied: random op" in rand.reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = compile_offload.explain(RandomInside(), x, device_profile="h100")
+    assert not [w for w in caught if "MUST_RECOMPUTE" in str(w.message)]
+    assert not [d for d in plan.decisions if d.name.startswith("rand")]
+    assert [d for d in plan.decisions if "seed" in d.name and d.decision == "keep"]
 
 
 @needs_offload_policies
