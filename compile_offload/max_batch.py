@@ -42,8 +42,8 @@ class MaxBatch:
     predicted_peak_bytes: int | None
     predicted_step_seconds: float | None
     planned_on: str  # the device the probes were planned on ("meta" when possible)
-    measured_step_seconds: float | None = None  # GPU only
-    measured_peak_bytes: int | None = None  # GPU only
+    measured_step_seconds: float | None = None  # with measure
+    measured_peak_bytes: int | None = None  # with measure: the allocator's peak of one step (measure_peak)
     measure_error: str | None = None
     probes: list[Probe] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -122,7 +122,8 @@ def max_batch(
 
     When ``measure`` is true (default: when ``device`` is CUDA), the answer is also built
     on ``device``, compiled with ``offload_remat`` at the budget and timed over ``steps``
-    steps after ``warmup``, giving the measured step time and peak above steady state.
+    steps after ``warmup``, giving the measured step time, and the peak one more step
+    allocates above its start, at the allocator (``measure_peak``).
     """
     if budget is None or isinstance(budget, float):
         raise TypeError(
@@ -176,10 +177,12 @@ def max_batch(
     return result
 
 
-def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tuple[float, int | None]:
-    """Median seconds per step and peak bytes above steady state (CUDA only) of the
-    compiled step at ``batch``."""
+def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tuple[float, int]:
+    """Median seconds per step of the compiled step at ``batch``, and the peak bytes one
+    more step allocates above its start, at the allocator (``measure_peak``: timing and
+    measuring are separate steps because the CPU measure profiles, which adds time)."""
     from .backend import offload_remat
+    from .memory_tracker import measure_peak
 
     built = factory(batch, device)
     model, inputs = built[0], built[1]
@@ -192,10 +195,6 @@ def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tu
 
     for _ in range(1 + warmup):  # the first call compiles
         step()
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        steady = torch.cuda.memory_allocated(device)
     times = []
     for _ in range(steps):
         if on_cuda:
@@ -205,5 +204,6 @@ def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tu
         if on_cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(device) - steady if on_cuda else None
-    return statistics.median(times), peak
+    with measure_peak(device) as measured:
+        step()
+    return statistics.median(times), measured.peak_bytes
