@@ -167,7 +167,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
     if settings.offload:
-        # The pool is one per process: the latest compile's limit applies (config.py). Set
+        # The pool is one per process: the latest offloading compile's limit applies (config.py). Set
         # here, not while planning, so that a compile served from a cache sets it too.
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":

@@ -103,7 +103,8 @@ device_profile = Config(default=None, env_name_default="COMPILE_OFFLOAD_DEVICE_P
 inner_compiler: str = Config(default="inductor", env_name_default="COMPILE_OFFLOAD_INNER_COMPILER")
 
 # Upper bound in bytes of the pinned host memory pool used by offload (None: no limit).
-# The pool is one per process: the limit of the latest compile applies to every model.
+# The pool is one per process: the limit of the latest compile with offload on applies to
+# every model (a compile with offload=False does not use the pool and leaves its limit).
 pinned_pool_limit = Config(default=None, env_name_default="COMPILE_OFFLOAD_PINNED_POOL_LIMIT", value_type=Optional[str])
 
 # What to do when the planner fails on a graph for a reason it does not know to be

@@ -217,3 +217,27 @@ def test_explain_reports_the_pinned_host_memory_of_its_offloads():
     (note,) = [n for n in plan.notes if n.startswith("pinned host memory (predicted)")]
     ratio = pinned_bytes(offloaded) / sum(offloaded)
     assert f"({ratio:.3f}x)" in note and 1.0 <= ratio <= 1.1
+
+
+def test_the_latest_offloading_compile_sets_the_process_pool_limit():
+    """The pool is one per process: a compile with offload on sets its limit; one with
+    offload off does not use the pool and leaves the limit the offloading model relies on."""
+    import compile_offload
+
+    before = pinned_pool.get_pool().limit_bytes
+    try:
+        def compile_once(**options):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler="eager", **options))
+            compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
+
+        compile_once(offload=True, pinned_pool_limit="3MiB")
+        assert pinned_pool.get_pool().limit_bytes == 3 * 2**20
+        compile_once(offload=False, pinned_pool_limit="5MiB")
+        assert pinned_pool.get_pool().limit_bytes == 3 * 2**20
+        compile_once(offload=True, pinned_pool_limit="5MiB")
+        assert pinned_pool.get_pool().limit_bytes == 5 * 2**20
+    finally:
+        pinned_pool.set_limit(before)
+        torch._dynamo.reset()
