@@ -54,6 +54,27 @@ def test_changed_budget_recompiles_the_same_compiled_model(eager_inner, captured
     assert [plan.budget_bytes is None for plan in captured_plans] == [True, False]
 
 
+def test_past_dynamos_recompile_limit_a_new_budget_is_not_planned_and_can_be_made_an_error(eager_inner, captured_plans):
+    """What the guide says of many budgets on one compiled model: each is one of Dynamo's
+    cache entries; past ``recompile_limit`` the code runs eagerly, unplanned (Dynamo warns),
+    and ``fail_on_recompile_limit_hit`` turns that into an error."""
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend="offload_remat")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for budget in ("200KB", "150KB", "100KB"):
+            with config.patch(memory_budget=budget):
+                _train_step(compiled, x)
+        assert len(captured_plans) == 2  # the third budget ran eagerly
+        torch._dynamo.reset()
+        compiled = torch.compile(MLP(), backend="offload_remat")
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with pytest.raises(Exception, match="recompile_limit"):
+                for budget in ("200KB", "150KB", "100KB"):
+                    with config.patch(memory_budget=budget):
+                        _train_step(compiled, x)
+    torch._dynamo.reset()
+
+
 def test_options_fix_their_knobs_against_config_changes(eager_inner, captured_plans):
     """A knob an offload_remat(...) option sets cannot change, so changing it in the
     config recompiles nothing."""
