@@ -132,7 +132,10 @@ def test_an_assignment_reaches_a_worker_thread(captured_plans):
 
 def test_a_patch_stays_in_its_thread():
     """config.patch applies to the thread that entered it; after it the thread reads the
-    process's value again, including one assigned while the patch was active."""
+    process's value again, including one assigned while the patch was active. On a torch
+    whose config has one global value (2.11: ``process_config`` installs nothing) a patch
+    is process-wide and its exit restores the value from before it, as process_config.py
+    and reliability.md say."""
     seen = {}
     entered, assigned = threading.Event(), threading.Event()
 
@@ -154,7 +157,10 @@ def test_a_patch_stays_in_its_thread():
         worker.join()
     finally:
         config.memory_budget = None
-    assert seen == {"inside": "2MiB", "main during patch": "1MiB", "after": "3MiB"}
+    if compile_offload.process_config.version() is None:  # one global value
+        assert seen == {"inside": "2MiB", "main during patch": "2MiB", "after": "1MiB"}
+    else:
+        assert seen == {"inside": "2MiB", "main during patch": "1MiB", "after": "3MiB"}
     assert compile_offload.settings.resolve().budget_bytes is None
 
 
