@@ -68,7 +68,7 @@ def test_past_dynamos_recompile_limit_a_new_budget_is_not_planned_and_can_be_mad
         torch._dynamo.reset()
         compiled = torch.compile(MLP(), backend="offload_remat")
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            with pytest.raises(Exception, match="recompile_limit"):
+            with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
                 for budget in ("200KB", "150KB", "100KB"):
                     with config.patch(memory_budget=budget):
                         _train_step(compiled, x)
