@@ -55,7 +55,11 @@ def capture_joint(layers: int, shape: str):
     captured = {}
 
     def shape_only(gm, inputs):
-        return gm
+        # The captured step then runs on fake tensors (explain's shapes-only "compiler"):
+        # running the forward for real would spend minutes of CPU matmuls on every depth.
+        from compile_offload.explain import _shape_only
+
+        return _shape_only(gm, inputs)
 
     def capture(joint, joint_inputs, **kwargs):
         captured.update(joint=copy.deepcopy(joint), inputs=joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
