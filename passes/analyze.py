@@ -230,6 +230,16 @@ class JointAnalysis:
     # ... and the nodes fusion may leave without a buffer (``fusable_nodes``): each plan
     # then only takes away the ones it keeps.
     fusable: frozenset[fx.Node] = frozenset()
+    # ... and, for the walks every saved set repeats (``passes.memory``: recomputed nodes,
+    # forward nodes needed, the just-in-time backward order): each node's inputs on the
+    # forward side (``inputs`` filtered by ``is_forward``, same order), the forward-side
+    # inputs the backward nodes read (joint order, each once) and, for each forward node,
+    # the indices in ``bw_nodes`` of the backward nodes reading it.
+    fw_inputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
+    bw_reads: tuple[fx.Node, ...] = ()
+    bw_readers: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
+    # ... and the storages each node reads (the roots of its inputs, in order, each once).
+    input_roots: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -290,6 +300,14 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
     for n in fw_nodes:
         if n not in ban and n.op == "call_function" and any(roots.get(arg, arg) in mutated for arg in n.all_input_nodes):
             ban[n] = "reads an input that the graph mutates"
+    forward_side = frozenset(fw_nodes)
+    inputs = {n: tuple(n.all_input_nodes) for n in nodes}
+    fw_inputs = {n: tuple(arg for arg in args if arg in forward_side) for n, args in inputs.items()}
+    bw_readers: dict[fx.Node, list[int]] = {}
+    for index, n in enumerate(bw_nodes):
+        for arg in dict.fromkeys(fw_inputs[n]):
+            bw_readers.setdefault(arg, []).append(index)
+    bw_reads = tuple(dict.fromkeys(arg for n in bw_nodes for arg in fw_inputs[n]))
     return JointAnalysis(
         joint=joint,
         fw_nodes=fw_nodes,
@@ -301,11 +319,15 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         bytes_of=bytes_of,
         steady=steady,
         ban=ban,
-        forward_side=frozenset(fw_nodes),
+        forward_side=forward_side,
         fusion=fusion,
-        inputs={n: tuple(n.all_input_nodes) for n in nodes},
+        inputs=inputs,
         alias_parent={n: _aliased_input(n) for n in nodes},
         fusable=fusable_nodes(nodes),
+        fw_inputs=fw_inputs,
+        bw_reads=bw_reads,
+        bw_readers={node: tuple(indices) for node, indices in bw_readers.items()},
+        input_roots={n: tuple(dict.fromkeys(roots.get(arg, arg) for arg in args)) for n, args in inputs.items()},
     )
 
 

@@ -149,25 +149,27 @@ def forward_nodes_needed(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.
     """Forward nodes that must run to produce the user outputs and the saved tensors."""
     needed: set[fx.Node] = set()
     stack = [*a.fw_outputs, *saved]
+    fw_inputs = a.fw_inputs
     while stack:
         node = stack.pop()
         if node in needed or not a.is_forward(node):
             continue
         needed.add(node)
-        stack.extend(a.inputs[node])
+        stack.extend(fw_inputs[node])
     return [n for n in a.fw_nodes if n in needed]
 
 
 def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
     """Forward nodes the backward needs but the forward does not save: they are recomputed."""
     recomputed: set[fx.Node] = set()
-    stack = [arg for n in a.bw_nodes for arg in a.inputs[n] if a.is_forward(arg)]
+    stack = list(a.bw_reads)  # the forward-side inputs of the backward nodes
+    fw_inputs, steady = a.fw_inputs, a.steady
     while stack:
         node = stack.pop()
-        if node in saved or node in recomputed or node in a.steady:
+        if node in saved or node in recomputed or node in steady:
             continue
         recomputed.add(node)
-        stack.extend(arg for arg in a.inputs[node] if a.is_forward(arg))
+        stack.extend(fw_inputs[node])
     return recomputed
 
 

@@ -112,9 +112,9 @@ def first_backward_uses(a: JointAnalysis, backward: Schedule, tensors: Iterable[
     (tensors the backward never reads are left out)."""
     wanted = set(tensors)
     first: dict[fx.Node, int] = {}
+    input_roots = a.input_roots
     for index, node in enumerate(backward.nodes):
-        for arg in a.inputs[node]:
-            base = a.roots.get(arg, arg)
+        for base in input_roots[node]:
             if base in wanted and base not in first:
                 first[base] = index
     return first

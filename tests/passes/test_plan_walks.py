@@ -1,0 +1,100 @@
+"""The per-saved-set walks the solver repeats for every candidate plan equal their
+definitions.
+
+``passes.memory`` answers "which forward nodes run", "which are recomputed" and "in what
+order does the backward run" from tables the analysis builds once (forward-side inputs,
+the backward's readers of each forward node). Here each fast walk is compared with a
+direct transcription of its definition on the graph itself (``node.all_input_nodes``,
+``passes.schedule.just_in_time_order``), for random saved sets of a transformer's joint
+graph: subsets of the nodes torch's min-cut saves, and of every forward node.
+"""
+
+import functools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from compile_offload.passes.memory import backward_order, forward_nodes_needed, plan_nodes, recomputed_nodes
+from compile_offload.passes.schedule import just_in_time_order
+
+from .joint_capture import capture_analysis
+
+
+@functools.cache
+def transformer():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+                             for _ in range(2)))
+    return capture_analysis(lambda x: layers(x).sum(), torch.randn(2, 16, 32, requires_grad=True), fusion=True)
+
+
+def recomputed_by_definition(a, saved):
+    """Forward nodes some backward node reads, directly or through other such nodes,
+    stopping at saved tensors and steady-state inputs."""
+    recomputed = set()
+    stack = [arg for n in a.bw_nodes for arg in n.all_input_nodes if a.is_forward(arg)]
+    while stack:
+        node = stack.pop()
+        if node in saved or node in recomputed or node in a.steady:
+            continue
+        recomputed.add(node)
+        stack.extend(arg for arg in node.all_input_nodes if a.is_forward(arg))
+    return recomputed
+
+
+def forward_needed_by_definition(a, saved):
+    """Forward nodes the user outputs and the saved tensors depend on, in joint order."""
+    needed = set()
+    stack = [*a.fw_outputs, *saved]
+    while stack:
+        node = stack.pop()
+        if node in needed or not a.is_forward(node):
+            continue
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in a.fw_nodes if n in needed]
+
+
+def saved_sets(a, base, count=40):
+    """Random saved sets: the unconstrained one, none, subsets of it and of all forward nodes."""
+    rng = random.Random(0)
+    forward = [n for n in a.fw_nodes if n not in a.steady]
+    yield set(base)
+    yield set()
+    for _ in range(count):
+        pool = base if rng.random() < 0.5 else forward
+        yield {n for n in pool if rng.random() < rng.choice((0.1, 0.5, 0.9))}
+
+
+def test_the_walks_equal_their_definitions():
+    a, base = transformer()
+    checked = 0
+    for saved in saved_sets(a, base):
+        recomputed = recomputed_nodes(a, saved)
+        assert recomputed == recomputed_by_definition(a, saved)
+        assert forward_nodes_needed(a, saved) == forward_needed_by_definition(a, saved)
+        order = backward_order(a, recomputed)
+        assert order == just_in_time_order(a.bw_nodes, recomputed)
+        nodes = plan_nodes(a, saved)
+        assert (nodes.recomputed, nodes.backward) == (recomputed, order)
+        checked += bool(recomputed)
+    assert checked > 10  # most saved sets recompute something, so the order is exercised
+
+
+@pytest.mark.parametrize("table", ["fw_inputs", "bw_readers"])
+def test_the_analysis_tables_match_the_graph(table):
+    a, _ = transformer()
+    if table == "fw_inputs":
+        for node, inputs in a.fw_inputs.items():
+            assert inputs == tuple(arg for arg in node.all_input_nodes if a.is_forward(arg))
+    else:
+        readers = {}
+        for index, node in enumerate(a.bw_nodes):
+            for arg in node.all_input_nodes:
+                if a.is_forward(arg):
+                    readers.setdefault(arg, set()).add(index)
+        assert {node: set(indices) for node, indices in a.bw_readers.items()} == readers
+        assert all(list(indices) == sorted(set(indices)) for indices in a.bw_readers.values())
+
