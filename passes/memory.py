@@ -175,8 +175,49 @@ def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
 
 def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     """Backward nodes in joint order, each recomputed node placed right before its first
-    backward user (how ``passes.schedule.sink_recomputation`` orders the real graph)."""
-    return just_in_time_order(a.bw_nodes, recomputed, a.inputs.__getitem__)
+    backward user (how ``passes.schedule.sink_recomputation`` orders the real graph):
+    ``just_in_time_order(a.bw_nodes, recomputed, a.inputs.__getitem__)``.
+
+    Only the backward nodes that read a recomputed node can have one placed before them
+    (``a.bw_readers``), so the backward is copied in slices between those; the order is
+    the same (``tests/passes/test_plan_walks.py``)."""
+    bw = a.bw_nodes
+    readers = sorted({i for node in recomputed for i in a.bw_readers.get(node, ())})
+    if not readers:
+        return list(bw)
+    fw_inputs = a.fw_inputs
+    order: list[fx.Node] = []
+    emitted: set[fx.Node] = set()
+    copied = 0  # bw[:copied] are in ``order``
+    for index in readers:
+        node = bw[index]
+        for arg in fw_inputs[node]:
+            if arg in recomputed and arg not in emitted:
+                if copied < index:
+                    order.extend(bw[copied:index])
+                    copied = index
+                _emit_recomputed(arg, recomputed, emitted, fw_inputs, order)
+    order.extend(bw[copied:])
+    return order
+
+
+def _emit_recomputed(node: fx.Node, recomputed: set[fx.Node], emitted: set[fx.Node],
+                     fw_inputs: dict[fx.Node, tuple[fx.Node, ...]], order: list[fx.Node]) -> None:
+    """Append ``node`` to ``order`` after the recomputed nodes it reads that are not yet in
+    it (depth first, inputs in order: ``just_in_time_order``'s ``emit``)."""
+    stack = [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if current in emitted:
+            continue
+        if expanded:
+            emitted.add(current)
+            order.append(current)
+            continue
+        stack.append((current, True))
+        for arg in reversed(fw_inputs[current]):
+            if arg in recomputed and arg not in emitted:
+                stack.append((arg, False))
 
 
 @dataclass(frozen=True)
