@@ -39,6 +39,7 @@ import torch.fx as fx
 from .analyze import JointAnalysis, tensor_value
 from .cost import DeviceProfile
 from .memory import PlanNodes, StepBuilder, plan_nodes, plan_program, recomputed_nodes, simulate
+from .node_durations import node_durations
 from .solve import (
     Candidate,
     Group,
@@ -93,6 +94,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     that of simulating every plan; ``Solution.minimum`` is the lowest peak simulated.
     ``complete=True`` simulates every plan (the reference the tests compare with)."""
     progress = progress or Progress()
+    seconds = node_durations(seconds)  # the same values, looked up: every saved set sums them
     if offload is None:
         return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete)
     saved_sets = SavedSetCache(a, seconds)

@@ -68,11 +68,11 @@ class Schedule:
 def timed(nodes: Iterable[fx.Node], seconds: Seconds) -> Schedule:
     """``nodes`` run back to back; only ``call_function`` nodes take time."""
     nodes = tuple(nodes)
-    starts, now = [], 0.0
-    for node in nodes:
-        starts.append(now)
-        now += seconds(node) if node.op == "call_function" else 0.0
-    return Schedule(nodes, tuple(starts), now)
+    # Running sums, added in the same order as a loop would (so the same floats).
+    starts = list(itertools.accumulate((seconds(node) if node.op == "call_function" else 0.0 for node in nodes),
+                                       initial=0.0))
+    total = starts.pop()
+    return Schedule(nodes, tuple(starts), total)
 
 
 def forward_schedule(a: JointAnalysis, saved: set[fx.Node], seconds: Seconds) -> Schedule:

@@ -98,3 +98,21 @@ def test_the_analysis_tables_match_the_graph(table):
         assert {node: set(indices) for node, indices in a.bw_readers.items()} == readers
         assert all(list(indices) == sorted(set(indices)) for indices in a.bw_readers.values())
 
+
+def test_node_durations_are_the_cost_functions_values_looked_up():
+    from compile_offload.passes.node_durations import node_durations
+
+    a, _ = transformer()
+    calls = []
+
+    def seconds(node):
+        calls.append(node)
+        return a.position[node] * 1e-6
+
+    looked_up = node_durations(seconds)
+    nodes = list(a.position)
+    assert [looked_up(n) for n in nodes] == [seconds(n) for n in nodes]
+    calls.clear()
+    assert [looked_up(n) for n in nodes] == [a.position[n] * 1e-6 for n in nodes]
+    assert calls == []  # every value came from the table
+    assert node_durations(looked_up) is looked_up
