@@ -115,12 +115,14 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         if not progress.step():
             break
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
+    offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
     for branch in branch_points([start, *recompute], evaluate, BRANCHES):
         if progress.out_of_time:
             break
         sequence = []
-        for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets), granularity):
+        for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets,
+                                                             offloadable_now), granularity):
             evaluate.price(plan)  # now, while ``saved_sets`` still holds its saved set (prices are kept)
             sequence.append(plan)
             if not progress.step():
@@ -193,31 +195,70 @@ def offloadable(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: set[fx.No
     return sorted(result, key=a.position.__getitem__)
 
 
+class Offloadable:
+    """``offloadable(a, saved, offloaded, eligible)`` for one saved set after another: what
+    depends on a tensor alone (its storage, and whether that storage may ever be
+    offloaded: ``eligible`` and the rest of ``offloadable``'s rules) is worked out once per
+    tensor for the whole solve, so each step only counts the saved tensors per storage."""
+
+    def __init__(self, a: JointAnalysis, eligible: Callable[[fx.Node], bool]) -> None:
+        self.a, self.eligible = a, eligible
+        self.outputs = {a.roots.get(o, o) for o in a.fw_outputs}
+        self.root: dict[fx.Node, fx.Node | None] = {}  # tensor -> its storage (None: not a tensor)
+        self.may: dict[fx.Node, bool] = {}  # storage -> offloadable when it is the only saved tensor on it
+
+    def __call__(self, saved: Iterable[fx.Node], offloaded: set[fx.Node]) -> list[fx.Node]:
+        saved = saved if isinstance(saved, (set, frozenset)) else set(saved)
+        count: dict[fx.Node, int] = {}
+        for tensor in saved:
+            root = self._root(tensor)
+            if root is not None:
+                count[root] = count.get(root, 0) + 1
+        result = [root for root, n in count.items()
+                  if n == 1 and root in saved and self._root(root) is root and root not in offloaded
+                  and self._may(root)]
+        return sorted(result, key=self.a.position.__getitem__)
+
+    def _root(self, tensor: fx.Node) -> fx.Node | None:
+        if tensor not in self.root:
+            self.root[tensor] = self.a.roots.get(tensor, tensor) if tensor_value(tensor) is not None else None
+        return self.root[tensor]
+
+    def _may(self, root: fx.Node) -> bool:
+        if root not in self.may:
+            a = self.a
+            self.may[root] = bool(
+                root not in self.outputs and root not in a.steady and root.op == "call_function"
+                and a.is_forward(root) and a.bytes_of.get(root, 0) > 0 and self.eligible(root))
+        return self.may[root]
+
+
 def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds, offload: OffloadOptions,
-                saved_sets: "SavedSetCache | None" = None) -> Iterator[Move]:
+                saved_sets: "SavedSetCache | None" = None, candidates: Offloadable | None = None) -> Iterator[Move]:
     """The greedy sequence of recompute and offload moves from ``base_saved``, most freed
     bytes per second of marginal cost first (ties: more bytes, then the earlier tensor),
     each yielded as soon as chosen. An offload move's cost (its ``extra_seconds``) is its
-    estimated exposed and launch time."""
+    estimated exposed and launch time. ``candidates``: an ``Offloadable`` for
+    ``offload.eligible``, shared by the sequences of one solve."""
     saved_sets = saved_sets or SavedSetCache(a, seconds)
+    candidates = candidates or Offloadable(a, offload.eligible)
     saved = set(base_saved)
     plan = PlanState(saved, recomputed_nodes(a, saved))
-    eligible = _memo(offload.eligible)
     moves_of = RecomputeMoves(a, seconds)
     while True:
         best = best_move(a, [*moves_of(plan.saved, plan.recomputed, skip=plan.offloaded),
-                             *_offload_moves(a, plan.saved, plan.offloaded, offload, eligible, saved_sets)])
+                             *_offload_moves(a, plan.saved, plan.offloaded, offload, candidates, saved_sets)])
         if best is None:
             return
         best.apply(plan)
         yield best
 
 
-def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions, eligible,
-                   saved_sets: "SavedSetCache"):
+def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions,
+                   offloadable_now: Offloadable, saved_sets: "SavedSetCache"):
     """A move for each offloadable storage, costing the exposed seconds it adds, estimated
     against the copies already planned (zero until the link saturates), and its launches."""
-    candidates = offloadable(a, saved, offloaded, eligible)
+    candidates = offloadable_now(saved, offloaded)
     if not candidates:
         return
     facts = saved_sets(saved)
@@ -227,17 +268,6 @@ def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: Offloa
         added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
         subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
         yield OffloadMove(subject, (), added, a.bytes_of[tensor])
-
-
-def _memo(fn):
-    results: dict[fx.Node, bool] = {}
-
-    def memoized(node: fx.Node) -> bool:
-        if node not in results:
-            results[node] = bool(fn(node))
-        return results[node]
-
-    return memoized
 
 
 class SavedSetCache:
@@ -323,7 +353,8 @@ class Evaluator:
         if key not in self.prices:
             facts = self.saved_sets(plan.saved)
             transfers = (plan_transfers(self.a, set(plan.saved), set(plan.offloaded), self.seconds,
-                                        self.offload.profile, self.offload.prefetch, facts.schedules)
+                                        self.offload.profile, self.offload.prefetch, facts.schedules,
+                                        facts.first_uses)
                          if plan.offloaded else None)
             copies = transfers.added_seconds if transfers else 0.0
             self.prices[key] = (facts.step_seconds - self.base_seconds + copies, transfers)

@@ -169,16 +169,23 @@ class TransferPlan:
 
 def plan_transfers(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.Node], seconds: Seconds,
                    profile: DeviceProfile, prefetch: bool = True,
-                   schedules: tuple[Schedule, Schedule] | None = None) -> TransferPlan:
+                   schedules: tuple[Schedule, Schedule] | None = None,
+                   first_uses: dict[fx.Node, int] | None = None) -> TransferPlan:
     """Issue and wait positions of the copies for ``offloaded`` (storage-owning saved
     tensors) under the plan that saves ``saved``, and the stalls they cause.
-    ``schedules``: the plan's (forward, backward) schedules, when the caller has them."""
+    ``schedules``: the plan's (forward, backward) schedules, when the caller has them;
+    ``first_uses``: ``first_backward_uses(a, backward, forward.index)`` for them (the
+    solver keeps it per saved set), else the backward is walked for ``offloaded``."""
     plan = TransferPlan()
     if not offloaded:
         return plan
     forward, backward = schedules or (forward_schedule(a, saved, seconds), backward_schedule(a, saved, seconds))
+    if first_uses is None or not all(t in forward.index for t in offloaded):
+        first_uses = first_backward_uses(a, backward, offloaded)
+    else:  # a tensor's first use does not depend on which others are looked for
+        first_uses = {t: first_uses[t] for t in offloaded if t in first_uses}
     _plan_offloads(a, forward, offloaded, profile, plan)
-    _plan_reloads(a, backward, offloaded, profile, prefetch, plan)
+    _plan_reloads(a, backward, offloaded, profile, prefetch, plan, first_uses)
     plan.launch_seconds = 2 * len(plan.copies) * profile.launch_overhead_seconds
     return plan
 
@@ -206,8 +213,7 @@ def _plan_offloads(a: JointAnalysis, forward: Schedule, offloaded: set[fx.Node],
 
 
 def _plan_reloads(a: JointAnalysis, backward: Schedule, offloaded: set[fx.Node], profile: DeviceProfile,
-                  prefetch: bool, plan: TransferPlan) -> None:
-    first_use = first_backward_uses(a, backward, offloaded)
+                  prefetch: bool, plan: TransferPlan, first_use: dict[fx.Node, int]) -> None:
     order = sorted(first_use, key=lambda t: (first_use[t], a.position[t]))
     duration = {t: transfer_seconds(a.bytes_of.get(t, 0), profile, "h2d") for t in order}
     if prefetch:

@@ -99,6 +99,23 @@ def test_the_analysis_tables_match_the_graph(table):
         assert all(list(indices) == sorted(set(indices)) for indices in a.bw_readers.values())
 
 
+def test_offloadable_per_step_equals_its_definition():
+    from compile_offload.passes.offload import eligible_for_offload
+    from compile_offload.passes.solve_offload import Offloadable, offloadable
+
+    a, base = transformer()
+    eligible = lambda node: eligible_for_offload(node)[0]  # noqa: E731
+    fast = Offloadable(a, eligible)
+    rng = random.Random(1)
+    found = 0
+    for saved in saved_sets(a, base):
+        offloaded = {n for n in saved if rng.random() < 0.2}
+        expected = offloadable(a, saved, offloaded, eligible)
+        assert fast(saved, offloaded) == expected
+        found += len(expected)
+    assert found > 0
+
+
 def test_node_durations_are_the_cost_functions_values_looked_up():
     from compile_offload.passes.node_durations import node_durations
 
