@@ -7,6 +7,7 @@ exercises each wrapper on the installed torch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -121,7 +122,10 @@ def must_be_in_forward(node: fx.Node) -> bool:
     return _p._must_be_in_forward(node)
 
 
+@functools.cache
 def random_ops() -> frozenset:
+    # torch builds its op lists anew on every call (a tenth of the analysis of a GPT-8
+    # joint graph when asked once per node); they are fixed for a torch version.
     return frozenset(_p.get_default_op_list().random_ops)
 
 
