@@ -263,14 +263,18 @@ def _simulate_reloads(backward: Schedule, order: list[fx.Node], issue: list[int]
         waited_at.setdefault(use, []).append(k)
     begin, end, stall = [0.0] * len(order), [0.0] * len(order), [0.0] * len(order)
     now = link_free = 0.0
-    for i, node in enumerate(backward.nodes):
-        for k in issued_at.get(i, ()):
-            begin[k] = max(now, link_free)
-            end[k] = link_free = begin[k] + durations[k]
-        for k in waited_at.get(i, ()):
-            stall[k] = max(0.0, end[k] - now)
-            now += stall[k]
-        now += backward.end(i) - backward.starts[i]
+    starts = backward.starts
+    ends = (*starts[1:], backward.total)  # backward.end(i), without a call per node
+    for i in range(len(backward.nodes)):
+        if i in issued_at:
+            for k in issued_at[i]:
+                begin[k] = max(now, link_free)
+                end[k] = link_free = begin[k] + durations[k]
+        if i in waited_at:
+            for k in waited_at[i]:
+                stall[k] = max(0.0, end[k] - now)
+                now += stall[k]
+        now += ends[i] - starts[i]
     return [Copy(t, "h2d", issue[k], begin[k], end[k], uses[k], stall[k]) for k, t in enumerate(order)]
 
 
