@@ -88,8 +88,11 @@ def refine_solution(a: JointAnalysis, solution: Solution, base_saved: Iterable[f
     """``solution`` with its chosen plan refined (``refine``), explained again; ``solution``
     itself when refinement changes nothing (no budget, no fitting plan, no step helps).
     ``seconds`` and ``offload``: those the solver used."""
-    if not solution.feasible or solution.budget_bytes is None or (progress is not None and progress.out_of_time):
-        return solution, Refinement(solution.chosen)
+    chosen = solution.chosen
+    unconstrained = not chosen.offloaded and chosen.saved == solution.baseline.saved  # nothing to undo
+    if (not solution.feasible or solution.budget_bytes is None or unconstrained
+            or (progress is not None and progress.out_of_time)):
+        return solution, Refinement(chosen)
     base_saved = list(base_saved)
     evaluate = Evaluator(a, seconds, offload, base_saved)
     refinement = refine(a, solution.chosen, base_saved, solution.budget_bytes, evaluate, progress=progress)
