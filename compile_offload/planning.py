@@ -131,7 +131,8 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
-    if refinement is not None and refinement.plan is not unrefined.chosen:
+    if (refinement is not None and refinement.plan is not unrefined.chosen
+            and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))
     if progress.out_of_time:
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
@@ -147,7 +148,7 @@ def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
     faster = (unrefined.extra_seconds - refinement.plan.extra_seconds) * 1e3
     steps = f"{refinement.undos} undo step{'s' * (refinement.undos != 1)}"
     if refinement.swaps:
-        steps += f" and {refinement.swaps} swap"
+        steps += f" and {refinement.swaps} swap{'s' * (refinement.swaps != 1)}"
     return (f"refined: {steps} after the greedy solver, predicted {faster:.3f} ms faster "
             f"({refinement.evaluated} plans evaluated)")
 
