@@ -24,7 +24,8 @@ from .passes.offload import eligible_for_offload
 from .passes.plan import Plan, format_bytes
 from .passes.rewrite import build_graphs
 from .passes.progress import Progress
-from .passes.solve import Solution, SolverError, solve_exact, without_banned_recompute
+from .passes.refine import Refinement, refine_solution
+from .passes.solve import Candidate, Solution, SolverError, solve_exact, without_banned_recompute
 from .passes.solve_offload import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
@@ -113,6 +114,10 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
                            progress)
 
     solution = solve(seconds)
+    refinement = None
+    if settings.solver != "exact" or exact_failed:  # the exact plan is optimal already
+        unrefined = solution
+        solution, refinement = refine_solution(analysis, solution, base_saved, seconds, offload, progress)
     if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
         preferring = solve(policy.biased(seconds)) if policy.bias else None
         solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload, base_saved)
@@ -126,6 +131,9 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
+    if (refinement is not None and refinement.plan is not unrefined.chosen
+            and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
+        plan.notes.append(_refinement_note(refinement, unrefined.chosen))
     if progress.out_of_time:
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
@@ -133,6 +141,16 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+
+
+def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
+    """What refinement changed in the greedy's plan (``passes/refine.py``), for ``Plan.notes``."""
+    faster = (unrefined.extra_seconds - refinement.plan.extra_seconds) * 1e3
+    steps = f"{refinement.undos} undo step{'s' * (refinement.undos != 1)}"
+    if refinement.swaps:
+        steps += f" and {refinement.swaps} swap{'s' * (refinement.swaps != 1)}"
+    return (f"refined: {steps} after the greedy solver, predicted {faster:.3f} ms faster "
+            f"({refinement.evaluated} plans evaluated)")
 
 
 def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outputs: int,

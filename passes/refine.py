@@ -7,79 +7,212 @@ search (``passes.solve_exhaustive``) showed this on a GPT-2 block: the greedy re
 the MLP's first matmul and its GELU at budgets where the optimum keeps them, 9-12% slower
 at the same peak.
 
-``refine`` starts from a plan that fits and repeatedly applies the best *undo*: stop
-offloading one storage, or save again one storage of the unconstrained plan that the plan
-recomputes (dropping what was saved only to recompute it). Each candidate is evaluated
-exactly (the same evaluator as the solver); the fastest one that still fits replaces the
-plan while it is faster. The result fits the same budget and is never slower.
+``refine`` starts from a plan that fits and repeatedly takes an *undo*: stop offloading
+one storage, or save again one storage of the unconstrained plan that the plan recomputes
+(dropping what was saved only to recompute it). In a round where no undo can be taken it
+tries *swaps* (save one storage again while recomputing another one the plan saves), then
+undoes again. A step is taken only when its plan, evaluated exactly (the solver's own
+evaluator), fits the budget, is strictly faster and peaks no lower than the plan it
+replaces. Each round tries the options in a fixed order, the largest estimated saving
+first (the recompute time of the storage saved again, the stalls of the copies undone;
+for a swap, less the recompute time it adds), and takes the first that qualifies. Every
+evaluation costs whole-graph passes (about 60 ms on GPT-8 on a 2-core machine), so the
+number of evaluations per refinement is bounded (``MAX_EVALUATIONS``). The result fits
+the same budget, is never slower, and the planner's choice stays monotone in the budget
+(docs/design.md, "Refinement").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
 from .memory import recomputed_nodes
-from .solve import Candidate, storage_group
-from .solve_offload import Evaluator, Prefix
+from .progress import Progress
+from .solve import Candidate, Group, Seconds, Solution, _explain, storage_group
+from .solve_offload import Evaluator, OffloadOptions, Prefix
 
-MAX_ROUNDS = 200
+# Bounds on the added planning time: candidate plans evaluated per refinement (undos and
+# swaps together), and rounds (steps taken).
+MAX_EVALUATIONS = 48
+MAX_ROUNDS = 32
 
 
-def refine(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], budget_bytes: int,
-           evaluate: Evaluator, swaps: bool = False) -> Candidate:
-    """The plan after undoing, one at a time, the moves ``budget_bytes`` does not need
-    (``plan`` itself when none can be undone, or when it does not fit). ``swaps``: also
-    try each undo together with recomputing one other storage the plan saves (quadratic
-    in the number of storages per round: for small graphs)."""
+@dataclass(frozen=True)
+class Refinement:
+    """The refined plan and how it was reached."""
+
+    plan: Candidate
+    undos: int = 0  # undo steps taken
+    swaps: int = 0  # swap steps taken
+    evaluated: int = 0  # candidate plans evaluated
+    out_of_time: bool = False  # stopped by the time limit
+
+
+def refine(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], budget_bytes: int | None,
+           evaluate: Evaluator, max_evaluations: int = MAX_EVALUATIONS,
+           progress: Progress | None = None) -> Refinement:
+    """``plan`` after undoing, one at a time, the moves ``budget_bytes`` does not need (see
+    the module doc). ``plan`` itself, unchanged, when no step helps, when it does not fit,
+    or without a budget. ``progress``: once out of time, no further plan is evaluated."""
+    if budget_bytes is None or plan.peak_bytes > budget_bytes:
+        return Refinement(plan)
     base_saved = frozenset(base_saved)
-    if plan.peak_bytes > budget_bytes:
-        return plan
-    current = plan
+    search = _Search(evaluate, budget_bytes, max_evaluations, progress)
+    estimate = _Estimates(a, evaluate.seconds)
+    # Compared against the same evaluator's figures (the solver's may be summed in
+    # another order); the peak a step may not go below is the solver's plan's.
+    current = evaluate(Prefix(plan.saved, plan.offloaded, plan.moves))
+    floor = plan.peak_bytes
+    undos = swaps = 0
     for _ in range(MAX_ROUNDS):
-        best = None
-        for option in _undos(a, current, base_saved, swaps):
-            candidate = evaluate(option)
-            if candidate.peak_bytes > budget_bytes or candidate.extra_seconds >= current.extra_seconds:
-                continue
-            if best is None or (candidate.extra_seconds, candidate.peak_bytes) < (best.extra_seconds, best.peak_bytes):
-                best = candidate
-        if best is None:
-            return current
-        current = best
-    return current
+        step = search.first(current, floor, _undos(a, current, base_saved, estimate))
+        if step is not None:
+            undos += 1
+        else:
+            step = search.first(current, floor, _swaps(a, current, base_saved, estimate))
+            swaps += step is not None
+        if step is None:
+            break
+        current, floor = step, step.peak_bytes
+    if not undos and not swaps:
+        return Refinement(plan, evaluated=search.evaluated, out_of_time=search.out_of_time)
+    return Refinement(current, undos, swaps, search.evaluated, search.out_of_time)
 
 
-def _undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], swaps: bool = False):
-    """Plans one undo away from ``plan``: one offload less, or one storage of the
-    unconstrained plan saved again (with ``swaps``, also while recomputing one other)."""
-    for tensor in sorted(plan.offloaded, key=a.position.__getitem__):
-        yield Prefix(plan.saved, plan.offloaded - {tensor}, plan.moves)
+def refine_solution(a: JointAnalysis, solution: Solution, base_saved: Iterable[fx.Node], seconds: Seconds,
+                    offload: OffloadOptions | None, progress: Progress | None = None) -> tuple[Solution, Refinement]:
+    """``solution`` with its chosen plan refined (``refine``), explained again; ``solution``
+    itself when refinement changes nothing (no budget, no fitting plan, no step helps).
+    ``seconds`` and ``offload``: those the solver used."""
+    chosen = solution.chosen
+    unconstrained = not chosen.offloaded and chosen.saved == solution.baseline.saved  # nothing to undo
+    if (not solution.feasible or solution.budget_bytes is None or unconstrained
+            or (progress is not None and progress.out_of_time)):
+        return solution, Refinement(chosen)
+    base_saved = list(base_saved)
+    evaluate = Evaluator(a, seconds, offload, base_saved)
+    refinement = refine(a, solution.chosen, base_saved, solution.budget_bytes, evaluate, progress=progress)
+    if refinement.plan is solution.chosen:
+        return solution, refinement
+    plan = refinement.plan
+    chosen = evaluate(Prefix(plan.saved, plan.offloaded, plan.moves), keep_timeline=True)
+    refined = Solution(chosen, solution.baseline, solution.minimum, solution.budget_bytes, True,
+                       candidates_evaluated=solution.candidates_evaluated + refinement.evaluated)
+    _explain(a, refined)  # the reasons of the refined decisions, as the solver gives them
+    return refined, refinement
+
+
+class _Search:
+    """Evaluates candidate steps, at most ``max_evaluations`` in all."""
+
+    def __init__(self, evaluate: Evaluator, budget_bytes: int, max_evaluations: int,
+                 progress: Progress | None) -> None:
+        self.evaluate, self.budget_bytes, self.progress = evaluate, budget_bytes, progress
+        self.evaluations_left, self.evaluated = max_evaluations, 0
+
+    @property
+    def out_of_time(self) -> bool:
+        return self.progress is not None and self.progress.out_of_time
+
+    def first(self, current: Candidate, floor: int, options: Iterable[Prefix]) -> Candidate | None:
+        """The first option that fits the budget, is strictly faster than ``current`` and
+        peaks no lower than ``floor``; None when none does (or the evaluations or the time
+        run out first)."""
+        for option in options:
+            if self.evaluations_left <= 0 or self.out_of_time:
+                return None
+            if self.progress is not None and not self.progress.step():
+                return None
+            self.evaluations_left -= 1
+            self.evaluated += 1
+            candidate = self.evaluate(option)
+            if (candidate.peak_bytes <= self.budget_bytes and candidate.peak_bytes >= floor
+                    and candidate.extra_seconds < current.extra_seconds):
+                return candidate
+        return None
+
+
+class _Estimates:
+    """Cheap estimates of what a step saves, to order the options (never to decide)."""
+
+    def __init__(self, a: JointAnalysis, seconds: Callable[[fx.Node], float]) -> None:
+        self.a, self.seconds = a, seconds
+        self.groups: dict[frozenset[fx.Node], Group | None] = {}
+
+    def group(self, members: Iterable[fx.Node]) -> Group | None:
+        members = frozenset(members)
+        if members not in self.groups:
+            self.groups[members] = storage_group(self.a, members)
+        return self.groups[members]
+
+    def recompute_seconds(self, members: Iterable[fx.Node]) -> float:
+        """The time of recomputing these tensors' storage from what it reads."""
+        group = self.group(members)
+        return 0.0 if group is None else sum(self.seconds(n) for n in group.closure if n.op == "call_function")
+
+
+def _undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], estimate: _Estimates) -> Iterator[Prefix]:
+    """Plans one undo away from ``plan`` (one offload less, or one storage of the
+    unconstrained plan saved again), the largest estimated saving first."""
+    stalls: dict[fx.Node, float] = {}
+    for copy in plan.transfers.copies if plan.transfers else ():
+        stalls[copy.tensor] = stalls.get(copy.tensor, 0.0) + copy.stall
+    options: list[tuple[float, int, fx.Node, set[fx.Node] | None]] = []
+    for tensor in plan.offloaded:
+        options.append((-stalls.get(tensor, 0.0), a.position[tensor], tensor, None))
+    for root, members in _unsaved_base_storages(a, plan, base_saved):
+        options.append((-estimate.recompute_seconds(members), a.position[root], root, members))
+    for _, _, tensor, members in sorted(options, key=lambda o: o[:2]):
+        if members is None:
+            yield Prefix(plan.saved, plan.offloaded - {tensor}, plan.moves)
+        else:
+            saved = _unread_dropped(a, set(plan.saved) | members, base_saved)
+            yield Prefix(frozenset(saved), plan.offloaded & saved, plan.moves)
+
+
+def _swaps(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], estimate: _Estimates) -> Iterator[Prefix]:
+    """Plans that save one storage of the unconstrained plan again while recomputing one
+    other storage ``plan`` keeps on the device (recomputable without a banned node), the
+    largest estimated net saving first."""
+    resaved = list(_unsaved_base_storages(a, plan, base_saved))
+    saved_roots: dict[fx.Node, set[fx.Node]] = {}
+    for tensor in plan.saved:
+        if tensor_value(tensor) is not None and tensor not in a.steady:
+            saved_roots.setdefault(a.roots.get(tensor, tensor), set()).add(tensor)
+    others = []
+    for other, members in saved_roots.items():
+        if members & plan.offloaded or estimate.group(members) is None:
+            continue
+        others.append((estimate.recompute_seconds(members), a.position[other], other, members))
+    pairs = sorted(((-(estimate.recompute_seconds(members) - cost), a.position[root], a.position[other], root,
+                     members, other, others_members)
+                    for root, members in resaved for cost, _, other, others_members in others if other is not root),
+                   key=lambda p: p[:3])
+    for *_, root, members, other, others_members in pairs:
+        group = estimate.group(others_members)
+        swapped = (set(plan.saved) | members) - others_members
+        swapped |= {s for s in group.sources if s not in group.closure}
+        if any(n in a.ban for n in recomputed_nodes(a, swapped)):
+            continue
+        swapped = _unread_dropped(a, swapped, base_saved - others_members)
+        yield Prefix(frozenset(swapped), plan.offloaded & swapped, plan.moves)
+
+
+def _unsaved_base_storages(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node]):
+    """(root, the unconstrained plan's saved tensors of it) for each storage the
+    unconstrained plan saves and ``plan`` does not, in graph order."""
     saved_roots = {a.roots.get(t, t) for t in plan.saved}
     by_root: dict[fx.Node, set[fx.Node]] = {}
     for tensor in base_saved:
         if tensor_value(tensor) is not None and tensor not in a.steady:
             by_root.setdefault(a.roots.get(tensor, tensor), set()).add(tensor)
     for root in sorted(by_root, key=a.position.__getitem__):
-        if root in saved_roots:
-            continue
-        resaved = set(plan.saved) | by_root[root]
-        saved = _unread_dropped(a, resaved, base_saved)
-        yield Prefix(frozenset(saved), plan.offloaded & saved, plan.moves)
-        if not swaps:
-            continue
-        for other in sorted(saved_roots - {root}, key=a.position.__getitem__):
-            members = {t for t in resaved if a.roots.get(t, t) is other}
-            group = storage_group(a, members) if members else None
-            if group is None or members & plan.offloaded:
-                continue
-            swapped = (resaved - members) | {s for s in group.sources if s not in group.closure}
-            if any(n in a.ban for n in recomputed_nodes(a, swapped)):
-                continue
-            swapped = _unread_dropped(a, swapped, base_saved - members)
-            yield Prefix(frozenset(swapped), plan.offloaded & swapped, plan.moves)
+        if root not in saved_roots:
+            yield root, by_root[root]
 
 
 def _unread_dropped(a: JointAnalysis, saved: set[fx.Node], base_saved: frozenset[fx.Node]) -> set[fx.Node]:
@@ -97,4 +230,4 @@ def _unread_dropped(a: JointAnalysis, saved: set[fx.Node], base_saved: frozenset
         saved -= unread
 
 
-__all__ = ["refine"]
+__all__ = ["MAX_EVALUATIONS", "MAX_ROUNDS", "Refinement", "refine", "refine_solution"]

@@ -195,3 +195,35 @@ def test_explain_plans_exactly_what_the_inductor_backend_plans(family, budget, c
     assert captured_plans and len(captured_plans) == len(explained)
     for compiled_plan, explained_plan in zip(captured_plans, explained):
         assert _plan_facts(explained_plan) == _plan_facts(compiled_plan)
+
+
+def test_the_plan_is_the_refined_greedy_plan_and_says_so(tmp_path):
+    """The planner refines the greedy's plan (passes/refine.py): the Plan carries the
+    refined decisions, a note with the undo steps, and the plan cache stores it; a
+    planning time limit that has passed skips refinement."""
+    model, x = meta_gpt(layers=1, width=768, heads=12, seq=1024, batch=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a budget below the minimum warns
+        plans = {b: compile_offload.explain(model, x, memory_budget=b, device_profile="h100", offload=False)
+                 for b in (0.8, 0.6, 0.4, 0.2)}
+    refined = {b: p for b, p in plans.items() if any(n.startswith("refined: ") for n in p.notes)}
+    assert refined, "no budget was refined: this model no longer tests refinement"
+    budget, plan = next(iter(refined.items()))
+    assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert "undo step" in next(n for n in plan.notes if n.startswith("refined: "))
+    peaks = [plans[b].predicted_peak_bytes for b in sorted(plans)]
+    assert peaks == sorted(peaks)  # still monotone in the budget
+
+    options = {"memory_budget": budget, "device_profile": "h100", "offload": False, "plan_cache_dir": str(tmp_path)}
+    first = compile_offload.explain(model, x, **options)
+    reused = compile_offload.explain(model, x, **options)
+    assert "reused from the plan cache" in reused.notes
+    for cached in (first, reused):
+        assert (cached.saved, cached.offloaded) == (plan.saved, plan.offloaded)
+        assert cached.predicted_step_seconds == pytest.approx(plan.predicted_step_seconds)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the time limit warns
+        limited = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False,
+                                          plan_time_limit=0)
+    assert not any(n.startswith("refined: ") for n in limited.notes)

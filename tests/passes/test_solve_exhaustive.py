@@ -79,23 +79,3 @@ def test_exhaustive_optimum_is_never_slower_than_the_greedy_plan():
                 greedy.chosen.transfers.added_seconds if greedy.chosen.transfers else 0.0)
             assert base_seconds + exact.extra_seconds <= greedy_total + 1e-12
 
-
-def test_refine_keeps_the_budget_and_is_never_slower_than_the_greedy_plan():
-    from compile_offload.benchmarks.workloads import Decoder
-    from compile_offload.passes.memory import recomputed_nodes
-    from compile_offload.passes.refine import refine
-    from compile_offload.passes.solve_offload import Evaluator
-
-    a, base, seconds, offload = _planned_for_h100(Decoder(1, 64, 4), torch.randn(2, 32, 64, requires_grad=True))
-    evaluate = Evaluator(a, seconds, offload, base)
-    unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
-    lowest = solve_joint(a, base, seconds, 0, None, offload).minimum.peak_bytes
-    for step in range(5):
-        budget = lowest + (unconstrained - lowest) * step // 4
-        chosen = solve_joint(a, base, seconds, budget, None, offload).chosen
-        for swaps in (False, True):
-            refined = refine(a, chosen, base, budget, evaluate, swaps=swaps)
-            assert refined.peak_bytes <= max(budget, chosen.peak_bytes)
-            assert refined.extra_seconds <= chosen.extra_seconds
-            assert not any(n in a.ban for n in recomputed_nodes(a, set(refined.saved)))
-            assert refined.offloaded <= refined.saved

@@ -1,0 +1,131 @@
+"""Refinement after the greedy solver (passes/refine.py): undo the moves a budget does not need."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile_offload.passes.memory import recomputed_nodes
+from compile_offload.passes.progress import Progress
+from compile_offload.passes.refine import refine, refine_solution
+from compile_offload.passes.solve import pick
+from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
+from compile_offload.passes.solve_offload import Evaluator, solve_joint
+
+from .test_solve_exhaustive import _planned_for_h100
+
+SWEEP = 12
+
+
+@pytest.fixture(scope="module")
+def gpt2_like_block():
+    """One GPT-2-style block (d 128, 4 heads, seq 128, batch 2, bf16) on the meta device,
+    planned for the h100 profile, recompute only: the greedy orders its moves by bytes
+    freed per second and recomputes the MLP's activations, which free bytes away from the
+    peak, so it overpays at most budgets (the case of docs/benchmarks.md, at a size the
+    exhaustive search finishes in seconds). (analysis, starting saved set, seconds)."""
+    from compile_offload.model_check import capture_joint, decoder_on_meta, seconds_function
+    from compile_offload.passes import compat
+    from compile_offload.passes.analyze import analyze_joint
+    from compile_offload.passes.cost import BUILTIN_PROFILES
+    from compile_offload.passes.solve import without_banned_recompute
+
+    model, x = decoder_on_meta({"layers": 1, "d": 128, "heads": 4, "seq": 128, "batch": 2, "dtype": "bfloat16"})
+    a = analyze_joint(capture_joint(model, x), fusion=True)
+    seconds = seconds_function(a, BUILTIN_PROFILES["h100"])
+    return a, without_banned_recompute(a, compat.min_cut_saved_values(a.joint)), seconds
+
+
+def _sweep(low: int, high: int, points: int = SWEEP) -> list[int]:
+    return [low + (high - low) * i // (points - 1) for i in range(points)]
+
+
+def test_refined_plan_is_the_exact_optimum_where_the_greedy_overpays(gpt2_like_block):
+    a, base, seconds = gpt2_like_block
+    exact_all = exhaustive_candidates(a, base, seconds, None, greedy_pool(a, base, seconds))
+    lowest = min(c.peak_bytes for c in exact_all)
+    overpaid = 0
+    for budget in _sweep(lowest, exact_all[0].peak_bytes):
+        greedy = solve_joint(a, base, seconds, budget)
+        refined, _ = refine_solution(a, greedy, base, seconds, None)
+        exact, exact_fits = pick(exact_all, budget)
+        assert exact_fits
+        if not greedy.feasible:
+            assert refined is greedy  # nothing to refine: the lowest-peak plan, as solved
+            continue
+        overpaid += greedy.chosen.extra_seconds > exact.extra_seconds * (1 + 1e-9) + 1e-15
+        assert refined.feasible and refined.chosen.peak_bytes <= budget
+        assert refined.chosen.extra_seconds <= greedy.chosen.extra_seconds
+        assert refined.chosen.peak_bytes >= greedy.chosen.peak_bytes
+        assert refined.chosen.extra_seconds == pytest.approx(exact.extra_seconds, rel=1e-9, abs=1e-15)
+    assert overpaid, "the greedy was optimal at every budget: this graph no longer tests refinement"
+
+
+def test_refined_plans_stay_monotone_in_the_budget(gpt2_like_block):
+    """A smaller budget never gets a larger predicted peak, refined or not."""
+    a, base, seconds = gpt2_like_block
+    unconstrained = solve_joint(a, base, seconds, None).baseline.peak_bytes
+    lowest = solve_joint(a, base, seconds, 0).minimum.peak_bytes
+    peaks = []
+    for budget in _sweep(lowest, unconstrained, 25):
+        refined, _ = refine_solution(a, solve_joint(a, base, seconds, budget), base, seconds, None)
+        peaks.append(refined.chosen.peak_bytes)
+    assert peaks == sorted(peaks)
+
+
+def test_refine_keeps_the_budget_with_offload_and_is_never_slower():
+    from compile_offload.benchmarks.workloads import Decoder
+
+    a, base, seconds, offload = _planned_for_h100(Decoder(1, 64, 4), torch.randn(2, 32, 64, requires_grad=True))
+    evaluate = Evaluator(a, seconds, offload, base)
+    unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
+    lowest = solve_joint(a, base, seconds, 0, None, offload).minimum.peak_bytes
+    previous_peak = 0
+    for budget in _sweep(lowest, unconstrained, 9):
+        greedy = solve_joint(a, base, seconds, budget, None, offload)
+        refined = refine(a, greedy.chosen, base, budget, evaluate).plan
+        solution, _ = refine_solution(a, greedy, base, seconds, offload)
+        assert (solution.chosen.saved, solution.chosen.offloaded) == (refined.saved, refined.offloaded)
+        if greedy.feasible:
+            assert refined.peak_bytes <= budget and refined.peak_bytes >= greedy.chosen.peak_bytes
+        assert refined.extra_seconds <= greedy.chosen.extra_seconds
+        assert not any(n in a.ban for n in recomputed_nodes(a, set(refined.saved)))
+        assert refined.offloaded <= refined.saved
+        assert solution.chosen.peak_bytes >= previous_peak  # monotone in the budget
+        previous_peak = solution.chosen.peak_bytes
+
+
+def test_refined_solution_explains_its_own_decisions(gpt2_like_block):
+    a, base, seconds = gpt2_like_block
+    unconstrained = solve_joint(a, base, seconds, None).baseline.peak_bytes
+    lowest = solve_joint(a, base, seconds, 0).minimum.peak_bytes
+    for budget in _sweep(lowest, unconstrained):
+        greedy = solve_joint(a, base, seconds, budget)
+        refined, refinement = refine_solution(a, greedy, base, seconds, None)
+        if refined is greedy:
+            continue
+        assert refinement.undos + refinement.swaps > 0 and refinement.plan.saved == refined.chosen.saved
+        assert set(refined.recomputed) == set(base) - refined.chosen.saved
+        assert set(refined.added) == refined.chosen.saved - set(base)
+        assert refined.chosen.timeline is not None and refined.chosen.timeline.peak_bytes == refined.chosen.peak_bytes
+        assert refined.minimum is greedy.minimum and refined.baseline is greedy.baseline
+        return
+    pytest.fail("no budget of the sweep was refined")
+
+
+def test_refinement_evaluates_nothing_once_out_of_time(gpt2_like_block):
+    a, base, seconds = gpt2_like_block
+    unconstrained = solve_joint(a, base, seconds, None).baseline.peak_bytes
+    lowest = solve_joint(a, base, seconds, 0).minimum.peak_bytes
+    for budget in _sweep(lowest, unconstrained):
+        greedy = solve_joint(a, base, seconds, budget)
+        if refine_solution(a, greedy, base, seconds, None)[0] is greedy:
+            continue
+        progress = Progress(time_limit=0.0)
+        with pytest.warns(UserWarning, match="plan_time_limit"):
+            progress.step()  # the limit passes
+        assert progress.out_of_time
+        refined, refinement = refine_solution(a, greedy, base, seconds, None, progress)
+        assert refined is greedy and refinement.evaluated == 0
+        return
+    pytest.fail("no budget of the sweep was refined")
