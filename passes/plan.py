@@ -65,6 +65,10 @@ class Plan:
     # timeline), and the index of the first backward step.
     timeline_bytes: list[int] = field(default_factory=list)
     backward_start: int = 0
+    # Predicted from the kernels Inductor scheduled for this plan's graphs (fusion, its
+    # buffer reuse): the peak the generated code holds; None where Inductor's kernels were
+    # not seen (no budget, inner_compiler="eager", explain, a torch without the hook).
+    scheduled_peak_bytes: int | None = None
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
@@ -93,6 +97,8 @@ class Plan:
             f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
+            + ("" if self.scheduled_peak_bytes is None
+               else f", scheduled by Inductor {format_bytes(self.scheduled_peak_bytes)} (predicted)")
             + ("" if self.feasible else " -- over budget")
         )
 
