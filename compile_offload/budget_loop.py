@@ -51,13 +51,14 @@ def recording(recorder: KernelRecorder, patches: dict) -> Iterator[dict]:
 
 
 def note_scheduled_peak(plan: Plan, recorder: KernelRecorder) -> None:
-    """Set ``plan.scheduled_peak_bytes`` from the kernels ``recorder`` saw (nothing when it
-    saw no forward), and log it against the plan's own prediction."""
-    forward = recorder.forward()
-    if forward is None or not plan.decisions:
+    """Set ``plan.scheduled_peak_bytes`` from the kernels ``recorder`` saw (nothing unless it
+    saw both graphs), and log it against the plan's own prediction (DEBUG: a graph's one
+    INFO line is its plan's, emitted before Inductor lowers it)."""
+    forward, backward = recorder.forward(), recorder.backward()
+    if forward is None or backward is None or not plan.decisions:
         return
-    plan.scheduled_peak_bytes = scheduled_peak(forward, recorder.backward())
-    log.info("%s: scheduled peak %s (predicted from Inductor's kernels; the plan predicted %s, budget %s)",
+    plan.scheduled_peak_bytes = scheduled_peak(forward, backward)
+    log.debug("%s: scheduled peak %s (predicted from Inductor's kernels; the plan predicted %s, budget %s)",
              plan.graph_name, format_bytes(plan.scheduled_peak_bytes), format_bytes(plan.predicted_peak_bytes),
              "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes))
 

@@ -97,8 +97,6 @@ class Plan:
             f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
-            + ("" if self.scheduled_peak_bytes is None
-               else f", scheduled by Inductor {format_bytes(self.scheduled_peak_bytes)} (predicted)")
             + ("" if self.feasible else " -- over budget")
         )
 
