@@ -113,6 +113,7 @@ class Point:
     measured_bytes: int
     fits: bool  # the plan says the budget is met
     warned: int  # "below the minimum" warnings
+    scheduled_bytes: int | None = None  # predicted from Inductor's kernels (Plan.scheduled_peak_bytes)
 
     def violations(self) -> list[str]:
         """Which parts of the contract this point breaks (empty: it keeps it)."""
@@ -170,7 +171,8 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
     (plan,) = plans
     warned = sum("below the minimum" in str(w.message) for w in caught)
     return Point(name, fraction, budget_bytes, plan.predicted_peak_bytes, plan.min_peak_bytes,
-                 measured.peak_bytes, plan.feasible if budget_bytes is not None else True, warned)
+                 measured.peak_bytes, plan.feasible if budget_bytes is not None else True, warned,
+                 plan.scheduled_peak_bytes)
 
 
 def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor") -> list[Point]:
@@ -204,11 +206,14 @@ def why_over(name: str, fraction: float = 0.6) -> list[tuple[str, Point]]:
 
 
 def table(points: list[Point]) -> str:
-    rows = ["| model | budget | predicted | measured | fits | warned | contract |", "|---|---|---|---|---|---|---|"]
+    rows = ["| model | budget | predicted | scheduled | measured | fits | warned | contract |",
+            "|---|---|---|---|---|---|---|---|"]
     for p in points:
         budget = "none" if p.budget_bytes is None else f"{p.fraction:g} = {format_bytes(p.budget_bytes)}"
         broken = p.violations()
-        rows.append(f"| {p.model} | {budget} | {format_bytes(p.predicted_bytes)} | {format_bytes(p.measured_bytes)} | "
+        scheduled = "-" if p.scheduled_bytes is None else format_bytes(p.scheduled_bytes)
+        rows.append(f"| {p.model} | {budget} | {format_bytes(p.predicted_bytes)} | {scheduled} | "
+                    f"{format_bytes(p.measured_bytes)} | "
                     f"{'yes' if p.fits else 'no'} | {p.warned} | {'kept' if not broken else '; '.join(broken)} |")
     return "\n".join(rows)
 

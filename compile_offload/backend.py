@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-from . import config_guard, ddp, dynamic_check, graph_reports, pinned_pool
+from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
@@ -189,19 +189,38 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
                       partitioner: OffloadRematPartitioner, results: list[PartitionResult], inductor_patches: dict):
     """Inductor's ``compile_fx`` with our partitioner; the compiled graph and the plans it
     got, whether made now or read back for a compile served from Inductor's caches."""
-    from torch._inductor.compile_fx import compile_fx
-
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
     patches = inductor_config_patches(settings, partitioner, inductor_patches)
+    recorder = budget_loop.recorder_for(settings)
+    if recorder is None:
+        return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, patches, None)
+    # With a budget: Inductor's kernels are recorded (read-only) and the backward lowered
+    # now, so the plan's scheduled peak is known when the compile returns (budget_loop.py).
+    with budget_loop.recording(recorder, patches) as recording_patches:
+        return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, recording_patches,
+                                         recorder)
+
+
+def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                              partitioner: OffloadRematPartitioner, results: list[PartitionResult],
+                              patches: dict[str, Any], recorder):
+    from torch._inductor.compile_fx import compile_fx
+
+    def planned_records():  # the plans made now, with the scheduled peak of their kernels
+        if results and recorder is not None:
+            budget_loop.note_scheduled_peak(results[-1].plan, recorder)
+        return _records(results)
+
     if settings.dump_dir is not None or settings.verify_budget:
         # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
         # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
-        return _compile_past_caches(gm, example_inputs, patches), _records(results)
+        compiled = _compile_past_caches(gm, example_inputs, patches)
+        return compiled, planned_records()
     key = graph_reports.record_key(gm, example_inputs, settings)
     compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(), config_patches=patches)
     if results:
-        records = _records(results)
+        records = planned_records()
         graph_reports.store(key, records)
         return compiled, records
     if not graph_reports.trains(example_inputs):
@@ -214,7 +233,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
               partitioner.graph_name)
     compiled = _compile_past_caches(gm, example_inputs, patches)
-    records = _records(results)
+    records = planned_records()
     graph_reports.store(key, records)
     return compiled, records
 

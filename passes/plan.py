@@ -65,6 +65,10 @@ class Plan:
     # timeline), and the index of the first backward step.
     timeline_bytes: list[int] = field(default_factory=list)
     backward_start: int = 0
+    # Predicted from the kernels Inductor scheduled for this plan's graphs (fusion, its
+    # buffer reuse): the peak the generated code holds; None where Inductor's kernels were
+    # not seen (no budget, inner_compiler="eager", explain, a torch without the hook).
+    scheduled_peak_bytes: int | None = None
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,

@@ -1,0 +1,275 @@
+"""What Inductor will run: its fused kernels, in order, with the buffers each allocates and reads.
+
+A read-only hook on Inductor's scheduler (``torch._inductor.config._post_fusion_custom_pass``,
+run once per lowered graph right after fusion) records, for the forward and the backward
+graph of one compile, the scheduler nodes in order: the buffers each kernel writes that
+outlive it (allocated when it starts), the buffers and graph inputs it reads (freed after
+the last kernel that reads them), and which graph outputs are which buffers. It returns the
+node list unchanged and touches no node, so the generated code is the one Inductor makes
+without it (``tests/test_budget_loop.py`` compares the code). ``budget_loop.py`` turns a
+record into a program for ``passes.memory.simulate``.
+
+Every private Inductor API this project reads about kernels is used here and only here,
+feature-detected: on a torch without the hook, ``recording`` records nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("compile_offload")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A buffer a kernel writes that outlives it."""
+
+    name: str
+    bytes: int
+    reuse_key: str | None  # Inductor's wrapper may hand it a freed buffer with the same key; None: the op allocates
+
+
+@dataclass
+class Kernel:
+    """One scheduler node (a fused kernel, an extern call, a fallback op)."""
+
+    name: str
+    allocates: list[Buffer] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)  # buffers and graph inputs it reads
+    in_place: dict[str, list[str]] = field(default_factory=dict)  # output -> reads whose memory it may take over
+    origins: list[str] = field(default_factory=list)  # the FX nodes it computes
+
+
+@dataclass
+class GraphKernels:
+    """One lowered graph: its kernels in order, its inputs and outputs by name."""
+
+    is_backward: bool
+    kernels: list[Kernel]
+    input_names: list[str]  # graph inputs (placeholders), in order
+    output_buffers: list[str | None]  # per graph output: the buffer or input it is (None: not a tensor buffer)
+    output_names: list[str | None]  # per graph output: the FX node's name (a saved tensor's name in the backward)
+    aliases: dict[str, str] = field(default_factory=dict)  # a name for another buffer's memory -> that buffer
+    donated: list[str] = field(default_factory=list)  # inputs the graph may overwrite (saved tensors)
+    input_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class KernelRecorder:
+    """Collects the ``GraphKernels`` of every graph lowered while it is installed."""
+
+    def __init__(self) -> None:
+        self.graphs: list[GraphKernels] = []
+
+    def record(self, nodes: list) -> None:
+        try:
+            self.graphs.append(_graph_kernels(nodes))
+        except Exception as error:  # a scheduler we cannot read: no record, never a failed compile
+            log.debug("compile_offload: could not read Inductor's kernels (%s: %s)", type(error).__name__, error)
+
+    def forward(self) -> GraphKernels | None:
+        return next((g for g in self.graphs if not g.is_backward), None)
+
+    def backward(self) -> GraphKernels | None:
+        return next((g for g in self.graphs if g.is_backward), None)
+
+
+def available() -> bool:
+    """Whether this torch has the scheduler hook and lowers the backward at compile time on request."""
+    from torch._inductor import config as inductor_config
+
+    return hasattr(inductor_config, "_post_fusion_custom_pass") and hasattr(
+        torch._functorch.config, "force_non_lazy_backward_lowering")
+
+
+def _scheduler_pass_base():
+    try:
+        from torch._inductor.custom_graph_pass import CustomSchedulerPass
+    except ImportError:  # an older torch: a plain callable (Inductor's cache then bypasses)
+        return object
+    return CustomSchedulerPass
+
+
+class _RecordingPass(_scheduler_pass_base()):  # type: ignore[misc]
+    """The hook itself: records, returns ``nodes`` as given."""
+
+    def __init__(self, recorder: KernelRecorder) -> None:
+        self.recorder = recorder
+
+    def __call__(self, nodes: list) -> list:
+        self.recorder.record(nodes)
+        return nodes
+
+    def uuid(self):  # changes no code: nothing for Inductor's cache key to tell apart
+        return "compile_offload.KernelRecorder"
+
+
+def recording_patches(recorder: KernelRecorder) -> dict:
+    """Inductor config patches that install ``recorder`` (for ``compile_fx``'s config_patches)."""
+    return {"_post_fusion_custom_pass": _RecordingPass(recorder)}
+
+
+@contextlib.contextmanager
+def backward_lowered_at_compile() -> Iterator[None]:
+    """AOTAutograd lowers the backward during the compile (not at the first backward), so its
+    kernels are known when the compile returns. It changes when, not what, Inductor compiles."""
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+# --- reading the scheduler (private Inductor IR) ----------------------------------------
+
+
+def _graph_kernels(nodes: list) -> GraphKernels:
+    from torch._inductor.virtualized import V
+
+    graph = V.graph
+    owner = {}  # scheduler node name (also of nodes inside a fused one) -> index of its kernel
+    for index, node in enumerate(nodes):
+        for sub in node.get_nodes():
+            owner[sub.get_name()] = index
+    output_buffers = [_buffer_name(out) for out in graph.graph_outputs]
+    outputs = {name for name in output_buffers if name is not None}
+    aliases = _mutation_renames()
+    kernels = []
+    for index, node in enumerate(nodes):
+        allocates = []
+        for buf in node.get_outputs():
+            name = buf.get_name()
+            base = _view_base(buf)
+            if base is not None:
+                aliases[name] = base
+            if name in aliases:  # an in-place write or a view: another buffer's memory
+                continue
+            if name in outputs or any(_user_index(user, owner) != index for user in buf.users):
+                allocates.append(_allocation(buf))  # else a temporary inside the kernel: no buffer
+        reads = list(dict.fromkeys(dep.name for dep in node.read_writes.reads))  # Inductor's order: in-place picks the first
+        origins = sorted({o.name for sub in node.get_nodes() for o in _origins(sub)})
+        kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins))
+    donated = [name for name, value in getattr(graph, "graph_inputs_original", {}).items()
+               if type(value).__name__ == "DonatedBuffer"]
+    return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
+                        output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph))
+
+
+def _in_place_reads(node, index: int, owner: dict[str, int]) -> dict[str, list[str]]:
+    """Per output buffer, the reads whose memory it may take over (Inductor's in-place
+    reuse, ``decide_inplace_update``, decided per node inside a fused kernel): a generated
+    node (not an extern or fallback op) that is the read buffer's one user in the kernel
+    and reads it as it writes (``can_inplace``)."""
+    found: dict[str, list[str]] = {}
+    for sub in node.get_nodes():
+        if type(sub).__name__ != "SchedulerNode":
+            continue
+        scheduler = sub.scheduler
+        candidates = []
+        for name in dict.fromkeys(dep.name for dep in sub.read_writes.reads):
+            buf = scheduler.name_to_buf.get(name) or getattr(scheduler, "name_to_donated_buffer", {}).get(name)
+            if buf is None:
+                continue
+            # Inductor's rule: the only use left once earlier kernels and this node's
+            # ancestors inside the kernel have run.
+            users = [user for user in buf.users if _still_to_run(user, index, owner, sub)]
+            if len(users) == 1 and users[0].node is sub and users[0].can_inplace:
+                candidates.append(name)
+        if candidates:
+            for buf in sub.get_outputs():
+                found[buf.get_name()] = candidates
+    return found
+
+
+def _still_to_run(user, index: int, owner: dict[str, int], sub) -> bool:
+    kernel = _user_index(user, owner)
+    if kernel is not None and kernel < index:
+        return False
+    get_name = getattr(user.node, "get_name", None)
+    return get_name is None or get_name() not in getattr(sub, "ancestors", ())
+
+
+def _allocation(buf) -> Buffer:
+    node = buf.node
+    nbytes, key = _buffer_bytes(buf)
+    return Buffer(buf.get_name(), nbytes, key if node.should_allocate() else None)
+
+
+def _view_base(buf) -> str | None:
+    layout = getattr(buf.node, "layout", None)
+    view = getattr(layout, "view", None)
+    if view is None:
+        return None
+    try:
+        return view.get_name()
+    except Exception:
+        return None
+
+
+def _input_bytes(graph) -> dict[str, int]:
+    sizes = {}
+    for name, value in graph.graph_inputs.items():
+        try:
+            layout = value.get_layout()
+            sizes[name] = _hint(graph.sizevars, layout.storage_size()) * layout.dtype.itemsize
+        except Exception:  # symbols, opaque objects
+            continue
+    return sizes
+
+
+def _output_names(graph) -> list[str | None]:
+    output = next(n for n in reversed(graph.orig_gm.graph.nodes) if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    return [value.name if isinstance(value, torch.fx.Node) else None for value in values]
+
+
+def _mutation_renames() -> dict[str, str]:
+    from torch._inductor.virtualized import V
+
+    scheduler = getattr(V.graph, "scheduler", None)  # set at the start of the Scheduler's __init__
+    renames = getattr(scheduler, "mutation_real_name", None) if scheduler is not None else None
+    return dict(renames or {})
+
+
+def _user_index(user, owner: dict[str, int]):
+    node = user.node
+    get_name = getattr(node, "get_name", None)
+    if get_name is None:  # Inductor's OutputNode: a graph output
+        return None
+    return owner.get(get_name())
+
+
+def _origins(node) -> list:
+    ir_node = getattr(node, "node", None)
+    return list(getattr(ir_node, "origins", ()) or ())
+
+
+def _buffer_name(ir_node) -> str | None:
+    try:
+        return ir_node.get_name()
+    except Exception:  # None outputs, shapes, constants
+        return None
+
+
+def _buffer_bytes(buf) -> tuple[int, str]:
+    """Bytes a scheduler buffer allocates (0 for one that is a view or a mutation of
+    another, or the tuple of a multi-output op, whose parts are counted instead), and the
+    key under which Inductor's wrapper reuses freed buffers (device, dtype, size)."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    layout = buf.node.get_output_spec() if hasattr(buf.node, "get_output_spec") else buf.node.layout
+    if isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)) or isinstance(
+            layout, getattr(ir, "NonOwningLayout", ())):
+        return 0, ""
+    size = layout.storage_size()
+    nbytes = _hint(V.graph.sizevars, size) * layout.dtype.itemsize
+    return nbytes, f"{layout.device}/{layout.dtype}/{V.graph.sizevars.simplify(size)}"
+
+
+def _hint(sizevars, expr) -> int:
+    """A size expression at this compile's sizes (``optimization_hint`` on torch >= 2.13,
+    ``size_hint`` before)."""
+    hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint
+    return int(hint(expr, fallback=0))

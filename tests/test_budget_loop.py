@@ -1,0 +1,191 @@
+"""The scheduled peak (``budget_loop.py``) from the kernels Inductor scheduled (``inductor_kernels.py``).
+
+Hand-built kernel records check the arithmetic (fusion lifetimes, in-place and wrapper
+buffer reuse, the forward -> backward link); small compiles check that the recorder sees
+the kernels, that it changes no generated code, that it is off without a budget, and that
+its prediction matches the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import compile_offload
+from compile_offload import budget_loop, inductor_kernels
+from compile_offload.budget_loop import scheduled_peak, scheduled_program
+from compile_offload.inductor_kernels import Buffer, GraphKernels, Kernel
+from compile_offload.passes.memory import simulate
+
+
+def _kernel(name, writes=(), reads=(), in_place=None):
+    """``writes``: (buffer, bytes, reuse key) triples."""
+    return Kernel(name, [Buffer(b, n, key) for b, n, key in writes], list(reads), dict(in_place or {}))
+
+
+def _forward(kernels, outputs, output_names=None):
+    return GraphKernels(False, kernels, ["x"], list(outputs), list(output_names or outputs))
+
+
+def _backward(kernels, inputs, outputs, input_bytes=None, donated=()):
+    return GraphKernels(True, kernels, list(inputs), list(outputs), [None] * len(outputs),
+                        donated=list(donated), input_bytes=dict(input_bytes or {}))
+
+
+# --- the arithmetic, on hand-built kernels -------------------------------------------------
+
+
+def test_a_kernel_holds_what_it_reads_and_writes_together():
+    # k1 reads a and writes b and c: all three are alive while it runs.
+    forward = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
+                        _kernel("k1", [("b", 30, "B"), ("c", 40, "C")], ["a"]),
+                        _kernel("k2", [("d", 5, "D")], ["b", "c"])], ["d"])
+    assert scheduled_peak(forward, None) == 100 + 30 + 40
+
+
+def test_a_kernel_writes_in_place_into_an_input_it_reads_last():
+    forward = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
+                        _kernel("k1", [("b", 100, "A")], ["a"], in_place={"b": ["a"]})], ["b"])
+    assert scheduled_peak(forward, None) == 100
+    # Not when a later kernel still reads the input, nor when the sizes differ.
+    later_reader = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
+                             _kernel("k1", [("b", 100, "A")], ["a"], in_place={"b": ["a"]}),
+                             _kernel("k2", [("c", 1, "C")], ["a", "b"])], ["c", "b"])
+    assert scheduled_peak(later_reader, None) == 100 + 100 + 1
+    other_size = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
+                           _kernel("k1", [("b", 60, "B")], ["a"], in_place={"b": ["a"]})], ["b"])
+    assert scheduled_peak(other_size, None) == 160
+
+
+def test_a_freed_buffer_is_reused_by_the_next_kernel_and_held_until_then():
+    # a dies after k1; k2 (the next kernel) allocates the same size: it gets a's memory.
+    forward = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
+                        _kernel("k1", [("c", 50, "C")], ["a"]),
+                        _kernel("k2", [("d", 100, "A")], ["c"])], ["d"])
+    program = scheduled_program(forward, None)
+    assert [len(step.allocates) for step in program.steps] == [1, 1, 0]
+    assert simulate(program).live_bytes == [100, 150, 150]
+
+
+def test_a_freed_buffer_is_not_held_when_that_would_raise_inductors_peak():
+    # a dies after k1; k3 allocates its size two kernels later. Holding a through k2 would
+    # make k2 live 310 + 100 > the peak 400, so Inductor allocates anew.
+    kernels = [_kernel("k0", [("a", 100, "A")], ["x"]),
+               _kernel("k1", [("big", 300, "B")], ["a"]),
+               _kernel("k2", [("e", 10, "E")], ["big"]),
+               _kernel("k3", [("f", 100, "A")], ["e"])]
+    program = scheduled_program(_forward(kernels, ["f"]), None)
+    assert simulate(program).live_bytes == [100, 400, 310, 110]
+    # With room under the peak it is held (and so counted) through k2.
+    kernels[1] = _kernel("k1", [("big", 300, "B")], ["a"])
+    kernels[2] = _kernel("k2", [("e", 10, "E")], ["x"])  # big dies after k1 already
+    program = scheduled_program(_forward(kernels, ["f"]), None)
+    assert simulate(program).live_bytes == [100, 400, 110, 110]
+
+
+def test_saved_outputs_live_into_the_backward_and_die_after_their_last_reader():
+    forward = _forward([_kernel("k0", [("s", 100, "S")], ["x"]),
+                        _kernel("k1", [("loss", 4, "L")], ["s"])], ["loss", "s"], ["loss", "saved_s"])
+    backward = _backward([_kernel("b0", [("g", 20, "G")], ["saved_s", "tangents_1"]),
+                          _kernel("b1", [("h", 50, "H")], ["g"])],
+                         ["saved_s", "tangents_1"], ["h"], input_bytes={"tangents_1": 4})
+    timeline = simulate(scheduled_program(forward, backward))
+    # loss (a user output) outlives; s is freed after b0; h (a gradient) outlives.
+    assert timeline.live_bytes == [100, 104, 108, 128, 74]
+    assert timeline.peak_bytes == 128
+
+
+# --- the recorder on real compiles -----------------------------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 256))
+
+
+def _compile_and_step(model, x, budget, recorders=None):
+    if recorders is not None:
+        note = budget_loop.note_scheduled_peak
+
+        def keep(plan, recorder):
+            recorders.append(recorder)
+            note(plan, recorder)
+
+    plans = []
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("ignore")
+        if recorders is not None:
+            patch.setattr(budget_loop, "note_scheduled_peak", keep)
+        from compile_offload import partitioner
+
+        plan_partition = partitioner.plan_partition
+
+        def capture(*args, **kwargs):
+            result = plan_partition(*args, **kwargs)
+            plans.append(result.plan)
+            return result
+
+        patch.setattr(partitioner, "plan_partition", capture)
+        step = torch.compile(lambda inp: model(inp).pow(2).mean(), backend=compile_offload.offload_remat(
+            memory_budget=budget, device_profile="cpu", inner_compiler="inductor"))
+        step(x).backward()
+    return step, plans
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_the_recorder_sees_the_kernels_of_both_graphs_and_predicts_the_allocator_peak():
+    model, x = _mlp(), torch.randn(512, 256)
+    recorders = []
+    step, plans = _compile_and_step(model, x, 0.5, recorders)
+    (recorder,) = recorders
+    forward, backward = recorder.forward(), recorder.backward()
+    assert forward is not None and backward is not None  # the backward was lowered during the compile
+    origins = {name for graph in (forward, backward) for kernel in graph.kernels for name in kernel.origins}
+    assert any(name.startswith(("addmm", "mm")) for name in origins)  # the matmuls are extern kernels
+    (plan,) = plans
+    assert plan.scheduled_peak_bytes == scheduled_peak(forward, backward) > 0
+    model.zero_grad(set_to_none=True)
+    with compile_offload.measure_peak("cpu") as measured:
+        step(x).backward()
+    # The scheduled peak is the generated code's: within 5% of the allocator's peak.
+    assert abs(plan.scheduled_peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_no_recorder_without_a_budget():
+    from compile_offload.settings import resolve
+
+    assert budget_loop.recorder_for(resolve({"memory_budget": None})) is None
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inductor_kernels, "_graph_kernels", lambda nodes: calls.append(nodes))
+        _, plans = _compile_and_step(_mlp(), torch.randn(64, 256), None)
+    assert plans and plans[0].scheduled_peak_bytes is None and not calls
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_the_recorder_changes_no_generated_code():
+    from torch._inductor.utils import run_and_get_code
+
+    def codes(record: bool) -> list[str]:
+        model, x = _mlp(), torch.randn(64, 256)
+        with pytest.MonkeyPatch.context() as patch:
+            if not record:
+                patch.setattr(budget_loop, "recorder_for", lambda settings: None)
+            _, found = run_and_get_code(lambda: _compile_and_step(model, x, 0.5))
+        # The first line names AOTAutograd's compile id, which counts compiles in the process.
+        return [code.split("\n", 1)[1] for code in found]
+
+    with_recorder, without = codes(True), codes(False)
+    assert len(with_recorder) == 2 and with_recorder == without  # forward and backward, the same code
