@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, storage_roots, tensor_value
-from .schedule import just_in_time_order
 
 
 @dataclass
