@@ -98,6 +98,21 @@ def test_saved_outputs_live_into_the_backward_and_die_after_their_last_reader():
     assert timeline.peak_bytes == 128
 
 
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_a_users_own_post_fusion_pass_is_left_in_place():
+    def users_pass(nodes):
+        return nodes
+
+    recorder = inductor_kernels.KernelRecorder()
+    with budget_loop.recording(recorder, {"_post_fusion_custom_pass": users_pass}) as patches:
+        assert patches["_post_fusion_custom_pass"] is users_pass
+    with torch._inductor.config.patch(_post_fusion_custom_pass=users_pass), \
+            budget_loop.recording(recorder, {}) as patches:
+        assert "_post_fusion_custom_pass" not in patches
+    with budget_loop.recording(recorder, {}) as patches:
+        assert patches["_post_fusion_custom_pass"].recorder is recorder
+
+
 # --- the recorder on real compiles -----------------------------------------------------------
 
 
