@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, storage_roots, tensor_value
+from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, is_view, storage_roots, tensor_value, with_view_bases
 from .schedule import just_in_time_order
 
 
@@ -87,6 +87,7 @@ def simulate(program: Program) -> Timeline:
 
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     """Pointwise nodes Inductor fuses into all their consumers (no buffer of their own)."""
+    kept = with_view_bases(kept)
     return {n for n in fusable_nodes(nodes) if n not in kept}
 
 
@@ -249,7 +250,7 @@ class StepBuilder:
                     self.forward_steps.pop(dependent, None)
                     self.backward_steps.pop(dependent, None)
         self.saved, self.recomputed = saved, recomputed
-        kept = saved | set(self.a.fw_outputs) | set(self.a.bw_outputs)
+        kept = with_view_bases(saved | set(self.a.fw_outputs) | set(self.a.bw_outputs))
         self.fused = self.a.fusable - kept if self.fusion else frozenset()
         self.memo = {}
 
@@ -312,7 +313,14 @@ def step_dependencies(a: JointAnalysis, node: fx.Node, fusion: bool) -> set[fx.N
                 if arg in a.fusable and arg not in through:
                     through.add(arg)
                     stack.append(arg)
+    # A view of a fused node that becomes kept keeps the node's buffer (``with_view_bases``).
+    stack = [user for n in through for user in n.users if is_view(user)] if fusion else []
     dependencies = set(through)
+    while stack:
+        view = stack.pop()
+        if view not in dependencies:
+            dependencies.add(view)
+            stack.extend(user for user in view.users if is_view(user))
     for current in [node, *(arg for n in through for arg in a.inputs[n])]:
         while current is not None:
             dependencies.add(current)
