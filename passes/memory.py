@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, is_pointwise, is_view, storage_roots, tensor_value, with_view_bases
+from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, is_view, storage_roots, tensor_value, with_view_bases
 from .schedule import just_in_time_order
 
 
@@ -33,12 +33,6 @@ class Step:
     allocates: list[tuple[Hashable, int]] = field(default_factory=list)
     reads: list[Hashable] = field(default_factory=list)
     kind: str = "compute"  # compute | recompute | offload | reload
-    # Storages it reads that its (one) allocation may take over when this step is their
-    # last reader: Inductor writes a pointwise kernel's output into a dying buffer of its
-    # own graph of the same layout (``_inplace_candidates``). Never a saved tensor read in
-    # the backward: measured, Inductor does not write into the backward's inputs there
-    # (counting it made conv+BN's prediction 15% low).
-    inplace: list[Hashable] = field(default_factory=list)
 
 
 @dataclass
@@ -79,14 +73,9 @@ def simulate(program: Program) -> Timeline:
     live_bytes, labels, kinds = [], [], []
     for index, step in enumerate(program.steps):
         for key, nbytes in step.allocates:
-            if key in size:
-                continue
-            reused = _reused_storage(step, index, nbytes, size, last_read, program.outlives)
-            if reused is not None:
-                size[key] = size.pop(reused)  # the output takes the dying input's storage
-                continue
-            size[key] = nbytes
-            live += nbytes
+            if key not in size:
+                size[key] = nbytes
+                live += nbytes
         live_bytes.append(live)
         labels.append(step.label)
         kinds.append(step.kind)
@@ -94,39 +83,6 @@ def simulate(program: Program) -> Timeline:
             live -= size.pop(key, 0)
     peak = max(live_bytes, default=0)
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
-
-
-def _reused_storage(step: Step, index: int, nbytes: int, size: dict[Hashable, int],
-                    last_read: dict[Hashable, int], outlives: set[Hashable]) -> Hashable | None:
-    """The live storage ``step`` writes its ``nbytes`` output into, if any: an in-place
-    candidate this step reads last, not outliving the step, of 95-100% of its size (what
-    Inductor's ``decide_inplace_update`` and ``can_match_buffer_size`` accept)."""
-    for key in step.inplace:
-        held = size.get(key)
-        if (held is not None and last_read.get(key) == index and key not in outlives
-                and 0.95 * held <= nbytes <= held):
-            return key
-    return None
-
-
-def _inplace_candidates(node: fx.Node, read: Iterable[fx.Node]) -> list[fx.Node]:
-    """What ``node``'s kernel reads (after fusion) that Inductor may write its output
-    into: ``node`` is a pointwise kernel (a scheduler node, not an extern call like a
-    matmul) and the input has the output's shape, strides and dtype, so it is read at the
-    index the output is written (``SchedulerNode.can_inplace``)."""
-    out = tensor_value(node)
-    if out is None or not is_pointwise(node):
-        return []
-    return [arg for arg in read if _same_layout(tensor_value(arg), out)]
-
-
-def _same_layout(val, out) -> bool:
-    return (val is not None and val.dtype == out.dtype and val.device == out.device
-            and tuple(val.shape) == tuple(out.shape) and tuple(val.stride()) == tuple(out.stride()))
-
-
-def _identity(node):
-    return node
 
 
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
@@ -294,7 +250,6 @@ class StepBuilder:
                     self.forward_steps.pop(dependent, None)
                     self.backward_steps.pop(dependent, None)
         self.saved, self.recomputed = saved, recomputed
-        self.saved_roots = {self.a.roots.get(s, s) for s in saved}
         kept = with_view_bases(saved | set(self.a.fw_outputs) | set(self.a.bw_outputs))
         self.fused = self.a.fusable - kept if self.fusion else frozenset()
         self.memo = {}
@@ -326,11 +281,8 @@ class StepBuilder:
         a = self.a
         nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
         allocates = [(key(node), nbytes)] if nbytes else []
-        read = _reads(node, _identity, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
-        inplace = [key(arg) for arg in _inplace_candidates(node, read)] if self.fusion and nbytes else []
-        if key != self._root:  # a backward step: not into a saved tensor
-            inplace = [k for k in inplace if k not in self.saved_roots]
-        return Step(node.name, allocates, [key(arg) for arg in read], kind=kind, inplace=inplace)
+        reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
+        return Step(node.name, allocates, reads, kind=kind)
 
     def _root(self, node: fx.Node) -> Hashable:
         return self.a.roots.get(node, node)
@@ -438,8 +390,7 @@ def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
     if keys.keys().isdisjoint(step.reads) and keys.keys().isdisjoint([key for key, _ in step.allocates]):
         return step
     allocates = [(keys.get(key, key), nbytes) for key, nbytes in step.allocates]
-    return Step(step.label, allocates, [keys.get(key, key) for key in step.reads], step.kind,
-                [keys.get(key, key) for key in step.inplace])
+    return Step(step.label, allocates, [keys.get(key, key) for key in step.reads], step.kind)
 
 
 # --- programs from the partitioned graphs ------------------------------------------------
@@ -467,10 +418,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if node.op in ("placeholder", "output"):
             continue
         nbytes = 0 if node in fw_fused or _is_host_copy(node) else allocated_bytes(node, fw_roots)
-        read = _reads(node, _identity, fw_fused, lambda x: fw_roots.get(x, x) in fw_placeholders)
-        inplace = [fw_key(arg) for arg in _inplace_candidates(node, read)] if fusion and nbytes else []
-        steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], [fw_key(arg) for arg in read],
-                          inplace=inplace))
+        reads = _reads(node, fw_key, fw_fused, lambda x: fw_roots.get(x, x) in fw_placeholders)
+        steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
     backward_start = len(steps)
     bw_roots = storage_roots(bw_gm.graph)
     bw_placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
@@ -510,11 +459,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if node.op in ("placeholder", "output"):
             continue
         nbytes = 0 if node in bw_fused else allocated_bytes(node, bw_roots)
-        read = _reads(node, _identity, bw_fused, lambda x: bw_key(x) is None)
-        inplace = [bw_key(arg) for arg in _inplace_candidates(node, read)] if fusion and nbytes else []
-        inplace = [k for k in inplace if k[0] == "bw"]  # not into a saved tensor (a backward input)
-        steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], [bw_key(arg) for arg in read],
-                          inplace=inplace))
+        reads = [k for k in _reads(node, bw_key, bw_fused, lambda x: bw_key(x) is None)]
+        steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads))
     bw_output = next(n for n in reversed(bw_gm.graph.nodes) if n.op == "output")
     outlives = {fw_key(o) for o in user_outputs if isinstance(o, fx.Node)}
     outlives |= {k for o in bw_output.args[0] if isinstance(o, fx.Node) for k in [bw_key(o)] if k is not None}

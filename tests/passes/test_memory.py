@@ -344,27 +344,9 @@ def test_a_value_read_twice_keeps_its_buffer_on_cpu_when_its_body_holds_an_exp(d
     assert _producer_of_two_consumers(cheap) in fusable_nodes(cheap.values())
 
 
-def _scaled_by_its_sum(a, b, c, d, e):
-    shared = a + b + c + d + e  # realized (five loads, two consumers) ...
-    return (shared * shared.sin().sum(),)  # ... and the product is written into it
-
-
-def test_an_output_takes_over_a_dying_input_of_its_size():
-    """Inductor writes a pointwise kernel's output into an input the kernel reads last
-    (same layout): the simulator moves the storage instead of allocating."""
-    def program(later_reader: bool) -> Program:
-        steps = [Step("a", [("a", 100)]), Step("b", [("b", 100)], ["a"], inplace=["a"])]
-        if later_reader:
-            steps.append(Step("c", [("c", 1)], ["a", "b"]))
-        return Program(steps, backward_start=len(steps), outlives={"b"})
-
-    assert simulate(program(later_reader=False)).peak_bytes == 100
-    assert simulate(program(later_reader=True)).peak_bytes == 201  # a is still read: no reuse
-
-
 @pytest.mark.inductor
 @pytest.mark.slow
-@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale, _scaled_by_its_sum])
+@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale])
 def test_the_fused_simulation_matches_inductor_at_the_allocator(fn):
     """Inductor itself realizes (or inlines) the shared value as the rule says: the
     simulated peak of the traced graph with fusion is what the compiled function
@@ -374,13 +356,13 @@ def test_the_fused_simulation_matches_inductor_at_the_allocator(fn):
     gm = make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*inputs)
     empty = fx.Graph()
     empty.output(())
-    outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-    predicted = simulate(graphs_program(gm, fx.GraphModule(torch.nn.Module(), empty), num_fwd_outputs=len(outputs),
+    predicted = simulate(graphs_program(gm, fx.GraphModule(torch.nn.Module(), empty), num_fwd_outputs=2,
                                         fusion=True)).peak_bytes
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="inductor", fullgraph=True)
     with torch._inductor.config.patch(fx_graph_cache=False):
         compiled(*inputs)
         with measure_peak("cpu") as measured:
-            compiled(*inputs)
+            outputs = compiled(*inputs)
+    assert len(outputs) == 2
     assert measured.peak_bytes == predicted
