@@ -12,8 +12,9 @@ GraphModules (what actually runs, used to check the first against reality).
 
 ``fusion=False`` models the graphs run as written (the eager inner compiler): every node's
 output is a buffer. ``fusion=True`` models Inductor, which fuses a pointwise op into its
-pointwise or reduction consumers: such an op allocates no buffer, and its consumers read
-its inputs instead (which keeps those alive until the consumers run).
+pointwise or reduction consumers (through views) unless its store-or-inline rule realizes
+it (``analyze.fusable_nodes``): such an op allocates no buffer, and its consumers read its
+inputs instead (which keeps those alive until the consumers run).
 """
 
 from __future__ import annotations
