@@ -200,10 +200,96 @@ def fuses_into(node: fx.Node) -> bool:
     return node.op == "call_function" and (torch.Tag.pointwise in tags or torch.Tag.reduction in tags)
 
 
+# Inductor's store-or-inline choice for a pointwise value read by more than one consumer
+# (``StorageBox.should_realize_on_reuse`` in torch/_inductor/ir.py, called from
+# ``GraphLowering.run_node``; the same in torch 2.11-2.14): it is realized (gets a buffer)
+# when its inlined body loads more than ``config.realize_reads_threshold`` (4) buffers or,
+# on CPU, uses one of these ops; inlining it would redo that work in every consumer.
+REALIZE_READS_THRESHOLD = 4
+# ... and any pointwise value, however many consumers, once its body loads more than
+# ``config.realize_cpu_acc_reads_threshold`` (12; 8 off CPU) buffers
+# (``StorageBox.has_exceeded_max_reads``).
+REALIZE_ACC_READS_THRESHOLD_CPU, REALIZE_ACC_READS_THRESHOLD = 12, 8
+# Aten ops (after Inductor's decompositions) whose lowering uses one of the heavy ops
+# ``should_realize_on_reuse`` lists for CPU: exp, log, log10, log1p, log2, sigmoid, tanh.
+_HEAVY_ON_CPU = frozenset({
+    "exp", "exp_", "log", "log_", "log10", "log1p", "log2", "sigmoid", "sigmoid_", "tanh", "tanh_",
+    "logaddexp", "softplus", "silu", "mish", "logit", "log_sigmoid_forward",
+})
+
+
+def _uses_heavy_op(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _HEAVY_ON_CPU
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    val = tensor_value(node)
+    return val is not None and val.device.type == "cpu"
+
+
+def _realized_anyway(node: fx.Node, reads: frozenset[fx.Node], heavy: bool) -> bool:
+    """Inductor gives pointwise ``node`` a buffer although every consumer could fuse it:
+    its inlined body (itself and the unrealized pointwise values it reads) loads
+    ``reads`` and, with ``heavy``, uses an op ``should_realize_on_reuse`` calls heavy."""
+    cpu = _on_cpu(node)
+    if len(reads) > (REALIZE_ACC_READS_THRESHOLD_CPU if cpu else REALIZE_ACC_READS_THRESHOLD):
+        return len(reads) > 1  # ``realize_hint``: realized when it loads more than one buffer
+    if len(node.users) > 1:
+        return (cpu and heavy) or len(reads) > REALIZE_READS_THRESHOLD
+    return False
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "is_view", False)
+
+
+def with_view_bases(kept: Iterable[fx.Node]) -> set[fx.Node]:
+    """``kept`` and the nodes its views are views of: a kept view keeps its base's buffer
+    (a fused base would leave the view without storage)."""
+    found = set()
+    for node in kept:
+        while node not in found:
+            found.add(node)
+            if not (is_view(node) and node.args and isinstance(node.args[0], fx.Node)):
+                break
+            node = node.args[0]
+    return found
+
+
+def _consumers_fuse(node: fx.Node) -> bool:
+    """Every consumer of ``node`` fuses it: pointwise and reduction consumers, and views
+    (Inductor indexes an unrealized value through a view without a buffer) whose own
+    consumers fuse it."""
+    return bool(node.users) and all(fuses_into(u) or (is_view(u) and _consumers_fuse(u)) for u in node.users)
+
+
 def fusable_nodes(nodes: Iterable[fx.Node]) -> frozenset[fx.Node]:
-    """Pointwise nodes whose every consumer fuses them: Inductor gives them no buffer of
-    their own unless something keeps them (``passes.memory.fused_nodes``)."""
-    return frozenset(n for n in nodes if is_pointwise(n) and n.users and all(fuses_into(u) for u in n.users))
+    """Pointwise nodes Inductor inlines into every consumer: each consumer fuses them
+    (pointwise or reduction) and Inductor's store-or-inline rule does not realize them
+    (``_realized_anyway``). They get no buffer of their own unless something keeps them
+    (``passes.memory.fused_nodes``). ``nodes`` in graph order: a node's loads go through
+    the fused nodes it reads, as Inductor's inlined bodies do."""
+    fusable: dict[fx.Node, tuple[frozenset[fx.Node], bool]] = {}  # node -> (its loads, heavy)
+    for node in nodes:
+        if is_view(node) and node.args and node.args[0] in fusable and _consumers_fuse(node):
+            fusable[node] = fusable[node.args[0]]  # a view of an inlined value is inlined too
+            continue
+        if not (is_pointwise(node) and _consumers_fuse(node)):
+            continue
+        reads: set[fx.Node] = set()
+        heavy = _uses_heavy_op(node)
+        for arg in node.all_input_nodes:
+            if arg in fusable:
+                arg_reads, arg_heavy = fusable[arg]
+                reads |= arg_reads
+                heavy = heavy or arg_heavy
+            elif tensor_value(arg) is not None:
+                reads.add(arg)
+        frozen = frozenset(reads)
+        if not _realized_anyway(node, frozen, heavy):
+            fusable[node] = (frozen, heavy)
+    return frozenset(fusable)
 
 
 @dataclass

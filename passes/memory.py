@@ -12,8 +12,9 @@ GraphModules (what actually runs, used to check the first against reality).
 
 ``fusion=False`` models the graphs run as written (the eager inner compiler): every node's
 output is a buffer. ``fusion=True`` models Inductor, which fuses a pointwise op into its
-pointwise or reduction consumers: such an op allocates no buffer, and its consumers read
-its inputs instead (which keeps those alive until the consumers run).
+pointwise or reduction consumers (through views) unless its store-or-inline rule realizes
+it (``analyze.fusable_nodes``): such an op allocates no buffer, and its consumers read its
+inputs instead (which keeps those alive until the consumers run).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, storage_roots, tensor_value
+from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, is_view, storage_roots, tensor_value, with_view_bases
 
 
 @dataclass
@@ -86,6 +87,7 @@ def simulate(program: Program) -> Timeline:
 
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     """Pointwise nodes Inductor fuses into all their consumers (no buffer of their own)."""
+    kept = with_view_bases(kept)
     return {n for n in fusable_nodes(nodes) if n not in kept}
 
 
@@ -291,7 +293,7 @@ class StepBuilder:
                     self.forward_steps.pop(dependent, None)
                     self.backward_steps.pop(dependent, None)
         self.saved, self.recomputed = saved, recomputed
-        kept = saved | set(self.a.fw_outputs) | set(self.a.bw_outputs)
+        kept = with_view_bases(saved | set(self.a.fw_outputs) | set(self.a.bw_outputs))
         self.fused = self.a.fusable - kept if self.fusion else frozenset()
         self.memo = {}
 
@@ -354,7 +356,14 @@ def step_dependencies(a: JointAnalysis, node: fx.Node, fusion: bool) -> set[fx.N
                 if arg in a.fusable and arg not in through:
                     through.add(arg)
                     stack.append(arg)
+    # A view of a fused node that becomes kept keeps the node's buffer (``with_view_bases``).
+    stack = [user for n in through for user in n.users if is_view(user)] if fusion else []
     dependencies = set(through)
+    while stack:
+        view = stack.pop()
+        if view not in dependencies:
+            dependencies.add(view)
+            stack.extend(user for user in view.users if is_view(user))
     for current in [node, *(arg for n in through for arg in a.inputs[n])]:
         while current is not None:
             dependencies.add(current)

@@ -276,3 +276,93 @@ def test_step_builder_matches_fresh_steps_over_any_sequence_of_saved_sets(fusion
     for saved in saved_sets:
         nodes = plan_nodes(analysis, saved)
         assert builder(saved, nodes) == compute_steps(analysis, saved, fusion, nodes)
+
+
+# --- which pointwise nodes keep a buffer under Inductor (``analyze.fusable_nodes``) ----------
+
+
+def _traced_nodes(fn, *inputs) -> dict[str, fx.Node]:
+    """The call nodes of ``fn`` traced with Inductor's decompositions (as the backend
+    traces), by name."""
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*inputs)
+    return {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def _producer_of_two_consumers(nodes: dict[str, fx.Node]) -> fx.Node:
+    (shared,) = [n for n in nodes.values() if len(n.users) == 2]
+    return shared
+
+
+def _two_reductions(shared):
+    """Two consumers Inductor cannot put in one kernel with ``shared`` (reductions to
+    different shapes, one through a view): ``shared`` is either a buffer between kernels
+    or inlined into both."""
+    return shared.sin().sum(), (shared * 3).view(10, N // 10).sum(1)
+
+
+def _sum_of_five(a, b, c, d, e):
+    shared = a + b + c + d + e  # loads five buffers through the fused chain of adds
+    return _two_reductions(shared)
+
+
+def _sum_of_three(a, b, c, d, e):
+    shared = a + b + c
+    return _two_reductions(shared)
+
+
+def _exp_then_scale(a, b, c, d, e):
+    shared = a.exp() * 2  # the exp is inlined into ``shared``, so its body holds an exp
+    return _two_reductions(shared)
+
+
+def _scale(a, b, c, d, e):
+    shared = a * 2
+    return _two_reductions(shared)
+
+
+def test_a_value_read_twice_keeps_its_buffer_when_it_loads_more_than_four_buffers():
+    from compile_offload.passes.analyze import REALIZE_READS_THRESHOLD, fusable_nodes
+
+    many = _traced_nodes(_sum_of_five, *[torch.randn(N) for _ in range(5)])
+    few = _traced_nodes(_sum_of_three, *[torch.randn(N) for _ in range(5)])
+    # the rule's threshold is what Inductor's config says in this torch
+    assert REALIZE_READS_THRESHOLD == torch._inductor.config.realize_reads_threshold
+    assert _producer_of_two_consumers(many) not in fusable_nodes(many.values())
+    assert _producer_of_two_consumers(few) in fusable_nodes(few.values())
+    # the single-consumer adds that feed it are inlined either way
+    assert [n for n in many.values() if n.target == torch.ops.aten.add.Tensor and len(n.users) == 1
+            and n in fusable_nodes(many.values())]
+
+
+@pytest.mark.parametrize("device, heavy_kept", [("cpu", True), ("meta", False)])
+def test_a_value_read_twice_keeps_its_buffer_on_cpu_when_its_body_holds_an_exp(device, heavy_kept):
+    from compile_offload.passes.analyze import fusable_nodes
+
+    inputs = [torch.randn(N, device=device) for _ in range(5)]
+    heavy, cheap = _traced_nodes(_exp_then_scale, *inputs), _traced_nodes(_scale, *inputs)
+    assert (_producer_of_two_consumers(heavy) not in fusable_nodes(heavy.values())) == heavy_kept
+    assert _producer_of_two_consumers(cheap) in fusable_nodes(cheap.values())
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale])
+def test_the_fused_simulation_matches_inductor_at_the_allocator(fn):
+    """Inductor itself realizes (or inlines) the shared value as the rule says: the
+    simulated peak of the traced graph with fusion is what the compiled function
+    allocates, measured at the CPU allocator (the outputs are small: a realized shared
+    value is most of the peak)."""
+    inputs = [torch.randn(N) for _ in range(5)]
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*inputs)
+    empty = fx.Graph()
+    empty.output(())
+    predicted = simulate(graphs_program(gm, fx.GraphModule(torch.nn.Module(), empty), num_fwd_outputs=2,
+                                        fusion=True)).peak_bytes
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(*inputs)
+        with measure_peak("cpu") as measured:
+            outputs = compiled(*inputs)
+    assert len(outputs) == 2
+    assert measured.peak_bytes == predicted
