@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, is_view, storage_roots, tensor_value, with_view_bases
+from .schedule import emit_after_inputs
 
 
 @dataclass
@@ -197,28 +198,9 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
                 if copied < index:
                     order.extend(bw[copied:index])
                     copied = index
-                _emit_recomputed(arg, recomputed, emitted, fw_inputs, order)
+                emit_after_inputs(arg, recomputed, emitted, fw_inputs.__getitem__, order)
     order.extend(bw[copied:])
     return order
-
-
-def _emit_recomputed(node: fx.Node, recomputed: set[fx.Node], emitted: set[fx.Node],
-                     fw_inputs: dict[fx.Node, tuple[fx.Node, ...]], order: list[fx.Node]) -> None:
-    """Append ``node`` to ``order`` after the recomputed nodes it reads that are not yet in
-    it (depth first, inputs in order: ``just_in_time_order``'s ``emit``)."""
-    stack = [(node, False)]
-    while stack:
-        current, expanded = stack.pop()
-        if current in emitted:
-            continue
-        if expanded:
-            emitted.add(current)
-            order.append(current)
-            continue
-        stack.append((current, True))
-        for arg in reversed(fw_inputs[current]):
-            if arg in recomputed and arg not in emitted:
-                stack.append((arg, False))
 
 
 @dataclass(frozen=True)

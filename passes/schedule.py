@@ -16,30 +16,15 @@ def just_in_time_order(nodes: list[fx.Node], deferred: set[fx.Node], inputs=None
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
 
-    def emit(node: fx.Node) -> None:
-        stack = [(node, False)]
-        while stack:
-            current, expanded = stack.pop()
-            if current in emitted:
-                continue
-            if expanded:
-                emitted.add(current)
-                order.append(current)
-                continue
-            stack.append((current, True))
-            for arg in reversed(inputs(current)):
-                if arg in deferred and arg not in emitted:
-                    stack.append((arg, False))
-
     for node in nodes:
         if node in deferred:
             continue
         for arg in inputs(node):
             if arg in deferred and arg not in emitted:
-                emit(arg)
+                emit_after_inputs(arg, deferred, emitted, inputs, order)
         if node.op == "output":
             for leftover in (n for n in nodes if n in deferred and n not in emitted):
-                emit(leftover)
+                emit_after_inputs(leftover, deferred, emitted, inputs, order)
         order.append(node)
         emitted.add(node)
     return order
@@ -131,3 +116,22 @@ def place_reloads(bw_gm: fx.GraphModule, reload_before: dict[str, str]) -> fx.Gr
     graph.lint()
     bw_gm.recompile()
     return bw_gm
+
+
+def emit_after_inputs(node: fx.Node, deferred: set[fx.Node], emitted: set[fx.Node], inputs,
+                      order: list[fx.Node]) -> None:
+    """Append ``node`` to ``order`` after the deferred nodes it reads (``inputs(node)``) that
+    are not yet emitted: depth first, inputs in order. ``emitted`` is updated."""
+    stack = [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if current in emitted:
+            continue
+        if expanded:
+            emitted.add(current)
+            order.append(current)
+            continue
+        stack.append((current, True))
+        for arg in reversed(inputs(current)):
+            if arg in deferred and arg not in emitted:
+                stack.append((arg, False))
