@@ -67,10 +67,14 @@ prefetch: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_PREFETCH
 # Needs offload=True: with offload=False nothing is offloaded.
 debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD")
 
-# Which solver picks keep / recompute per saved tensor: "greedy" (default, fast) or
-# "exact" (exhaustive search over which storages to recompute, each plan simulated:
-# optimal under the planner's model, for graphs with at most exact_max_candidates
-# candidate storages; larger graphs fall back to greedy with a warning).
+# Which solver picks keep / recompute per saved tensor: "greedy" (default, fast),
+# "refined" (the greedy, then passes/refine.py undoes the moves the budget does not need:
+# closer to the optimum under the planner's model, but it spends the room the greedy
+# leaves under the budget, and under Inductor the simulator's errors can then show as a
+# measured overrun: docs/design.md, "Refinement"), or "exact" (exhaustive search over
+# which storages to recompute, each plan simulated: optimal under the planner's model, for
+# graphs with at most exact_max_candidates candidate storages; larger graphs fall back to
+# greedy with a warning).
 solver: str = Config(default="greedy", env_name_default="COMPILE_OFFLOAD_SOLVER")
 
 # The exact solver refuses graphs with more candidate storages than this (2**n plans).

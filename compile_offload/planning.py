@@ -115,7 +115,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
 
     solution = solve(seconds)
     refinement = None
-    if settings.solver != "exact" or exact_failed:  # the exact plan is optimal already
+    if settings.solver == "refined":  # opt-in: it spends the slack the greedy leaves (design.md, "Refinement")
         unrefined = solution
         solution, refinement = refine_solution(analysis, solution, base_saved, seconds, offload, progress)
     if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving

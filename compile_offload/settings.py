@@ -17,7 +17,7 @@ from . import config
 from .passes.cost import BUILTIN_PROFILE_MEMORY_BYTES, BUILTIN_PROFILES
 from .passes.plan import format_bytes
 
-SOLVERS = ("greedy", "exact")
+SOLVERS = ("greedy", "refined", "exact")
 INNER_COMPILERS = ("inductor", "eager")
 PROFILE_NAMES = tuple(BUILTIN_PROFILES)
 

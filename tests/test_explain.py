@@ -197,14 +197,16 @@ def test_explain_plans_exactly_what_the_inductor_backend_plans(family, budget, c
         assert _plan_facts(explained_plan) == _plan_facts(compiled_plan)
 
 
-def test_the_plan_is_the_refined_greedy_plan_and_says_so(tmp_path):
-    """The planner refines the greedy's plan (passes/refine.py): the Plan carries the
+def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path):
+    """solver="refined" refines the greedy's plan (passes/refine.py): the Plan carries the
     refined decisions, a note with the undo steps, and the plan cache stores it; a
-    planning time limit that has passed skips refinement."""
+    planning time limit that has passed skips refinement; the default greedy solver
+    does not refine."""
     model, x = meta_gpt(layers=1, width=768, heads=12, seq=1024, batch=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a budget below the minimum warns
-        plans = {b: compile_offload.explain(model, x, memory_budget=b, device_profile="h100", offload=False)
+        plans = {b: compile_offload.explain(model, x, memory_budget=b, device_profile="h100", offload=False,
+                                            solver="refined")
                  for b in (0.8, 0.6, 0.4, 0.2)}
     refined = {b: p for b, p in plans.items() if any(n.startswith("refined: ") for n in p.notes)}
     assert refined, "no budget was refined: this model no longer tests refinement"
@@ -214,7 +216,14 @@ def test_the_plan_is_the_refined_greedy_plan_and_says_so(tmp_path):
     peaks = [plans[b].predicted_peak_bytes for b in sorted(plans)]
     assert peaks == sorted(peaks)  # still monotone in the budget
 
-    options = {"memory_budget": budget, "device_profile": "h100", "offload": False, "plan_cache_dir": str(tmp_path)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        greedy = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False)
+    assert not any(n.startswith("refined: ") for n in greedy.notes)
+    assert greedy.predicted_step_seconds > plan.predicted_step_seconds
+
+    options = {"memory_budget": budget, "device_profile": "h100", "offload": False, "plan_cache_dir": str(tmp_path),
+               "solver": "refined"}
     first = compile_offload.explain(model, x, **options)
     reused = compile_offload.explain(model, x, **options)
     assert "reused from the plan cache" in reused.notes
@@ -225,5 +234,5 @@ def test_the_plan_is_the_refined_greedy_plan_and_says_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the time limit warns
         limited = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False,
-                                          plan_time_limit=0)
+                                          plan_time_limit=0, solver="refined")
     assert not any(n.startswith("refined: ") for n in limited.notes)
