@@ -52,6 +52,7 @@ a forward user output (or aliases one) stays on the device anyway, so it is not 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -162,12 +163,22 @@ def _layout_reason(val: torch.Tensor) -> str | None:
     return None
 
 
+_PLACEHOLDER_STORAGES: "weakref.WeakKeyDictionary[fx.Graph, tuple[tuple, set]]" = weakref.WeakKeyDictionary()
+
+
 def _placeholder_storages(graph: fx.Graph) -> set:
+    """The storages of the graph's inputs, kept per graph while its placeholders stay the
+    same: the planner asks once per saved tensor, and a deep model has hundreds of both."""
+    placeholders = tuple(graph.find_nodes(op="placeholder"))
+    values = tuple(node.meta.get("val") for node in placeholders)
+    cached = _PLACEHOLDER_STORAGES.get(graph)
+    if cached is not None and len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values)):
+        return cached[1]
     storages = set()
-    for node in graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
+    for val in values:
         if isinstance(val, torch.Tensor) and not _is_subclass(val):
             storages.add(_storage_key(val))
+    _PLACEHOLDER_STORAGES[graph] = (values, storages)
     return storages
 
 
