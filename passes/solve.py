@@ -5,10 +5,11 @@ one saved tensor in the backward instead of saving it; the tensors it is compute
 saved in its place unless they are already saved or recomputed. The greedy solver applies,
 one at a time, the move that frees the most bytes per second of recompute; this gives a
 sequence of plans with falling saved bytes and rising step time. A budget picks the first
-plan whose simulated peak (``passes.memory``) fits; plans are simulated only until that
-answer is known, and without a budget not at all. Choosing the first fitting plan of one
-fixed sequence makes the result monotone: a smaller budget never gets a larger predicted
-peak.
+plan whose simulated peak (``passes.memory``) fits; the sequence is searched for it
+(``search_sequences``: its peaks fall to its lowest plan, so a few simulations find it),
+and without a budget nothing is simulated but the unconstrained plan. Choosing the first
+fitting plan of one fixed sequence makes the result monotone: a smaller budget never gets
+a larger predicted peak.
 
 Both solvers share one skeleton: a ``Move`` applies itself to a ``PlanState``,
 ``prefixes`` turns a sequence of moves into candidate plans, and ``select`` picks among
@@ -20,17 +21,19 @@ returns the fastest plan that fits, with the same tie-breaking, so it is monoton
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
 from .memory import PlanNodes, Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
 from .progress import Progress
+from .search_sequence import first_fitting, lowest
 from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
@@ -260,24 +263,53 @@ class RecomputeMoves:
         self.moves: dict[fx.Node, tuple[Group, list[Move]]] = {}  # storage root -> its moves
         self.watchers: dict[fx.Node, set[fx.Node]] = {}  # node -> storages whose moves read its fate
         self.groups: dict[frozenset[fx.Node], Group | None] = {}  # saved tensors -> their storage group
+        # The saved set's storages, kept up to date move by move (a pass over the saved set
+        # at every step of a sequence was a quadratic term): what ``_groups`` lists.
+        self.held_count: dict[fx.Node, int] = {}  # storage -> saved tensors on it
+        self.members: dict[fx.Node, set[fx.Node]] = {}  # storage -> its saved (non-steady) tensors
+        self.group_of_root: dict[fx.Node, Group] = {}  # recomputable storages -> their group
+        self.order: list[tuple[int, fx.Node]] = []  # (position, root) of ``group_of_root``, sorted
 
     def __call__(self, saved: set, recomputed: set, skip: set = frozenset()):
         """The moves under the plan saving ``saved`` and recomputing ``recomputed``,
         storages in graph order, leaving out those in ``skip``."""
         self._move_to(frozenset(saved), frozenset(recomputed))
-        held = {self.a.roots.get(s, s) for s in saved}
-        for group in _groups(self.a, saved, self._group_of):
-            if group.root not in skip:
-                yield from self._group_moves(group, saved, recomputed, held)
+        held = self.held_count.keys()
+        for _, root in self.order:
+            if root not in skip:
+                yield from self._group_moves(self.group_of_root[root], saved, recomputed, held)
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
         """Forget the moves that depend on a node whose fate changed (or on a storage one
-        of whose saved tensors changed)."""
+        of whose saved tensors changed), and update the storages of the saved set."""
+        roots = self.a.roots
         changed_saved = saved ^ self.saved
-        changed = changed_saved | (recomputed ^ self.recomputed) | {self.a.roots.get(n, n) for n in changed_saved}
+        changed_roots = {roots.get(n, n) for n in changed_saved}
+        changed = changed_saved | (recomputed ^ self.recomputed) | changed_roots
         for node in changed:
             for root in self.watchers.pop(node, ()):
                 self.moves.pop(root, None)
+        for node in changed_saved:
+            root = roots.get(node, node)
+            counted = tensor_value(node) is not None and node not in self.a.steady
+            if node in saved:
+                self.held_count[root] = self.held_count.get(root, 0) + 1
+                if counted:
+                    self.members.setdefault(root, set()).add(node)
+            else:
+                self.held_count[root] -= 1
+                if not self.held_count[root]:
+                    del self.held_count[root]
+                if counted:
+                    self.members[root].discard(node)
+        for root in changed_roots:
+            if root in self.group_of_root:
+                del self.group_of_root[root]
+                self.order.pop(bisect.bisect_left(self.order, (self.a.position[root], root)))
+            group = self._group_of(frozenset(self.members[root])) if self.members.get(root) else None
+            if group is not None:
+                self.group_of_root[root] = group
+                bisect.insort(self.order, (self.a.position[root], root))  # positions are distinct
         self.saved, self.recomputed = saved, recomputed
 
     def _group_of(self, members: frozenset[fx.Node]) -> Group | None:
@@ -381,30 +413,96 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
     """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits.
 
     Without a budget the unconstrained plan is the answer: nothing is searched. With one,
-    the sequence stops as soon as no later plan can be chosen: recompute time only grows
-    along it, so once a plan fits, the first later plan with more recompute time ends the
-    search (plans with as much are still simulated, for the tie-break on peak). The choice
-    is that of simulating the whole sequence; what changes is ``Solution.minimum``, the
-    lowest peak among the plans simulated. ``complete=True`` simulates every plan anyway
-    (the reference the tests compare with, and the true minimum)."""
+    the sequence is generated (moves only, no simulation) and searched for its first plan
+    that fits (``search_sequences``): recompute time only grows along it, and its peaks
+    fall to its lowest plan, so that is the fastest plan that fits, found in a few
+    simulations. ``Solution.minimum`` is the lowest peak simulated. ``complete=True``
+    simulates every plan (the reference the tests compare with, and the true minimum)."""
     progress = progress or Progress()
+    evaluate_plan = RecomputeEvaluator(a)
     start = Prefix(frozenset(base_saved), frozenset(), ())
-    candidates = [evaluate(a, start.saved, 0.0)]
-    budget_bytes = resolve_budget(a, candidates[0], budget_bytes, budget_fraction)
+    baseline = evaluate_plan(start)
+    budget_bytes = resolve_budget(a, baseline, budget_bytes, budget_fraction)
     if budget_bytes is None and not complete:
-        return select(a, candidates, None, None, _with_timeline(a))
-    fitting_seconds = 0.0 if candidates[0].peak_bytes <= (budget_bytes or 0) else None
-    recompute_seconds = 0.0
+        return select(a, [baseline], None, None, _with_timeline(a))
+    sequence = [start]
     for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
-        recompute_seconds += plan.moves[-1].extra_seconds
-        if fitting_seconds is not None and recompute_seconds > fitting_seconds and not complete:
-            break
-        candidates.append(evaluate(a, plan.saved, recompute_seconds, plan.moves))
-        if fitting_seconds is None and budget_bytes is not None and candidates[-1].peak_bytes <= budget_bytes:
-            fitting_seconds = recompute_seconds
+        sequence.append(plan)
         if not progress.step():
             break
+    if complete:
+        candidates = [evaluate_plan(plan) for plan in unique_plans(sequence)]
+    else:
+        candidates = search_sequences([sequence], evaluate_plan, budget_bytes, progress)
     return select(a, candidates, budget_bytes, None, _with_timeline(a))
+
+
+class PlanEvaluator(Protocol):
+    """What ``search_sequences`` reads of a plan: its price (extra seconds, and copies)
+    without simulating it, and its simulated candidate; each computed once."""
+
+    def price(self, plan: Prefix) -> tuple[float, TransferPlan | None]: ...
+
+    def __call__(self, plan: Prefix) -> Candidate: ...
+
+
+class RecomputeEvaluator:
+    """A ``PlanEvaluator`` for recompute-only plans: priced by their moves' recompute time."""
+
+    def __init__(self, a: JointAnalysis) -> None:
+        self.a = a
+        self.results: dict[frozenset[fx.Node], Candidate] = {}
+
+    def price(self, plan: Prefix) -> tuple[float, None]:
+        # Summed move by move, in order: the sum the candidate reports, to the last bit.
+        extra = 0.0
+        for move in plan.moves:
+            extra += move.extra_seconds
+        return extra, None
+
+    def __call__(self, plan: Prefix) -> Candidate:
+        if plan.saved not in self.results:
+            self.results[plan.saved] = evaluate(self.a, plan.saved, self.price(plan)[0], plan.moves)
+        return self.results[plan.saved]
+
+
+def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", budget_bytes: int | None,
+                     progress: Progress | None = None) -> list[Candidate]:
+    """The candidates ``passes.solve.pick`` chooses among, found by searching each sequence
+    (each starting with the unconstrained plan or a branch point) instead of simulating
+    every plan: along a sequence, prices rise and peaks fall to its lowest plan
+    (``passes.search_sequence``). From each sequence: its first plan that fits the budget
+    (the cheapest of that sequence that fits) and the plans after it as cheap (for the
+    tie-break on peak); where none fits, its lowest-peak plan. Returned in sequence order,
+    the unconstrained plan first. Once ``progress`` is out of time, only the first sequence
+    (as far as it was generated) is searched: a few simulations, so that the plan returned
+    is the best of the plans generated in time, not the unconstrained one."""
+    found: dict[tuple[frozenset, frozenset], Prefix] = {}
+    for number, sequence in enumerate(sequences):
+        if number and progress is not None and progress.out_of_time:
+            break
+        peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
+        fits = None
+        if budget_bytes is not None:
+            fits = first_fitting(peak, len(sequence), lambda bytes_: bytes_ <= budget_bytes)
+        if fits is None:
+            picked = [lowest(peak, len(sequence))]
+        else:
+            picked, price = [fits], evaluate.price(sequence[fits])[0]
+            while picked[-1] + 1 < len(sequence) and evaluate.price(sequence[picked[-1] + 1])[0] <= price:
+                picked.append(picked[-1] + 1)
+        for i in picked:
+            found.setdefault((sequence[i].saved, sequence[i].offloaded), sequence[i])
+    plans = unique_plans([sequences[0][0], *found.values()])
+    return [evaluate(plan) for plan in plans]
+
+
+def unique_plans(plans: list[Prefix]) -> list[Prefix]:
+    """The first of each (saved, offloaded) pair, in order."""
+    unique: dict[tuple[frozenset, frozenset], Prefix] = {}
+    for plan in plans:
+        unique.setdefault((plan.saved, plan.offloaded), plan)
+    return list(unique.values())
 
 
 def resolve_budget(a: JointAnalysis, baseline: Candidate, budget_bytes: int | None,

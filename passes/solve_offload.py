@@ -21,10 +21,15 @@ block, while offloading what that plan saves lowers it). The recompute-only sequ
 a candidate set too, so enabling offload never predicts a slower plan.
 
 Every prefix of every sequence is a candidate plan. A budget picks the fastest candidate
-that fits, else the lowest-peak one (``passes.solve.pick``); memory is simulated cheapest
-candidate first, only until that choice is known (``select_by_price``). The candidate set
-does not depend on the budget, so a smaller budget never gets a larger predicted peak
-(monotone).
+that fits, else the lowest-peak one (``passes.solve.pick``). Along a sequence prices rise
+and peaks fall to its lowest plan, so the fastest plan of a sequence that fits is its
+first plan that fits: each sequence is searched for it (``passes.search_sequence``, a few
+simulations per sequence instead of one per plan), and so are the branch points. Plans
+are priced and simulated only when a search reads them, and offload moves are costed on
+schedules derived again only as recompute time accumulates (``OffloadCosts``). The candidate set does not depend
+on the budget, and where peaks fall and then rise along every sequence the search finds
+the plan simulating every candidate would, so a smaller budget never gets a larger
+predicted peak (monotone); ``complete=True`` simulates every candidate (the reference).
 """
 
 from __future__ import annotations
@@ -54,12 +59,15 @@ from .solve import (
     greedy_moves,
     lowest_peak,
     prefixes,
+    unique_plans,
     resolve_budget,
+    search_sequences,
     select,
     solve_greedy,
     step_seconds,
 )
 from .progress import Progress
+from .search_sequence import first_fitting, lowest
 from .transfer import LinkEstimate, Schedule, TransferPlan, first_backward_uses, plan_schedules, plan_transfers
 
 
@@ -83,6 +91,9 @@ BRANCHES = 8
 # made: a fixed 16 of them made GPT-8 at 0.5 derive 349 saved sets' nodes for 227
 # distinct ones; with this, each is derived once.
 SAVED_SET_NODES = 3_000_000
+# Offload moves along a mixed sequence are costed on schedules derived again once the
+# recompute time added since exceeds this fraction of a step (``OffloadCosts``).
+LINK_REFRESH = 0.01
 
 
 def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
@@ -93,11 +104,10 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     (``passes.solve.solve_greedy``).
 
     Without a budget the unconstrained plan is the answer: nothing is searched. With one,
-    every candidate plan is priced (its predicted step time, copies included) as it is
-    generated, but its memory is simulated only when the choice needs it: in order of
-    price, until the cheapest plans that fit are known (``select_by_price``). The choice is
-    that of simulating every plan; ``Solution.minimum`` is the lowest peak simulated.
-    ``complete=True`` simulates every plan (the reference the tests compare with)."""
+    the sequences of candidate plans are generated, then searched (``search_sequences``):
+    only the plans a search reads are priced and simulated. ``Solution.minimum`` is the
+    lowest peak simulated. ``complete=True`` simulates every plan (the reference the tests
+    compare with)."""
     progress = progress or Progress()
     seconds = node_durations(seconds)  # the same values, looked up: every saved set sums them
     if offload is None:
@@ -111,66 +121,59 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     if budget_bytes is None and not complete:
         return select(a, [baseline], None, None, with_timeline)
     # Recompute only, every prefix a candidate (those of ``solve_greedy``: offload never
-    # predicts a slower plan), and mixed sequences branching off it. The recompute-only
-    # plans are simulated as they come: where the branches start depends on their peaks.
-    recompute = []
+    # predicts a slower plan), and mixed sequences branching off it. Plans are priced and
+    # simulated only when a search asks for them.
+    recompute = [start]
     for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
-        evaluate(plan)
         recompute.append(plan)
         if not progress.step():
             break
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
-    for branch in branch_points([start, *recompute], evaluate, BRANCHES):
+    branches = (branch_points if complete else search_branch_points)(recompute, evaluate, BRANCHES)
+    for branch in branches:
         if progress.out_of_time:
             break
-        sequence = []
+        sequence = [branch]
         for plan in prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets,
-                                                             offloadable_now), granularity):
-            evaluate.price(plan)  # now, while ``saved_sets`` still holds its saved set (prices are kept)
+                                                    offloadable_now), granularity):
             sequence.append(plan)
             if not progress.step():
                 break
         sequences.append(sequence)
-    plans = _unique([start, *(plan for sequence in sequences for plan in sequence)])
-    candidates = select_by_price(plans, evaluate, budget_bytes, complete, progress)
+    if complete:
+        candidates = [evaluate(plan) for plan in unique_plans([plan for sequence in sequences for plan in sequence])]
+    else:
+        candidates = search_sequences(sequences, evaluate, budget_bytes, progress)
     return select(a, candidates, budget_bytes, None, with_timeline)
-
-
-def select_by_price(plans: list[Prefix], evaluate: "Evaluator", budget_bytes: int | None,
-                    complete: bool = False, progress: Progress | None = None) -> list[Candidate]:
-    """The candidates ``passes.solve.pick`` needs to choose among ``plans`` (the
-    unconstrained plan first) as if all were simulated: plans are simulated cheapest
-    first, and once one fits, every plan as cheap is simulated (the tie-break on peak and
-    order) and none dearer. When none fits, every plan is simulated (the lowest peak is
-    chosen). Returned in the order of ``plans``. Once ``progress`` is out of time, only
-    plans already simulated are taken."""
-    order = sorted(range(len(plans)), key=lambda i: (evaluate.price(plans[i])[0], i))
-    simulated = {0: evaluate(plans[0])}
-    fitting_seconds = None
-    for i in order:
-        extra = evaluate.price(plans[i])[0]
-        if fitting_seconds is not None and extra > fitting_seconds and not complete:
-            break
-        if progress is not None and progress.out_of_time and not evaluate.simulated(plans[i]):
-            continue
-        simulated[i] = candidate = evaluate(plans[i])
-        if fitting_seconds is None and budget_bytes is not None and candidate.peak_bytes <= budget_bytes:
-            fitting_seconds = extra
-    return [simulated[i] for i in sorted(simulated)]
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
     """Where mixed sequences start: the recompute-only sequence's first plan, its first
     plan below each of ``levels`` evenly spaced fractions of the first plan's peak, and its
     lowest-peak plan. Which tensors are worth offloading depends on what is already
-    recomputed, so the mix is tried from several depths of recomputation."""
+    recomputed, so the mix is tried from several depths of recomputation. Every plan of
+    the sequence is simulated (``search_branch_points`` finds the same points, searching)."""
     peaks = [evaluate(plan).peak_bytes for plan in sequence]
     points = [sequence[0]]
     for level in range(levels - 1, 0, -1):
         points.append(next((plan for plan, peak in zip(sequence, peaks) if peak < level / levels * peaks[0]), None))
     points.append(min(sequence, key=lambda plan: lowest_peak(evaluate(plan))))
+    distinct = {id(plan): plan for plan in points if plan is not None}
+    return list(distinct.values())
+
+
+def search_branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
+    """``branch_points``, each found by a search (``passes.search_sequence``) rather than by
+    simulating the whole sequence."""
+    peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
+    first = peak(0)
+    points = [sequence[0]]
+    for level in range(levels - 1, 0, -1):
+        below = first_fitting(peak, len(sequence), lambda bytes_: bytes_ < level / levels * first)
+        points.append(None if below is None else sequence[below])
+    points.append(sequence[lowest(lambda i: lowest_peak(evaluate(sequence[i])), len(sequence))])
     distinct = {id(plan): plan for plan in points if plan is not None}
     return list(distinct.values())
 
@@ -250,29 +253,72 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     saved = set(base_saved)
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
+    offload_costs = OffloadCosts(a, offload, saved_sets, plan.saved)
     while True:
-        best = best_move(a, [*moves_of(plan.saved, plan.recomputed, skip=plan.offloaded),
-                             *_offload_moves(a, plan.saved, plan.offloaded, offload, candidates, saved_sets)])
+        offloads = offload_costs.moves(candidates(plan.saved, plan.offloaded), plan.offloaded)
+        best = best_move(a, [*moves_of(plan.saved, plan.recomputed, skip=plan.offloaded), *offloads])
         if best is None:
             return
         best.apply(plan)
+        offload_costs.moved(best)
         yield best
 
 
-def _offload_moves(a: JointAnalysis, saved: set, offloaded: set, offload: OffloadOptions,
-                   offloadable_now: Offloadable, saved_sets: "SavedSetCache"):
-    """A move for each offloadable storage, costing the exposed seconds it adds, estimated
-    against the copies already planned (zero until the link saturates), and its launches."""
-    candidates = offloadable_now(saved, offloaded)
-    if not candidates:
-        return
-    facts = saved_sets(saved)
-    forward, backward = facts.schedules
-    link = LinkEstimate(a, forward, backward, offloaded, offload.profile, offload.prefetch, facts.first_uses)
-    for tensor in candidates:
-        added = sum(max(0.0, seconds) for seconds in link.marginal(tensor)) + link.launch_seconds(tensor)
-        subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
-        yield OffloadMove(subject, (), added, a.bytes_of[tensor])
+class OffloadCosts:
+    """The offload moves along one mixed sequence: each offloadable storage costs the
+    exposed seconds it adds, estimated against the copies already planned (zero until the
+    link saturates), and its launches (``transfer.LinkEstimate``).
+
+    The estimate needs the plan's schedules, and deriving a saved set's schedules is a
+    pass over the whole graph; nearly every step of a sequence changes the saved set, so
+    deriving them at every step made generating a sequence quadratic in depth. A recompute
+    move shifts the schedules by no more than its recompute time, so the schedules of an
+    earlier saved set of the sequence are kept until the recompute time added since
+    exceeds ``LINK_REFRESH`` of that plan's step time, or until an offload candidate is a
+    tensor they do not schedule; and the moves are kept until the schedules or the
+    offloaded set change. The estimate only orders the moves: every plan's price is worked
+    out on its own schedules (``Evaluator.price``)."""
+
+    def __init__(self, a: JointAnalysis, offload: OffloadOptions, saved_sets: "SavedSetCache",
+                 saved: set[fx.Node]) -> None:
+        self.a, self.offload = a, offload
+        self.saved_sets, self.saved = saved_sets, saved  # ``saved``: the sequence's live saved set
+        self.facts = saved_sets(saved)
+        self.drift = 0.0  # recompute seconds added since ``facts`` were derived
+        self.estimated_for: tuple | None = None  # (facts, how many offloaded) of ``kept``
+        self.kept: dict[fx.Node, OffloadMove] = {}
+
+    def moved(self, move: Move) -> None:
+        if move.kind == "recompute":
+            self.drift += move.extra_seconds
+
+    def moves(self, candidates: list[fx.Node], offloaded: set[fx.Node]) -> list[OffloadMove]:
+        """An offload move for each of ``candidates`` (``Offloadable``), given ``offloaded``
+        (which only grows along a sequence)."""
+        if not candidates:
+            return []
+        facts = self._schedules(candidates)
+        if self.estimated_for is None or self.estimated_for[0] is not facts or self.estimated_for[1] != len(offloaded):
+            forward, backward = facts.schedules
+            self.link = LinkEstimate(self.a, forward, backward, offloaded, self.offload.profile,
+                                     self.offload.prefetch, facts.first_uses)
+            self.estimated_for, self.kept = (facts, len(offloaded)), {}
+        moves = []
+        for tensor in candidates:
+            move = self.kept.get(tensor)
+            if move is None:
+                added = sum(max(0.0, seconds) for seconds in self.link.marginal(tensor))
+                added += self.link.launch_seconds(tensor)
+                subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
+                move = self.kept[tensor] = OffloadMove(subject, (), added, self.a.bytes_of[tensor])
+            moves.append(move)
+        return moves
+
+    def _schedules(self, candidates: list[fx.Node]) -> "SavedSetFacts":
+        stale = self.drift > LINK_REFRESH * self.facts.step_seconds
+        if stale or (any(t not in self.facts.first_uses for t in candidates) and self.facts.saved != self.saved):
+            self.facts, self.drift = self.saved_sets(self.saved), 0.0
+        return self.facts
 
 
 class SavedSetCache:
@@ -324,14 +370,6 @@ class SavedSetFacts:
 
 
 # --- candidates ------------------------------------------------------------------------------
-
-
-def _unique(plans: list[Prefix]) -> list[Prefix]:
-    """The first of each (saved, offloaded) pair, in order."""
-    unique: dict[tuple[frozenset, frozenset], Prefix] = {}
-    for plan in plans:
-        unique.setdefault((plan.saved, plan.offloaded), plan)
-    return list(unique.values())
 
 
 class Evaluator:

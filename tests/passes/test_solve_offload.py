@@ -166,3 +166,65 @@ def test_monotone_in_the_budget_and_never_slower_than_recompute_only(ops, link_e
             assert ours <= step_seconds(analysis, greedy.chosen.saved, seconds) - step_seconds(analysis, base, seconds)
         assert solution.minimum.peak_bytes <= greedy.minimum.peak_bytes
     assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), (budgets, peaks)
+
+
+
+def _mixed_sequence(monkeypatch, refresh):
+    """A mixed sequence on a two-layer transformer with ``LINK_REFRESH`` set to
+    ``refresh``: (analysis, base saved set, seconds, its moves, how many saved sets'
+    facts the offload costs read)."""
+    import torch.nn as nn
+
+    from compile_offload.passes import solve_offload
+    from compile_offload.passes.cost import BUILTIN_PROFILES
+    from compile_offload.passes.solve_offload import SavedSetCache, mixed_moves
+
+    monkeypatch.setattr(solve_offload, "LINK_REFRESH", refresh)
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True) for _ in range(2)))
+    analysis, base = capture_analysis(lambda x: layers(x).sum(), torch.randn(4, 32, 32, requires_grad=True),
+                                      fusion=True)
+    seconds = functools.partial(node_seconds, profile=BUILTIN_PROFILES["h100"])
+    read = set()
+    original = SavedSetCache.__call__
+
+    def counting(self, saved):
+        facts = original(self, saved)
+        read.add(id(facts))
+        return facts
+
+    monkeypatch.setattr(SavedSetCache, "__call__", counting)
+    moves = list(mixed_moves(analysis, base, seconds, options(BUILTIN_PROFILES["h100"])))
+    return analysis, base, seconds, moves, len(read)
+
+
+def test_offload_costs_on_fresh_schedules_are_the_link_estimate(monkeypatch):
+    """Schedules derived again at every step: each chosen offload move costs what
+    ``LinkEstimate`` says on the schedules of the plan it was chosen in."""
+    from compile_offload.passes.cost import BUILTIN_PROFILES
+    from compile_offload.passes.solve import PlanState
+    from compile_offload.passes.solve_offload import SavedSetFacts
+    from compile_offload.passes.transfer import LinkEstimate
+
+    analysis, base, seconds, moves, _ = _mixed_sequence(monkeypatch, refresh=-1.0)
+    assert {m.kind for m in moves} == {"offload", "recompute"}
+    state = PlanState(set(base), recomputed_nodes(analysis, set(base)))
+    for move in moves:
+        if move.kind == "offload":
+            facts = SavedSetFacts(analysis, frozenset(state.saved), seconds)
+            forward, backward = facts.schedules
+            link = LinkEstimate(analysis, forward, backward, state.offloaded, BUILTIN_PROFILES["h100"], True,
+                                facts.first_uses)
+            tensor = move.group.root
+            expected = sum(max(0.0, s) for s in link.marginal(tensor)) + link.launch_seconds(tensor)
+            assert move.extra_seconds == expected
+        move.apply(state)
+
+
+def test_offload_costs_keep_schedules_across_recompute_moves(monkeypatch):
+    """By default the schedules are derived again only as recompute time accumulates:
+    fewer derivations than recompute moves, and the sequence still offloads."""
+    _, _, _, moves, derived = _mixed_sequence(monkeypatch, refresh=0.01)
+    recompute_moves = sum(m.kind == "recompute" for m in moves)
+    assert any(m.kind == "offload" for m in moves)
+    assert derived < recompute_moves, (derived, recompute_moves)
