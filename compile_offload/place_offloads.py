@@ -26,8 +26,9 @@ def insert_planned_offloads(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, offloa
     for name in names:
         if name not in eligible:
             raise RuntimeError(f"planned offload of {name} is not an eligible saved tensor of the forward graph")
+    # Not recompiled here: placing the waits and reloads edits both graphs again, and recompiles them.
     fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
-                                   prefetch_distance=0)
+                                   prefetch_distance=0, recompile=False)
     fw_gm = place_offload_waits(fw_gm, {t.name: node.name for t, node in transfers.offload_wait_after.items()})
     bw_gm = place_reloads(bw_gm, {t.name: node.name for t, node in transfers.reload_before.items()})
     return fw_gm, bw_gm

@@ -66,9 +66,10 @@ def prepare_joint(
     collectives and effectful ops are marked ``MUST_SAVE`` there, and we honour that mark.
     """
     joint_gm.graph.eliminate_dead_code()
-    joint_gm.recompile()
     if _p.config.cse:
-        joint_gm.graph = _p.fx_graph_cse(joint_gm.graph)
+        joint_gm.graph = _p.fx_graph_cse(joint_gm.graph)  # setting the graph recompiles the module
+    else:
+        joint_gm.recompile()
     has_rng = _p.has_recomputable_rng_ops(joint_gm)
     if _p.has_recomputable_ops(joint_gm):
         joint_gm = _p.cleanup_recompute_tags(joint_gm, is_default_partition=False)

@@ -347,13 +347,15 @@ def insert_offloads(
     *,
     num_fwd_outputs: int,
     prefetch_distance: int = 1,
+    recompile: bool = True,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Offload the saved tensors ``names`` (forward node names); returns the rewritten graphs.
 
     ``prefetch_distance``: the reload goes that many backward nodes ahead of the tensor's
     first backward use (0: right before its wait). Raises ``ValueError`` for a name that is
     not an eligible saved tensor (filter with ``eligible_saved_tensors``). Modifies the
-    graphs in place, lints and recompiles them.
+    graphs in place, lints and recompiles them (``recompile=False``: a caller that edits
+    the graphs again and recompiles after; generating a deep graph's code takes a while).
     """
     if prefetch_distance < 0:
         raise ValueError(f"insert_offloads: prefetch_distance must be >= 0, got {prefetch_distance}")
@@ -376,5 +378,6 @@ def insert_offloads(
 
     for gm in (fw_gm, bw_gm):
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return fw_gm, bw_gm

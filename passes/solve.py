@@ -22,6 +22,7 @@ returns the fastest plan that fits, with the same tie-breaking, so it is monoton
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Iterator
@@ -222,7 +223,7 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
     while True:
-        best = best_move(a, moves_of(plan.saved, plan.recomputed))
+        best = moves_of.best(plan.saved, plan.recomputed)
         if best is None:
             return
         best.apply(plan)
@@ -269,6 +270,11 @@ class RecomputeMoves:
         self.members: dict[fx.Node, set[fx.Node]] = {}  # storage -> its saved (non-steady) tensors
         self.group_of_root: dict[fx.Node, Group] = {}  # recomputable storages -> their group
         self.order: list[tuple[int, fx.Node]] = []  # (position, root) of ``group_of_root``, sorted
+        # ``best``: every storage's moves in a heap by ``move_key``, each entry valid while
+        # its storage's moves are the ones last worked out (``version``).
+        self.heap: list[tuple] = []
+        self.version: dict[fx.Node, int] = {}
+        self.stale: set[fx.Node] = set()  # storages whose moves must be worked out again
 
     def __call__(self, saved: set, recomputed: set, skip: set = frozenset()):
         """The moves under the plan saving ``saved`` and recomputing ``recomputed``,
@@ -278,6 +284,29 @@ class RecomputeMoves:
         for _, root in self.order:
             if root not in skip:
                 yield from self._group_moves(self.group_of_root[root], saved, recomputed, held)
+
+    def best(self, saved: set, recomputed: set, skip: set = frozenset()) -> Move | None:
+        """``best_move`` of the moves ``__call__`` lists, kept in a heap: each step works
+        out only the moves of the storages whose moves changed, instead of comparing every
+        storage's moves again. Along one sequence ``skip`` may only grow (a skipped
+        storage's moves are dropped)."""
+        self._move_to(frozenset(saved), frozenset(recomputed))
+        held = self.held_count.keys()
+        for root in self.stale:
+            group = self.group_of_root.get(root)
+            if group is None:
+                continue
+            self.version[root] = version = self.version.get(root, 0) + 1
+            for variant, move in enumerate(self._group_moves(group, saved, recomputed, held)):
+                heapq.heappush(self.heap, (*move_key(self.a, move, variant), version, move))
+        self.stale.clear()
+        while self.heap:
+            *_, version, move = self.heap[0]
+            root = move.group.root
+            if version == self.version.get(root) and root in self.group_of_root and root not in skip:
+                return move
+            heapq.heappop(self.heap)
+        return None
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
         """Forget the moves that depend on a node whose fate changed (or on a storage one
@@ -289,6 +318,7 @@ class RecomputeMoves:
         for node in changed:
             for root in self.watchers.pop(node, ()):
                 self.moves.pop(root, None)
+                self.stale.add(root)
         for node in changed_saved:
             root = roots.get(node, node)
             counted = tensor_value(node) is not None and node not in self.a.steady
@@ -310,6 +340,8 @@ class RecomputeMoves:
             if group is not None:
                 self.group_of_root[root] = group
                 bisect.insort(self.order, (self.a.position[root], root))  # positions are distinct
+            self.stale.add(root)
+            self.version[root] = self.version.get(root, 0) + 1  # its entries in the heap are void
         self.saved, self.recomputed = saved, recomputed
 
     def _group_of(self, members: frozenset[fx.Node]) -> Group | None:
@@ -331,13 +363,20 @@ class RecomputeMoves:
 
 def best_move(a: JointAnalysis, moves: Iterable[Move]) -> Move | None:
     """The move freeing the most bytes per second of its cost (ties: more bytes, then the
-    earlier storage)."""
+    earlier storage, then the first listed)."""
     best_key, best = None, None
     for move in moves:
         key = (move.freed_bytes / max(move.extra_seconds, 1e-12), move.freed_bytes, -a.position[move.group.root])
         if best_key is None or key > best_key:
             best_key, best = key, move
     return best
+
+
+def move_key(a: JointAnalysis, move: Move, variant: int) -> tuple:
+    """``best_move``'s order as a heap key (smallest first): ``variant`` is the move's index
+    among its storage's moves, the first listed winning a tie."""
+    return (-(move.freed_bytes / max(move.extra_seconds, 1e-12)), -move.freed_bytes, a.position[move.group.root],
+            variant)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ predicted peak (monotone); ``complete=True`` simulates every candidate (the refe
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from .solve import (
     best_move,
     greedy_moves,
     lowest_peak,
+    move_key,
     prefixes,
     unique_plans,
     resolve_budget,
@@ -219,20 +221,22 @@ class Offloadable:
         saved = saved if isinstance(saved, (set, frozenset)) else set(saved)
         count: dict[fx.Node, int] = {}
         for tensor in saved:
-            root = self._root(tensor)
+            root = self.storage(tensor)
             if root is not None:
                 count[root] = count.get(root, 0) + 1
         result = [root for root, n in count.items()
-                  if n == 1 and root in saved and self._root(root) is root and root not in offloaded
-                  and self._may(root)]
+                  if n == 1 and root in saved and self.storage(root) is root and root not in offloaded
+                  and self.may_offload(root)]
         return sorted(result, key=self.a.position.__getitem__)
 
-    def _root(self, tensor: fx.Node) -> fx.Node | None:
+    def storage(self, tensor: fx.Node) -> fx.Node | None:
+        """The storage ``tensor`` is on (None: not a tensor)."""
         if tensor not in self.root:
             self.root[tensor] = self.a.roots.get(tensor, tensor) if tensor_value(tensor) is not None else None
         return self.root[tensor]
 
-    def _may(self, root: fx.Node) -> bool:
+    def may_offload(self, root: fx.Node) -> bool:
+        """Whether storage ``root`` may be offloaded when it is the only saved tensor on it."""
         if root not in self.may:
             a = self.a
             self.may[root] = bool(
@@ -253,10 +257,10 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     saved = set(base_saved)
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
-    offload_costs = OffloadCosts(a, offload, saved_sets, plan.saved)
+    offload_costs = OffloadCosts(a, offload, saved_sets, plan.saved, candidates)
     while True:
-        offloads = offload_costs.moves(candidates(plan.saved, plan.offloaded), plan.offloaded)
-        best = best_move(a, [*moves_of(plan.saved, plan.recomputed, skip=plan.offloaded), *offloads])
+        recompute = moves_of.best(plan.saved, plan.recomputed, skip=plan.offloaded)
+        best = best_move(a, [move for move in (recompute, offload_costs.best(plan.saved, plan.offloaded)) if move])
         if best is None:
             return
         best.apply(plan)
@@ -275,18 +279,30 @@ class OffloadCosts:
     move shifts the schedules by no more than its recompute time, so the schedules of an
     earlier saved set of the sequence are kept until the recompute time added since
     exceeds ``LINK_REFRESH`` of that plan's step time, or until an offload candidate is a
-    tensor they do not schedule; and the moves are kept until the schedules or the
-    offloaded set change. The estimate only orders the moves: every plan's price is worked
-    out on its own schedules (``Evaluator.price``)."""
+    tensor they do not schedule; and each move's cost is kept until the schedules or the
+    offloaded set change (a new *generation*). The estimate only orders the moves: every
+    plan's price is worked out on its own schedules (``Evaluator.price``).
+
+    ``best`` keeps the offloadable storages up to date from the tensors whose fate changed
+    and the moves in a heap, so a step costs what changed, not a pass over the saved set."""
 
     def __init__(self, a: JointAnalysis, offload: OffloadOptions, saved_sets: "SavedSetCache",
-                 saved: set[fx.Node]) -> None:
+                 saved: set[fx.Node], offloadable: Offloadable | None = None) -> None:
         self.a, self.offload = a, offload
+        self.offloadable = offloadable or Offloadable(a, offload.eligible)
         self.saved_sets, self.saved = saved_sets, saved  # ``saved``: the sequence's live saved set
         self.facts = saved_sets(saved)
         self.drift = 0.0  # recompute seconds added since ``facts`` were derived
-        self.estimated_for: tuple | None = None  # (facts, how many offloaded) of ``kept``
-        self.kept: dict[fx.Node, OffloadMove] = {}
+        self.estimated_for: tuple | None = None  # (facts, how many offloaded) of the generation
+        self.generation = 0
+        self.kept: dict[fx.Node, OffloadMove] = {}  # this generation's moves
+        # ``best``'s state: the offloadable storages now, and this generation's moves in a heap.
+        self.seen_saved: frozenset[fx.Node] = frozenset()
+        self.seen_offloaded: set[fx.Node] = set()
+        self.count: dict[fx.Node, int] = {}  # storage -> saved tensors on it
+        self.current: set[fx.Node] = set()
+        self.heap: list[tuple] = []
+        self.pushed: set[fx.Node] = set()  # storages with a live entry of this generation
 
     def moved(self, move: Move) -> None:
         if move.kind == "recompute":
@@ -297,28 +313,75 @@ class OffloadCosts:
         (which only grows along a sequence)."""
         if not candidates:
             return []
-        facts = self._schedules(candidates)
-        if self.estimated_for is None or self.estimated_for[0] is not facts or self.estimated_for[1] != len(offloaded):
-            forward, backward = facts.schedules
-            self.link = LinkEstimate(self.a, forward, backward, offloaded, self.offload.profile,
-                                     self.offload.prefetch, facts.first_uses)
-            self.estimated_for, self.kept = (facts, len(offloaded)), {}
-        moves = []
-        for tensor in candidates:
-            move = self.kept.get(tensor)
-            if move is None:
-                added = sum(max(0.0, seconds) for seconds in self.link.marginal(tensor))
-                added += self.link.launch_seconds(tensor)
-                subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
-                move = self.kept[tensor] = OffloadMove(subject, (), added, self.a.bytes_of[tensor])
-            moves.append(move)
-        return moves
+        self._estimate(candidates, offloaded)
+        return [self._move(tensor) for tensor in candidates]
 
-    def _schedules(self, candidates: list[fx.Node]) -> "SavedSetFacts":
+    def best(self, saved: set[fx.Node], offloaded: set[fx.Node]) -> OffloadMove | None:
+        """``best_move`` of ``moves(Offloadable(saved, offloaded), offloaded)``."""
+        joined = self._track(saved, offloaded)
+        if not self.current:
+            return None
+        self._estimate(joined, offloaded)
+        for tensor in self.current - self.pushed:
+            move = self._move(tensor)
+            heapq.heappush(self.heap, (*move_key(self.a, move, 0), self.generation, move))
+            self.pushed.add(tensor)
+        while self.heap:
+            *_, generation, move = self.heap[0]
+            if generation == self.generation and move.group.root in self.current:
+                return move
+            heapq.heappop(self.heap)
+            if generation == self.generation:
+                self.pushed.discard(move.group.root)
+        return None
+
+    def _track(self, saved: set[fx.Node], offloaded: set[fx.Node]) -> set[fx.Node]:
+        """Update the offloadable storages (``Offloadable``'s rule) from what changed;
+        returns the storages that became offloadable."""
+        off = self.offloadable
+        saved_now = frozenset(saved)
+        dirty = set()
+        for node in saved_now ^ self.seen_saved:
+            root = off.storage(node)
+            if root is not None:
+                self.count[root] = self.count.get(root, 0) + (1 if node in saved_now else -1)
+                dirty.add(root)
+        if len(offloaded) != len(self.seen_offloaded):
+            dirty |= offloaded - self.seen_offloaded
+            self.seen_offloaded = set(offloaded)
+        self.seen_saved = saved_now
+        joined = set()
+        for root in dirty:
+            if (self.count.get(root) == 1 and root in saved_now and off.storage(root) is root
+                    and root not in offloaded and off.may_offload(root)):
+                if root not in self.current:
+                    self.current.add(root)
+                    joined.add(root)
+            else:
+                self.current.discard(root)
+        return joined
+
+    def _estimate(self, candidates: Iterable[fx.Node], offloaded: set[fx.Node]) -> None:
+        """The link estimate for this step: a new generation when the schedules were derived
+        again or the offloaded set changed."""
         stale = self.drift > LINK_REFRESH * self.facts.step_seconds
         if stale or (any(t not in self.facts.first_uses for t in candidates) and self.facts.saved != self.saved):
             self.facts, self.drift = self.saved_sets(self.saved), 0.0
-        return self.facts
+        if self.estimated_for is None or self.estimated_for[0] is not self.facts or self.estimated_for[1] != len(offloaded):
+            forward, backward = self.facts.schedules
+            self.link = LinkEstimate(self.a, forward, backward, offloaded, self.offload.profile,
+                                     self.offload.prefetch, self.facts.first_uses)
+            self.estimated_for = (self.facts, len(offloaded))
+            self.generation += 1
+            self.kept, self.pushed = {}, set()
+
+    def _move(self, tensor: fx.Node) -> OffloadMove:
+        move = self.kept.get(tensor)
+        if move is None:
+            added = sum(max(0.0, seconds) for seconds in self.link.marginal(tensor)) + self.link.launch_seconds(tensor)
+            subject = Group(tensor, frozenset({tensor}), frozenset(), frozenset())  # nothing recomputed
+            move = self.kept[tensor] = OffloadMove(subject, (), added, self.a.bytes_of[tensor])
+        return move
 
 
 class SavedSetCache:

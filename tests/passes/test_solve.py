@@ -154,3 +154,37 @@ def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
             recomputed = recomputed_nodes(analysis, saved)
         else:
             rng.choice(moves).apply(PlanState(saved, recomputed))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed):
+    """``RecomputeMoves.best`` (a heap, only changed storages worked out again) chooses
+    ``best_move`` of every move listed, at each step of a sequence whose skipped storages
+    only grow, as in a mixed sequence."""
+    import random
+
+    from compile_offload.passes.solve import PlanState, RecomputeMoves, best_move
+
+    rng = random.Random(seed)
+    blocks = nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)))
+    analysis, base = capture_analysis(lambda x: blocks(x).sum(), torch.randn(2, 8, 16, requires_grad=True))
+    kept = RecomputeMoves(analysis, flops_seconds)
+    saved = set(base)
+    state = PlanState(saved, recomputed_nodes(analysis, saved))
+    skip: set = set()
+    steps = 0
+    while True:
+        listed = list(RecomputeMoves(analysis, flops_seconds)(state.saved, state.recomputed, skip))
+        expected = best_move(analysis, listed)
+        chosen = kept.best(state.saved, state.recomputed, skip)
+        assert chosen is expected or (chosen is not None and expected is not None
+                                      and (chosen.group, chosen.added, chosen.closure)
+                                      == (expected.group, expected.added, expected.closure))
+        if chosen is None:
+            break
+        steps += 1
+        if rng.random() < 0.2 and len(listed) > 1:  # a storage leaves the candidates for good
+            skip.add(rng.choice([m.group.root for m in listed if m.group.root != chosen.group.root]))
+            continue
+        chosen.apply(state)
+    assert steps > 3

@@ -228,3 +228,31 @@ def test_offload_costs_keep_schedules_across_recompute_moves(monkeypatch):
     recompute_moves = sum(m.kind == "recompute" for m in moves)
     assert any(m.kind == "offload" for m in moves)
     assert derived < recompute_moves, (derived, recompute_moves)
+
+
+@pytest.mark.parametrize("refresh", [-1.0, 0.01])
+def test_the_best_offload_move_is_the_best_of_every_offload_move(monkeypatch, refresh):
+    """``OffloadCosts.best`` (offloadable storages kept up to date, moves in a heap) picks
+    ``best_move`` of every offloadable storage's move at each step of a mixed sequence."""
+    from compile_offload.passes.cost import BUILTIN_PROFILES
+    from compile_offload.passes.solve import PlanState, best_move
+    from compile_offload.passes.solve_offload import OffloadCosts, Offloadable, SavedSetCache
+
+    analysis, base, seconds, moves, _ = _mixed_sequence(monkeypatch, refresh)
+    h100 = options(BUILTIN_PROFILES["h100"])
+    state = PlanState(set(base), recomputed_nodes(analysis, set(base)))
+    saved_sets = SavedSetCache(analysis, seconds)
+    heap = OffloadCosts(analysis, h100, saved_sets, state.saved)
+    listing = OffloadCosts(analysis, h100, saved_sets, state.saved)
+    offloadable_now = Offloadable(analysis, h100.eligible)
+    offered = 0
+    for move in moves:
+        chosen = heap.best(state.saved, state.offloaded)
+        expected = best_move(analysis, listing.moves(offloadable_now(state.saved, state.offloaded), state.offloaded))
+        assert chosen is expected or (chosen.group.root is expected.group.root
+                                      and chosen.extra_seconds == expected.extra_seconds)
+        offered += chosen is not None
+        move.apply(state)
+        heap.moved(move)
+        listing.moved(move)
+    assert offered > 3
