@@ -3,9 +3,10 @@
 A solve that runs past ``SHOW_AFTER_SECONDS`` says how far it has got, every
 ``EVERY_SECONDS``: an INFO line on the ``compile_offload.solver`` logger
 (``TORCH_LOGS=compile_offload`` shows it) and a line on stderr, as Inductor's autotuning
-does. With a time limit, the solvers stop generating and simulating candidate plans once it
-has passed and choose among those simulated so far (the unconstrained plan is always among
-them), with one warning.
+does. With a time limit, the solvers stop generating candidate plans once it has passed,
+with one warning, and choose among those generated so far: the greedy solvers search only
+the first sequence then (a few simulations; the unconstrained plan is always a candidate),
+the exact one stops enumerating.
 """
 
 from __future__ import annotations

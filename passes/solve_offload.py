@@ -284,7 +284,11 @@ class OffloadCosts:
     plan's price is worked out on its own schedules (``Evaluator.price``).
 
     ``best`` keeps the offloadable storages up to date from the tensors whose fate changed
-    and the moves in a heap, so a step costs what changed, not a pass over the saved set."""
+    and the moves in a heap, so a step costs what changed, not a pass over the saved set.
+    A move costed in an earlier generation is costed again only when it reaches the top
+    (a lazy greedy): the choice is ``best_move``'s when a copy's cost never falls as copies
+    are added, as one more copy only makes the link busier; the tests compare the two at
+    every step of a sequence, and the 16-layer sweep's plans did not change."""
 
     def __init__(self, a: JointAnalysis, offload: OffloadOptions, saved_sets: "SavedSetCache",
                  saved: set[fx.Node], offloadable: Offloadable | None = None) -> None:
@@ -317,23 +321,30 @@ class OffloadCosts:
         return [self._move(tensor) for tensor in candidates]
 
     def best(self, saved: set[fx.Node], offloaded: set[fx.Node]) -> OffloadMove | None:
-        """``best_move`` of ``moves(Offloadable(saved, offloaded), offloaded)``."""
+        """``best_move`` of ``moves(Offloadable(saved, offloaded), offloaded)``, with the
+        lazy re-costing described above."""
         joined = self._track(saved, offloaded)
         if not self.current:
             return None
         self._estimate(joined, offloaded)
         for tensor in self.current - self.pushed:
-            move = self._move(tensor)
-            heapq.heappush(self.heap, (*move_key(self.a, move, 0), self.generation, move))
-            self.pushed.add(tensor)
+            self._push(tensor)
         while self.heap:
-            *_, generation, move = self.heap[0]
-            if generation == self.generation and move.group.root in self.current:
+            *_, generation, move = heapq.heappop(self.heap)
+            root = move.group.root
+            if root not in self.current:
+                self.pushed.discard(root)
+            elif generation == self.generation:
+                heapq.heappush(self.heap, (*move_key(self.a, move, 0), generation, move))
                 return move
-            heapq.heappop(self.heap)
-            if generation == self.generation:
-                self.pushed.discard(move.group.root)
+            else:  # costed in an earlier generation: cost it again, then compare
+                self._push(root)
         return None
+
+    def _push(self, tensor: fx.Node) -> None:
+        move = self._move(tensor)
+        heapq.heappush(self.heap, (*move_key(self.a, move, 0), self.generation, move))
+        self.pushed.add(tensor)
 
     def _track(self, saved: set[fx.Node], offloaded: set[fx.Node]) -> set[fx.Node]:
         """Update the offloadable storages (``Offloadable``'s rule) from what changed;
@@ -373,7 +384,7 @@ class OffloadCosts:
                                      self.offload.prefetch, self.facts.first_uses)
             self.estimated_for = (self.facts, len(offloaded))
             self.generation += 1
-            self.kept, self.pushed = {}, set()
+            self.kept = {}
 
     def _move(self, tensor: fx.Node) -> OffloadMove:
         move = self.kept.get(tensor)
