@@ -314,7 +314,7 @@ class OffloadCosts:
 
     def moves(self, candidates: list[fx.Node], offloaded: set[fx.Node]) -> list[OffloadMove]:
         """An offload move for each of ``candidates`` (``Offloadable``), given ``offloaded``
-        (which only grows along a sequence)."""
+        (which only grows along a sequence): the listing ``best`` is checked against."""
         if not candidates:
             return []
         self._estimate(candidates, offloaded)
