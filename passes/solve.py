@@ -464,8 +464,12 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
     budget_bytes = resolve_budget(a, baseline, budget_bytes, budget_fraction)
     if budget_bytes is None and not complete:
         return select(a, [baseline], None, None, _with_timeline(a))
+    # When the unconstrained plan fits, only plans as cheap can be chosen (for a lower peak).
+    dearest = 0.0 if budget_bytes is not None and baseline.peak_bytes <= budget_bytes and not complete else None
     sequence = [start]
     for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
+        if dearest is not None and evaluate_plan.price(plan)[0] > dearest:
+            break
         sequence.append(plan)
         if not progress.step():
             break
@@ -523,7 +527,8 @@ def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", b
         peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
         fits = None
         if budget_bytes is not None:
-            fits = first_fitting(peak, len(sequence), lambda bytes_: bytes_ <= budget_bytes)
+            fits = 0 if peak(0) <= budget_bytes else first_fitting(peak, len(sequence),
+                                                                    lambda bytes_: bytes_ <= budget_bytes)
         if fits is None:
             picked = [lowest(peak, len(sequence))]
         else:
