@@ -102,7 +102,10 @@ def first_fitting(peak: Callable[[int], int | float], n: int, fits: Callable[[in
     """The first index of ``range(n)`` whose ``peak`` ``fits`` (``fits`` holds for every
     value below one that fits), or None. On values that fall then rise this is exact: where
     no probe of ``first_where`` fits, the fitting stretch, if any, lies around the lowest
-    value, and the values fall up to it."""
+    value, and the values fall up to it. The first value is read first: where it fits
+    (an unconstrained plan under a generous budget) nothing else is."""
+    if n > 0 and fits(peak(0)):
+        return 0
     found = first_where(lambda i: fits(peak(i)), n, fanout)
     if found is None and n > 0:
         bottom = lowest(peak, n, max(3, fanout))

@@ -278,7 +278,8 @@ class RecomputeMoves:
 
     def __call__(self, saved: set, recomputed: set, skip: set = frozenset()):
         """The moves under the plan saving ``saved`` and recomputing ``recomputed``,
-        storages in graph order, leaving out those in ``skip``."""
+        storages in graph order, leaving out those in ``skip``: the listing ``best`` is
+        checked against."""
         self._move_to(frozenset(saved), frozenset(recomputed))
         held = self.held_count.keys()
         for _, root in self.order:
@@ -340,8 +341,7 @@ class RecomputeMoves:
             if group is not None:
                 self.group_of_root[root] = group
                 bisect.insort(self.order, (self.a.position[root], root))  # positions are distinct
-            self.stale.add(root)
-            self.version[root] = self.version.get(root, 0) + 1  # its entries in the heap are void
+            self.stale.add(root)  # ``best`` voids its heap entries
         self.saved, self.recomputed = saved, recomputed
 
     def _group_of(self, members: frozenset[fx.Node]) -> Group | None:
@@ -466,9 +466,10 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
         return select(a, [baseline], None, None, _with_timeline(a))
     # When the unconstrained plan fits, only plans as cheap can be chosen (for a lower peak).
     dearest = 0.0 if budget_bytes is not None and baseline.peak_bytes <= budget_bytes and not complete else None
-    sequence = [start]
+    sequence, spent = [start], 0.0
     for plan in prefixes(a, start, greedy_moves(a, base_saved, seconds)):
-        if dearest is not None and evaluate_plan.price(plan)[0] > dearest:
+        spent += plan.moves[-1].extra_seconds  # ``RecomputeEvaluator.price``, one move at a time
+        if dearest is not None and spent > dearest:
             break
         sequence.append(plan)
         if not progress.step():
@@ -527,8 +528,7 @@ def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", b
         peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
         fits = None
         if budget_bytes is not None:
-            fits = 0 if peak(0) <= budget_bytes else first_fitting(peak, len(sequence),
-                                                                    lambda bytes_: bytes_ <= budget_bytes)
+            fits = first_fitting(peak, len(sequence), lambda bytes_: bytes_ <= budget_bytes)
         if fits is None:
             picked = [lowest(peak, len(sequence))]
         else:

@@ -133,7 +133,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
-    branches = (branch_points if complete else search_branch_points)(recompute, evaluate, BRANCHES)
+    branches = branch_points(recompute, evaluate, BRANCHES, search=not complete)
     for branch in branches:
         if progress.out_of_time:
             break
@@ -151,31 +151,23 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     return select(a, candidates, budget_bytes, None, with_timeline)
 
 
-def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
+def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, search: bool = True) -> list[Prefix]:
     """Where mixed sequences start: the recompute-only sequence's first plan, its first
     plan below each of ``levels`` evenly spaced fractions of the first plan's peak, and its
     lowest-peak plan. Which tensors are worth offloading depends on what is already
-    recomputed, so the mix is tried from several depths of recomputation. Every plan of
-    the sequence is simulated (``search_branch_points`` finds the same points, searching)."""
-    peaks = [evaluate(plan).peak_bytes for plan in sequence]
-    points = [sequence[0]]
-    for level in range(levels - 1, 0, -1):
-        points.append(next((plan for plan, peak in zip(sequence, peaks) if peak < level / levels * peaks[0]), None))
-    points.append(min(sequence, key=lambda plan: lowest_peak(evaluate(plan))))
-    distinct = {id(plan): plan for plan in points if plan is not None}
-    return list(distinct.values())
-
-
-def search_branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int) -> list[Prefix]:
-    """``branch_points``, each found by a search (``passes.search_sequence``) rather than by
-    simulating the whole sequence."""
+    recomputed, so the mix is tried from several depths of recomputation. Each point is
+    found by a search (``passes.search_sequence``), or with ``search=False`` by simulating
+    the whole sequence (the complete search's reference)."""
+    n = len(sequence)
     peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
+    order = lambda i: (lowest_peak(evaluate(sequence[i])), i)  # noqa: E731
     first = peak(0)
     points = [sequence[0]]
     for level in range(levels - 1, 0, -1):
-        below = first_fitting(peak, len(sequence), lambda bytes_: bytes_ < level / levels * first)
-        points.append(None if below is None else sequence[below])
-    points.append(sequence[lowest(lambda i: lowest_peak(evaluate(sequence[i])), len(sequence))])
+        below = lambda bytes_: bytes_ < level / levels * first  # noqa: E731
+        found = first_fitting(peak, n, below) if search else next((i for i in range(n) if below(peak(i))), None)
+        points.append(None if found is None else sequence[found])
+    points.append(sequence[lowest(lambda i: order(i)[0], n) if search else min(range(n), key=order)])
     distinct = {id(plan): plan for plan in points if plan is not None}
     return list(distinct.values())
 

@@ -3,6 +3,8 @@ tests capture."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -89,3 +91,15 @@ def chain_model(ops, width: int) -> nn.Module:
             return x.sum()
 
     return Chain()
+
+
+@functools.cache
+def encoder_stack(layers: int, width: int, heads: int, ff: int, batch: int, seq: int,
+                  fusion: bool = True) -> tuple[JointAnalysis, list]:
+    """A stack of ``nn.TransformerEncoderLayer`` (seed 0, no dropout), captured and
+    analysed (``capture_analysis`` of its summed output), once per shape."""
+    torch.manual_seed(0)
+    stack = nn.Sequential(*(nn.TransformerEncoderLayer(width, heads, ff, dropout=0.0, batch_first=True)
+                            for _ in range(layers)))
+    return capture_analysis(lambda x: stack(x).sum(), torch.randn(batch, seq, width, requires_grad=True),
+                            fusion=fusion)

@@ -9,25 +9,18 @@ direct transcription of its definition on the graph itself (``node.all_input_nod
 graph: subsets of the nodes torch's min-cut saves, and of every forward node.
 """
 
-import functools
 import random
 
 import pytest
-import torch
-from torch import nn
 
 from compile_offload.passes.memory import backward_order, forward_nodes_needed, plan_nodes, recomputed_nodes
 from compile_offload.passes.schedule import just_in_time_order
 
-from .joint_capture import capture_analysis
+from .joint_capture import encoder_stack
 
 
-@functools.cache
 def transformer():
-    torch.manual_seed(0)
-    layers = nn.Sequential(*(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-                             for _ in range(2)))
-    return capture_analysis(lambda x: layers(x).sum(), torch.randn(2, 16, 32, requires_grad=True), fusion=True)
+    return encoder_stack(layers=2, width=32, heads=4, ff=64, batch=2, seq=16)
 
 
 def recomputed_by_definition(a, saved):

@@ -40,6 +40,13 @@ def _sweep(low: int, high: int, points: int = SWEEP) -> list[int]:
     return [low + (high - low) * i // (points - 1) for i in range(points)]
 
 
+def _budgets(a, base, seconds, points: int = SWEEP, offload=None) -> list[int]:
+    """``points`` budgets from the lowest peak the greedy reaches to the unconstrained one."""
+    unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
+    lowest = solve_joint(a, base, seconds, 0, None, offload).minimum.peak_bytes
+    return _sweep(lowest, unconstrained, points)
+
+
 def test_refined_plan_is_the_exact_optimum_where_the_greedy_overpays(gpt2_like_block):
     a, base, seconds = gpt2_like_block
     exact_all = exhaustive_candidates(a, base, seconds, None, greedy_pool(a, base, seconds))
@@ -64,10 +71,8 @@ def test_refined_plan_is_the_exact_optimum_where_the_greedy_overpays(gpt2_like_b
 def test_refined_plans_stay_monotone_in_the_budget(gpt2_like_block):
     """A smaller budget never gets a larger predicted peak, refined or not."""
     a, base, seconds = gpt2_like_block
-    unconstrained = solve_joint(a, base, seconds, None).baseline.peak_bytes
-    lowest = solve_joint(a, base, seconds, 0).minimum.peak_bytes
     peaks = []
-    for budget in _sweep(lowest, unconstrained, 25):
+    for budget in _budgets(a, base, seconds, 25):
         refined, _ = refine_solution(a, solve_joint(a, base, seconds, budget), base, seconds, None)
         peaks.append(refined.chosen.peak_bytes)
     assert peaks == sorted(peaks)
@@ -78,10 +83,8 @@ def test_refine_keeps_the_budget_with_offload_and_is_never_slower():
 
     a, base, seconds, offload = _planned_for_h100(Decoder(1, 64, 4), torch.randn(2, 32, 64, requires_grad=True))
     evaluate = Evaluator(a, seconds, offload, base)
-    unconstrained = solve_joint(a, base, seconds, None, None, offload).baseline.peak_bytes
-    lowest = solve_joint(a, base, seconds, 0, None, offload).minimum.peak_bytes
     previous_peak = 0
-    for budget in _sweep(lowest, unconstrained, 9):
+    for budget in _budgets(a, base, seconds, 9, offload):
         greedy = solve_joint(a, base, seconds, budget, None, offload)
         refined = refine(a, greedy.chosen, base, budget, evaluate).plan
         solution, _ = refine_solution(a, greedy, base, seconds, offload)
@@ -97,9 +100,7 @@ def test_refine_keeps_the_budget_with_offload_and_is_never_slower():
 
 def test_refined_solution_explains_its_own_decisions(gpt2_like_block):
     a, base, seconds = gpt2_like_block
-    unconstrained = solve_joint(a, base, seconds, None).baseline.peak_bytes
-    lowest = solve_joint(a, base, seconds, 0).minimum.peak_bytes
-    for budget in _sweep(lowest, unconstrained):
+    for budget in _budgets(a, base, seconds):
         greedy = solve_joint(a, base, seconds, budget)
         refined, refinement = refine_solution(a, greedy, base, seconds, None)
         if refined is greedy:
@@ -115,9 +116,7 @@ def test_refined_solution_explains_its_own_decisions(gpt2_like_block):
 
 def test_refinement_evaluates_nothing_once_out_of_time(gpt2_like_block):
     a, base, seconds = gpt2_like_block
-    unconstrained = solve_joint(a, base, seconds, None).baseline.peak_bytes
-    lowest = solve_joint(a, base, seconds, 0).minimum.peak_bytes
-    for budget in _sweep(lowest, unconstrained):
+    for budget in _budgets(a, base, seconds):
         greedy = solve_joint(a, base, seconds, budget)
         if refine_solution(a, greedy, base, seconds, None)[0] is greedy:
             continue

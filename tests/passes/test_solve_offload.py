@@ -14,7 +14,7 @@ from compile_offload.passes.solve import solve_greedy, step_seconds
 from compile_offload.passes import progress
 from compile_offload.passes.solve_offload import OffloadOptions, offloadable, solve_joint
 
-from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model
+from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model, encoder_stack
 
 
 def profile(flops: float, link: float) -> DeviceProfile:
@@ -173,17 +173,12 @@ def _mixed_sequence(monkeypatch, refresh):
     """A mixed sequence on a two-layer transformer with ``LINK_REFRESH`` set to
     ``refresh``: (analysis, base saved set, seconds, its moves, how many saved sets'
     facts the offload costs read)."""
-    import torch.nn as nn
-
     from compile_offload.passes import solve_offload
     from compile_offload.passes.cost import BUILTIN_PROFILES
     from compile_offload.passes.solve_offload import SavedSetCache, mixed_moves
 
     monkeypatch.setattr(solve_offload, "LINK_REFRESH", refresh)
-    torch.manual_seed(0)
-    layers = nn.Sequential(*(nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True) for _ in range(2)))
-    analysis, base = capture_analysis(lambda x: layers(x).sum(), torch.randn(4, 32, 32, requires_grad=True),
-                                      fusion=True)
+    analysis, base = encoder_stack(layers=2, width=32, heads=2, ff=64, batch=4, seq=32)
     seconds = functools.partial(node_seconds, profile=BUILTIN_PROFILES["h100"])
     read = set()
     original = SavedSetCache.__call__

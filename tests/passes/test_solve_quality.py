@@ -10,25 +10,19 @@ layers) for a sweep of budgets, with and without offload.
 import functools
 
 import pytest
-import torch
-from torch import nn
 
 from compile_offload.passes.cost import BUILTIN_PROFILES, node_seconds
 from compile_offload.passes.offload import eligible_for_offload
 from compile_offload.passes.solve_offload import OffloadOptions, solve_joint
 
-from .joint_capture import capture_analysis
+from .joint_capture import encoder_stack
 
 H100 = BUILTIN_PROFILES["h100"]
 FRACTIONS = (None, 1.0, 0.75, 0.5, 0.25, 0.0)
 
 
-@functools.cache
 def transformer():
-    torch.manual_seed(0)
-    layers = nn.Sequential(*(nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
-                             for _ in range(3)))
-    return capture_analysis(lambda x: layers(x).sum(), torch.randn(4, 64, 64, requires_grad=True), fusion=True)
+    return encoder_stack(layers=3, width=64, heads=4, ff=256, batch=4, seq=64)
 
 
 @functools.cache
