@@ -23,6 +23,7 @@ import torch
 from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
+from .passes.analyze import COLLECTIVE_NAMESPACES
 from .partitioner import OffloadRematPartitioner
 from .result import PartitionResult
 from .settings import Settings
@@ -191,7 +192,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     got, whether made now or read back for a compile served from Inductor's caches."""
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
-    patches = inductor_config_patches(settings, partitioner, inductor_patches)
+    patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
     recorder = budget_loop.recorder_for(settings)
     if recorder is None:
         return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, patches, None)
@@ -239,10 +240,12 @@ def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence
 
 
 def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartitioner,
-                            inductor_patches: dict | None = None) -> dict[str, Any]:
+                            inductor_patches: dict | None = None,
+                            graph: torch.fx.GraphModule | None = None) -> dict[str, Any]:
     """The Inductor config a graph compiles under (``explain`` plans under the same):
-    ``torch.compile``'s mode and options, our partitioner, and no peak-memory reordering
-    when there is a budget."""
+    ``torch.compile``'s mode and options, our partitioner, and, when there is a budget, no
+    peak-memory reordering and no buffer held for a later kernel (``graph``, Dynamo's graph,
+    says whether it has collectives; see ``_no_held_buffers``)."""
     patches: dict[str, Any] = {**(inductor_patches or {}), "custom_partitioner_fn": partitioner}
     if settings.budget_bytes is not None or settings.budget_fraction is not None:
         # Inductor's peak-memory reordering moves the plan's recomputations away from where
@@ -251,7 +254,48 @@ def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartiti
         # 2.94 MiB budgeted, 3.39 MiB without it (docs/design.md, "Where the compiled peak
         # exceeds the plan"). It only orders kernels (none is changed or added).
         patches["reorder_for_peak_memory"] = False
+        patches.update(_no_held_buffers(graph))
     return patches
+
+
+_SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
+
+
+def _no_held_buffers(graph: torch.fx.GraphModule | None) -> dict[str, Any]:
+    """Keep Inductor's wrapper from holding a freed buffer for a later kernel's allocation.
+
+    The wrapper hands a freed buffer to a later allocation of the same size when its
+    estimate of the graph's peak (``EfficientPeakEstimate``) says holding it costs nothing;
+    the estimate is empty, so only the next kernel reuses, unless the scheduler's buffers got
+    their memory-planning sizes. Without peak-memory reordering, torch 2.11 to 2.13 never
+    assign them; torch 2.14 does, as a side effect of its simple comm-overlap pass
+    (``aten_distributed_optimizations.enable_simple_overlap``, on by default), and its
+    estimate is then low: a small MLP-mixer at a fitting budget held a 512 KiB buffer across
+    the backward, 2.77 MiB measured against 2.70 MiB on torch 2.13 and with the pass off
+    (docs/design.md, "Where the compiled peak exceeds the plan"). The pass only moves
+    collectives, so it is turned off where the graph has none (where it has, the overlap
+    is kept and the held buffers with it)."""
+    from torch._inductor import config as inductor_config
+
+    section = getattr(inductor_config, _SIMPLE_OVERLAP.split(".")[0], None)
+    if not hasattr(section, _SIMPLE_OVERLAP.split(".")[1]):
+        return {}
+    if graph is not None and any(_is_collective_call(node) for node in graph.graph.nodes):
+        return {}
+    return {_SIMPLE_OVERLAP: False}
+
+
+def _is_collective_call(node: torch.fx.Node) -> bool:
+    """A collective in Dynamo's graph: an op of a collective namespace, or a call of
+    ``torch.distributed``'s functional collectives."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in COLLECTIVE_NAMESPACES
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.partition("::")[0] in COLLECTIVE_NAMESPACES
+    return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
 
 
 def _inner_compile():

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from . import compat
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 _RECOMPUTABLE_NAMESPACES = ("aten", "prims")
 # Why a node torch tagged MUST_SAVE is not recomputed (``passes.user_policy`` gives the
 # nodes a user's checkpoint policy tagged their own reason).
@@ -69,7 +69,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
 
 
 def _is_wait_tensor(target) -> bool:
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace in COLLECTIVE_NAMESPACES
             and target._opname == "wait_tensor")
 
 
@@ -78,7 +78,7 @@ def is_collective(node: fx.Node) -> bool:
     ``wait_tensor`` included)."""
     target = node.target
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
-        target.namespace in _COLLECTIVE_NAMESPACES
+        target.namespace in COLLECTIVE_NAMESPACES
     )
 
 
@@ -135,7 +135,7 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
     if not isinstance(target, torch._ops.OpOverload):
         return f"{getattr(target, '__name__', target)} is not an aten op"
     namespace = target.namespace
-    if namespace in _COLLECTIVE_NAMESPACES:
+    if namespace in COLLECTIVE_NAMESPACES:
         return "collective"
     if namespace not in _RECOMPUTABLE_NAMESPACES:
         return f"custom op {namespace}::{target._opname}"
