@@ -249,7 +249,9 @@ def test_real_backend_under_delay_is_bitwise_equal_to_no_offload(prefetch, buffe
 
 
 _ALIAS = re.compile(r"\s*(\w+) = (\w+)\s*(?:;|$)")  # "buf2 = buf1" (Inductor renames a fallback's output)
-_BOOKKEEPING = re.compile(r"\s*(?:#|del |assert_size_stride\(|assert_alignment\()")
+# Lines that read no tensor data: comments, frees, and the metadata checks (torch 2.14 checks a
+# fallback's output with assert_tensor_metadata right after the call, before its wait).
+_BOOKKEEPING = re.compile(r"\s*(?:#|del |assert_size_stride\(|assert_alignment\(|assert_tensor_metadata\()")
 
 
 def _names(lines: list[str], start: int, name: str) -> set[str]:
