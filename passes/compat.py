@@ -199,3 +199,16 @@ def boxed_python(gm: fx.GraphModule):
 
     run._boxed_call = True
     return run
+
+
+def inductor_overwrites_saved() -> bool:
+    """Whether Inductor's backward may write a kernel's output into a saved tensor it reads
+    last: ``torch._inductor.config.inplace_buffers`` (in-place reuse at all) and
+    ``torch._functorch.config.donated_buffer`` (AOTAutograd hands the backward its saved
+    tensors to overwrite; torch 2.6 on). Read at plan time, so a patched config is followed."""
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return False
+    return bool(getattr(inductor_config, "inplace_buffers", False) and getattr(functorch_config, "donated_buffer", False))

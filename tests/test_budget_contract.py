@@ -18,8 +18,6 @@ _BROKEN = {
                "backward workspace the cost model does not count",
     "hf_gpt2": "at 0.8 the plan fits and the compiled step measures 6.48 MiB against a 6.28 MiB budget; at 0.4 "
                "the minimum measures 4.58 MiB, 3.89 predicted",
-    "hf_llama": "unconstrained, predicted 5.33 MiB against 4.89 measured (+8.9%): Inductor writes outputs into "
-                "dying inputs in place, which the simulator does not count",
 }
 
 
