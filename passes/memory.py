@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from . import compat
-from .analyze import (JointAnalysis, allocated_bytes, fusable_nodes, is_pointwise, is_view, storage_roots, tensor_value,
-                      with_view_bases)
+from .analyze import (JointAnalysis, allocated_bytes, fusable_nodes, is_convolution, is_pointwise, is_view, layout_copies,
+                      storage_roots, tensor_value, with_view_bases)
 from .schedule import emit_after_inputs
 
 
@@ -136,6 +136,11 @@ def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict
                 last_of_storage[physical] = max(last, last_read.get(key, index))
                 break
     return storage_of
+
+
+def layout_copy_key(node: fx.Node) -> Hashable:
+    """The storage of Inductor's channels-last copy of steady ``node`` (``analyze.layout_copies``)."""
+    return ("channels-last", node)
 
 
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
@@ -399,6 +404,8 @@ class StepBuilder:
         nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
         allocates = [(key(node), nbytes)] if nbytes else []
         reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
+        if a.layout_copies and is_convolution(node):
+            reads += [layout_copy_key(arg) for arg in a.inputs[node] if arg in a.layout_copies]
         in_place = ()
         if nbytes and self.fusion and key == self._backward_key:
             saved_storages = self.saved_storages()
@@ -481,7 +488,9 @@ def plan_program(
     for tensor, anchor in (offload_wait_after or {}).items():
         if tensor in offloaded:
             waits_after.setdefault(anchor, []).append(tensor)
-    steps: list[Step] = []
+    # Inductor's channels-last copies of steady convolution inputs, made when the forward starts.
+    steps: list[Step] = [Step("channels-last copies", [(layout_copy_key(n), nbytes) for n, nbytes in a.layout_copies.items()])
+                         ] if a.layout_copies else []
     for node, step in computed.forward:
         if step is not None:
             steps.append(step)
@@ -543,6 +552,9 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         return ("fw", fw_roots.get(node, node).name)
 
     fw_fused = fused_nodes(fw_gm.graph.nodes, set()) if fusion else set()
+    copies = layout_copies(fw_gm.graph.nodes, fw_placeholders) if fusion else {}
+    if copies:  # Inductor's channels-last copies of inputs its convolutions read
+        steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
     key_bytes: dict[Hashable, int] = {}  # storage key -> bytes, for in-place reuse
     for node in fw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -551,6 +563,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         reads = _reads(node, fw_key, fw_fused, lambda x: fw_roots.get(x, x) in fw_placeholders)
         if nbytes:
             key_bytes[fw_key(node)] = nbytes
+        if copies and is_convolution(node):
+            reads += [("fw-channels-last", arg.name) for arg in node.all_input_nodes if arg in copies]
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
     backward_start = len(steps)
     bw_roots = storage_roots(bw_gm.graph)
@@ -563,6 +577,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             offload = output.meta.get("offload")
             saved_by_name[offload["tensor"] if offload else output.name] = output
     key_of_placeholder: dict[fx.Node, Hashable | None] = {}
+    copied_placeholders: dict[fx.Node, Hashable] = {}
     tangent_allocs = []
     for placeholder in bw_placeholders:
         if "tangents" in placeholder.name:
@@ -576,6 +591,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             base = fw_roots.get(source, source)
             on_device = base not in fw_placeholders and not _is_host_copy(base)
             key_of_placeholder[placeholder] = fw_key(source) if on_device else None
+            if base in copies:  # the backward receives the copy
+                copied_placeholders[placeholder] = ("fw-channels-last", base.name)
         else:
             key_of_placeholder[placeholder] = None  # saved symints
     steps.append(Step("tangents", tangent_allocs, []))
@@ -595,6 +612,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         nbytes = 0 if node in bw_fused else allocated_bytes(node, bw_roots)
         bw_skip = lambda x: bw_key(x) is None  # noqa: E731
         reads = [k for k in _reads(node, bw_key, bw_fused, bw_skip)]
+        if copied_placeholders and is_convolution(node):
+            reads += [copied_placeholders[arg] for arg in node.all_input_nodes if arg in copied_placeholders]
         in_place = in_place_candidates(node, nbytes, bw_key, bw_fused, bw_skip, _all_input_nodes, bw_memo,
                                        lambda x: key_bytes.get(bw_key(x), 0)) if nbytes and fusion else ()
         in_place = tuple(k for k in in_place if k[0] == "fw")  # saved tensors only (see StepBuilder._step)

@@ -14,8 +14,6 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 # families break the contract today; strict, so a fix shows up as an unexpected pass. The scheduled
 # peak (Plan.scheduled_peak_bytes) sees some overruns; nothing re-plans yet.
 _BROKEN = {
-    "conv_bn": "the minimum-memory plan measures 2.65 MiB against 2.51 MiB predicted (+5.3%): CPU convolution "
-               "backward workspace the cost model does not count",
     "hf_gpt2": "at 0.8 the plan fits and the compiled step measures 6.48 MiB against a 6.28 MiB budget; at 0.4 "
                "the minimum measures 4.58 MiB, 3.89 predicted",
 }

@@ -38,10 +38,10 @@ def _squared_product(x, w):
     return torch.mm(x, w).pow(2).mean()
 
 
-def _planned_and_measured() -> tuple[int, int]:
-    torch.manual_seed(0)
-    x = torch.randn(ROWS, INNER, requires_grad=True)
-    w = torch.randn(INNER, COLS, requires_grad=True)
+def planned_and_measured(fn, *inputs) -> tuple[int, int]:
+    """The plan's predicted peak for ``fn`` compiled by the backend (no budget, CPU,
+    Inductor) and the peak of its second step (gradients set to None first), measured at
+    the CPU allocator."""
     plans = []
     plan_partition = partitioner.plan_partition
 
@@ -56,11 +56,12 @@ def _planned_and_measured() -> tuple[int, int]:
         with warnings.catch_warnings(), torch._inductor.config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
             warnings.simplefilter("ignore")
-            compiled = torch.compile(_squared_product, backend=compile_offload.offload_remat(device_profile="cpu"))
-            compiled(x, w).backward()
-            x.grad = w.grad = None
+            compiled = torch.compile(fn, backend=compile_offload.offload_remat(device_profile="cpu"))
+            compiled(*inputs).backward()
+            for tensor in inputs:
+                tensor.grad = None
             with measure_peak("cpu") as measured:
-                compiled(x, w).backward()
+                compiled(*inputs).backward()
     finally:
         partitioner.plan_partition = plan_partition
     (plan,) = plans
@@ -77,7 +78,10 @@ def test_the_loss_gradient_written_into_the_saved_product_is_predicted(inplace_b
     The prediction follows Inductor's config, read at plan time."""
     saved_bytes = ROWS * COLS * 4
     with torch._inductor.config.patch(inplace_buffers=inplace_buffers):
-        predicted, measured = _planned_and_measured()
+        torch.manual_seed(0)
+        x = torch.randn(ROWS, INNER, requires_grad=True)
+        w = torch.randn(INNER, COLS, requires_grad=True)
+        predicted, measured = planned_and_measured(_squared_product, x, w)
     # within a small part of what the reuse is worth: the rule decides the peak here
     assert abs(predicted - measured) < saved_bytes // 16
     # one 1 MiB buffer at the peak with the reuse, two without
