@@ -201,16 +201,12 @@ def _fused_reads(node: fx.Node, fused: set[fx.Node], skip, inputs, memo: dict) -
     return memo[node]
 
 
-_LAYOUT_FIXING = frozenset({"convolution", "convolution_backward"})
-
-
 def _layout_fixed_by(user: fx.Node) -> bool:
     """A consumer for which Inductor lays its input out its own way (channels-last for the
     CPU's mkldnn convolution, ``GraphLowering.run_node``): the value is then not written at
     the index its inputs are read at, so not in place (measured on conv+BN: the loss
     gradient feeding ``convolution_backward`` gets a fresh channels-last buffer)."""
-    target = user.target
-    return user.op == "call_function" and getattr(getattr(target, "overloadpacket", None), "__name__", "") in _LAYOUT_FIXING
+    return is_convolution(user)
 
 
 def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, memo: dict,
@@ -221,7 +217,8 @@ def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, me
     dtype and the same storage size (``can_match_buffer_size``), read directly or through
     the inlined values the node fuses (the kernel reads it at the node's own index). Graph
     inputs (``skip``: parameters, user inputs) are never overwritten; saved tensors are, in
-    the backward (AOTAutograd donates them). Empty when Inductor would not
+    the backward (AOTAutograd donates them); the callers keep only those (reuse into other
+    buffers is not modelled: design.md, "Memory simulator"). Empty when Inductor would not
     (``compat.inductor_overwrites_saved``)."""
     if not (is_pointwise(node) and compat.inductor_overwrites_saved()):
         return ()
