@@ -35,7 +35,8 @@ class SymbolicProgram:
     """A plan's memory program with sizes as expressions (strings, ``sympy`` syntax) in
     the graph's size symbols; JSON-able, so a cache hit can check sizes too."""
 
-    steps: list[tuple[list[tuple[int, str]], list[int]]]  # per step: (allocations, reads), storages by index
+    # per step: (allocations, reads, in-place candidates), storages by index
+    steps: list[tuple[list[tuple[int, str]], list[int], list[int]]]
     outlives: list[int]
     backward_start: int
     symbols: list[str]  # the size symbols the expressions use
@@ -46,7 +47,8 @@ class SymbolicProgram:
 
     @classmethod
     def from_json(cls, data: dict) -> "SymbolicProgram":
-        steps = [([(int(k), str(e)) for k, e in allocs], [int(r) for r in reads]) for allocs, reads in data["steps"]]
+        steps = [([(int(k), str(e)) for k, e in step[0]], [int(r) for r in step[1]],
+                  [int(c) for c in (step[2] if len(step) > 2 else ())]) for step in data["steps"]]
         return cls(steps, [int(k) for k in data["outlives"]], int(data["backward_start"]), list(data["symbols"]))
 
     def peak_bytes(self, sizes: dict[str, int]) -> int:
@@ -66,7 +68,8 @@ class SymbolicProgram:
                 memo[text] = int(sympy.sympify(text, locals=names).xreplace(values))
             return memo[text]
 
-        steps = [Step("", [(key, evaluate(expr)) for key, expr in allocs], list(reads)) for allocs, reads in self.steps]
+        steps = [Step("", [(key, evaluate(expr)) for key, expr in allocs], list(reads), in_place=tuple(in_place))
+                 for allocs, reads, in_place in self.steps]
         return simulate(Program(steps, self.backward_start, set(self.outlives))).peak_bytes
 
 
@@ -117,7 +120,7 @@ def symbolic_program(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.No
             expr = _storage_bytes(node, nbytes)
             allocs.append((index.setdefault(key, len(index)), expr))
         reads = [index.setdefault(key, len(index)) for key in step.reads]
-        steps.append((allocs, reads))
+        steps.append((allocs, reads, [index.setdefault(key, len(index)) for key in step.in_place]))
     outlives = [index.setdefault(key, len(index)) for key in program.outlives]
     return SymbolicProgram(steps, outlives, program.backward_start, sorted(symbols))
 

@@ -292,6 +292,45 @@ def fusable_nodes(nodes: Iterable[fx.Node]) -> frozenset[fx.Node]:
     return frozenset(fusable)
 
 
+_CONVOLUTIONS = ("convolution", "convolution_backward")
+
+
+def is_convolution(node: fx.Node) -> bool:
+    """``aten.convolution`` and its backward: the ops Inductor's layout optimization serves."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target.overloadpacket.__name__ in _CONVOLUTIONS)
+
+
+def layout_copies(nodes: Iterable[fx.Node], steady: Iterable[fx.Node]) -> dict[fx.Node, int]:
+    """Steady tensors (parameters, user inputs) Inductor copies into a channels-last buffer
+    because a convolution reads them, with the copy's bytes.
+
+    With layout optimization on (``GraphLowering.decide_layout_opt``), the inputs and
+    outputs of convolutions and the values feeding them prefer channels-last
+    (``find_nodes_prefer_channels_last``); a graph input in another layout is copied
+    once, at the start of the graph, and the copy is what the forward's convolutions read
+    and what the backward receives when the input is saved for it (measured on the
+    contract's conv+BN model: its input and its four weights, 0.12 MiB, live from the
+    forward's first kernel to the backward's convolutions). Decided for CPU graphs only,
+    where Inductor turns it on whenever mkldnn can run every convolution
+    (``compat.inductor_channels_last_convolutions``); elsewhere its choice rests on a flop
+    model this does not copy, and no copy is counted."""
+    steady = set(steady)
+    convolutions = [n for n in nodes if is_convolution(n) and n.target._opname == "convolution"]
+    if not convolutions or not compat.inductor_channels_last_convolutions(
+            [tensor_value(arg) for n in convolutions for arg in n.args[:2] if isinstance(arg, fx.Node)]):
+        return {}
+    copies = {}
+    for conv in convolutions:
+        for arg in conv.args[:2]:
+            val = tensor_value(arg) if isinstance(arg, fx.Node) else None
+            if arg in steady and val is not None and val.dim() == 4 and not val.is_contiguous(
+                    memory_format=torch.channels_last):
+                copies[arg] = allocation_bytes(val)
+    return copies
+
+
 @dataclass
 class JointAnalysis:
     """The joint graph split into forward and backward, with storage facts."""
@@ -326,6 +365,10 @@ class JointAnalysis:
     bw_readers: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)
     # ... and the storages each node reads (the roots of its inputs, in order, each once).
     input_roots: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
+    # Under Inductor, the steady inputs (parameters, user inputs) it copies into a
+    # channels-last buffer for the convolutions that read them (``layout_copies``), with
+    # the copy's bytes.
+    layout_copies: dict[fx.Node, int] = field(default_factory=dict)
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -410,6 +453,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         inputs=inputs,
         alias_parent={n: _aliased_input(n) for n in nodes},
         fusable=fusable_nodes(nodes),
+        layout_copies=layout_copies(nodes, steady) if fusion else {},
         fw_inputs=fw_inputs,
         bw_reads=bw_reads,
         bw_readers={node: tuple(indices) for node, indices in bw_readers.items()},

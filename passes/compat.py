@@ -199,3 +199,35 @@ def boxed_python(gm: fx.GraphModule):
 
     run._boxed_call = True
     return run
+
+
+def inductor_overwrites_saved() -> bool:
+    """Whether Inductor's backward may write a kernel's output into a saved tensor it reads
+    last: ``torch._inductor.config.inplace_buffers`` (in-place reuse at all) and
+    ``torch._functorch.config.donated_buffer`` (AOTAutograd hands the backward its saved
+    tensors to overwrite; torch 2.6 on). Read at plan time, so a patched config is followed."""
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return False
+    return bool(getattr(inductor_config, "inplace_buffers", False) and getattr(functorch_config, "donated_buffer", False))
+
+
+def inductor_channels_last_convolutions(conv_args) -> bool:
+    """Whether Inductor's layout optimization (``GraphLowering.decide_layout_opt``) puts the
+    convolutions of a graph whose convolution inputs and weights are ``conv_args`` (fake
+    tensors) in channels-last, as far as it is decided without a flop model:
+    ``config.layout_optimization`` on and either ``force_layout_optimization`` or every
+    argument on the CPU with mkldnn enabled and available (the same rule in torch
+    2.11-2.14). False where Inductor would weigh flops (GPUs)."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return False
+    if not getattr(config, "layout_optimization", False):
+        return False
+    if getattr(config, "force_layout_optimization", False):
+        return True
+    return (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()
+            and all(arg is not None and arg.device.type == "cpu" for arg in conv_args))

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis, allocated_bytes, fusable_nodes, is_view, storage_roots, tensor_value, with_view_bases
+from . import compat
+from .analyze import (JointAnalysis, allocated_bytes, fusable_nodes, is_convolution, is_pointwise, is_view, layout_copies,
+                      storage_roots, tensor_value, with_view_bases)
 from .schedule import emit_after_inputs
 
 
@@ -34,6 +36,9 @@ class Step:
     allocates: list[tuple[Hashable, int]] = field(default_factory=list)
     reads: list[Hashable] = field(default_factory=list)
     kind: str = "compute"  # compute | recompute | offload | reload
+    # Reads whose storage the step's one allocation may take over when the step is their
+    # last reader (Inductor's in-place reuse, ``in_place_candidates``), first match wins.
+    in_place: tuple[Hashable, ...] = ()
 
 
 @dataclass
@@ -65,15 +70,22 @@ def simulate(program: Program) -> Timeline:
             last_read.setdefault(key, index)
         for key in step.reads:
             last_read[key] = index
+    storage_of = _in_place_storages(program, last_read)
     frees_after: dict[int, list[Hashable]] = {}
+    physical_last: dict[Hashable, int] = {}
+    kept = {storage_of.get(key, key) for key in program.outlives}
     for key, index in last_read.items():
-        if key not in program.outlives:
+        physical = storage_of.get(key, key)
+        physical_last[physical] = max(index, physical_last.get(physical, index))
+    for key, index in physical_last.items():
+        if key not in kept:
             frees_after.setdefault(index, []).append(key)
     size: dict[Hashable, int] = {}
     live = 0
     live_bytes, labels, kinds = [], [], []
     for index, step in enumerate(program.steps):
         for key, nbytes in step.allocates:
+            key = storage_of.get(key, key)
             if key not in size:
                 size[key] = nbytes
                 live += nbytes
@@ -84,6 +96,51 @@ def simulate(program: Program) -> Timeline:
             live -= size.pop(key, 0)
     peak = max(live_bytes, default=0)
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
+
+
+def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict[Hashable, Hashable]:
+    """Allocation key -> the storage it takes over in place: a step's one allocation goes
+    into the first of its ``in_place`` reads that the step reads last (no later step reads
+    the storage, through any key already written into it) and that outlives nothing, of
+    the same size. What Inductor's ``decide_inplace_update`` does for a kernel's output."""
+    storage_of: dict[Hashable, Hashable] = {}
+    last_of_storage: dict[Hashable, int] = {}
+    sizes: dict[Hashable, int] = {}
+    if not any(step.in_place for step in program.steps):
+        return storage_of
+    # Only a storage read by this one step is taken over: a kernel that reads it at more
+    # than one index (a reduction and a pointwise loop of the same fused kernel: measured,
+    # the Llama's saved RMSNorm inputs and MLP activations, each read by several backward
+    # steps, are never overwritten) cannot write into it, and which of several readers
+    # Inductor fuses together is not known here.
+    readers: dict[Hashable, int] = {}  # in the backward, where the candidates are (saved tensors)
+    for step in program.steps[program.backward_start:]:
+        if not step.allocates:  # views and fused values: their consumers' steps read the data
+            continue
+        for key in step.reads:
+            readers[key] = readers.get(key, 0) + 1
+    for index, step in enumerate(program.steps):
+        for key, nbytes in step.allocates:
+            sizes.setdefault(key, nbytes)
+        if not step.in_place or len(step.allocates) != 1:
+            continue
+        key, nbytes = step.allocates[0]
+        if key in storage_of:
+            continue
+        for candidate in step.in_place:
+            physical = storage_of.get(candidate, candidate)
+            last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
+            if (last == index and readers.get(candidate) == 1 and physical not in program.outlives
+                    and candidate not in program.outlives and sizes.get(physical) == nbytes):
+                storage_of[key] = physical
+                last_of_storage[physical] = max(last, last_read.get(key, index))
+                break
+    return storage_of
+
+
+def layout_copy_key(node: fx.Node) -> Hashable:
+    """The storage of Inductor's channels-last copy of steady ``node`` (``analyze.layout_copies``)."""
+    return ("channels-last", node)
 
 
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
@@ -142,6 +199,41 @@ def _fused_reads(node: fx.Node, fused: set[fx.Node], skip, inputs, memo: dict) -
                 read[arg] = None
         memo[current] = tuple(read)
     return memo[node]
+
+
+def _layout_fixed_by(user: fx.Node) -> bool:
+    """A consumer for which Inductor lays its input out its own way (channels-last for the
+    CPU's mkldnn convolution, ``GraphLowering.run_node``): the value is then not written at
+    the index its inputs are read at, so not in place (measured on conv+BN: the loss
+    gradient feeding ``convolution_backward`` gets a fresh channels-last buffer)."""
+    return is_convolution(user)
+
+
+def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, memo: dict,
+                        storage_bytes) -> tuple[Hashable, ...]:
+    """The reads whose storage ``node``'s output may take over in place, as Inductor's
+    ``Scheduler.decide_inplace_update`` does when the node is their last user: the node is a
+    pointwise op Inductor generates (not an extern call), the read is a buffer of the same
+    dtype and the same storage size (``can_match_buffer_size``), read directly or through
+    the inlined values the node fuses (the kernel reads it at the node's own index). Graph
+    inputs (``skip``: parameters, user inputs) are never overwritten; saved tensors are, in
+    the backward (AOTAutograd donates them); the callers keep only those (reuse into other
+    buffers is not modelled: design.md, "Memory simulator"). Empty when Inductor would not
+    (``compat.inductor_overwrites_saved``)."""
+    if not (is_pointwise(node) and compat.inductor_overwrites_saved()):
+        return ()
+    out = tensor_value(node)
+    if out is None or any(_layout_fixed_by(user) for user in node.users):
+        return ()
+    found: dict[Hashable, None] = {}
+    for arg in inputs(node):
+        if skip(arg):
+            continue
+        for read in (_fused_reads(arg, fused, skip, inputs, memo) if arg in fused else (arg,)):
+            val = tensor_value(read)
+            if val is not None and val.dtype == out.dtype and storage_bytes(read) == nbytes:
+                found[key(read)] = None
+    return tuple(found)
 
 
 # --- programs from the joint graph and a plan --------------------------------------------
@@ -255,6 +347,7 @@ class StepBuilder:
         self.backward_steps: dict[fx.Node, Step | None] = {}
         self.memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
         self._dependents: dict[fx.Node, list[fx.Node]] | None = None
+        self._saved_storages: set[Hashable] | None = None
 
     def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
         self._move_to(frozenset(saved), frozenset(nodes.recomputed))
@@ -275,6 +368,7 @@ class StepBuilder:
                     self.forward_steps.pop(dependent, None)
                     self.backward_steps.pop(dependent, None)
         self.saved, self.recomputed = saved, recomputed
+        self._saved_storages = None
         kept = with_view_bases(saved | set(self.a.fw_outputs) | set(self.a.bw_outputs))
         self.fused = self.a.fusable - kept if self.fusion else frozenset()
         self.memo = {}
@@ -307,7 +401,21 @@ class StepBuilder:
         nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
         allocates = [(key(node), nbytes)] if nbytes else []
         reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
-        return Step(node.name, allocates, reads, kind=kind)
+        if a.layout_copies and is_convolution(node):
+            reads += [layout_copy_key(arg) for arg in a.inputs[node] if arg in a.layout_copies]
+        in_place = ()
+        if nbytes and self.fusion and key == self._backward_key:
+            saved_storages = self.saved_storages()
+            in_place = tuple(k for k in in_place_candidates(node, nbytes, key, self.fused, a.steady.__contains__,
+                                                            a.inputs.__getitem__, self.memo, a.storage_bytes)
+                             if k in saved_storages)
+        return Step(node.name, allocates, reads, kind=kind, in_place=in_place)
+
+    def saved_storages(self) -> set[Hashable]:
+        """The storages of the saved tensors (what the backward may overwrite in place)."""
+        if self._saved_storages is None:
+            self._saved_storages = {self.a.roots.get(n, n) for n in self.saved}
+        return self._saved_storages
 
     def _root(self, node: fx.Node) -> Hashable:
         return self.a.roots.get(node, node)
@@ -377,7 +485,9 @@ def plan_program(
     for tensor, anchor in (offload_wait_after or {}).items():
         if tensor in offloaded:
             waits_after.setdefault(anchor, []).append(tensor)
-    steps: list[Step] = []
+    # Inductor's channels-last copies of steady convolution inputs, made when the forward starts.
+    steps: list[Step] = [Step("channels-last copies", [(layout_copy_key(n), nbytes) for n, nbytes in a.layout_copies.items()])
+                         ] if a.layout_copies else []
     for node, step in computed.forward:
         if step is not None:
             steps.append(step)
@@ -439,11 +549,19 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         return ("fw", fw_roots.get(node, node).name)
 
     fw_fused = fused_nodes(fw_gm.graph.nodes, set()) if fusion else set()
+    copies = layout_copies(fw_gm.graph.nodes, fw_placeholders) if fusion else {}
+    if copies:  # Inductor's channels-last copies of inputs its convolutions read
+        steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
+    key_bytes: dict[Hashable, int] = {}  # storage key -> bytes, for in-place reuse
     for node in fw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         nbytes = 0 if node in fw_fused or _is_host_copy(node) else allocated_bytes(node, fw_roots)
         reads = _reads(node, fw_key, fw_fused, lambda x: fw_roots.get(x, x) in fw_placeholders)
+        if nbytes:
+            key_bytes[fw_key(node)] = nbytes
+        if copies and is_convolution(node):
+            reads += [("fw-channels-last", arg.name) for arg in node.all_input_nodes if arg in copies]
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
     backward_start = len(steps)
     bw_roots = storage_roots(bw_gm.graph)
@@ -456,6 +574,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             offload = output.meta.get("offload")
             saved_by_name[offload["tensor"] if offload else output.name] = output
     key_of_placeholder: dict[fx.Node, Hashable | None] = {}
+    copied_placeholders: dict[fx.Node, Hashable] = {}
     tangent_allocs = []
     for placeholder in bw_placeholders:
         if "tangents" in placeholder.name:
@@ -469,6 +588,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             base = fw_roots.get(source, source)
             on_device = base not in fw_placeholders and not _is_host_copy(base)
             key_of_placeholder[placeholder] = fw_key(source) if on_device else None
+            if base in copies:  # the backward receives the copy
+                copied_placeholders[placeholder] = ("fw-channels-last", base.name)
         else:
             key_of_placeholder[placeholder] = None  # saved symints
     steps.append(Step("tangents", tangent_allocs, []))
@@ -480,12 +601,22 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         return ("bw", base.name)
 
     bw_fused = fused_nodes(bw_gm.graph.nodes, set()) if fusion else set()
+    bw_memo: dict = {}
+    key_bytes.update((key, nbytes) for key, nbytes in tangent_allocs)
     for node in bw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         nbytes = 0 if node in bw_fused else allocated_bytes(node, bw_roots)
-        reads = [k for k in _reads(node, bw_key, bw_fused, lambda x: bw_key(x) is None)]
-        steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads))
+        bw_skip = lambda x: bw_key(x) is None  # noqa: E731
+        reads = [k for k in _reads(node, bw_key, bw_fused, bw_skip)]
+        if copied_placeholders and is_convolution(node):
+            reads += [copied_placeholders[arg] for arg in node.all_input_nodes if arg in copied_placeholders]
+        in_place = in_place_candidates(node, nbytes, bw_key, bw_fused, bw_skip, _all_input_nodes, bw_memo,
+                                       lambda x: key_bytes.get(bw_key(x), 0)) if nbytes and fusion else ()
+        in_place = tuple(k for k in in_place if k[0] == "fw")  # saved tensors only (see StepBuilder._step)
+        if nbytes:
+            key_bytes[bw_key(node)] = nbytes
+        steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads, in_place=in_place))
     bw_output = next(n for n in reversed(bw_gm.graph.nodes) if n.op == "output")
     outlives = {fw_key(o) for o in user_outputs if isinstance(o, fx.Node)}
     outlives |= {k for o in bw_output.args[0] if isinstance(o, fx.Node) for k in [bw_key(o)] if k is not None}
