@@ -86,6 +86,41 @@ def simulate(program: Program) -> Timeline:
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
 
 
+def peak_bytes(program: Program) -> int:
+    """``simulate(program).peak_bytes`` without building the timeline: the solver simulates
+    hundreds of plans of thousands of steps and reads only their peaks. The same walk
+    (``tests/passes/test_memory.py`` pins the two together on random programs)."""
+    steps = program.steps
+    last_read: dict[Hashable, int] = {}
+    for index, step in enumerate(steps):
+        for key, _ in step.allocates:
+            if key not in last_read:
+                last_read[key] = index
+        for key in step.reads:
+            last_read[key] = index
+    frees_after: dict[int, list[Hashable]] = {}
+    outlives = program.outlives
+    for key, index in last_read.items():
+        if key not in outlives:
+            if index in frees_after:
+                frees_after[index].append(key)
+            else:
+                frees_after[index] = [key]
+    size: dict[Hashable, int] = {}
+    live = peak = 0
+    no_frees = ()
+    for index, step in enumerate(steps):
+        for key, nbytes in step.allocates:
+            if key not in size:
+                size[key] = nbytes
+                live += nbytes
+        if live > peak:
+            peak = live
+        for key in frees_after.get(index, no_frees):
+            live -= size.pop(key, 0)
+    return peak
+
+
 def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     """Pointwise nodes Inductor fuses into all their consumers (no buffer of their own)."""
     kept = with_view_bases(kept)
@@ -148,17 +183,24 @@ def _fused_reads(node: fx.Node, fused: set[fx.Node], skip, inputs, memo: dict) -
 
 
 def forward_nodes_needed(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
-    """Forward nodes that must run to produce the user outputs and the saved tensors."""
-    needed: set[fx.Node] = set()
-    stack = [*a.fw_outputs, *saved]
-    fw_inputs = a.fw_inputs
+    """Forward nodes that must run to produce the user outputs and the saved tensors.
+
+    What the outputs need is the same for every saved set (``a.fw_needed_by_outputs``) and
+    closed under inputs, so only what the saved tensors need beyond it is walked: in a
+    training step nearly every saved tensor feeds the loss, and that walk is empty."""
+    by_outputs, in_order = a.fw_needed_by_outputs
+    needed: set[fx.Node] = set()  # beyond ``by_outputs``
+    stack = [node for node in saved if node not in by_outputs]
+    fw_inputs, forward_side = a.fw_inputs, a.forward_side  # ``a.is_forward``, without a call per node
     while stack:
         node = stack.pop()
-        if node in needed or not a.is_forward(node):
+        if node in needed or node in by_outputs or node not in forward_side:
             continue
         needed.add(node)
         stack.extend(fw_inputs[node])
-    return [n for n in a.fw_nodes if n in needed]
+    if not needed:
+        return list(in_order)
+    return [n for n in a.fw_nodes if n in by_outputs or n in needed]
 
 
 def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
