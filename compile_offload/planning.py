@@ -130,7 +130,9 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
             solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
                                                   base_saved, graph_name)
     chosen = solution.chosen
-    fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, chosen.saved))
+    # Placing the planned copies recompiles the backward: once is enough.
+    fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, chosen.saved),
+                                recompile=not chosen.offloaded)
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
