@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.fx as fx
 
@@ -34,6 +35,13 @@ class Step:
     allocates: list[tuple[Hashable, int]] = field(default_factory=list)
     reads: list[Hashable] = field(default_factory=list)
     kind: str = "compute"  # compute | recompute | offload | reload
+
+    @cached_property
+    def storages(self) -> frozenset[Hashable]:
+        """Every key the step reads or allocates. Steps are kept across the plans a solve
+        simulates (``StepBuilder``) and never edited, so this is worked out once per step,
+        not once per plan (``_renamed`` asks it of every backward step of a plan)."""
+        return frozenset(self.reads).union(key for key, _ in self.allocates)
 
 
 @dataclass
@@ -434,27 +442,28 @@ def plan_program(
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
     first_use: dict[fx.Node, int] = {}
     if reloaded:
+        input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
         for index, (node, _) in enumerate(computed.backward):
-            for arg in a.inputs[node]:
-                base = root(arg, arg)
+            for base in input_roots[node]:
                 if base in reloaded:
                     first_use.setdefault(base, index)
     reload_at: dict[int, list[fx.Node]] = {}
     for node, index in first_use.items():
         distance = (reload_distance or {}).get(node, prefetch_distance)
         reload_at.setdefault(max(0, index - distance), []).append(node)
+    untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
     for index, (node, step) in enumerate(computed.backward):
         for tensor in reload_at.get(index, ()):
             steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
         if step is not None:
-            steps.append(_renamed(step, reloaded) if reloaded else step)
+            steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
     return Program(steps, backward_start, outlives)
 
 
 def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
     """``step`` with its storage keys renamed by ``keys`` (the step itself when none is)."""
-    if keys.keys().isdisjoint(step.reads) and keys.keys().isdisjoint([key for key, _ in step.allocates]):
+    if keys.keys().isdisjoint(step.storages):
         return step
     allocates = [(keys.get(key, key), nbytes) for key, nbytes in step.allocates]
     return Step(step.label, allocates, [keys.get(key, key) for key in step.reads], step.kind)
