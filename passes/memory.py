@@ -67,16 +67,7 @@ class Timeline:
 
 def simulate(program: Program) -> Timeline:
     """Live bytes of ``program``, step by step; the peak is the largest."""
-    last_read: dict[Hashable, int] = {}
-    for index, step in enumerate(program.steps):
-        for key, _ in step.allocates:
-            last_read.setdefault(key, index)
-        for key in step.reads:
-            last_read[key] = index
-    frees_after: dict[int, list[Hashable]] = {}
-    for key, index in last_read.items():
-        if key not in program.outlives:
-            frees_after.setdefault(index, []).append(key)
+    frees_after = _frees_after(program)
     size: dict[Hashable, int] = {}
     live = 0
     live_bytes, labels, kinds = [], [], []
@@ -94,13 +85,11 @@ def simulate(program: Program) -> Timeline:
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
 
 
-def peak_bytes(program: Program) -> int:
-    """``simulate(program).peak_bytes`` without building the timeline: the solver simulates
-    hundreds of plans of thousands of steps and reads only their peaks. The same walk
-    (``tests/passes/test_memory.py`` pins the two together on random programs)."""
-    steps = program.steps
+def _frees_after(program: Program) -> dict[int, list[Hashable]]:
+    """Step index -> the storages freed right after it: each after its last reader (or its
+    first allocation when nothing reads it), except those that outlive the step."""
     last_read: dict[Hashable, int] = {}
-    for index, step in enumerate(steps):
+    for index, step in enumerate(program.steps):
         for key, _ in step.allocates:
             if key not in last_read:
                 last_read[key] = index
@@ -114,6 +103,15 @@ def peak_bytes(program: Program) -> int:
                 frees_after[index].append(key)
             else:
                 frees_after[index] = [key]
+    return frees_after
+
+
+def peak_bytes(program: Program) -> int:
+    """``simulate(program).peak_bytes`` without building the timeline: the solver simulates
+    hundreds of plans of thousands of steps and reads only their peaks. The same walk
+    (``tests/passes/test_memory.py`` pins the two together on random programs)."""
+    steps = program.steps
+    frees_after = _frees_after(program)
     size: dict[Hashable, int] = {}
     live = peak = 0
     no_frees = ()
