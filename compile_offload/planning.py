@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from . import plan_cache
+from .collection_paused import collection_paused
 from .device_profile import device_of, resolve_profile
 from .passes import compat, user_policy
 from .passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
@@ -48,26 +49,29 @@ def plan_partition(
     error when ``settings.suppress_errors`` is set, and otherwise it raises. A budget below
     the minimum warns, or raises ``BudgetError`` under ``strict_budget``.
     """
-    started = time.perf_counter()
-    policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
-    joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
-    profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
-    if not compat.has_backward(joint):
-        fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
-        plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,
-                              solver=settings.solver, graph_name=graph_name, why="no backward: torch's default partition")
-        return PartitionResult(plan, fw_gm, bw_gm, None, None)
-    try:
-        result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started)
-    except (BudgetError, SolverError):
-        raise
-    except Exception as error:
-        if not (isinstance(error, UnsupportedGraph) or settings.suppress_errors):
+    # Collections walking the whole heap were ~40% of planning (collection_paused.py).
+    with collection_paused():
+        started = time.perf_counter()
+        policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
+        joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+        profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
+        if not compat.has_backward(joint):
+            fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
+            plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,
+                                  solver=settings.solver, graph_name=graph_name,
+                                  why="no backward: torch's default partition")
+            return PartitionResult(plan, fw_gm, bw_gm, None, None)
+        try:
+            result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started)
+        except (BudgetError, SolverError):
             raise
-        return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
-                         graph_name, error)
-    report_budget(result.plan, settings)
-    return result
+        except Exception as error:
+            if not (isinstance(error, UnsupportedGraph) or settings.suppress_errors):
+                raise
+            return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
+                             graph_name, error)
+        report_budget(result.plan, settings)
+        return result
 
 
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
@@ -126,7 +130,9 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
             solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
                                                   base_saved, graph_name)
     chosen = solution.chosen
-    fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, chosen.saved))
+    # Placing the planned copies recompiles the backward: once is enough.
+    fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, chosen.saved),
+                                recompile=not chosen.offloaded)
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.fx as fx
@@ -378,6 +379,27 @@ class JointAnalysis:
 
     def storage_bytes(self, node: fx.Node) -> int:
         return self.bytes_of.get(self.roots.get(node, node), 0)
+
+    @cached_property
+    def fw_needed_by_outputs(self) -> tuple[frozenset[fx.Node], tuple[fx.Node, ...]]:
+        """The forward-side nodes the user outputs need (through forward-side inputs), and
+        those of them in ``fw_nodes``, in that order: ``passes.memory.forward_nodes_needed``
+        with nothing saved, the part every saved set shares."""
+        needed: set[fx.Node] = set()
+        stack = list(self.fw_outputs)
+        while stack:
+            node = stack.pop()
+            if node in needed or node not in self.forward_side:
+                continue
+            needed.add(node)
+            stack.extend(self.fw_inputs[node])
+        return frozenset(needed), tuple(n for n in self.fw_nodes if n in needed)
+
+    @cached_property
+    def calls(self) -> frozenset[fx.Node]:
+        """The nodes that run a kernel (``call_function``), the only ones a step time sums:
+        a set, so summing a plan's times filters its nodes in C (``solve._seconds_of``)."""
+        return frozenset(n for n in self.position if n.op == "call_function")
 
 
 class UnsupportedGraph(NotImplementedError):

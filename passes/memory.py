@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.fx as fx
 
@@ -39,6 +40,13 @@ class Step:
     # Reads whose storage the step's one allocation may take over when the step is their
     # last reader (Inductor's in-place reuse, ``in_place_candidates``), first match wins.
     in_place: tuple[Hashable, ...] = ()
+
+    @cached_property
+    def storages(self) -> frozenset[Hashable]:
+        """Every key the step reads or allocates. Steps are kept across the plans a solve
+        simulates (``StepBuilder``) and never edited, so this is worked out once per step,
+        not once per plan (``_renamed`` asks it of every backward step of a plan)."""
+        return frozenset(self.reads).union(key for key, _ in self.allocates)
 
 
 @dataclass
@@ -64,22 +72,7 @@ class Timeline:
 
 def simulate(program: Program) -> Timeline:
     """Live bytes of ``program``, step by step; the peak is the largest."""
-    last_read: dict[Hashable, int] = {}
-    for index, step in enumerate(program.steps):
-        for key, _ in step.allocates:
-            last_read.setdefault(key, index)
-        for key in step.reads:
-            last_read[key] = index
-    storage_of = _in_place_storages(program, last_read)
-    frees_after: dict[int, list[Hashable]] = {}
-    physical_last: dict[Hashable, int] = {}
-    kept = {storage_of.get(key, key) for key in program.outlives}
-    for key, index in last_read.items():
-        physical = storage_of.get(key, key)
-        physical_last[physical] = max(index, physical_last.get(physical, index))
-    for key, index in physical_last.items():
-        if key not in kept:
-            frees_after.setdefault(index, []).append(key)
+    frees_after, storage_of = _frees_after(program)
     size: dict[Hashable, int] = {}
     live = 0
     live_bytes, labels, kinds = [], [], []
@@ -96,6 +89,61 @@ def simulate(program: Program) -> Timeline:
             live -= size.pop(key, 0)
     peak = max(live_bytes, default=0)
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
+
+
+def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hashable, Hashable]]:
+    """Step index -> the storages freed right after it: each after its last reader (or its
+    first allocation when nothing reads it), except those that outlive the step; and the
+    allocations written in place into another storage (``_in_place_storages``), which live
+    as long as the last reader of either."""
+    last_read: dict[Hashable, int] = {}
+    for index, step in enumerate(program.steps):
+        for key, _ in step.allocates:
+            if key not in last_read:
+                last_read[key] = index
+        for key in step.reads:
+            last_read[key] = index
+    storage_of = _in_place_storages(program, last_read)
+    if storage_of:
+        physical_last: dict[Hashable, int] = {}
+        for key, index in last_read.items():
+            physical = storage_of.get(key, key)
+            physical_last[physical] = max(index, physical_last.get(physical, index))
+        last_read = physical_last
+        outlives = {storage_of.get(key, key) for key in program.outlives}
+    else:
+        outlives = program.outlives
+    frees_after: dict[int, list[Hashable]] = {}
+    for key, index in last_read.items():
+        if key not in outlives:
+            if index in frees_after:
+                frees_after[index].append(key)
+            else:
+                frees_after[index] = [key]
+    return frees_after, storage_of
+
+
+def peak_bytes(program: Program) -> int:
+    """``simulate(program).peak_bytes`` without building the timeline: the solver simulates
+    hundreds of plans of thousands of steps and reads only their peaks. The same walk
+    (``tests/passes/test_memory.py`` pins the two together on random programs)."""
+    steps = program.steps
+    frees_after, storage_of = _frees_after(program)
+    size: dict[Hashable, int] = {}
+    live = peak = 0
+    no_frees = ()
+    for index, step in enumerate(steps):
+        for key, nbytes in step.allocates:
+            if storage_of:
+                key = storage_of.get(key, key)
+            if key not in size:
+                size[key] = nbytes
+                live += nbytes
+        if live > peak:
+            peak = live
+        for key in frees_after.get(index, no_frees):
+            live -= size.pop(key, 0)
+    return peak
 
 
 def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict[Hashable, Hashable]:
@@ -240,17 +288,24 @@ def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, me
 
 
 def forward_nodes_needed(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
-    """Forward nodes that must run to produce the user outputs and the saved tensors."""
-    needed: set[fx.Node] = set()
-    stack = [*a.fw_outputs, *saved]
-    fw_inputs = a.fw_inputs
+    """Forward nodes that must run to produce the user outputs and the saved tensors.
+
+    What the outputs need is the same for every saved set (``a.fw_needed_by_outputs``) and
+    closed under inputs, so only what the saved tensors need beyond it is walked: in a
+    training step nearly every saved tensor feeds the loss, and that walk is empty."""
+    by_outputs, in_order = a.fw_needed_by_outputs
+    needed: set[fx.Node] = set()  # beyond ``by_outputs``
+    stack = [node for node in saved if node not in by_outputs]
+    fw_inputs, forward_side = a.fw_inputs, a.forward_side  # ``a.is_forward``, without a call per node
     while stack:
         node = stack.pop()
-        if node in needed or not a.is_forward(node):
+        if node in needed or node in by_outputs or node not in forward_side:
             continue
         needed.add(node)
         stack.extend(fw_inputs[node])
-    return [n for n in a.fw_nodes if n in needed]
+    if not needed:
+        return list(in_order)
+    return [n for n in a.fw_nodes if n in by_outputs or n in needed]
 
 
 def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
@@ -502,27 +557,28 @@ def plan_program(
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
     first_use: dict[fx.Node, int] = {}
     if reloaded:
+        input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
         for index, (node, _) in enumerate(computed.backward):
-            for arg in a.inputs[node]:
-                base = root(arg, arg)
+            for base in input_roots[node]:
                 if base in reloaded:
                     first_use.setdefault(base, index)
     reload_at: dict[int, list[fx.Node]] = {}
     for node, index in first_use.items():
         distance = (reload_distance or {}).get(node, prefetch_distance)
         reload_at.setdefault(max(0, index - distance), []).append(node)
+    untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
     for index, (node, step) in enumerate(computed.backward):
         for tensor in reload_at.get(index, ()):
             steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
         if step is not None:
-            steps.append(_renamed(step, reloaded) if reloaded else step)
+            steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
     return Program(steps, backward_start, outlives)
 
 
 def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
     """``step`` with its storage keys renamed by ``keys`` (the step itself when none is)."""
-    if keys.keys().isdisjoint(step.reads) and keys.keys().isdisjoint([key for key, _ in step.allocates]):
+    if keys.keys().isdisjoint(step.storages):
         return step
     allocates = [(keys.get(key, key), nbytes) for key, nbytes in step.allocates]
     return Step(step.label, allocates, [keys.get(key, key) for key in step.reads], step.kind)

@@ -17,11 +17,13 @@ def backward_inputs(a: JointAnalysis, recomputed: set[fx.Node]) -> set[fx.Node]:
     return {arg for n in readers for arg in n.all_input_nodes if arg in a.steady}
 
 
-def build_graphs(a: JointAnalysis, saved: set[fx.Node]) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward saving exactly ``saved``; backward recomputing the rest just in time."""
+def build_graphs(a: JointAnalysis, saved: set[fx.Node],
+                 recompile: bool = True) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward saving exactly ``saved``; backward recomputing the rest just in time.
+    ``recompile=False``: the caller edits the backward again and recompiles it after."""
     recomputed = recomputed_nodes(a, set(saved))
     ordered = sorted(set(saved) | backward_inputs(a, recomputed), key=a.position.__getitem__)
     fw_gm, bw_gm = compat.extract_forward_backward(a.joint, ordered)
     recomputed = {n.name for n in recomputed}
-    bw_gm = sink_recomputation(bw_gm, recomputed)
+    bw_gm = sink_recomputation(bw_gm, recomputed, recompile)
     return fw_gm, bw_gm

@@ -30,13 +30,14 @@ def just_in_time_order(nodes: list[fx.Node], deferred: set[fx.Node], inputs=None
     return order
 
 
-def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
+def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str], recompile: bool = True) -> fx.GraphModule:
     """Move each recomputed node right before its first user.
 
     The extracted backward lists recomputed forward nodes first (joint order), which would
     make every recomputed tensor live at once at the start of the backward and defeat the
     point of recomputing. Placing them just in time keeps their lifetimes short; this is
-    the order ``passes.memory.backward_order`` simulates.
+    the order ``passes.memory.backward_order`` simulates. ``recompile=False``: the caller
+    edits the graph again and recompiles it (generating a deep graph's code takes a while).
     """
     graph = bw_gm.graph
     nodes = list(graph.nodes)
@@ -47,7 +48,8 @@ def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str]) -> fx.GraphM
             cursor.append(node)
         cursor = node
     graph.lint()
-    bw_gm.recompile()
+    if recompile:
+        bw_gm.recompile()
     return bw_gm
 
 
@@ -121,17 +123,21 @@ def place_reloads(bw_gm: fx.GraphModule, reload_before: dict[str, str]) -> fx.Gr
 def emit_after_inputs(node: fx.Node, deferred: set[fx.Node], emitted: set[fx.Node], inputs,
                       order: list[fx.Node]) -> None:
     """Append ``node`` to ``order`` after the deferred nodes it reads (``inputs(node)``) that
-    are not yet emitted: depth first, inputs in order. ``emitted`` is updated."""
-    stack = [(node, False)]
+    are not yet emitted: depth first, inputs in order. ``emitted`` is updated.
+
+    A node waits on the stack while it has inputs left to emit and is emitted when it has
+    none (most nodes at once: the solver orders every saved set's backward this way)."""
+    stack = [node]
     while stack:
-        current, expanded = stack.pop()
+        current = stack[-1]
         if current in emitted:
+            stack.pop()
             continue
-        if expanded:
-            emitted.add(current)
-            order.append(current)
+        pending = [arg for arg in inputs(current) if arg in deferred and arg not in emitted]
+        if pending:
+            pending.reverse()  # the first input on top: emitted first
+            stack.extend(pending)
             continue
-        stack.append((current, True))
-        for arg in reversed(inputs(current)):
-            if arg in deferred and arg not in emitted:
-                stack.append((arg, False))
+        stack.pop()
+        emitted.add(current)
+        order.append(current)

@@ -32,7 +32,7 @@ from typing import ClassVar, Protocol
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
-from .memory import PlanNodes, Timeline, forward_nodes_needed, plan_program, recomputed_nodes, simulate
+from .memory import PlanNodes, Timeline, forward_nodes_needed, peak_bytes, plan_program, recomputed_nodes, simulate
 from .progress import Progress
 from .search_sequence import first_fitting, lowest
 from .transfer import TransferPlan
@@ -414,8 +414,10 @@ def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity
 def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
     """Simulate one recompute-only plan; ``extra_seconds`` is its recompute time."""
     saved = frozenset(saved)
-    timeline = simulate(plan_program(a, set(saved), fusion=a.fusion))
-    return Candidate(saved, extra_seconds, timeline.peak_bytes, timeline if keep_timeline else None, tuple(moves))
+    program = plan_program(a, set(saved), fusion=a.fusion)
+    timeline = simulate(program) if keep_timeline else None
+    return Candidate(saved, extra_seconds, timeline.peak_bytes if timeline else peak_bytes(program), timeline,
+                     tuple(moves))
 
 
 def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds, nodes: PlanNodes | None = None) -> float:
@@ -432,7 +434,9 @@ def step_seconds(a: JointAnalysis, saved: Iterable[fx.Node], seconds: Seconds, n
 def _seconds_of(a: JointAnalysis, nodes: Iterable[fx.Node], seconds: Seconds) -> float:
     """Summed in graph order: a float sum over a set would depend on hash order and make
     tie-breaks (and so plans) differ from run to run."""
-    return sum(seconds(n) for n in sorted(nodes, key=a.position.__getitem__) if n.op == "call_function")
+    # map and filter over C callables (``seconds`` is a table lookup in the solver): the same
+    # additions in the same order as a generator with the filter, without a frame per node.
+    return sum(map(seconds, filter(a.calls.__contains__, sorted(nodes, key=a.position.__getitem__))))
 
 
 def pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bool]:

@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from .analyze import JointAnalysis, tensor_value
 from .cost import DeviceProfile
-from .memory import PlanNodes, StepBuilder, plan_nodes, plan_program, recomputed_nodes, simulate
+from .memory import PlanNodes, StepBuilder, peak_bytes, plan_nodes, plan_program, recomputed_nodes, simulate
 from .node_durations import node_durations
 from .solve import (
     Candidate,
@@ -476,13 +476,14 @@ class Evaluator:
             return self.results[key]
         extra, transfers = self.price(plan)
         facts = self.saved_sets(plan.saved)
-        timeline = simulate(plan_program(
+        program = plan_program(
             self.a, set(plan.saved), set(plan.offloaded), fusion=self.a.fusion,
             reload_distance=transfers.reload_distance if transfers else None,
             offload_wait_after=transfers.offload_wait_after if transfers else None,
             computed=self.steps(plan.saved, facts.nodes),
-        ))
-        candidate = Candidate(plan.saved, extra, timeline.peak_bytes,
-                              timeline if keep_timeline else None, plan.moves, plan.offloaded, transfers)
+        )
+        timeline = simulate(program) if keep_timeline else None  # the search reads peaks only
+        candidate = Candidate(plan.saved, extra, timeline.peak_bytes if timeline else peak_bytes(program),
+                              timeline, plan.moves, plan.offloaded, transfers)
         self.results.setdefault(key, candidate)
         return candidate

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.fx as fx
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -14,7 +16,7 @@ from compile_offload.memory_tracker import measure_peak
 from compile_offload.planning import plan_partition
 from compile_offload.settings import resolve
 from compile_offload.passes import compat
-from compile_offload.passes.memory import Program, Step, graphs_program, simulate
+from compile_offload.passes.memory import Program, Step, graphs_program, peak_bytes, simulate
 
 N = 1000  # float32 elements: 4000 bytes
 
@@ -84,6 +86,21 @@ def test_simulate_frees_after_last_read_and_keeps_outlivers():
     timeline = simulate(program)
     assert timeline.live_bytes == [100, 150, 60]
     assert timeline.peak_bytes == 150 and timeline.peak_label == "b"
+
+
+_KEYS = st.sampled_from("abcdefgh")
+_STEPS = st.lists(st.builds(lambda allocates, reads: Step("s", allocates, reads),
+                            st.lists(st.tuples(_KEYS, st.integers(0, 1000)), max_size=2),
+                            st.lists(_KEYS, max_size=3)), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_STEPS, st.sets(_KEYS))
+def test_peak_bytes_is_the_simulated_peak(steps, outlives):
+    # Any program, odd ones included: a key read before it is allocated, allocated twice,
+    # allocated again after its last read, never read, outliving the step.
+    program = Program(steps, backward_start=len(steps) // 2, outlives=outlives)
+    assert peak_bytes(program) == simulate(program).peak_bytes
 
 
 class MLP(nn.Module):

@@ -4,6 +4,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor.decomposition import select_decomp_table
@@ -15,7 +17,7 @@ from compile_offload.passes.cost import DeviceProfile, node_seconds
 from compile_offload.passes.memory import graphs_program, simulate
 from compile_offload.passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eligible_for_offload, insert_offloads
 from compile_offload.passes.rewrite import build_graphs
-from compile_offload.passes.schedule import place_offload_waits, place_reloads
+from compile_offload.passes.schedule import emit_after_inputs, place_offload_waits, place_reloads
 from compile_offload.passes.solve import without_banned_recompute
 from compile_offload.passes.solve_offload import OffloadOptions, solve_joint
 
@@ -201,3 +203,29 @@ def test_forward_waits_never_move_earlier(graphs):
     first_compute = next(n for n in fw.graph.nodes if n.op != "placeholder")
     place_offload_waits(fw, {name: first_compute.name for name in waits})
     assert [n.name for n in fw.graph.nodes] == before
+
+
+def _emitted_recursively(node, deferred, emitted, inputs, order):
+    """The definition: each deferred input not yet emitted first (in input order, each
+    after its own), then the node."""
+    if node in emitted:
+        return
+    for arg in inputs(node):
+        if arg in deferred and arg not in emitted:
+            _emitted_recursively(arg, deferred, emitted, inputs, order)
+    emitted.add(node)
+    order.append(node)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 14).flatmap(lambda n: st.tuples(
+    st.lists(st.lists(st.integers(0, n - 1), max_size=4), min_size=n, max_size=n),  # inputs, filtered below to a DAG
+    st.sets(st.integers(0, n - 1)), st.sets(st.integers(0, n - 1)), st.lists(st.integers(0, n - 1), min_size=1))))
+def test_emit_after_inputs_is_the_depth_first_definition(drawn):
+    graph, deferred, emitted, roots = drawn
+    inputs = {node: tuple(arg for arg in args if arg < node) for node, args in enumerate(graph)}  # repeats kept
+    fast, slow = (set(emitted), []), (set(emitted), [])
+    for root in roots:  # several calls sharing ``emitted``, as the backward order makes them
+        emit_after_inputs(root, deferred, fast[0], inputs.__getitem__, fast[1])
+        _emitted_recursively(root, deferred, slow[0], inputs.__getitem__, slow[1])
+    assert fast == slow
