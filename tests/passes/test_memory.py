@@ -89,16 +89,17 @@ def test_simulate_frees_after_last_read_and_keeps_outlivers():
 
 
 _KEYS = st.sampled_from("abcdefgh")
-_STEPS = st.lists(st.builds(lambda allocates, reads: Step("s", allocates, reads),
-                            st.lists(st.tuples(_KEYS, st.integers(0, 1000)), max_size=2),
-                            st.lists(_KEYS, max_size=3)), max_size=12)
+# Few sizes, so that in-place candidates often match the allocation they could take over.
+_STEPS = st.lists(st.builds(lambda allocates, reads, in_place: Step("s", allocates, reads, in_place=tuple(in_place)),
+                            st.lists(st.tuples(_KEYS, st.sampled_from([0, 256, 512, 1000])), max_size=2),
+                            st.lists(_KEYS, max_size=3), st.lists(_KEYS, max_size=2)), max_size=12)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_STEPS, st.sets(_KEYS))
 def test_peak_bytes_is_the_simulated_peak(steps, outlives):
     # Any program, odd ones included: a key read before it is allocated, allocated twice,
-    # allocated again after its last read, never read, outliving the step.
+    # allocated again after its last read, never read, outliving the step, written in place.
     program = Program(steps, backward_start=len(steps) // 2, outlives=outlives)
     assert peak_bytes(program) == simulate(program).peak_bytes
 
