@@ -60,6 +60,47 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     return run
 
 
+def _lowers_like_backend(settings, device: torch.device) -> str | None:
+    """None where explain lowers each graph with Inductor as the backend does, so that the
+    backend's budget loop (``budget_loop.keep_within_budget``) runs here too and the plan is
+    the one the backend keeps: a budget, ``inner_compiler="inductor"``, real tensors on a
+    device this process can run, a torch with the scheduler hook. Elsewhere the note its
+    plans carry (empty where the loop never runs: no budget, or the eager inner compiler)."""
+    from . import inductor_kernels
+
+    if settings.budget_bytes is None and settings.budget_fraction is None:
+        return ""
+    if settings.inner_compiler != "inductor":
+        return ""
+    if device.type == "meta":
+        why = "the model is on the meta device"
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        why = "no CUDA device here"
+    elif device.type not in ("cpu", "cuda"):
+        why = f"explain does not lower for {device.type} devices"
+    elif not inductor_kernels.available():
+        why = "this torch has no post-fusion scheduler hook"
+    else:
+        return None
+    return (f"scheduled peak not checked: explain did not lower this graph with Inductor ({why}); the backend "
+            "re-plans a graph whose generated code it predicts over the budget, so its plan may differ")
+
+
+def compile_with_the_budget_loop(gm: torch.fx.GraphModule, inputs, settings, graph_name: str, plans: list):
+    """The backend's Inductor path itself (``backend._compile_inductor``: code generated,
+    kernels recorded, the budget loop), past Inductor's caches so that every graph is
+    planned here; the plan it keeps is appended to ``plans``."""
+    from .backend import _compile_inductor
+
+    results: list = []
+    partitioner = OffloadRematPartitioner(settings, graph_name=graph_name, on_result=results.append)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled, _records = _compile_inductor(gm, inputs, settings, partitioner, results, {})
+    plans.extend(result.plan for result in results)
+    return compiled
+
+
 def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadRematPartitioner, settings):
     """The backend's own pipeline (``backend.compile_graph``'s Inductor path): Inductor's
     ``compile_fx`` with ``partitioner`` as its ``custom_partitioner_fn``, so the joint graph
@@ -109,10 +150,19 @@ def explain_all(
             settings = settings_mod.resolve({**options, "device_profile": "cpu"})
     plans: list[Plan] = []
 
+    lowers = _lowers_like_backend(settings, device)
+
     def planning_backend(gm: torch.fx.GraphModule, inputs):
-        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}",
-                                              on_result=lambda result: plans.append(result.plan))
-        return compile_like_backend(gm, inputs, partitioner, settings)
+        if lowers is None:
+            return compile_with_the_budget_loop(gm, inputs, settings, f"graph_{len(plans)}", plans)
+        made: list = []
+        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}", on_result=made.append)
+        compiled = compile_like_backend(gm, inputs, partitioner, settings)
+        for result in made:
+            if lowers and result.plan.decisions:
+                result.plan.notes.append(lowers)
+            plans.append(result.plan)
+        return compiled
 
     inputs = tree_map(_meta_to_cpu, list(example_inputs))
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
