@@ -2,8 +2,15 @@
 
 Dynamo traces the model and each graph goes through the backend's own pipeline (Inductor's
 ``compile_fx``: pre-grad passes, AOTAutograd with Inductor's decompositions, the joint-graph
-passes, our partitioner), so the plan is the one a compile makes; only Inductor's code
-generation is skipped and no kernel runs. The compiled forward graphs are executed on
+passes, our partitioner), so the plan is the one a compile makes. With a budget, the
+backend also checks the plan against the kernels Inductor generates and re-plans a graph
+whose generated code it predicts over the budget (``budget_loop``): where the model's
+tensors are real, on a device this process can run, explain takes the backend's own
+Inductor path (code generated, the loop run, the forward run once on the example inputs)
+and so keeps the plan the backend keeps; elsewhere (``meta``, a GPU that is not here) it
+skips code generation and each plan with a budget says in ``notes`` that the scheduled
+peak was not checked. Without a budget only Inductor's code generation is skipped and no
+kernel runs: the compiled forward graphs are executed on
 fake tensors only to get output shapes (so code after a graph break can be traced too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
 written: ``meta`` itself would make attention take the unfused math path (a
 seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
