@@ -11,13 +11,15 @@ from compile_offload.benchmarks import budget_contract as contract
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 
 # Measured on CPU, torch 2.13, 2026-11-25 (docs/benchmarks.md, "The budget contract"): these
-# families break the contract today; strict, so a fix shows up as an unexpected pass. The scheduled
-# peak (Plan.scheduled_peak_bytes) sees some overruns; nothing re-plans yet.
+# families break the contract today; strict, so a fix shows up as an unexpected pass. The budget
+# loop (budget_loop.keep_within_budget) re-plans where the scheduled peak exceeds the budget
+# (GPT-2 and MLP-mixer at 0.8 and 0.6): it fixed GPT-2's 0.8 overrun but not its family.
 _BROKEN = {
     "conv_bn": "the minimum-memory plan measures 2.65 MiB against 2.51 MiB predicted (+5.3%): CPU convolution "
                "backward workspace the cost model does not count",
-    "hf_gpt2": "at 0.8 the plan fits and the compiled step measures 6.48 MiB against a 6.28 MiB budget; at 0.4 "
-               "the minimum measures 4.58 MiB, 3.89 predicted",
+    "hf_gpt2": "at 0.8 the re-planned step measures 5.98 MiB (budget 6.28 MiB: kept) against 5.66 MiB predicted "
+               "(5.3% off; its scheduled peak 5.85 MiB is within 3%); at 0.4 the minimum measures 4.58 MiB, 3.89 "
+               "predicted",
     "hf_llama": "unconstrained, predicted 5.33 MiB against 4.89 measured (+8.9%): Inductor writes outputs into "
                 "dying inputs in place, which the simulator does not count",
 }
