@@ -67,7 +67,19 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     return run
 
 
-def _lowers_like_backend(settings, device: torch.device) -> str | None:
+def _not_real(values) -> str | None:
+    """Why the model's tensors cannot run generated code (None: they can): ``meta`` or fake."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        return "the model is on the meta device"
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return "the model's tensors are fake"
+    return None
+
+
+def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -> str | None:
     """None where explain lowers each graph with Inductor as the backend does, so that the
     backend's budget loop (``budget_loop.keep_within_budget``) runs here too and the plan is
     the one the backend keeps: a budget, ``inner_compiler="inductor"``, real tensors on a
@@ -79,8 +91,8 @@ def _lowers_like_backend(settings, device: torch.device) -> str | None:
         return ""
     if settings.inner_compiler != "inductor":
         return ""
-    if device.type == "meta":
-        why = "the model is on the meta device"
+    if not_real is not None:
+        why = not_real
     elif device.type == "cuda" and not torch.cuda.is_available():
         why = "no CUDA device here"
     elif device.type not in ("cpu", "cuda"):
@@ -157,7 +169,9 @@ def explain_all(
             settings = settings_mod.resolve({**options, "device_profile": "cpu"})
     plans: list[Plan] = []
 
-    lowers = _lowers_like_backend(settings, device)
+    lowers = _lowers_like_backend(settings, device, _not_real([*tree_leaves(list(example_inputs)), *parameters,
+                                                                *(model_or_fn.buffers() if isinstance(
+                                                                    model_or_fn, torch.nn.Module) else [])]))
 
     def planning_backend(gm: torch.fx.GraphModule, inputs):
         if lowers is None:
