@@ -381,3 +381,60 @@ def test_the_loop_on_hand_made_attempts():
                                               replan([(840, 1050), (780, 1020), (750, 1010), (700, 1001)]))
     assert budget_loop.MAX_REPLANS == 3 and asked == [850, 790, 760]
     assert kept.compiled == "compiled 3" and kept.plan.planned_budget_bytes == 760
+
+
+WARM_REPLAN_SCRIPT = """
+import json, sys, warnings
+import torch
+import compile_offload
+from compile_offload import backend, budget_loop
+from compile_offload.logs import latest_plans
+from tests.test_budget_loop import _deep_mlp, _inflating
+
+inflated, seen = _inflating([64 * 1024])  # this process's first plan "exceeds" its budget
+budget_loop.note_scheduled_peak = inflated
+asked = []
+replan = backend._replan
+def counted(*args):
+    asked.append(args[-1])
+    return replan(*args)
+backend._replan = counted
+model = _deep_mlp()
+x = torch.randn(512, 256)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=0.8, device_profile="cpu"))
+    compiled(x).sum().backward()
+plan = latest_plans()[-1]
+print(json.dumps({"asked": asked, "kept": plan.summary(), "planned_under": plan.planned_budget_bytes,
+                  "saved": plan.saved, "grads": [p.grad.sum().item() for p in model.parameters()]}))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_a_warm_cache_runs_the_re_planned_plan_not_the_cached_first_one(tmp_path):
+    """Two fresh processes sharing Inductor's cache. The first re-plans (forced) and keeps the
+    re-plan; the second is served the first plan's code from the cache, reads in the graph
+    record that a re-plan was kept, and compiles that plan (the same budget, the same plan)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    environment.pop("TORCH_LOGS", None)
+    runs = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", WARM_REPLAN_SCRIPT], capture_output=True, text=True,
+                                timeout=600, env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["planned_under"] is not None and cold["asked"] == [cold["planned_under"]]
+    assert warm["asked"] == cold["asked"]  # the kept plan compiled, not the cached first plan
+    assert (warm["kept"], warm["planned_under"], warm["saved"]) == (cold["kept"], cold["planned_under"], cold["saved"])
+    assert warm["grads"] == pytest.approx(cold["grads"], rel=1e-4)
