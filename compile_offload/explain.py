@@ -19,6 +19,7 @@ plans for that GPU on a CPU-only machine.
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from collections.abc import Callable
@@ -77,6 +78,20 @@ def _not_real(values) -> str | None:
     if any(isinstance(t, FakeTensor) for t in tensors):
         return "the model's tensors are fake"
     return None
+
+
+@contextlib.contextmanager
+def _state_kept(module: torch.nn.Module | None):
+    buffers = {} if module is None else {name: b.detach().clone() for name, b in module.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for name, buffer in ([] if module is None else module.named_buffers()):
+                if name in buffers:
+                    buffer.copy_(buffers[name])
 
 
 def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -> str | None:
@@ -201,7 +216,13 @@ def explain_all(
             return model_or_fn(*args)
 
     compiled = torch.compile(_with_own_code(run), backend=planning_backend)
-    compiled(*inputs)
+    if lowers is None:
+        # The generated forward runs on the real tensors: leave the model's buffers (a
+        # BatchNorm's running statistics) and the random state as they were.
+        with _state_kept(module):
+            compiled(*inputs)
+    else:
+        compiled(*inputs)
     if not plans:
         raise ValueError(
             "compile_offload.explain: no training graph was produced; the model's outputs must require grad "

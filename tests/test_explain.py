@@ -296,3 +296,24 @@ def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path):
         limited = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False,
                                           plan_time_limit=0, solver="refined")
     assert not any(n.startswith("refined: ") for n in limited.notes)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_explain_that_runs_the_generated_forward_leaves_the_model_as_it_was():
+    """With a budget on real CPU tensors explain runs the generated forward once (the
+    backend's Inductor path): a BatchNorm's running statistics and the random state are
+    left as they were."""
+    from . import models
+
+    torch.manual_seed(0)
+    model, inputs = models.ConvBN().train(), models.image_inputs()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile_offload.explain(model, *inputs, memory_budget=0.5, device_profile="cpu")
+    assert plan.decisions and not any(n.startswith("scheduled peak not checked") for n in plan.notes)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert torch.equal(torch.random.get_rng_state(), rng)
