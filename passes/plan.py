@@ -67,7 +67,8 @@ class Plan:
     backward_start: int = 0
     # Predicted from the kernels Inductor scheduled for this plan's graphs (fusion, its
     # buffer reuse): the peak the generated code holds; None where Inductor's kernels were
-    # not seen (no budget, inner_compiler="eager", explain, a torch without the hook).
+    # not seen (no budget, inner_compiler="eager", explain on meta or fake tensors, a torch
+    # without the hook).
     scheduled_peak_bytes: int | None = None
     # The budget the plan was made under when the backend re-planned the graph because the
     # scheduled peak of the first plan exceeded ``budget_bytes`` (the user's budget, which
