@@ -469,3 +469,23 @@ def test_the_loop_on_gpt2_at_0_8_keeps_the_budget_at_the_allocator():
     assert point.replans >= 1
     assert point.scheduled_bytes <= budget
     assert point.measured_bytes <= budget * (1 + contract.FIT_TOLERANCE) + contract.FIT_SLACK_BYTES
+
+
+def test_a_replayed_record_of_a_plan_kept_over_its_budget_warns_again():
+    """A warm cache replays the loop's warning, as ``graph_reports.replay`` does the others."""
+    from compile_offload import graph_reports
+    from compile_offload.passes.plan import Plan
+    from compile_offload.settings import resolve
+
+    def plan(notes):
+        return Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=900, predicted_step_seconds=1.0,
+                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=900, notes=notes,
+                    scheduled_peak_bytes=1200)
+
+    settings = resolve({"memory_budget": 1000})
+    with pytest.warns(UserWarning, match=r"predicted to peak at 1\.17 KiB \(scheduled peak\).*2 re-plans tried"):
+        graph_reports.replay([graph_reports.GraphRecord(plan(["scheduled peak 1.17 KiB over the budget after "
+                                                              "2 re-plans"]), None)], settings, "graph_0_0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph_reports.replay([graph_reports.GraphRecord(plan([]), None)], settings, "graph_0_0")
