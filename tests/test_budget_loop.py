@@ -3,7 +3,10 @@
 Hand-built kernel records check the arithmetic (fusion lifetimes, in-place and wrapper
 buffer reuse, the forward -> backward link); small compiles check that the recorder sees
 the kernels, that it changes no generated code, that it is off without a budget, and that
-its prediction matches the allocator's peak.
+its prediction matches the allocator's peak. The loop (``keep_within_budget``): hand-made
+attempts check what it asks for and where it stops; compiles with a forced scheduled excess
+check the re-plan, the kept plan, the one warning, a warm cache; GPT-2 of the contract suite
+checks it at the allocator.
 """
 
 from __future__ import annotations
