@@ -220,12 +220,15 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
         return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
 
     kept = budget_loop.keep_within_budget(budget_loop.Attempt(compiled, records[0].plan), replan)
+    key = graph_reports.record_key(gm, example_inputs, settings)
     if kept.compiled is compiled:
+        if budget_loop.over_budget(records[0].plan):  # kept over its budget: the record keeps the loop's note
+            graph_reports.store(key, records)
         return compiled, records
     kept_records = _records([kept.result])
     # verify_budget and the caller read results[-1]; a warm cache reads the record.
     results[:] = [kept.result]
-    graph_reports.store(graph_reports.record_key(gm, example_inputs, settings), kept_records)
+    graph_reports.store(key, kept_records)
     logs.remember(kept.plan)
     return kept.compiled, kept_records
 

@@ -241,8 +241,10 @@ def keep_within_budget(first: Attempt, replan: Callable[[int], Attempt | None]) 
     ``replan(budget_bytes)`` compiles the graph again with the plan made under that byte
     budget (None when it could not: no plan, or no kernels seen). Each re-plan asks for the
     last plan's predicted peak less its scheduled excess over the budget (the planned budget
-    less the excess would often pick the same plan again, which had slack under it), never
-    below the planner's minimum; a plan already at the minimum ends the loop. Re-planned
+    less the excess would often pick the same plan again, which had slack under it). Asked
+    below the planner's minimum, ``replan`` gets the minimum-memory plan (quietly); that plan,
+    or one predicted no lower than the last, ends the loop (``Plan.min_peak_bytes`` is the
+    lowest peak the search simulated, not the planner's minimum: no bound to stop at). Re-planned
     plans keep the user's budget in ``budget_bytes`` and say what they were planned under in
     ``planned_budget_bytes`` and ``notes``.
     """
