@@ -114,6 +114,7 @@ class Point:
     fits: bool  # the plan says the budget is met
     warned: int  # "below the minimum" warnings
     scheduled_bytes: int | None = None  # predicted from Inductor's kernels (Plan.scheduled_peak_bytes)
+    replans: int = 0  # plans the budget loop made after the first (budget_loop.keep_within_budget)
 
     def violations(self) -> list[str]:
         """Which parts of the contract this point breaks (empty: it keeps it)."""
@@ -135,10 +136,11 @@ class Point:
 
 
 def measure_point(name: str, budget_bytes: int | None, fraction: float | None = None,
-                  inner_compiler: str = "inductor") -> Point:
+                  inner_compiler: str = "inductor", solver: str | None = None) -> Point:
     """Compile ``name`` under ``budget_bytes``, run a warm-up step, and measure one step
-    (gradients set to None first, as the plans assume)."""
-    from compile_offload import partitioner
+    (gradients set to None first, as the plans assume). ``solver``: the planner's solver
+    (None: the configured default)."""
+    from compile_offload import logs, partitioner
 
     model, inputs, loss_of = build(name)
     model.train()
@@ -158,28 +160,33 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
                 torch._functorch.config.patch(enable_autograd_cache=False):
             warnings.simplefilter("always")
             # The loss is part of the compiled graph: the plan then covers the whole step.
+            options = {} if solver is None else {"solver": solver}
             compiled = torch.compile(lambda *args: loss_of(model(*args)), backend=compile_offload.offload_remat(
-                memory_budget=budget_bytes, device_profile="cpu", inner_compiler=inner_compiler))
+                memory_budget=budget_bytes, device_profile="cpu", inner_compiler=inner_compiler, **options))
             compiled(*inputs).backward()
             model.zero_grad(set_to_none=True)
             with measure_peak("cpu") as measured:
                 compiled(*inputs).backward()
     finally:
         partitioner.plan_partition = plan_partition
-    if len(plans) != 1:
-        raise RuntimeError(f"{name}: {len(plans)} graphs were planned; the contract is stated for one graph")
-    (plan,) = plans
+    graphs = {plan.graph_name for plan in plans}
+    if len(graphs) != 1:
+        raise RuntimeError(f"{name}: {len(graphs)} graphs were planned; the contract is stated for one graph")
+    # The plan the backend kept: with a re-plan (the budget loop), not the last one made.
+    plan = next(p for p in logs.latest_plans() if p.graph_name in graphs)
     warned = sum("below the minimum" in str(w.message) for w in caught)
     return Point(name, fraction, budget_bytes, plan.predicted_peak_bytes, plan.min_peak_bytes,
                  measured.peak_bytes, plan.feasible if budget_bytes is not None else True, warned,
-                 plan.scheduled_peak_bytes)
+                 plan.scheduled_peak_bytes, len(plans) - 1)
 
 
-def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor") -> list[Point]:
-    unconstrained = measure_point(name, None, None, inner_compiler)
+def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor",
+                  solver: str | None = None) -> list[Point]:
+    unconstrained = measure_point(name, None, None, inner_compiler, solver)
     points = [unconstrained]
     for fraction in fractions:
-        points.append(measure_point(name, int(fraction * unconstrained.measured_bytes), fraction, inner_compiler))
+        points.append(measure_point(name, int(fraction * unconstrained.measured_bytes), fraction, inner_compiler,
+                                    solver))
     return points
 
 
@@ -206,15 +213,16 @@ def why_over(name: str, fraction: float = 0.6) -> list[tuple[str, Point]]:
 
 
 def table(points: list[Point]) -> str:
-    rows = ["| model | budget | predicted | scheduled | measured | fits | warned | contract |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | budget | predicted | scheduled | measured | fits | warned | re-plans | contract |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         budget = "none" if p.budget_bytes is None else f"{p.fraction:g} = {format_bytes(p.budget_bytes)}"
         broken = p.violations()
         scheduled = "-" if p.scheduled_bytes is None else format_bytes(p.scheduled_bytes)
         rows.append(f"| {p.model} | {budget} | {format_bytes(p.predicted_bytes)} | {scheduled} | "
                     f"{format_bytes(p.measured_bytes)} | "
-                    f"{'yes' if p.fits else 'no'} | {p.warned} | {'kept' if not broken else '; '.join(broken)} |")
+                    f"{'yes' if p.fits else 'no'} | {p.warned} | {p.replans} | "
+                    f"{'kept' if not broken else '; '.join(broken)} |")
     return "\n".join(rows)
 
 
@@ -233,6 +241,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--inner-compiler", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument("--solver", default=None, choices=("greedy", "refined", "exact"),
+                        help="the planner's solver (default: compile_offload.config's)")
     parser.add_argument("--why", action="store_true",
                         help="per model, the first fraction's budget under Inductor variants (fusion, reordering off)")
     args = parser.parse_args(argv)
@@ -250,8 +260,9 @@ def main(argv=None) -> int:
         if not available(name):
             print(f"{name}: skipped (transformers is not installed)")
             continue
-        points += measure_model(name, fractions, args.inner_compiler)
-    print(f"torch {torch.__version__}, {datetime.date.today()}, CPU, inner_compiler={args.inner_compiler}, "
+        points += measure_model(name, fractions, args.inner_compiler, args.solver)
+    solver = "" if args.solver is None else f", solver={args.solver}"
+    print(f"torch {torch.__version__}, {datetime.date.today()}, CPU, inner_compiler={args.inner_compiler}{solver}, "
           "memory measured at the CPU allocator (compile_offload.measure_peak)\n")
     print(table(points))
     return 0

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, pinned_pool
+from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, logs, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
 from .passes.analyze import COLLECTIVE_NAMESPACES
@@ -189,7 +189,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
 def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
                       partitioner: OffloadRematPartitioner, results: list[PartitionResult], inductor_patches: dict):
     """Inductor's ``compile_fx`` with our partitioner; the compiled graph and the plans it
-    got, whether made now or read back for a compile served from Inductor's caches."""
+    got, whether made now or read back for a compile served from Inductor's caches. With a
+    budget, a plan whose scheduled peak exceeds it is made again under a lower one
+    (``budget_loop.keep_within_budget``); ``results`` then ends with the plan kept."""
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
     patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
@@ -199,8 +201,59 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     # With a budget: Inductor's kernels are recorded (read-only) and the backward lowered
     # now, so the plan's scheduled peak is known when the compile returns (budget_loop.py).
     with budget_loop.recording(recorder, patches) as recording_patches:
-        return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, recording_patches,
-                                         recorder)
+        compiled, records = _compile_inductor_planned(gm, example_inputs, settings, partitioner, results,
+                                                      recording_patches, recorder)
+    if not results:  # served from the cache: its record says which plan was kept
+        replanned = records[-1].plan.planned_budget_bytes if records else None
+        if replanned is None:
+            return compiled, records
+        # The cache holds the first plan's code; the loop kept a plan made under a lower
+        # budget: compile that one (the same plan: planning is deterministic), past the caches.
+        log.debug("%s: compiling the plan the budget loop kept (planned under %d bytes)", partitioner.graph_name,
+                  replanned)
+        attempt = _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, replanned)
+        logs.remember(records[-1].plan)  # the user's view of it, not the re-plan's own
+        return (compiled if attempt is None else attempt.compiled), records
+    if len(records) != 1:
+        return compiled, records
+
+    def replan(budget_bytes: int) -> budget_loop.Attempt | None:
+        return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
+
+    kept = budget_loop.keep_within_budget(budget_loop.Attempt(compiled, records[0].plan), replan)
+    key = graph_reports.record_key(gm, example_inputs, settings)
+    if kept.compiled is compiled:
+        if budget_loop.over_budget(records[0].plan):  # kept over its budget: the record keeps the loop's note
+            graph_reports.store(key, records)
+        return compiled, records
+    kept_records = _records([kept.result])
+    # verify_budget and the caller read results[-1]; a warm cache reads the record.
+    results[:] = [kept.result]
+    graph_reports.store(key, kept_records)
+    logs.remember(kept.plan)
+    return kept.compiled, kept_records
+
+
+def _replan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings, graph_name: str,
+            inductor_patches: dict, budget_bytes: int) -> budget_loop.Attempt | None:
+    """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
+    place of the user's), its kernels recorded. Past Inductor's caches: a cached compile
+    would skip the partitioner and the scheduler hook, and so give no plan and no scheduled
+    peak (its partitioner's settings differ, so the first compile's code is never served)."""
+    # A lowered budget may be below the planner's minimum: then its minimum-memory plan is what
+    # the loop asked for, not a failure to warn about (nor, under strict_budget, to raise).
+    lowered = dataclasses.replace(settings, budget_bytes=budget_bytes, budget_fraction=None, strict_budget=False)
+    found: list[PartitionResult] = []
+    partitioner = OffloadRematPartitioner(lowered, graph_name=graph_name, on_result=found.append)
+    recorder = budget_loop.KernelRecorder()
+    with budget_loop.recording(recorder, inductor_config_patches(lowered, partitioner, inductor_patches, gm)) as patches, \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
+        compiled = _compile_past_caches(gm, example_inputs, patches)
+    if not found:
+        return None
+    budget_loop.note_scheduled_peak(found[-1].plan, recorder)
+    return budget_loop.Attempt(compiled, found[-1].plan, found[-1])
 
 
 def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,

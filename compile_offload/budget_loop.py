@@ -15,13 +15,22 @@ the order the plan gives. Inductor then fuses nodes into kernels and plans its o
 scheduled for the forward and the backward graph (``inductor_kernels``) with those three
 rules: one step per kernel, one storage per physical buffer. The forward's saved outputs
 are the backward's inputs. Its simulated peak is the *scheduled peak*.
+
+``keep_within_budget`` closes the loop: a plan the planner says fits but whose scheduled
+peak exceeds the budget is made again under a lower budget (the plan's prediction less
+the excess, so the gap Inductor adds is taken off), at most ``MAX_REPLANS`` times; the
+first plan whose scheduled peak fits is kept, else the one with the lowest scheduled peak,
+with one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable, Iterator
+import warnings
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from . import inductor_kernels
 from .inductor_kernels import Buffer, GraphKernels, KernelRecorder
@@ -30,6 +39,10 @@ from .passes.plan import Plan, format_bytes
 from .settings import Settings
 
 log = logging.getLogger("compile_offload")
+
+# Re-plans per graph at most: each one is a full Inductor compile of the graph. Measured on the
+# contract suite (docs/benchmarks.md) one re-plan fits wherever any does.
+MAX_REPLANS = 3
 
 
 def recorder_for(settings: Settings) -> KernelRecorder | None:
@@ -202,3 +215,97 @@ class _Reuse:
 
 def scheduled_peak(forward: GraphKernels, backward: GraphKernels | None) -> int:
     return simulate(scheduled_program(forward, backward)).peak_bytes
+
+
+@dataclass
+class Attempt:
+    """One compile of a graph: the compiled callable and the plan it got (its
+    ``scheduled_peak_bytes`` set when Inductor's kernels were seen)."""
+
+    compiled: Any
+    plan: Plan
+    result: Any = None  # the PartitionResult the plan came with (the backend's records need it)
+
+
+def over_budget(plan: Plan) -> bool:
+    """Whether the loop acts on ``plan``: the planner says it fits, but the code Inductor
+    generated for it is predicted to exceed the budget. A plan the planner already says does
+    not fit (its budget is below the minimum) has had its warning."""
+    return (plan.budget_bytes is not None and plan.feasible and bool(plan.decisions)
+            and plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes > plan.budget_bytes)
+
+
+def keep_within_budget(first: Attempt, replan: Callable[[int], Attempt | None]) -> Attempt:
+    """``first``, or a re-planned compile of the same graph whose scheduled peak fits.
+
+    ``replan(budget_bytes)`` compiles the graph again with the plan made under that byte
+    budget (None when it could not: no plan, or no kernels seen). Each re-plan asks for the
+    last plan's predicted peak less its scheduled excess over the budget (the planned budget
+    less the excess would often pick the same plan again, which had slack under it). Asked
+    below the planner's minimum, ``replan`` gets the minimum-memory plan (quietly); that plan,
+    or one predicted no lower than the last, ends the loop (``Plan.min_peak_bytes`` is the
+    lowest peak the search simulated, not the planner's minimum: no bound to stop at). Re-planned
+    plans keep the user's budget in ``budget_bytes`` and say what they were planned under in
+    ``planned_budget_bytes`` and ``notes``.
+    """
+    plan = first.plan
+    if not over_budget(plan):
+        return first
+    budget = plan.budget_bytes
+    attempts = [first]
+    current = first
+    for attempt in range(1, MAX_REPLANS + 1):
+        last = current.plan
+        target = last.predicted_peak_bytes - (last.scheduled_peak_bytes - budget)
+        if target <= 0:
+            break
+        log.info("%s: scheduled peak %s over the budget %s (the plan predicted %s): re-planning under %s "
+                 "(re-plan %d of at most %d)", plan.graph_name, format_bytes(last.scheduled_peak_bytes),
+                 format_bytes(budget), format_bytes(last.predicted_peak_bytes), format_bytes(target), attempt,
+                 MAX_REPLANS)
+        found = replan(target)
+        if found is None or found.plan.scheduled_peak_bytes is None:
+            log.debug("%s: the re-plan under %s gave no scheduled peak: keeping what was compiled",
+                      plan.graph_name, format_bytes(target))
+            break
+        _mark_replanned(found.plan, budget, target, first.plan.scheduled_peak_bytes, attempt)
+        attempts.append(found)
+        current = found
+        if found.plan.scheduled_peak_bytes <= budget:
+            log.info("%s: re-planned under %s: scheduled peak %s within the budget %s", plan.graph_name,
+                     format_bytes(target), format_bytes(found.plan.scheduled_peak_bytes), format_bytes(budget))
+            return found
+        if found.plan.predicted_peak_bytes > target or found.plan.predicted_peak_bytes >= last.predicted_peak_bytes:
+            break  # the planner's minimum-memory plan (it could not fit the target): nothing lower to ask for
+    best = min(attempts, key=lambda a: a.plan.scheduled_peak_bytes)  # the first (fastest) of equals
+    tried = len(attempts) - 1
+    best.plan.notes.append(f"{OVER_BUDGET_NOTE} {format_bytes(best.plan.scheduled_peak_bytes)} over the budget after "
+                           f"{tried} re-plan{'s' * (tried != 1)}")
+    warn_over_budget(best.plan, stacklevel=6)
+    return best
+
+
+OVER_BUDGET_NOTE = "scheduled peak"  # how the note of a kept plan still over its budget starts
+
+
+def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
+    """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
+    (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
+    note = next((n for n in plan.notes if n.startswith(OVER_BUDGET_NOTE) and "over the budget after" in n), None)
+    tried = "" if note is None else note.rsplit("after ", 1)[-1]
+    warnings.warn(
+        f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
+        f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
+        f"{format_bytes(plan.budget_bytes)}, though the plan predicts {format_bytes(plan.predicted_peak_bytes)}"
+        f" ({tried} tried; the lowest scheduled peak is kept). Not measured: config.verify_budget=True measures "
+        "the first step",
+        stacklevel=stacklevel,
+    )
+
+
+def _mark_replanned(plan: Plan, budget: int, planned_under: int, first_scheduled: int, attempt: int) -> None:
+    plan.budget_bytes = budget
+    plan.planned_budget_bytes = planned_under
+    plan.feasible = plan.predicted_peak_bytes <= budget
+    plan.notes.append(f"re-planned under {format_bytes(planned_under)} (re-plan {attempt}): the first plan's "
+                      f"scheduled peak {format_bytes(first_scheduled)} exceeded the budget {format_bytes(budget)}")

@@ -71,7 +71,8 @@ debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFL
 # "refined" (the greedy, then passes/refine.py undoes the moves the budget does not need:
 # closer to the optimum under the planner's model, but it spends the room the greedy
 # leaves under the budget, and under Inductor the simulator's errors can then show as a
-# measured overrun: docs/design.md, "Refinement"), or "exact" (exhaustive search over
+# measured overrun or, after the budget loop re-plans, as a prediction far from the measured
+# peak: docs/design.md, "Refinement"), or "exact" (exhaustive search over
 # which storages to recompute, each plan simulated: optimal under the planner's model, for
 # graphs with at most exact_max_candidates candidate storages; larger graphs fall back to
 # greedy with a warning).

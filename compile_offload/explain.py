@@ -2,8 +2,15 @@
 
 Dynamo traces the model and each graph goes through the backend's own pipeline (Inductor's
 ``compile_fx``: pre-grad passes, AOTAutograd with Inductor's decompositions, the joint-graph
-passes, our partitioner), so the plan is the one a compile makes; only Inductor's code
-generation is skipped and no kernel runs. The compiled forward graphs are executed on
+passes, our partitioner), so the plan is the one a compile makes. With a budget, the
+backend also checks the plan against the kernels Inductor generates and re-plans a graph
+whose generated code it predicts over the budget (``budget_loop``): where the model's
+tensors are real, on a device this process can run, explain takes the backend's own
+Inductor path (code generated, the loop run, the forward run once on the example inputs)
+and so keeps the plan the backend keeps; elsewhere (``meta``, a GPU that is not here) it
+skips code generation and each plan with a budget says in ``notes`` that the scheduled
+peak was not checked. Without a budget only Inductor's code generation is skipped and no
+kernel runs: the compiled forward graphs are executed on
 fake tensors only to get output shapes (so code after a graph break can be traced too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
 written: ``meta`` itself would make attention take the unfused math path (a
 seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
@@ -12,6 +19,7 @@ plans for that GPU on a CPU-only machine.
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from collections.abc import Callable
@@ -60,6 +68,73 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     return run
 
 
+def _not_real(values) -> str | None:
+    """Why the model's tensors cannot run generated code (None: they can): ``meta`` or fake."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        return "the model is on the meta device"
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return "the model's tensors are fake"
+    return None
+
+
+@contextlib.contextmanager
+def _state_kept(module: torch.nn.Module | None):
+    buffers = {} if module is None else {name: b.detach().clone() for name, b in module.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for name, buffer in ([] if module is None else module.named_buffers()):
+                if name in buffers:
+                    buffer.copy_(buffers[name])
+
+
+def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -> str | None:
+    """None where explain lowers each graph with Inductor as the backend does, so that the
+    backend's budget loop (``budget_loop.keep_within_budget``) runs here too and the plan is
+    the one the backend keeps: a budget, ``inner_compiler="inductor"``, real tensors on a
+    device this process can run, a torch with the scheduler hook. Elsewhere the note its
+    plans carry (empty where the loop never runs: no budget, or the eager inner compiler)."""
+    from . import inductor_kernels
+
+    if settings.budget_bytes is None and settings.budget_fraction is None:
+        return ""
+    if settings.inner_compiler != "inductor":
+        return ""
+    if not_real is not None:
+        why = not_real
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        why = "no CUDA device here"
+    elif device.type not in ("cpu", "cuda"):
+        why = f"explain does not lower for {device.type} devices"
+    elif not inductor_kernels.available():
+        why = "this torch has no post-fusion scheduler hook"
+    else:
+        return None
+    return (f"scheduled peak not checked: explain did not lower this graph with Inductor ({why}); the backend "
+            "re-plans a graph whose generated code it predicts over the budget, so its plan may differ")
+
+
+def compile_with_the_budget_loop(gm: torch.fx.GraphModule, inputs, settings, graph_name: str, plans: list):
+    """The backend's Inductor path itself (``backend._compile_inductor``: code generated,
+    kernels recorded, the budget loop), past Inductor's caches so that every graph is
+    planned here; the plan it keeps is appended to ``plans``."""
+    from .backend import _compile_inductor
+
+    results: list = []
+    partitioner = OffloadRematPartitioner(settings, graph_name=graph_name, on_result=results.append)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled, _records = _compile_inductor(gm, inputs, settings, partitioner, results, {})
+    plans.extend(result.plan for result in results)
+    return compiled
+
+
 def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadRematPartitioner, settings):
     """The backend's own pipeline (``backend.compile_graph``'s Inductor path): Inductor's
     ``compile_fx`` with ``partitioner`` as its ``custom_partitioner_fn``, so the joint graph
@@ -76,7 +151,7 @@ def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadR
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, inputs, inner_compile=shape_only_inner,
-                          config_patches=inductor_config_patches(settings, partitioner))
+                          config_patches=inductor_config_patches(settings, partitioner, graph=gm))
 
 
 def _with_own_code(fn):
@@ -109,10 +184,21 @@ def explain_all(
             settings = settings_mod.resolve({**options, "device_profile": "cpu"})
     plans: list[Plan] = []
 
+    lowers = _lowers_like_backend(settings, device, _not_real([*tree_leaves(list(example_inputs)), *parameters,
+                                                                *(model_or_fn.buffers() if isinstance(
+                                                                    model_or_fn, torch.nn.Module) else [])]))
+
     def planning_backend(gm: torch.fx.GraphModule, inputs):
-        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}",
-                                              on_result=lambda result: plans.append(result.plan))
-        return compile_like_backend(gm, inputs, partitioner, settings)
+        if lowers is None:
+            return compile_with_the_budget_loop(gm, inputs, settings, f"graph_{len(plans)}", plans)
+        made: list = []
+        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}", on_result=made.append)
+        compiled = compile_like_backend(gm, inputs, partitioner, settings)
+        for result in made:
+            if lowers and result.plan.decisions:
+                result.plan.notes.append(lowers)
+            plans.append(result.plan)
+        return compiled
 
     inputs = tree_map(_meta_to_cpu, list(example_inputs))
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
@@ -130,7 +216,13 @@ def explain_all(
             return model_or_fn(*args)
 
     compiled = torch.compile(_with_own_code(run), backend=planning_backend)
-    compiled(*inputs)
+    if lowers is None:
+        # The generated forward runs on the real tensors: leave the model's buffers (a
+        # BatchNorm's running statistics) and the random state as they were.
+        with _state_kept(module):
+            compiled(*inputs)
+    else:
+        compiled(*inputs)
     if not plans:
         raise ValueError(
             "compile_offload.explain: no training graph was produced; the model's outputs must require grad "

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import budget_loop
 from .dynamic_check import SymbolicProgram
 from .fingerprint import source_hash
 from .logs import emit_cached
@@ -124,3 +125,6 @@ def replay(records: list[GraphRecord], settings: Settings, graph_name: str) -> N
             )
         emit_cached(plan)
         report_budget(plan, settings)
+        if plan.scheduled_peak_bytes is not None and any(
+                n.startswith(budget_loop.OVER_BUDGET_NOTE) and "over the budget after" in n for n in plan.notes):
+            budget_loop.warn_over_budget(plan, stacklevel=4)  # the budget loop's warning, as when it was made

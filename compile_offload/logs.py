@@ -48,6 +48,12 @@ def latest_plans() -> list[Plan]:
     return list(_latest_plans.values())
 
 
+def remember(plan: Plan) -> None:
+    """Make ``plan`` its graph's latest (the budget loop keeps a plan other than the last made)."""
+    _latest_plans.pop(plan.graph_name, None)
+    _latest_plans[plan.graph_name] = plan
+
+
 def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
     """Report one graph the partitioner planned, through every channel."""
     _latest_plans.pop(result.plan.graph_name, None)

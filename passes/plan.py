@@ -67,8 +67,13 @@ class Plan:
     backward_start: int = 0
     # Predicted from the kernels Inductor scheduled for this plan's graphs (fusion, its
     # buffer reuse): the peak the generated code holds; None where Inductor's kernels were
-    # not seen (no budget, inner_compiler="eager", explain, a torch without the hook).
+    # not seen (no budget, inner_compiler="eager", explain on meta or fake tensors, a torch
+    # without the hook).
     scheduled_peak_bytes: int | None = None
+    # The budget the plan was made under when the backend re-planned the graph because the
+    # scheduled peak of the first plan exceeded ``budget_bytes`` (the user's budget, which
+    # ``budget_bytes`` and ``feasible`` still refer to); None when planned under ``budget_bytes``.
+    planned_budget_bytes: int | None = None
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
@@ -91,6 +96,8 @@ class Plan:
 
     def summary(self) -> str:
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        if self.planned_budget_bytes is not None:
+            budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
         return (
             f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)} "

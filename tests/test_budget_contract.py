@@ -11,12 +11,14 @@ from compile_offload.benchmarks import budget_contract as contract
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 
 # Measured on CPU, torch 2.13, 2026-11-25 (docs/benchmarks.md, "The budget contract"): these
-# families break the contract today; strict, so a fix shows up as an unexpected pass. The scheduled
-# peak (Plan.scheduled_peak_bytes) sees some overruns; nothing re-plans yet.
+# families break the contract today; strict, so a fix shows up as an unexpected pass. The budget
+# loop (budget_loop.keep_within_budget) re-plans where the scheduled peak exceeds the budget
+# (GPT-2 at 0.8 and MLP-mixer at 0.6): it fixed GPT-2's 0.8 overrun but not its family.
 _BROKEN = {
-    "hf_gpt2": "at 0.8 the plan fits and the compiled step measures 6.48 MiB against a 6.28 MiB budget; at 0.4 "
-               "the minimum measures 4.58 MiB, 3.89 predicted: Inductor fuses the recomputed attention dropout "
-               "into the softmax backward's kernel, later than the plan's order (design.md, Memory simulator)",
+    "hf_gpt2": "at 0.4 the minimum measures 4.58 MiB, 3.89 predicted: Inductor fuses the recomputed attention "
+               "dropout into the softmax backward's kernel, later than the plan's order (design.md, Memory "
+               "simulator); at 0.8 the re-planned step keeps its budget (5.98 MiB of 6.28) but its prediction "
+               "(5.66 MiB) is 5.3% low",
 }
 
 

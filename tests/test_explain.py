@@ -166,7 +166,18 @@ def _plan_facts(plan):
         "budget": plan.budget_bytes, "predicted_peak": plan.predicted_peak_bytes,
         "predicted_seconds": plan.predicted_step_seconds, "baseline_peak": plan.baseline_peak_bytes,
         "min_peak": plan.min_peak_bytes, "timeline": plan.timeline_bytes,
+        "planned_budget": plan.planned_budget_bytes, "scheduled_peak": plan.scheduled_peak_bytes,
     }
+
+
+def _kept_plans(captured):
+    """The plan the backend kept for each graph it planned (``captured``: every plan made,
+    re-plans of the budget loop included), in order."""
+    from compile_offload import logs
+
+    latest = {plan.graph_name: plan for plan in logs.latest_plans()}
+    names = list(dict.fromkeys(plan.graph_name for plan in captured))
+    return [latest[name] for name in names]
 
 
 @pytest.mark.inductor
@@ -192,9 +203,58 @@ def test_explain_plans_exactly_what_the_inductor_backend_plans(family, budget, c
                 torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler="inductor", **options))
             compiled(*inputs).sum().backward()
-    assert captured_plans and len(captured_plans) == len(explained)
-    for compiled_plan, explained_plan in zip(captured_plans, explained):
+    kept = _kept_plans(captured_plans)
+    assert kept and len(kept) == len(explained)
+    for compiled_plan, explained_plan in zip(kept, explained):
         assert _plan_facts(explained_plan) == _plan_facts(compiled_plan)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):
+    """Where the first plan's scheduled peak exceeds the budget (forced: every first plan's
+    scheduled peak is raised over it), the backend re-plans; explain on CPU tensors lowers
+    the graph as the backend does and keeps the same re-planned plan."""
+    from compile_offload import budget_loop, inductor_kernels
+
+    from .test_budget_loop import _deep_mlp, _inflating
+
+    if not inductor_kernels.available():
+        pytest.skip("this torch has no post-fusion scheduler hook")
+    options = {"memory_budget": 0.8, "device_profile": "cpu"}
+    x = torch.randn(512, 256)
+
+    def forced():
+        return _inflating([64 * 1024])[0]  # the first plan's scheduled peak 64 KiB over the budget
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.setattr(budget_loop, "note_scheduled_peak", forced())
+        explained = compile_offload.explain(_deep_mlp(), x, **options)
+        patch.setattr(budget_loop, "note_scheduled_peak", forced())
+        captured_plans.clear()
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            model = _deep_mlp()
+            compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler="inductor",
+                                                                                 **options))
+            compiled(x).sum().backward()
+    (kept,) = _kept_plans(captured_plans)
+    assert len(captured_plans) >= 2 and kept.planned_budget_bytes is not None
+    assert explained.planned_budget_bytes is not None
+    assert _plan_facts(explained) == _plan_facts(kept)
+
+
+def test_explain_on_meta_says_the_scheduled_peak_was_not_checked():
+    model, x = meta_gpt(layers=1, width=64, heads=2, seq=64, batch=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        budgeted = compile_offload.explain(model, x, memory_budget=0.6, device_profile="h100")
+        unbudgeted = compile_offload.explain(model, x, memory_budget=None, device_profile="h100")
+    assert any(n.startswith("scheduled peak not checked") and "meta" in n for n in budgeted.notes)
+    assert budgeted.scheduled_peak_bytes is None and budgeted.planned_budget_bytes is None
+    assert not any(n.startswith("scheduled peak not checked") for n in unbudgeted.notes)
 
 
 def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
@@ -243,3 +303,24 @@ def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
         limited = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False,
                                           plan_time_limit=0, solver="refined")
     assert not any(n.startswith("refined: ") for n in limited.notes)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_explain_that_runs_the_generated_forward_leaves_the_model_as_it_was():
+    """With a budget on real CPU tensors explain runs the generated forward once (the
+    backend's Inductor path): a BatchNorm's running statistics and the random state are
+    left as they were."""
+    from . import models
+
+    torch.manual_seed(0)
+    model, inputs = models.ConvBN().train(), models.image_inputs()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile_offload.explain(model, *inputs, memory_budget=0.5, device_profile="cpu")
+    assert plan.decisions and not any(n.startswith("scheduled peak not checked") for n in plan.notes)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert torch.equal(torch.random.get_rng_state(), rng)
