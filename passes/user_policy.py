@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from .analyze import MUST_SAVE_REASON, JointAnalysis
@@ -249,6 +250,14 @@ def _saved_by_torch(tensor: fx.Node) -> bool:
     return getattr(tag, "name", None) == MUST_SAVE
 
 
+def _inductor_seeds(tensor: fx.Node) -> bool:
+    """Inductor's own seed draw (``prims.inductor_seeds``), which its random-op replacement puts
+    in place of the user's random ops; torch 2.14 copies their checkpoint tag onto it. Saving
+    it is how those ops are recomputed, so it is not a tag left unapplied."""
+    seeds = getattr(torch.ops.prims, "inductor_seeds", None)
+    return seeds is not None and tensor.target in (seeds, getattr(seeds, "default", None))
+
+
 def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> None:
     """Say "user policy" in the reason of each decision a policy made, say where a
     preference was overridden, and warn once about ``MUST_RECOMPUTE`` tensors the plan
@@ -268,6 +277,9 @@ def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> Non
             decision.reason = f"user policy {name}" + ("" if decision.decision == "keep" else f"; {decision.reason}")
         elif name.startswith("PREFER"):
             decision.reason += f" (overrides the user policy {name})"
+        elif name == MUST_RECOMPUTE and _inductor_seeds(tensor):
+            decision.reason += (" (tagged MUST_RECOMPUTE with the random ops Inductor replaced by seeds: the seeds "
+                                "are saved so that the recomputation draws the same values)")
         elif name == MUST_RECOMPUTE:
             why = a.ban.get(tensor) or "saved as the input of another recomputation"
             decision.reason += f" (user policy {name} not applied: {why})"
