@@ -10,9 +10,10 @@ import torch
 import torch.fx as fx
 
 import compile_offload
-from compile_offload import partitioner
 from compile_offload.memory_tracker import measure_peak
 from compile_offload.passes.memory import Program, Step, simulate
+
+from ..partition_results import partitions
 
 ROWS, COLS, INNER = 256, 1024, 16  # the saved product: 1 MiB of float32
 
@@ -42,29 +43,17 @@ def planned_and_measured(fn, *inputs) -> tuple[int, int]:
     """The plan's predicted peak for ``fn`` compiled by the backend (no budget, CPU,
     Inductor) and the peak of its second step (gradients set to None first), measured at
     the CPU allocator."""
-    plans = []
-    plan_partition = partitioner.plan_partition
-
-    def capture(*args, **kwargs):
-        result = plan_partition(*args, **kwargs)
-        plans.append(result.plan)
-        return result
-
     torch._dynamo.reset()
-    partitioner.plan_partition = capture
-    try:
-        with warnings.catch_warnings(), torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            warnings.simplefilter("ignore")
-            compiled = torch.compile(fn, backend=compile_offload.offload_remat(device_profile="cpu"))
+    with partitions() as found, warnings.catch_warnings(), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(fn, backend=compile_offload.offload_remat(device_profile="cpu"))
+        compiled(*inputs).backward()
+        for tensor in inputs:
+            tensor.grad = None
+        with measure_peak("cpu") as measured:
             compiled(*inputs).backward()
-            for tensor in inputs:
-                tensor.grad = None
-            with measure_peak("cpu") as measured:
-                compiled(*inputs).backward()
-    finally:
-        partitioner.plan_partition = plan_partition
-    (plan,) = plans
+    (plan,) = found.plans
     return plan.predicted_peak_bytes, measured.peak_bytes
 
 
