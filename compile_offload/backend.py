@@ -23,7 +23,7 @@ import torch
 from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, logs, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
-from .passes.analyze import COLLECTIVE_NAMESPACES
+from .passes.analyze import COLLECTIVE_NAMESPACES, is_collective
 from .partitioner import OffloadRematPartitioner
 from .result import PartitionResult
 from .settings import Settings
@@ -345,7 +345,7 @@ def _is_collective_call(node: torch.fx.Node) -> bool:
         return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return target.namespace in COLLECTIVE_NAMESPACES
+        return is_collective(node)
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name.partition("::")[0] in COLLECTIVE_NAMESPACES
     return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
