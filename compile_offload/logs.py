@@ -12,7 +12,7 @@ us, and a second set-up inside the first doubled every line.
 Per graph (``emit``): one INFO line (budget, predicted peak, keep / recompute / offload
 counts, solver and its time, or why the graph was not planned), the decision table at
 DEBUG, the plan as a ``TORCH_TRACE`` artifact for tlparse, and with ``dump_dir`` set the
-graph's dump folder.
+graph's dump folder (``dump``; the budget loop writes it again with the plan it kept).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from pathlib import Path
 
 import torch.fx as fx
 
@@ -58,18 +59,25 @@ def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
     """Report one graph the partitioner planned, through every channel."""
     _latest_plans.pop(result.plan.graph_name, None)
     _latest_plans[result.plan.graph_name] = result.plan
-    folder = None
-    if settings.dump_dir is not None:
-        try:
-            folder = dump_result(settings.dump_dir, result, joint_gm)
-        except OSError as error:  # checked when the knob was read; the folder changed since
-            warnings.warn(f"compile_offload: {result.plan.graph_name}: could not write the dump into "
-                          f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
-                          stacklevel=2)
+    folder = dump(result, joint_gm, settings)
     log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
     if result.plan.decisions:
         log.debug("%s: decisions\n%s", result.plan.graph_name, result.plan.table())
     trace_plan(result.plan)
+
+
+def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> Path | None:
+    """Write ``result`` into ``config.dump_dir`` (over an earlier dump of the same graph); the
+    graph's folder, or None without a dump folder or when it could not be written (warned)."""
+    if settings.dump_dir is None:
+        return None
+    try:
+        return dump_result(settings.dump_dir, result, joint_gm)
+    except OSError as error:  # checked when the knob was read; the folder changed since
+        warnings.warn(f"compile_offload: {result.plan.graph_name}: could not write the dump into "
+                      f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
+                      stacklevel=3)
+        return None
 
 
 def emit_cached(plan: Plan) -> None:

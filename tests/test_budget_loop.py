@@ -135,7 +135,7 @@ def _deep_mlp():
     return nn.Sequential(*layers)
 
 
-def _compile_and_step(model, x, budget, recorders=None, quiet=True):
+def _compile_and_step(model, x, budget, recorders=None, quiet=True, **options):
     if recorders is not None:
         note = budget_loop.note_scheduled_peak
 
@@ -163,7 +163,7 @@ def _compile_and_step(model, x, budget, recorders=None, quiet=True):
 
         patch.setattr(partitioner, "plan_partition", capture)
         step = torch.compile(lambda inp: model(inp).pow(2).mean(), backend=compile_offload.offload_remat(
-            memory_budget=budget, device_profile="cpu", inner_compiler="inductor"))
+            memory_budget=budget, device_profile="cpu", inner_compiler="inductor", **options))
         step(x).backward()
     return step, plans
 
@@ -339,6 +339,29 @@ def test_when_no_re_plan_fits_the_lowest_scheduled_peak_is_kept_with_one_warning
     for earlier, later in zip(plans, plans[1:]):
         assert later.planned_budget_bytes < earlier.predicted_peak_bytes
     torch.testing.assert_close(_grads(model, x, step), _grads(model, x))
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_the_dump_holds_the_plan_the_loop_kept_not_the_last_one_made(tmp_path):
+    import json
+
+    model, x = _deep_mlp(), torch.randn(512, 256)
+    # Every plan "exceeds", the second by the least: the loop keeps an earlier plan than its last.
+    inflated, seen = _inflating([300_000, 100_000, 200_000, 250_000])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(budget_loop, "note_scheduled_peak", inflated)
+        _, plans = _compile_and_step(model, x, 0.8, dump_dir=str(tmp_path))
+        kept = logs.latest_plans()[-1]
+    assert len(plans) >= 3 and kept is plans[1]  # the last plan made is not the one kept
+    (folder,) = [path for path in tmp_path.iterdir() if (path / "plan.json").exists()]
+    dumped = json.loads((folder / "plan.json").read_text())
+    assert dumped["planned_budget_bytes"] == kept.planned_budget_bytes != plans[-1].planned_budget_bytes
+    assert dumped["predicted_peak_bytes"] == kept.predicted_peak_bytes
+    assert dumped["budget_bytes"] == kept.budget_bytes == plans[0].budget_bytes  # the user's, not the lowered one
+    assert dumped["notes"] == kept.notes and any(n.startswith("re-planned under") for n in dumped["notes"])
+    assert "re-planned under" in (folder / "report.md").read_text()
 
 
 def test_the_loop_on_hand_made_attempts():
