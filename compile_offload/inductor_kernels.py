@@ -146,7 +146,12 @@ def _graph_kernels(nodes: list) -> GraphKernels:
             if name in aliases:  # an in-place write or a view: another buffer's memory
                 continue
             if name in outputs or any(_user_index(user, owner) != index for user in buf.users):
-                allocates.append(_allocation(buf))  # else a temporary inside the kernel: no buffer
+                # else a temporary inside the kernel: no buffer
+                made_by = _multi_output_parent(node, owner)
+                if made_by is not None and made_by < index:
+                    kernels[made_by].allocates.append(_allocation(buf))
+                else:
+                    allocates.append(_allocation(buf))
         reads = list(dict.fromkeys(dep.name for dep in node.read_writes.reads))  # Inductor's order: in-place picks the first
         origins = sorted({o.name for sub in node.get_nodes() for o in _origins(sub)})
         kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins))
@@ -154,6 +159,27 @@ def _graph_kernels(nodes: list) -> GraphKernels:
                if type(value).__name__ == "DonatedBuffer"]
     return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
                         output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph))
+
+
+def _multi_output_parent(node, owner: dict[str, int]) -> int | None:
+    """The kernel that allocates the buffer of a ``MultiOutput`` node: the op returning a
+    tuple (``convolution_backward``, ``native_layer_norm`` fallbacks, ...) allocates every
+    part while it runs, its inputs alive; the ``MultiOutput`` node after it only names one
+    part (``buf2 = buf1[0]`` in the wrapper). None for any other node."""
+    from torch._inductor import ir
+
+    ir_node = getattr(node, "node", None)
+    if not isinstance(ir_node, ir.MultiOutput):
+        return None
+    parent = ir_node.inputs[0] if ir_node.inputs else None
+    while isinstance(parent, ir.MultiOutput):  # a part of a nested tuple
+        parent = parent.inputs[0] if parent.inputs else None
+    if parent is None:
+        return None
+    try:  # the owner map is by operation name ("op1"); the parent's own name is its buffer's ("buf1")
+        return owner.get(parent.get_operation_name())
+    except Exception:
+        return None
 
 
 def _in_place_reads(node, index: int, owner: dict[str, int]) -> dict[str, list[str]]:
