@@ -77,6 +77,7 @@ def note_scheduled_peak(plan: Plan, recorder: KernelRecorder) -> None:
     forward, backward = recorder.forward(), recorder.backward()
     if forward is None or backward is None or not plan.decisions:
         return
+    recorder.read_reuses()
     plan.scheduled_peak_bytes = scheduled_peak(forward, backward)
     log.debug("%s: scheduled peak %s (predicted from Inductor's kernels; the plan predicted %s, budget %s)",
              plan.graph_name, format_bytes(plan.scheduled_peak_bytes), format_bytes(plan.predicted_peak_bytes),
@@ -158,6 +159,15 @@ def _graph_steps(graph: GraphKernels, side: str, storage: dict[str, Hashable | N
         allocates = []
         for buffer in kernel.allocates:
             reuse_key[buffer.name] = buffer.reuse_key
+            if graph.reuses is not None:  # what the generated code does: no rule to reproduce
+                reused = graph.reuses.get(buffer.name)
+                if reused is not None and storage.get(resolve(reused)) is not None:
+                    storage[buffer.name] = storage[resolve(reused)]
+                else:
+                    storage[buffer.name] = (side, buffer.name)
+                    if buffer.bytes:
+                        allocates.append((storage[buffer.name], buffer.bytes))
+                continue
             takeable = [name for name in map(resolve, kernel.in_place.get(buffer.name, ()))
                         if name not in taken and last_read.get(name) == index and name not in outputs
                         and (name not in inputs or name in donated) and storage.get(name) is not None]

@@ -57,6 +57,25 @@ class GraphKernels:
     aliases: dict[str, str] = field(default_factory=dict)  # a name for another buffer's memory -> that buffer
     donated: list[str] = field(default_factory=list)  # inputs the graph may overwrite (saved tensors)
     input_bytes: dict[str, int] = field(default_factory=dict)
+    # What the generated code does with memory, read from Inductor's wrapper once it has planned
+    # it (``read_reuses``): buffer -> the buffer or input whose memory it is written into (in-place
+    # and the wrapper's pool alike). None: not read (a hand-built record, or a torch we cannot read).
+    reuses: dict[str, str] | None = None
+    wrapper: _Held | None = field(default=None, repr=False, compare=False)  # Inductor's wrapper until read
+
+
+class _Held:
+    """A reference Inductor's config must not copy: it deep-copies its settings (the
+    recording pass, so the records, among them) when it reads them, and a wrapper holds
+    fake tensors, which cannot be copied. The copy shares the reference."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo) -> _Held:
+        return self
 
 
 class KernelRecorder:
@@ -70,6 +89,15 @@ class KernelRecorder:
             self.graphs.append(_graph_kernels(nodes))
         except Exception as error:  # a scheduler we cannot read: no record, never a failed compile
             log.debug("compile_offload: could not read Inductor's kernels (%s: %s)", type(error).__name__, error)
+
+    def read_reuses(self) -> None:
+        """Read, for every recorded graph, the reuse decisions of the code Inductor generated
+        (after its compile: the wrapper plans memory after the scheduler hook has run), and let
+        go of the wrapper."""
+        for graph in self.graphs:
+            if graph.wrapper is not None:
+                graph.reuses = _wrapper_reuses(graph.wrapper.value)
+                graph.wrapper = None
 
     def forward(self) -> GraphKernels | None:
         return next((g for g in self.graphs if not g.is_backward), None)
@@ -158,7 +186,34 @@ def _graph_kernels(nodes: list) -> GraphKernels:
     donated = [name for name, value in getattr(graph, "graph_inputs_original", {}).items()
                if type(value).__name__ == "DonatedBuffer"]
     return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
-                        output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph))
+                        output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph),
+                        wrapper=_Held(getattr(graph, "wrapper_code", None)))
+
+
+def _wrapper_reuses(wrapper) -> dict[str, str] | None:
+    """The ``ReuseLine``s of a generated wrapper (``buf5 = buf2; del buf2  # reuse``): new
+    buffer -> the buffer or graph input whose memory it takes. They are both of Inductor's
+    reuse rules as it applied them: in-place updates (``codegen_inplace_reuse``, saved tensors
+    of the backward included) and the wrapper's pool (``AllocateLine.plan``, which holds a freed
+    buffer until a later allocation of its size when ``should_reuse_buffer`` says its own peak
+    estimate allows it; that estimate counts only what the scheduler sized, which without
+    peak-memory reordering is the graph's freeable inputs, so it allows holds the plan's
+    simulation would not guess). None when the wrapper has no planned lines to read."""
+    try:
+        from torch._inductor.codegen.wrapper import ReuseLine
+    except ImportError:
+        return None
+    lines = getattr(wrapper, "lines", None)
+    if not lines:
+        return None
+    reuses = {}
+    for line in lines:
+        if isinstance(line, ReuseLine):
+            try:
+                reuses[line.reused_as.get_name()] = line.node.get_name()
+            except Exception:
+                return None
+    return reuses
 
 
 def _multi_output_parent(node, owner: dict[str, int]) -> int | None:
