@@ -66,8 +66,9 @@ class GraphKernels:
 
 class _Held:
     """A reference Inductor's config must not copy: it deep-copies its settings (the
-    recording pass, so the records, among them) when it reads them, and a wrapper holds
-    fake tensors, which cannot be copied. The copy shares the reference."""
+    recording pass, so the records, among them) when it reads them, and pickles them into
+    its cache key; a wrapper holds fake tensors and cycles, which can be neither. A copy
+    shares the reference; a pickle holds nothing (the key must not depend on it)."""
 
     __slots__ = ("value",)
 
@@ -76,6 +77,9 @@ class _Held:
 
     def __deepcopy__(self, memo) -> _Held:
         return self
+
+    def __reduce__(self):
+        return _Held, (None,)
 
 
 class KernelRecorder:
