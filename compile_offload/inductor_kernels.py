@@ -6,8 +6,11 @@ graph of one compile, the scheduler nodes in order: the buffers each kernel writ
 outlive it (allocated when it starts), the buffers and graph inputs it reads (freed after
 the last kernel that reads them), and which graph outputs are which buffers. It returns the
 node list unchanged and touches no node, so the generated code is the one Inductor makes
-without it (``tests/test_budget_loop.py`` compares the code). ``budget_loop.py`` turns a
-record into a program for ``passes.memory.simulate``.
+without it (``tests/test_budget_loop.py`` compares the code). It also keeps the graph's
+wrapper, whose memory plan Inductor makes after the hook: once the compile has returned,
+``KernelRecorder.read_reuses`` reads which buffer the generated code writes into which
+memory (``ReuseLine``) and lets the wrapper go. ``budget_loop.py`` turns a record into a
+program for ``passes.memory.simulate``.
 
 Every private Inductor API this project reads about kernels is used here and only here,
 feature-detected: on a torch without the hook, ``recording`` records nothing.
