@@ -6,15 +6,19 @@ the order the plan gives. Inductor then fuses nodes into kernels and plans its o
 - a kernel's outputs are all allocated when it starts and what it reads stays alive until
   it ends, so a kernel that pulls a late consumer together with earlier work stretches
   lifetimes the plan did not count;
+- an op returning a tuple (``convolution_backward``) allocates every part while it runs
+  (``inductor_kernels`` charges the parts to it);
 - a buffer freed by one kernel is kept for a later allocation of the same size and dtype
   (the wrapper's buffer reuse): it stays allocated from its last use until that allocation;
 - a kernel may write its output into an input it is the last reader of (in-place reuse,
   saved tensors of the backward included), which saves an allocation.
 
-``scheduled_program`` builds a program (``passes.memory.Program``) from the kernels Inductor
-scheduled for the forward and the backward graph (``inductor_kernels``) with those three
-rules: one step per kernel, one storage per physical buffer. The forward's saved outputs
-are the backward's inputs. Its simulated peak is the *scheduled peak*.
+The last two are read from the wrapper Inductor generated (``GraphKernels.reuses``), and
+reproduced only for a record without them. ``scheduled_program`` builds a program
+(``passes.memory.Program``) from the kernels Inductor scheduled for the forward and the
+backward graph (``inductor_kernels``): one step per kernel, one storage per physical
+buffer. The forward's saved outputs are the backward's inputs. Its simulated peak is the
+*scheduled peak*.
 
 ``keep_within_budget`` closes the loop: a plan the planner says fits but whose scheduled
 peak exceeds the budget is made again under a lower budget (the plan's prediction less
@@ -77,6 +81,7 @@ def note_scheduled_peak(plan: Plan, recorder: KernelRecorder) -> None:
     forward, backward = recorder.forward(), recorder.backward()
     if forward is None or backward is None or not plan.decisions:
         return
+    recorder.read_reuses()
     plan.scheduled_peak_bytes = scheduled_peak(forward, backward)
     log.debug("%s: scheduled peak %s (predicted from Inductor's kernels; the plan predicted %s, budget %s)",
              plan.graph_name, format_bytes(plan.scheduled_peak_bytes), format_bytes(plan.predicted_peak_bytes),
@@ -90,11 +95,13 @@ def scheduled_program(forward: GraphKernels, backward: GraphKernels | None) -> P
     backward receives (same name) is one storage across both graphs; other forward outputs
     (the user's) outlive the step, as do the backward's outputs (gradients).
 
-    Inductor's wrapper hands a freed buffer to a later allocation only when that does not
-    raise its own estimate of the graph's peak (``AllocateLine.should_reuse_buffer``): the
-    next kernel may always take it, a later one only if the bytes live in between plus the
+    Where the record has the wrapper's reuses (``GraphKernels.reuses``), each buffer takes
+    the memory the generated code gives it. Otherwise the rules are reproduced: Inductor's
+    wrapper hands a freed buffer to a later allocation only when that does not raise its
+    own estimate of the graph's peak (``AllocateLine.should_reuse_buffer``): the next
+    kernel may always take it, a later one only if the bytes live in between plus the
     buffer stay under the peak. That estimate is taken here from the program without such
-    reuse, and raised where a reuse holds a buffer, as Inductor does.
+    reuse (Inductor's own counts less, so this holds fewer buffers than it does).
     """
     without_reuse = _program(forward, backward, None)
     return _program(forward, backward, list(simulate(without_reuse).live_bytes))
@@ -158,6 +165,15 @@ def _graph_steps(graph: GraphKernels, side: str, storage: dict[str, Hashable | N
         allocates = []
         for buffer in kernel.allocates:
             reuse_key[buffer.name] = buffer.reuse_key
+            if graph.reuses is not None:  # what the generated code does: no rule to reproduce
+                reused = graph.reuses.get(buffer.name)
+                if reused is not None and storage.get(resolve(reused)) is not None:
+                    storage[buffer.name] = storage[resolve(reused)]
+                else:
+                    storage[buffer.name] = (side, buffer.name)
+                    if buffer.bytes:
+                        allocates.append((storage[buffer.name], buffer.bytes))
+                continue
             takeable = [name for name in map(resolve, kernel.in_place.get(buffer.name, ()))
                         if name not in taken and last_read.get(name) == index and name not in outputs
                         and (name not in inputs or name in donated) and storage.get(name) is not None]

@@ -6,8 +6,11 @@ graph of one compile, the scheduler nodes in order: the buffers each kernel writ
 outlive it (allocated when it starts), the buffers and graph inputs it reads (freed after
 the last kernel that reads them), and which graph outputs are which buffers. It returns the
 node list unchanged and touches no node, so the generated code is the one Inductor makes
-without it (``tests/test_budget_loop.py`` compares the code). ``budget_loop.py`` turns a
-record into a program for ``passes.memory.simulate``.
+without it (``tests/test_budget_loop.py`` compares the code). It also keeps the graph's
+wrapper, whose memory plan Inductor makes after the hook: once the compile has returned,
+``KernelRecorder.read_reuses`` reads which buffer the generated code writes into which
+memory (``ReuseLine``) and lets the wrapper go. ``budget_loop.py`` turns a record into a
+program for ``passes.memory.simulate``.
 
 Every private Inductor API this project reads about kernels is used here and only here,
 feature-detected: on a torch without the hook, ``recording`` records nothing.
@@ -57,6 +60,29 @@ class GraphKernels:
     aliases: dict[str, str] = field(default_factory=dict)  # a name for another buffer's memory -> that buffer
     donated: list[str] = field(default_factory=list)  # inputs the graph may overwrite (saved tensors)
     input_bytes: dict[str, int] = field(default_factory=dict)
+    # What the generated code does with memory, read from Inductor's wrapper once it has planned
+    # it (``read_reuses``): buffer -> the buffer or input whose memory it is written into (in-place
+    # and the wrapper's pool alike). None: not read (a hand-built record, or a torch we cannot read).
+    reuses: dict[str, str] | None = None
+    wrapper: _Held | None = field(default=None, repr=False, compare=False)  # Inductor's wrapper until read
+
+
+class _Held:
+    """A reference Inductor's config must not copy: it deep-copies its settings (the
+    recording pass, so the records, among them) when it reads them, and pickles them into
+    its cache key; a wrapper holds fake tensors and cycles, which can be neither. A copy
+    shares the reference; a pickle holds nothing (the key must not depend on it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo) -> _Held:
+        return self
+
+    def __reduce__(self):
+        return _Held, (None,)
 
 
 class KernelRecorder:
@@ -70,6 +96,15 @@ class KernelRecorder:
             self.graphs.append(_graph_kernels(nodes))
         except Exception as error:  # a scheduler we cannot read: no record, never a failed compile
             log.debug("compile_offload: could not read Inductor's kernels (%s: %s)", type(error).__name__, error)
+
+    def read_reuses(self) -> None:
+        """Read, for every recorded graph, the reuse decisions of the code Inductor generated
+        (after its compile: the wrapper plans memory after the scheduler hook has run), and let
+        go of the wrapper."""
+        for graph in self.graphs:
+            if graph.wrapper is not None:
+                graph.reuses = _wrapper_reuses(graph.wrapper.value)
+                graph.wrapper = None
 
     def forward(self) -> GraphKernels | None:
         return next((g for g in self.graphs if not g.is_backward), None)
@@ -146,14 +181,67 @@ def _graph_kernels(nodes: list) -> GraphKernels:
             if name in aliases:  # an in-place write or a view: another buffer's memory
                 continue
             if name in outputs or any(_user_index(user, owner) != index for user in buf.users):
-                allocates.append(_allocation(buf))  # else a temporary inside the kernel: no buffer
+                # else a temporary inside the kernel: no buffer
+                made_by = _multi_output_parent(node, owner)
+                if made_by is not None and made_by < index:
+                    kernels[made_by].allocates.append(_allocation(buf))
+                else:
+                    allocates.append(_allocation(buf))
         reads = list(dict.fromkeys(dep.name for dep in node.read_writes.reads))  # Inductor's order: in-place picks the first
         origins = sorted({o.name for sub in node.get_nodes() for o in _origins(sub)})
         kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins))
     donated = [name for name, value in getattr(graph, "graph_inputs_original", {}).items()
                if type(value).__name__ == "DonatedBuffer"]
     return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
-                        output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph))
+                        output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph),
+                        wrapper=_Held(getattr(graph, "wrapper_code", None)))
+
+
+def _wrapper_reuses(wrapper) -> dict[str, str] | None:
+    """The ``ReuseLine``s of a generated wrapper (``buf5 = buf2; del buf2  # reuse``): new
+    buffer -> the buffer or graph input whose memory it takes. They are both of Inductor's
+    reuse rules as it applied them: in-place updates (``codegen_inplace_reuse``, saved tensors
+    of the backward included) and the wrapper's pool (``AllocateLine.plan``, which holds a freed
+    buffer until a later allocation of its size when ``should_reuse_buffer`` says its own peak
+    estimate allows it; that estimate counts only what the scheduler sized, which without
+    peak-memory reordering is the graph's freeable inputs, so it allows holds the plan's
+    simulation would not guess). None when the wrapper has no planned lines to read."""
+    try:
+        from torch._inductor.codegen.wrapper import ReuseLine
+    except ImportError:
+        return None
+    lines = getattr(wrapper, "lines", None)
+    if not lines:
+        return None
+    reuses = {}
+    for line in lines:
+        if isinstance(line, ReuseLine):
+            try:
+                reuses[line.reused_as.get_name()] = line.node.get_name()
+            except Exception:
+                return None
+    return reuses
+
+
+def _multi_output_parent(node, owner: dict[str, int]) -> int | None:
+    """The kernel that allocates the buffer of a ``MultiOutput`` node: the op returning a
+    tuple (``convolution_backward``, ``native_layer_norm`` fallbacks, ...) allocates every
+    part while it runs, its inputs alive; the ``MultiOutput`` node after it only names one
+    part (``buf2 = buf1[0]`` in the wrapper). None for any other node."""
+    from torch._inductor import ir
+
+    ir_node = getattr(node, "node", None)
+    if not isinstance(ir_node, ir.MultiOutput):
+        return None
+    parent = ir_node.inputs[0] if ir_node.inputs else None
+    while isinstance(parent, ir.MultiOutput):  # a part of a nested tuple
+        parent = parent.inputs[0] if parent.inputs else None
+    if parent is None:
+        return None
+    try:  # the owner map is by operation name ("op1"); the parent's own name is its buffer's ("buf1")
+        return owner.get(parent.get_operation_name())
+    except Exception:
+        return None
 
 
 def _in_place_reads(node, index: int, owner: dict[str, int]) -> dict[str, list[str]]:

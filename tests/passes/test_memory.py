@@ -338,6 +338,24 @@ def _scale(a, b, c, d, e):
     return _two_reductions(shared)
 
 
+def _scatter_into_zeros(a, b, c, d, e):
+    """Zeros (``aten.full``) with rows scattered in (``select_scatter``, ``slice_scatter``),
+    as a backward assembles the query/key/value gradients: no op of the chain carries the
+    pointwise tag, and Inductor lowers each to a pointwise loop all the same."""
+    zeros = torch.zeros(3, N, device=a.device)
+    stacked = zeros.select_scatter(a, 0, 0).select_scatter(b, 0, 1).slice_scatter(c.view(1, N), 0, 2, 3)
+    return stacked.sum(), (stacked * 2).sum()
+
+
+def test_zeros_and_scatters_into_them_are_inlined_like_pointwise_values():
+    from compile_offload.passes.analyze import fusable_nodes
+
+    nodes = _traced_nodes(_scatter_into_zeros, *[torch.randn(N) for _ in range(5)])
+    chain = {n for n in nodes.values() if n.target in (torch.ops.aten.full.default, torch.ops.aten.select_scatter.default,
+                                                       torch.ops.aten.slice_scatter.default)}
+    assert len(chain) == 4 and chain <= fusable_nodes(nodes.values())
+
+
 def test_a_value_read_twice_keeps_its_buffer_when_it_loads_more_than_four_buffers():
     from compile_offload.passes.analyze import REALIZE_READS_THRESHOLD, fusable_nodes
 
@@ -364,7 +382,7 @@ def test_a_value_read_twice_keeps_its_buffer_on_cpu_when_its_body_holds_an_exp(d
 
 @pytest.mark.inductor
 @pytest.mark.slow
-@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale])
+@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale, _scatter_into_zeros])
 def test_the_fused_simulation_matches_inductor_at_the_allocator(fn):
     """Inductor itself realizes (or inlines) the shared value as the rule says: the
     simulated peak of the traced graph with fusion is what the compiled function
