@@ -36,9 +36,9 @@ nothing runs):
    rows only (``passes.calibrate``); every other row is validation. The built-in ``h100``
    profile holds the result of that fit (``passes.cost.H100_CALIBRATION``).
 
-3. **Optimality.** On small graphs (``OPTIMALITY_GRAPHS``) the default solver's plan (the
-   greedy joint solver's, then ``passes.prune``) at each budget of a sweep against the
-   exhaustive optimum
+3. **Optimality.** On small graphs (``OPTIMALITY_GRAPHS``) the greedy joint solver's plan
+   (and the same pruned, ``passes.prune``, and refined) at each budget of a sweep against
+   the exhaustive optimum
    (``passes.solve_exhaustive``), both predicted under the same model.
 
 4. **Pareto against torch.** At each budget torch's partitioner reaches (its 0.5 and 0.0
@@ -516,11 +516,12 @@ SWEEP_POINTS = 12
 
 
 def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points: int = SWEEP_POINTS) -> list[dict]:
-    """The planner's default plan (the greedy solver's, then ``passes.prune``) against the
-    exhaustive optimum at ``points`` budgets evenly spaced between the lowest peak the
-    exhaustive search finds and the unconstrained peak; ``sequence_*``: the greedy
-    sequence's plan alone, before pruning (the default until 2026-11-25); ``refined_*``:
-    the default plan after refinement (``solver="refined"``)."""
+    """The planner's greedy plan (the backend's default) against the exhaustive optimum at
+    ``points`` budgets evenly spaced between the lowest peak the exhaustive search finds and
+    the unconstrained peak; ``pruned_*``: the greedy's plan after ``passes.prune`` (the
+    undos that are no slower and no higher under the model; not the default: measured, the
+    plans it changes peak above their predictions, docs/benchmarks.md); ``refined_*``: the
+    greedy's plan after refinement (``solver="refined"``)."""
     model, x = OPTIMALITY_GRAPHS[graph]()
     a = analyze_joint(capture_joint(model, x), fusion=True)
     seconds = seconds_function(a, profile)
@@ -538,20 +539,20 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
     solved = {}
     extra_pool = set()
     for budget in budgets:
-        sequence = solve_joint(a, base, seconds, budget, None, offload)
-        greedy = prune_solution(a, sequence, base, seconds, offload)[0]
+        greedy = solve_joint(a, base, seconds, budget, None, offload)
+        pruned = prune_solution(a, greedy, base, seconds, offload)[0]
         refined = refine_solution(a, greedy, base, seconds, offload)[0]
-        solved[budget] = (sequence, greedy, refined)
-        for solution in (sequence, greedy, refined):
+        solved[budget] = (greedy, pruned, refined)
+        for solution in (greedy, pruned, refined):
             extra_pool |= {a.roots.get(t, t) for t in solution.chosen.saved if tensor_value(t) is not None}
     if not extra_pool <= pool:
         exact_all = exhaustive_candidates(a, base, seconds, offload, pool | extra_pool, max_plans)
     result = []
     for budget in budgets:
-        sequence, greedy, refined = solved[budget]
+        greedy, pruned, refined = solved[budget]
         exact, exact_fits = pick(exact_all, budget)
         exact_seconds = base_seconds + exact.extra_seconds
-        sequence_seconds = base_seconds + sequence.chosen.extra_seconds
+        pruned_seconds = base_seconds + pruned.chosen.extra_seconds
         refined_seconds = base_seconds + refined.chosen.extra_seconds
         greedy_seconds = base_seconds + greedy.chosen.extra_seconds
         result.append({"kind": "optimality", "graph": graph, "budget": budget, "budget_mb": round(budget / MB, 2),
@@ -560,9 +561,9 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
                        "gap": _gap(greedy_seconds, exact_seconds) if greedy.feasible and exact_fits else None,
                        "greedy_peak_mb": round(greedy.chosen.peak_bytes / MB, 2),
                        "exact_peak_mb": round(exact.peak_bytes / MB, 2),
-                       "sequence_step_ms": _ms(sequence_seconds) if sequence.feasible else None,
-                       "sequence_gap": (_gap(sequence_seconds, exact_seconds) if sequence.feasible and exact_fits
-                                        else None),
+                       "pruned_step_ms": _ms(pruned_seconds) if pruned.feasible else None,
+                       "pruned_gap": _gap(pruned_seconds, exact_seconds) if pruned.feasible and exact_fits else None,
+                       "pruned_peak_mb": round(pruned.chosen.peak_bytes / MB, 2),
                        "refined_step_ms": _ms(refined_seconds) if refined.feasible else None,
                        "refined_gap": _gap(refined_seconds, exact_seconds) if refined.feasible and exact_fits else None,
                        "refined_peak_mb": round(refined.chosen.peak_bytes / MB, 2),
@@ -672,8 +673,8 @@ def format_tables(records: list[dict]) -> str:
                          f"{r['ours_peak_mb']:.0f} | {r['ours_ratio']:.3f} | {'yes' if r['ours_fits'] else 'no'} |")
     optimality = [r for r in records if r["kind"] == "optimality"]
     if optimality:
-        lines += _table_head("graph", "budget MiB", "default predicted ms", "exact predicted ms", "gap",
-                             "sequence alone ms", "its gap", "default + refine ms", "gap after refine",
+        lines += _table_head("graph", "budget MiB", "greedy predicted ms", "exact predicted ms", "gap",
+                             "greedy + prune ms", "gap after prune", "greedy + refine ms", "gap after refine",
                              "plans searched")
         for r in optimality:
             if "error" in r:
@@ -681,7 +682,7 @@ def format_tables(records: list[dict]) -> str:
                 continue
             lines.append(f"| {r['graph']} | {r['budget_mb']:.2f} | {_cell(r['greedy_step_ms'], '{:.3f}')} | "
                          f"{_cell(r['exact_step_ms'], '{:.3f}')} | {_cell(r['gap'], '{:.2%}')} | "
-                         f"{_cell(r['sequence_step_ms'], '{:.3f}')} | {_cell(r['sequence_gap'], '{:.2%}')} | "
+                         f"{_cell(r['pruned_step_ms'], '{:.3f}')} | {_cell(r['pruned_gap'], '{:.2%}')} | "
                          f"{_cell(r['refined_step_ms'], '{:.3f}')} | {_cell(r['refined_gap'], '{:.2%}')} | "
                          f"{r['plans_searched']} |")
     return "\n".join(lines)

@@ -25,7 +25,6 @@ from .passes.offload import eligible_for_offload
 from .passes.plan import Plan, format_bytes
 from .passes.rewrite import build_graphs
 from .passes.progress import Progress
-from .passes.prune import Pruning, prune_solution
 from .passes.refine import Refinement, refine_solution
 from .passes.solve import Candidate, Solution, SolverError, solve_exact, without_banned_recompute
 from .passes.solve_offload import OffloadOptions, solve_joint
@@ -119,12 +118,6 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
                            progress)
 
     solution = solve(seconds)
-    pruning = None
-    if settings.solver != "exact" or exact_failed:
-        # The greedy's moves that do not lower the peak, undone where that is no slower and
-        # no higher (design.md, "Pruning"): spends none of the budget's room.
-        unpruned = solution
-        solution, pruning = prune_solution(analysis, solution, base_saved, seconds, offload, progress)
     refinement = None
     if settings.solver == "refined":  # opt-in: it spends the slack the greedy leaves (design.md, "Refinement")
         unrefined = solution
@@ -144,9 +137,6 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
-    if (pruning is not None and pruning.plan is not unpruned.chosen
-            and solution.chosen.saved == pruning.plan.saved):
-        plan.notes.append(_pruning_note(pruning, unpruned.chosen))
     if (refinement is not None and refinement.plan is not unrefined.chosen
             and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))
@@ -157,14 +147,6 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
         plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
-
-
-def _pruning_note(pruning: Pruning, unpruned: Candidate) -> str:
-    """What pruning changed in the greedy's plan (``passes/prune.py``), for ``Plan.notes``."""
-    faster = (unpruned.extra_seconds - pruning.plan.extra_seconds) * 1e3
-    lower = (unpruned.peak_bytes - pruning.plan.peak_bytes) / 2**20
-    return (f"pruned: {pruning.steps} undo step{'s' * (pruning.steps != 1)} after the greedy solver, predicted "
-            f"{faster:.3f} ms faster and {lower:.2f} MiB lower ({pruning.evaluated} plans evaluated)")
 
 
 def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:

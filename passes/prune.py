@@ -19,6 +19,13 @@ budget is spent: the plan's slack, which absorbs the simulator's errors under In
 is kept or grows. The result fits wherever the solver's plan fits, and it may fit a
 budget the solver's plan did not (its lowest plan pruned). Each step is one evaluation
 (whole-graph passes), so the evaluations are bounded (``MAX_EVALUATIONS``).
+
+Not the planner's default, and not wired into it: measured under Inductor (the contract
+suite with pruning after every greedy plan, docs/benchmarks.md), the plans it changes
+peak above what the simulator predicts for them (the Llama's minimum: predicted 2.94 MiB,
+measured 3.83, against 3.08 unpruned), so the steps it takes are the simulator's errors
+as much as the greedy's. ``model-check`` reports it (``pruned_*``) as the gap the model
+says a peak-aware greedy would close.
 """
 
 from __future__ import annotations
