@@ -32,7 +32,7 @@ def test_branch_and_bound_finds_the_hand_computed_optimum_of_two_tanhs():
 
 
 def test_branch_and_bound_agrees_with_the_exhaustive_search():
-    a, base, seconds, _ = _planned_for_h100(Tower(64, 3), torch.randn(32, 64, requires_grad=True))
+    a, base, seconds, _ = _planned_for_h100(Tower(256, 4), torch.randn(512, 256, requires_grad=True))
     pool = greedy_pool(a, base, seconds)
     candidates = exhaustive_candidates(a, base, seconds, None, pool)
     peaks = sorted({c.peak_bytes for c in candidates})
