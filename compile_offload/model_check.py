@@ -37,7 +37,8 @@ nothing runs):
    profile holds the result of that fit (``passes.cost.H100_CALIBRATION``).
 
 3. **Optimality.** On small graphs (``OPTIMALITY_GRAPHS``) the greedy joint solver's plan
-   at each budget of a sweep against the exhaustive optimum
+   (and the same pruned, ``passes.prune``, and refined) at each budget of a sweep against
+   the exhaustive optimum
    (``passes.solve_exhaustive``), both predicted under the same model.
 
 4. **Pareto against torch.** At each budget torch's partitioner reaches (its 0.5 and 0.0
@@ -71,6 +72,7 @@ from .passes.offload import eligible_for_offload
 from .passes.solve import SolverError, step_seconds, without_banned_recompute
 from .passes.solve import pick
 from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool
+from .passes.prune import prune_solution
 from .passes.refine import refine_solution
 from .passes.solve_offload import OffloadOptions, solve_joint
 
@@ -516,8 +518,10 @@ SWEEP_POINTS = 12
 def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points: int = SWEEP_POINTS) -> list[dict]:
     """The planner's greedy plan (the backend's default) against the exhaustive optimum at
     ``points`` budgets evenly spaced between the lowest peak the exhaustive search finds and
-    the unconstrained peak; ``refined_*``: the greedy's plan after refinement
-    (``solver="refined"``)."""
+    the unconstrained peak; ``pruned_*``: the greedy's plan after ``passes.prune`` (the
+    undos that are no slower and no higher under the model; not the default: measured, the
+    plans it changes peak above their predictions, docs/benchmarks.md); ``refined_*``: the
+    greedy's plan after refinement (``solver="refined"``)."""
     model, x = OPTIMALITY_GRAPHS[graph]()
     a = analyze_joint(capture_joint(model, x), fusion=True)
     seconds = seconds_function(a, profile)
@@ -536,17 +540,19 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
     extra_pool = set()
     for budget in budgets:
         greedy = solve_joint(a, base, seconds, budget, None, offload)
+        pruned = prune_solution(a, greedy, base, seconds, offload)[0]
         refined = refine_solution(a, greedy, base, seconds, offload)[0]
-        solved[budget] = (greedy, refined)
-        for solution in (greedy, refined):
+        solved[budget] = (greedy, pruned, refined)
+        for solution in (greedy, pruned, refined):
             extra_pool |= {a.roots.get(t, t) for t in solution.chosen.saved if tensor_value(t) is not None}
     if not extra_pool <= pool:
         exact_all = exhaustive_candidates(a, base, seconds, offload, pool | extra_pool, max_plans)
     result = []
     for budget in budgets:
-        greedy, refined = solved[budget]
+        greedy, pruned, refined = solved[budget]
         exact, exact_fits = pick(exact_all, budget)
         exact_seconds = base_seconds + exact.extra_seconds
+        pruned_seconds = base_seconds + pruned.chosen.extra_seconds
         refined_seconds = base_seconds + refined.chosen.extra_seconds
         greedy_seconds = base_seconds + greedy.chosen.extra_seconds
         result.append({"kind": "optimality", "graph": graph, "budget": budget, "budget_mb": round(budget / MB, 2),
@@ -555,6 +561,9 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
                        "gap": _gap(greedy_seconds, exact_seconds) if greedy.feasible and exact_fits else None,
                        "greedy_peak_mb": round(greedy.chosen.peak_bytes / MB, 2),
                        "exact_peak_mb": round(exact.peak_bytes / MB, 2),
+                       "pruned_step_ms": _ms(pruned_seconds) if pruned.feasible else None,
+                       "pruned_gap": _gap(pruned_seconds, exact_seconds) if pruned.feasible and exact_fits else None,
+                       "pruned_peak_mb": round(pruned.chosen.peak_bytes / MB, 2),
                        "refined_step_ms": _ms(refined_seconds) if refined.feasible else None,
                        "refined_gap": _gap(refined_seconds, exact_seconds) if refined.feasible and exact_fits else None,
                        "refined_peak_mb": round(refined.chosen.peak_bytes / MB, 2),
@@ -665,13 +674,15 @@ def format_tables(records: list[dict]) -> str:
     optimality = [r for r in records if r["kind"] == "optimality"]
     if optimality:
         lines += _table_head("graph", "budget MiB", "greedy predicted ms", "exact predicted ms", "gap",
-                             "greedy + refine ms", "gap after refine", "plans searched")
+                             "greedy + prune ms", "gap after prune", "greedy + refine ms", "gap after refine",
+                             "plans searched")
         for r in optimality:
             if "error" in r:
-                lines.append(f"| {r['graph']} | – | – | – | {r['error']} | – | – | – |")
+                lines.append(f"| {r['graph']} | – | – | – | {r['error']} | – | – | – | – | – |")
                 continue
             lines.append(f"| {r['graph']} | {r['budget_mb']:.2f} | {_cell(r['greedy_step_ms'], '{:.3f}')} | "
                          f"{_cell(r['exact_step_ms'], '{:.3f}')} | {_cell(r['gap'], '{:.2%}')} | "
+                         f"{_cell(r['pruned_step_ms'], '{:.3f}')} | {_cell(r['pruned_gap'], '{:.2%}')} | "
                          f"{_cell(r['refined_step_ms'], '{:.3f}')} | {_cell(r['refined_gap'], '{:.2%}')} | "
                          f"{r['plans_searched']} |")
     return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""Pruning after the greedy solver (passes/prune.py): undo the moves that do not lower the peak."""
+
+from __future__ import annotations
+
+import pytest
+
+from compile_offload.passes.prune import MAX_EVALUATIONS, prune_solution
+from compile_offload.passes.solve import pick
+from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
+from compile_offload.passes.solve_offload import solve_joint
+
+SWEEP = 12
+
+
+@pytest.fixture(scope="module")
+def narrow_block():
+    """One GPT-2-style block (d 64, 2 heads, seq 256, batch 2, bf16) on the meta device,
+    planned for the h100 profile, recompute only, with the simulator's in-place reuse (the
+    default): as on model-check's gpt2-block, the greedy's sequence carries moves that do
+    not lower the simulated peak, so its plans are slower than the optimum or fit no budget
+    below the unconstrained peak, and pruning reaches the optimum at some budgets. A size
+    the exhaustive search finishes in about a minute on a loaded 2-core machine.
+    (analysis, starting saved set, seconds, exhaustive candidates)."""
+    from compile_offload.model_check import capture_joint, decoder_on_meta, seconds_function
+    from compile_offload.passes import compat
+    from compile_offload.passes.analyze import analyze_joint
+    from compile_offload.passes.cost import BUILTIN_PROFILES
+    from compile_offload.passes.solve import without_banned_recompute
+
+    model, x = decoder_on_meta({"layers": 1, "d": 64, "heads": 2, "seq": 256, "batch": 2, "dtype": "bfloat16"})
+    a = analyze_joint(capture_joint(model, x), fusion=True)
+    seconds = seconds_function(a, BUILTIN_PROFILES["h100"])
+    base = without_banned_recompute(a, compat.min_cut_saved_values(a.joint))
+    return a, base, seconds, exhaustive_candidates(a, base, seconds, None, greedy_pool(a, base, seconds))
+
+
+def _sweep(low: int, high: int, points: int = SWEEP) -> list[int]:
+    return [low + (high - low) * i // (points - 1) for i in range(points)]
+
+
+def test_pruned_plan_dominates_the_greedy_plan_and_reaches_the_optimum_it_missed(narrow_block):
+    a, base, seconds, exact_all = narrow_block
+    reached = 0  # budgets where the greedy alone missed the optimum and the pruned plan is it
+    for budget in _sweep(min(c.peak_bytes for c in exact_all), exact_all[0].peak_bytes):
+        greedy = solve_joint(a, base, seconds, budget)
+        pruned, pruning = prune_solution(a, greedy, base, seconds, None)
+        exact, exact_fits = pick(exact_all, budget)
+        assert exact_fits
+        # Never higher, never slower, fits wherever the greedy's plan fits.
+        assert pruned.chosen.peak_bytes <= greedy.chosen.peak_bytes
+        assert pruned.chosen.extra_seconds <= greedy.chosen.extra_seconds
+        assert pruned.feasible >= greedy.feasible
+        assert pruned.feasible == (pruned.chosen.peak_bytes <= budget)
+        assert pruning.evaluated <= MAX_EVALUATIONS
+        if not pruned.feasible:
+            continue
+        # The optimum is never beaten (the exhaustive space holds every plan pruning reaches).
+        assert exact.extra_seconds <= pruned.chosen.extra_seconds * (1 + 1e-9) + 1e-15
+        missed = not greedy.feasible or greedy.chosen.extra_seconds > exact.extra_seconds * (1 + 1e-9) + 1e-15
+        if missed and pruned.chosen.extra_seconds == pytest.approx(exact.extra_seconds, rel=1e-9, abs=1e-15):
+            reached += 1
+    assert reached, "pruning reached no optimum the greedy missed: this graph no longer tests it"
+
+
+def test_pruning_leaves_the_unconstrained_plan_alone(narrow_block):
+    a, base, seconds, exact_all = narrow_block
+    greedy = solve_joint(a, base, seconds, exact_all[0].peak_bytes)  # the unconstrained plan fits
+    pruned, pruning = prune_solution(a, greedy, base, seconds, None)
+    assert pruned is greedy and pruning.evaluated == 0
