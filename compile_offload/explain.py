@@ -5,9 +5,11 @@ Dynamo traces the model and each graph goes through the backend's own pipeline (
 passes, our partitioner), so the plan is the one a compile makes. With a budget, the
 backend also checks the plan against the kernels Inductor generates and re-plans a graph
 whose generated code it predicts over the budget (``budget_loop``): where the model's
-tensors are real, on a device this process can run, explain takes the backend's own
-Inductor path (code generated, the loop run, the forward run once on the example inputs)
-and so keeps the plan the backend keeps; elsewhere (``meta``, a GPU that is not here) it
+tensors are real, on a device this process can run, and the plan is for that device (a GPU
+profile on CPU tensors is not: the CPU's generated code says nothing of the GPU's), explain
+takes the backend's own Inductor path (code generated, the loop run, the forward run once on the example inputs)
+and so keeps the plan the backend keeps; elsewhere (``meta``, a GPU that is not here, a GPU
+profile on CPU tensors) it
 skips code generation and each plan with a budget says in ``notes`` that the scheduled
 peak was not checked. Without a budget only Inductor's code generation is skipped and no
 kernel runs: the compiled forward graphs are executed on
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .passes.cost import BUILTIN_PROFILE_MEMORY_BYTES
 from .passes.plan import Plan
 
 from . import settings as settings_mod
@@ -108,6 +111,10 @@ def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -
         return ""
     if not_real is not None:
         why = not_real
+    elif settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type != "cuda":
+        # Planning for a GPU on this machine's tensors: the code Inductor would generate here
+        # is not the GPU's, so its scheduled peak says nothing about the plan asked for.
+        why = f"the plan is for the {settings.device_profile!r} GPU profile and the tensors are on {device.type}"
     elif device.type == "cuda" and not torch.cuda.is_available():
         why = "no CUDA device here"
     elif device.type not in ("cpu", "cuda"):

@@ -275,6 +275,7 @@ def test_a_plan_whose_scheduled_peak_exceeds_the_budget_is_made_again_under_a_lo
     assert kept.scheduled_peak_bytes <= kept.budget_bytes and kept.feasible
     assert any(note.startswith("re-planned under") for note in kept.notes)
     assert "planned under" in kept.summary()
+    assert f"scheduled {format_bytes(kept.scheduled_peak_bytes)}" in kept.summary()
     logger.removeHandler(handler)
     logger.setLevel(level)
     assert any("re-planning under" in line for line in lines)

@@ -257,6 +257,24 @@ def test_explain_on_meta_says_the_scheduled_peak_was_not_checked():
     assert not any(n.startswith("scheduled peak not checked") for n in unbudgeted.notes)
 
 
+def test_a_gpu_profile_on_cpu_tensors_is_not_checked_against_cpu_code(monkeypatch):
+    """Planning for a GPU on this machine's tensors: Inductor's CPU code says nothing about
+    the GPU's, so explain does not lower it (nor run the generated forward), and says so."""
+    import importlib
+
+    explain_module = importlib.import_module("compile_offload.explain")  # the module, not the function
+    monkeypatch.setattr(explain_module, "compile_with_the_budget_loop",
+                        lambda *args, **kwargs: pytest.fail("lowered CPU code for a GPU plan"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    x = torch.randn(16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile_offload.explain(model, x, memory_budget=0.6, device_profile="h100")
+    assert any(n.startswith("scheduled peak not checked") and "'h100' GPU profile" in n for n in plan.notes)
+    assert plan.scheduled_peak_bytes is None
+
+
 def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
     """solver="refined" refines the greedy's plan (passes/refine.py): the Plan carries the
     refined decisions, a note with the undo steps, and the plan cache stores it; a
