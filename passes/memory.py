@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 
 import torch.fx as fx
 
@@ -125,25 +126,93 @@ def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hash
 
 def peak_bytes(program: Program) -> int:
     """``simulate(program).peak_bytes`` without building the timeline: the solver simulates
-    hundreds of plans of thousands of steps and reads only their peaks. The same walk
-    (``tests/passes/test_memory.py`` pins the two together on random programs)."""
+    hundreds of plans of thousands of steps and reads only their peaks.
+
+    The same result as ``simulate``'s walk (``tests/passes/test_memory.py`` pins the two
+    together on random programs, odd ones included), in fewer passes over the steps: one
+    gathers what ``_frees_after`` and ``_in_place_storages`` read (last readers, first
+    sizes, backward readers, the steps that may write in place), and the live bytes are
+    then a running sum of changes at the allocations and after the frees, not a walk
+    over every step with a dict of sizes."""
     steps = program.steps
-    frees_after, storage_of = _frees_after(program)
-    size: dict[Hashable, int] = {}
-    live = peak = 0
-    no_frees = ()
+    backward_start = program.backward_start
+    last_read: dict[Hashable, int] = {}
+    first_size: dict[Hashable, tuple[int, int]] = {}  # key -> (index, bytes) of its first allocation
+    readers: dict[Hashable, int] = {}  # reads by allocating backward steps (``_in_place_storages``)
+    allocations: list[tuple[int, Hashable, int]] = []
+    writes_in_place: list[int] = []
     for index, step in enumerate(steps):
-        for key, nbytes in step.allocates:
-            if storage_of:
-                key = storage_of.get(key, key)
-            if key not in size:
-                size[key] = nbytes
-                live += nbytes
-        if live > peak:
-            peak = live
-        for key in frees_after.get(index, no_frees):
-            live -= size.pop(key, 0)
-    return peak
+        allocates = step.allocates
+        if allocates:
+            for key, nbytes in allocates:
+                if key not in last_read:
+                    last_read[key] = index
+                if key not in first_size:
+                    first_size[key] = (index, nbytes)
+                allocations.append((index, key, nbytes))
+            if index >= backward_start:
+                for key in step.reads:
+                    last_read[key] = index
+                    readers[key] = readers.get(key, 0) + 1
+            else:
+                for key in step.reads:
+                    last_read[key] = index
+            if step.in_place and len(allocates) == 1:
+                writes_in_place.append(index)
+        else:
+            for key in step.reads:
+                last_read[key] = index
+    outlives = program.outlives
+    # ``_in_place_storages``, visiting only the steps that may write in place.
+    storage_of: dict[Hashable, Hashable] = {}
+    if writes_in_place:
+        last_of_storage: dict[Hashable, int] = {}
+        for index in writes_in_place:
+            step = steps[index]
+            key, nbytes = step.allocates[0]
+            if key in storage_of:
+                continue
+            for candidate in step.in_place:
+                physical = storage_of.get(candidate, candidate)
+                last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
+                if (last == index and readers.get(candidate) == 1 and physical not in outlives
+                        and candidate not in outlives):
+                    size = first_size.get(physical)  # its size as of this step: allocated by now
+                    if size is not None and size[0] <= index and size[1] == nbytes:
+                        storage_of[key] = physical
+                        last_of_storage[physical] = max(last, last_read.get(key, index))
+                        break
+    if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
+        physical_last: dict[Hashable, int] = {}
+        for key, index in last_read.items():
+            physical = storage_of.get(key, key)
+            physical_last[physical] = max(index, physical_last.get(physical, index))
+        last_read = physical_last
+        outlives = {storage_of.get(key, key) for key in outlives}
+    # ``simulate`` adds a storage's bytes at an allocation when it is not live and takes
+    # them off after its last read when it is: so its first allocation adds them until
+    # then (for good when that read came before it, or the storage outlives the step),
+    # and the first allocation after that read adds them again for good.
+    change = [0] * (len(steps) + 1)
+    freed_after: dict[Hashable, int | None] = {}  # storage -> its last read, None once live for good
+    for index, key, nbytes in allocations:
+        if storage_of:
+            key = storage_of.get(key, key)
+        if key not in freed_after:
+            change[index] += nbytes
+            last = last_read[key]
+            if last >= index and key not in outlives:
+                change[last + 1] -= nbytes
+                freed_after[key] = last
+            else:
+                freed_after[key] = None
+        else:
+            last = freed_after[key]
+            if last is not None and index > last:
+                change[index] += nbytes
+                freed_after[key] = None
+    change.pop()
+    return max(0, max(accumulate(change), default=0))
 
 
 def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict[Hashable, Hashable]:
