@@ -612,33 +612,43 @@ def plan_program(
     # Inductor's channels-last copies of steady convolution inputs, made when the forward starts.
     steps: list[Step] = [Step("channels-last copies", [(layout_copy_key(n), nbytes) for n, nbytes in a.layout_copies.items()])
                          ] if a.layout_copies else []
-    for node, step in computed.forward:
-        if step is not None:
-            steps.append(step)
-            if node in offloaded:
-                steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
-        for tensor in waits_after.get(node, ()):
-            steps.append(Step(f"wait_offload {tensor.name}", [], [root(tensor, tensor)], kind="offload"))
+    if not offloaded and not waits_after:  # recompute-only plans: the steps as they are
+        steps += [step for _, step in computed.forward if step is not None]
+    else:
+        copied = offloaded | waits_after.keys()  # the nodes a copy step follows
+        for node, step in computed.forward:
+            if step is not None:
+                steps.append(step)
+            if node in copied:
+                if step is not None and node in offloaded:
+                    steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
+                for tensor in waits_after.get(node, ()):
+                    steps.append(Step(f"wait_offload {tensor.name}", [], [root(tensor, tensor)], kind="offload"))
     backward_start = len(steps)
     # What the backward reads: the kept saved tensors' storages, reloaded copies of the
     # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
-    kept_roots = {root(s, s) for s in saved if s not in offloaded}
+    kept_roots = {root(s, s) for s in saved if s not in offloaded} if offloaded else ()
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
+    if not reloaded:  # nothing renamed, no reload step
+        steps += [step for _, step in computed.backward if step is not None]
+        outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
+        return Program(steps, backward_start, outlives)
     first_use: dict[fx.Node, int] = {}
-    if reloaded:
-        input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
-        for index, (node, _) in enumerate(computed.backward):
-            for base in input_roots[node]:
-                if base in reloaded:
-                    first_use.setdefault(base, index)
+    input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
+    for index, (node, _) in enumerate(computed.backward):
+        for base in input_roots[node]:
+            if base in reloaded:
+                first_use.setdefault(base, index)
     reload_at: dict[int, list[fx.Node]] = {}
     for node, index in first_use.items():
         distance = (reload_distance or {}).get(node, prefetch_distance)
         reload_at.setdefault(max(0, index - distance), []).append(node)
     untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
     for index, (node, step) in enumerate(computed.backward):
-        for tensor in reload_at.get(index, ()):
-            steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
+        if index in reload_at:
+            for tensor in reload_at[index]:
+                steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))],
+                                  kind="reload"))
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
