@@ -19,7 +19,7 @@ inputs instead (which keeps those alive until the consumers run).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
@@ -476,11 +476,13 @@ class StepBuilder:
     def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
         self._move_to(frozenset(saved), frozenset(nodes.recomputed))
         kept_forward, kept_backward = self.forward_steps, self.backward_steps  # most nodes: a lookup
-        forward = [(node, kept_forward[node] if node in kept_forward else self._forward_step(node))
-                   for node in nodes.forward]
-        backward = [(node, kept_backward[node] if node in kept_backward else self._backward_step(node))
-                    for node in nodes.backward]
-        return ComputeSteps(forward, backward)
+        for node in [node for node in nodes.forward if node not in kept_forward]:
+            self._forward_step(node)
+        for node in [node for node in nodes.backward if node not in kept_backward]:
+            self._backward_step(node)
+        # Every step is kept now: pair them through C callables, not a frame per node.
+        return ComputeSteps(list(zip(nodes.forward, map(kept_forward.__getitem__, nodes.forward))),
+                            list(zip(nodes.backward, map(kept_backward.__getitem__, nodes.backward))))
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
         """Forget the steps that depend on a node whose fate differs from the last plan's."""
@@ -595,6 +597,8 @@ def plan_program(
     offload_wait_after: dict[fx.Node, fx.Node] | None = None,
     nodes: PlanNodes | None = None,
     computed: ComputeSteps | None = None,
+    first_uses: dict[fx.Node, int] | None = None,
+    first_uses_of: Container[fx.Node] = (),
 ) -> Program:
     """The program the partitioned graphs run when the forward saves ``saved`` (of which
     ``offloaded`` go to host memory) and the backward recomputes the rest. Each reload
@@ -602,7 +606,11 @@ def plan_program(
     ``prefetch_distance``). The forward waits for an offload after its last forward use,
     or after forward node ``offload_wait_after[tensor]`` (a later one): the device copy
     stays alive until then. ``nodes`` (``plan_nodes``) and ``computed``
-    (``compute_steps``, with the same ``fusion``): what the caller already has for ``saved``."""
+    (``compute_steps``, with the same ``fusion``): what the caller already has for ``saved``.
+    ``first_uses``: each tensor of ``first_uses_of`` (those looked for) -> the index in
+    ``computed.backward`` of the first step whose inputs' storages include it, for tensors
+    the backward reads (``transfer.first_backward_uses``; the solver keeps it per saved
+    set), so the backward is not walked for the reloads' first uses."""
     computed = computed or compute_steps(a, saved, fusion, nodes)
     root = a.roots.get
     waits_after: dict[fx.Node, list[fx.Node]] = {}
@@ -633,12 +641,20 @@ def plan_program(
         steps += [step for _, step in computed.backward if step is not None]
         outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
         return Program(steps, backward_start, outlives)
-    first_use: dict[fx.Node, int] = {}
     input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
-    for index, (node, _) in enumerate(computed.backward):
-        for base in input_roots[node]:
-            if base in reloaded:
-                first_use.setdefault(base, index)
+    first_use: dict[fx.Node, int] = {}
+    if first_uses is not None and all(t in first_uses_of for t in reloaded):
+        # The walk below, read off the caller's table: in the order the walk meets them
+        # (first use, then the order the user reads them in).
+        backward = computed.backward
+        met = sorted((t for t in reloaded if t in first_uses),
+                     key=lambda t: (first_uses[t], input_roots[backward[first_uses[t]][0]].index(t)))
+        first_use = {t: first_uses[t] for t in met}
+    else:
+        for index, (node, _) in enumerate(computed.backward):
+            for base in input_roots[node]:
+                if base in reloaded:
+                    first_use.setdefault(base, index)
     reload_at: dict[int, list[fx.Node]] = {}
     for node, index in first_use.items():
         distance = (reload_distance or {}).get(node, prefetch_distance)
