@@ -472,17 +472,25 @@ class StepBuilder:
         self.memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
         self._dependents: dict[fx.Node, list[fx.Node]] | None = None
         self._saved_storages: set[Hashable] | None = None
+        self._last: tuple[frozenset[fx.Node], PlanNodes, ComputeSteps] | None = None  # the last call's
 
     def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
-        self._move_to(frozenset(saved), frozenset(nodes.recomputed))
+        saved = frozenset(saved)
+        if self._last is not None and self._last[1] is nodes and self._last[0] == saved:
+            # Plans that only offload differently follow one another along a mixed
+            # sequence: the same saved set and nodes give the same steps (never edited).
+            return self._last[2]
+        self._move_to(saved, frozenset(nodes.recomputed))
         kept_forward, kept_backward = self.forward_steps, self.backward_steps  # most nodes: a lookup
         for node in [node for node in nodes.forward if node not in kept_forward]:
             self._forward_step(node)
         for node in [node for node in nodes.backward if node not in kept_backward]:
             self._backward_step(node)
         # Every step is kept now: pair them through C callables, not a frame per node.
-        return ComputeSteps(list(zip(nodes.forward, map(kept_forward.__getitem__, nodes.forward))),
-                            list(zip(nodes.backward, map(kept_backward.__getitem__, nodes.backward))))
+        computed = ComputeSteps(list(zip(nodes.forward, map(kept_forward.__getitem__, nodes.forward))),
+                                list(zip(nodes.backward, map(kept_backward.__getitem__, nodes.backward))))
+        self._last = (saved, nodes, computed)
+        return computed
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
         """Forget the steps that depend on a node whose fate differs from the last plan's."""
