@@ -29,7 +29,6 @@ import torch.fx as fx
 from . import compat
 from .analyze import (JointAnalysis, allocated_bytes, fusable_nodes, is_convolution, is_pointwise, is_view, layout_copies,
                       storage_roots, tensor_value, with_view_bases)
-from .schedule import emit_after_inputs
 
 
 @dataclass
@@ -406,6 +405,7 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     fw_inputs = a.fw_inputs
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
+    expanded: set[fx.Node] = set()  # nodes whose pending inputs were pushed above them
     copied = 0  # bw[:copied] are in ``order``
     for index in readers:
         node = bw[index]
@@ -414,7 +414,29 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
                 if copied < index:
                     order.extend(bw[copied:index])
                     copied = index
-                emit_after_inputs(arg, recomputed, emitted, fw_inputs.__getitem__, order)
+                # ``emit_after_inputs(arg, recomputed, emitted, fw_inputs.__getitem__, order)``
+                # inline (a call per recomputed input was a tenth of a deep solve). A node
+                # on top again after its pending inputs were pushed has them all emitted
+                # (the graph is acyclic), so it is emitted without listing them again.
+                stack = [arg]
+                while stack:
+                    current = stack[-1]
+                    if current in emitted:
+                        stack.pop()
+                    elif current in expanded:
+                        stack.pop()
+                        emitted.add(current)
+                        order.append(current)
+                    else:
+                        pending = [x for x in fw_inputs[current] if x in recomputed and x not in emitted]
+                        if pending:
+                            expanded.add(current)
+                            pending.reverse()  # the first input on top: emitted first
+                            stack.extend(pending)
+                        else:
+                            stack.pop()
+                            emitted.add(current)
+                            order.append(current)
     order.extend(bw[copied:])
     return order
 
