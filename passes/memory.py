@@ -19,16 +19,16 @@ inputs instead (which keeps those alive until the consumers run).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 
 import torch.fx as fx
 
 from . import compat
 from .analyze import (JointAnalysis, allocated_bytes, fusable_nodes, is_convolution, is_pointwise, is_view, layout_copies,
                       storage_roots, tensor_value, with_view_bases)
-from .schedule import emit_after_inputs
 
 
 @dataclass
@@ -125,25 +125,93 @@ def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hash
 
 def peak_bytes(program: Program) -> int:
     """``simulate(program).peak_bytes`` without building the timeline: the solver simulates
-    hundreds of plans of thousands of steps and reads only their peaks. The same walk
-    (``tests/passes/test_memory.py`` pins the two together on random programs)."""
+    hundreds of plans of thousands of steps and reads only their peaks.
+
+    The same result as ``simulate``'s walk (``tests/passes/test_memory.py`` pins the two
+    together on random programs, odd ones included), in fewer passes over the steps: one
+    gathers what ``_frees_after`` and ``_in_place_storages`` read (last readers, first
+    sizes, backward readers, the steps that may write in place), and the live bytes are
+    then a running sum of changes at the allocations and after the frees, not a walk
+    over every step with a dict of sizes."""
     steps = program.steps
-    frees_after, storage_of = _frees_after(program)
-    size: dict[Hashable, int] = {}
-    live = peak = 0
-    no_frees = ()
+    backward_start = program.backward_start
+    last_read: dict[Hashable, int] = {}
+    first_size: dict[Hashable, tuple[int, int]] = {}  # key -> (index, bytes) of its first allocation
+    readers: dict[Hashable, int] = {}  # reads by allocating backward steps (``_in_place_storages``)
+    allocations: list[tuple[int, Hashable, int]] = []
+    writes_in_place: list[int] = []
     for index, step in enumerate(steps):
-        for key, nbytes in step.allocates:
-            if storage_of:
-                key = storage_of.get(key, key)
-            if key not in size:
-                size[key] = nbytes
-                live += nbytes
-        if live > peak:
-            peak = live
-        for key in frees_after.get(index, no_frees):
-            live -= size.pop(key, 0)
-    return peak
+        allocates = step.allocates
+        if allocates:
+            for key, nbytes in allocates:
+                if key not in last_read:
+                    last_read[key] = index
+                if key not in first_size:
+                    first_size[key] = (index, nbytes)
+                allocations.append((index, key, nbytes))
+            if index >= backward_start:
+                for key in step.reads:
+                    last_read[key] = index
+                    readers[key] = readers.get(key, 0) + 1
+            else:
+                for key in step.reads:
+                    last_read[key] = index
+            if step.in_place and len(allocates) == 1:
+                writes_in_place.append(index)
+        else:
+            for key in step.reads:
+                last_read[key] = index
+    outlives = program.outlives
+    # ``_in_place_storages``, visiting only the steps that may write in place.
+    storage_of: dict[Hashable, Hashable] = {}
+    if writes_in_place:
+        last_of_storage: dict[Hashable, int] = {}
+        for index in writes_in_place:
+            step = steps[index]
+            key, nbytes = step.allocates[0]
+            if key in storage_of:
+                continue
+            for candidate in step.in_place:
+                physical = storage_of.get(candidate, candidate)
+                last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
+                if (last == index and readers.get(candidate) == 1 and physical not in outlives
+                        and candidate not in outlives):
+                    size = first_size.get(physical)  # its size as of this step: allocated by now
+                    if size is not None and size[0] <= index and size[1] == nbytes:
+                        storage_of[key] = physical
+                        last_of_storage[physical] = max(last, last_read.get(key, index))
+                        break
+    if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
+        physical_last: dict[Hashable, int] = {}
+        for key, index in last_read.items():
+            physical = storage_of.get(key, key)
+            physical_last[physical] = max(index, physical_last.get(physical, index))
+        last_read = physical_last
+        outlives = {storage_of.get(key, key) for key in outlives}
+    # ``simulate`` adds a storage's bytes at an allocation when it is not live and takes
+    # them off after its last read when it is: so its first allocation adds them until
+    # then (for good when that read came before it, or the storage outlives the step),
+    # and the first allocation after that read adds them again for good.
+    change = [0] * (len(steps) + 1)
+    freed_after: dict[Hashable, int | None] = {}  # storage -> its last read, None once live for good
+    for index, key, nbytes in allocations:
+        if storage_of:
+            key = storage_of.get(key, key)
+        if key not in freed_after:
+            change[index] += nbytes
+            last = last_read[key]
+            if last >= index and key not in outlives:
+                change[last + 1] -= nbytes
+                freed_after[key] = last
+            else:
+                freed_after[key] = None
+        else:
+            last = freed_after[key]
+            if last is not None and index > last:
+                change[index] += nbytes
+                freed_after[key] = None
+    change.pop()
+    return max(0, max(accumulate(change), default=0))
 
 
 def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict[Hashable, Hashable]:
@@ -337,6 +405,7 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     fw_inputs = a.fw_inputs
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
+    expanded: set[fx.Node] = set()  # nodes whose pending inputs were pushed above them
     copied = 0  # bw[:copied] are in ``order``
     for index in readers:
         node = bw[index]
@@ -345,7 +414,29 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
                 if copied < index:
                     order.extend(bw[copied:index])
                     copied = index
-                emit_after_inputs(arg, recomputed, emitted, fw_inputs.__getitem__, order)
+                # ``emit_after_inputs(arg, recomputed, emitted, fw_inputs.__getitem__, order)``
+                # inline (a call per recomputed input was a tenth of a deep solve). A node
+                # on top again after its pending inputs were pushed has them all emitted
+                # (the graph is acyclic), so it is emitted without listing them again.
+                stack = [arg]
+                while stack:
+                    current = stack[-1]
+                    if current in emitted:
+                        stack.pop()
+                    elif current in expanded:
+                        stack.pop()
+                        emitted.add(current)
+                        order.append(current)
+                    else:
+                        pending = [x for x in fw_inputs[current] if x in recomputed and x not in emitted]
+                        if pending:
+                            expanded.add(current)
+                            pending.reverse()  # the first input on top: emitted first
+                            stack.extend(pending)
+                        else:
+                            stack.pop()
+                            emitted.add(current)
+                            order.append(current)
     order.extend(bw[copied:])
     return order
 
@@ -403,15 +494,25 @@ class StepBuilder:
         self.memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
         self._dependents: dict[fx.Node, list[fx.Node]] | None = None
         self._saved_storages: set[Hashable] | None = None
+        self._last: tuple[frozenset[fx.Node], PlanNodes, ComputeSteps] | None = None  # the last call's
 
     def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
-        self._move_to(frozenset(saved), frozenset(nodes.recomputed))
+        saved = frozenset(saved)
+        if self._last is not None and self._last[1] is nodes and self._last[0] == saved:
+            # Plans that only offload differently follow one another along a mixed
+            # sequence: the same saved set and nodes give the same steps (never edited).
+            return self._last[2]
+        self._move_to(saved, frozenset(nodes.recomputed))
         kept_forward, kept_backward = self.forward_steps, self.backward_steps  # most nodes: a lookup
-        forward = [(node, kept_forward[node] if node in kept_forward else self._forward_step(node))
-                   for node in nodes.forward]
-        backward = [(node, kept_backward[node] if node in kept_backward else self._backward_step(node))
-                    for node in nodes.backward]
-        return ComputeSteps(forward, backward)
+        for node in [node for node in nodes.forward if node not in kept_forward]:
+            self._forward_step(node)
+        for node in [node for node in nodes.backward if node not in kept_backward]:
+            self._backward_step(node)
+        # Every step is kept now: pair them through C callables, not a frame per node.
+        computed = ComputeSteps(list(zip(nodes.forward, map(kept_forward.__getitem__, nodes.forward))),
+                                list(zip(nodes.backward, map(kept_backward.__getitem__, nodes.backward))))
+        self._last = (saved, nodes, computed)
+        return computed
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
         """Forget the steps that depend on a node whose fate differs from the last plan's."""
@@ -526,6 +627,8 @@ def plan_program(
     offload_wait_after: dict[fx.Node, fx.Node] | None = None,
     nodes: PlanNodes | None = None,
     computed: ComputeSteps | None = None,
+    first_uses: dict[fx.Node, int] | None = None,
+    first_uses_of: Container[fx.Node] = (),
 ) -> Program:
     """The program the partitioned graphs run when the forward saves ``saved`` (of which
     ``offloaded`` go to host memory) and the backward recomputes the rest. Each reload
@@ -533,7 +636,11 @@ def plan_program(
     ``prefetch_distance``). The forward waits for an offload after its last forward use,
     or after forward node ``offload_wait_after[tensor]`` (a later one): the device copy
     stays alive until then. ``nodes`` (``plan_nodes``) and ``computed``
-    (``compute_steps``, with the same ``fusion``): what the caller already has for ``saved``."""
+    (``compute_steps``, with the same ``fusion``): what the caller already has for ``saved``.
+    ``first_uses``: each tensor of ``first_uses_of`` (those looked for) -> the index in
+    ``computed.backward`` of the first step whose inputs' storages include it, for tensors
+    the backward reads (``transfer.first_backward_uses``; the solver keeps it per saved
+    set), so the backward is not walked for the reloads' first uses."""
     computed = computed or compute_steps(a, saved, fusion, nodes)
     root = a.roots.get
     waits_after: dict[fx.Node, list[fx.Node]] = {}
@@ -543,21 +650,37 @@ def plan_program(
     # Inductor's channels-last copies of steady convolution inputs, made when the forward starts.
     steps: list[Step] = [Step("channels-last copies", [(layout_copy_key(n), nbytes) for n, nbytes in a.layout_copies.items()])
                          ] if a.layout_copies else []
-    for node, step in computed.forward:
-        if step is not None:
-            steps.append(step)
-            if node in offloaded:
-                steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
-        for tensor in waits_after.get(node, ()):
-            steps.append(Step(f"wait_offload {tensor.name}", [], [root(tensor, tensor)], kind="offload"))
+    if not offloaded and not waits_after:  # recompute-only plans: the steps as they are
+        steps += [step for _, step in computed.forward if step is not None]
+    else:
+        copied = offloaded | waits_after.keys()  # the nodes a copy step follows
+        for node, step in computed.forward:
+            if step is not None:
+                steps.append(step)
+            if node in copied:
+                if step is not None and node in offloaded:
+                    steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
+                for tensor in waits_after.get(node, ()):
+                    steps.append(Step(f"wait_offload {tensor.name}", [], [root(tensor, tensor)], kind="offload"))
     backward_start = len(steps)
     # What the backward reads: the kept saved tensors' storages, reloaded copies of the
     # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
-    kept_roots = {root(s, s) for s in saved if s not in offloaded}
+    kept_roots = {root(s, s) for s in saved if s not in offloaded} if offloaded else ()
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
+    if not reloaded:  # nothing renamed, no reload step
+        steps += [step for _, step in computed.backward if step is not None]
+        outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
+        return Program(steps, backward_start, outlives)
+    input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
     first_use: dict[fx.Node, int] = {}
-    if reloaded:
-        input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
+    if first_uses is not None and all(t in first_uses_of for t in reloaded):
+        # The walk below, read off the caller's table: in the order the walk meets them
+        # (first use, then the order the user reads them in).
+        backward = computed.backward
+        met = sorted((t for t in reloaded if t in first_uses),
+                     key=lambda t: (first_uses[t], input_roots[backward[first_uses[t]][0]].index(t)))
+        first_use = {t: first_uses[t] for t in met}
+    else:
         for index, (node, _) in enumerate(computed.backward):
             for base in input_roots[node]:
                 if base in reloaded:
@@ -568,8 +691,10 @@ def plan_program(
         reload_at.setdefault(max(0, index - distance), []).append(node)
     untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
     for index, (node, step) in enumerate(computed.backward):
-        for tensor in reload_at.get(index, ()):
-            steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))], kind="reload"))
+        if index in reload_at:
+            for tensor in reload_at[index]:
+                steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))],
+                                  kind="reload"))
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}

@@ -27,6 +27,31 @@ class _Durations(dict):
         value = self[node] = self.seconds(node)
         return value
 
+    @property
+    def in_schedule(self) -> "_ScheduleDurations":
+        """node -> its time in a schedule: ``seconds(node)`` for ``call_function`` nodes,
+        0.0 for the rest (``transfer.timed``), also a table that fills itself."""
+        if "_in_schedule" not in self.__dict__:
+            self.__dict__["_in_schedule"] = _ScheduleDurations(self)
+        return self.__dict__["_in_schedule"]
+
+
+class _ScheduleDurations(dict):
+    def __init__(self, durations: _Durations) -> None:
+        super().__init__()
+        self.durations = durations
+
+    def __missing__(self, node: fx.Node) -> float:
+        value = self[node] = self.durations[node] if node.op == "call_function" else 0.0
+        return value
+
+
+def schedule_durations(seconds: Seconds) -> Callable[[fx.Node], float] | None:
+    """For a function ``node_durations`` returned: a lookup of each node's time in a
+    schedule (``seconds(node)`` if it is a ``call_function``, else 0.0); else None."""
+    table = getattr(seconds, "__self__", None)
+    return table.in_schedule.__getitem__ if table.__class__ is _Durations else None
+
 
 def node_durations(seconds: Seconds) -> Seconds:
     """``seconds`` as a table lookup (a bound ``dict.__getitem__``: no Python frame per call).

@@ -481,6 +481,9 @@ class Evaluator:
             reload_distance=transfers.reload_distance if transfers else None,
             offload_wait_after=transfers.offload_wait_after if transfers else None,
             computed=self.steps(plan.saved, facts.nodes),
+            # The reloads' first uses, kept per saved set (derived for the copies' price).
+            first_uses=facts.first_uses if plan.offloaded else None,
+            first_uses_of=facts.schedules[0].index if plan.offloaded else (),
         )
         timeline = simulate(program) if keep_timeline else None  # the search reads peaks only
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes if timeline else peak_bytes(program),

@@ -40,6 +40,7 @@ import torch.fx as fx
 from .analyze import JointAnalysis
 from .cost import DeviceProfile, transfer_seconds
 from .memory import PlanNodes, backward_order, forward_nodes_needed, recomputed_nodes
+from .node_durations import schedule_durations
 
 Seconds = Callable[[fx.Node], float]
 
@@ -68,9 +69,12 @@ class Schedule:
 def timed(nodes: Iterable[fx.Node], seconds: Seconds) -> Schedule:
     """``nodes`` run back to back; only ``call_function`` nodes take time."""
     nodes = tuple(nodes)
-    # Running sums, added in the same order as a loop would (so the same floats).
-    starts = list(itertools.accumulate((seconds(node) if node.op == "call_function" else 0.0 for node in nodes),
-                                       initial=0.0))
+    # Running sums, added in the same order as a loop would (so the same floats); with the
+    # solver's table of durations, each node's term is one lookup (no frame per node).
+    in_schedule = schedule_durations(seconds)
+    terms = (map(in_schedule, nodes) if in_schedule is not None
+             else (seconds(node) if node.op == "call_function" else 0.0 for node in nodes))
+    starts = list(itertools.accumulate(terms, initial=0.0))
     total = starts.pop()
     return Schedule(nodes, tuple(starts), total)
 

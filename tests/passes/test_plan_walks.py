@@ -126,3 +126,48 @@ def test_node_durations_are_the_cost_functions_values_looked_up():
     assert [looked_up(n) for n in nodes] == [a.position[n] * 1e-6 for n in nodes]
     assert calls == []  # every value came from the table
     assert node_durations(looked_up) is looked_up
+
+
+def test_schedules_timed_through_the_duration_table_equal_the_cost_functions():
+    # ``transfer.timed`` reads a node_durations table's schedule terms (0.0 for nodes that
+    # are not calls) instead of calling the cost function per node: the same floats.
+    from compile_offload.passes.node_durations import node_durations
+    from compile_offload.passes.transfer import timed
+
+    a, base = transformer()
+    rng = random.Random(2)
+    times = {n: rng.random() * 1e-3 for n in a.position}
+    seconds = times.__getitem__
+    looked_up = node_durations(seconds)
+    for saved in saved_sets(a, base, count=10):
+        nodes = plan_nodes(a, saved)
+        for order in (nodes.forward, nodes.backward):
+            assert timed(order, looked_up) == timed(order, seconds)
+
+
+def test_plan_program_with_the_saved_sets_first_uses_equals_the_backward_walk():
+    # The solver hands plan_program each saved set's first backward uses (kept for the
+    # copies' prices); the program must be the one walking the backward finds.
+    from compile_offload.passes.memory import StepBuilder, plan_program
+    from compile_offload.passes.transfer import first_backward_uses, plan_schedules
+
+    a, base = transformer()
+    rng = random.Random(3)
+    builder = StepBuilder(a, True)
+    compared = 0
+    for saved in saved_sets(a, base):
+        nodes = plan_nodes(a, saved)
+        forward, backward = plan_schedules(nodes, lambda n: 1e-6)
+        first_uses = first_backward_uses(a, backward, forward.index)
+        owners = [n for n in saved if a.roots.get(n, n) is n and n in forward.index]
+        offloaded = {n for n in owners if rng.random() < 0.5}
+        distance = {n: rng.randrange(0, 4) for n in offloaded}
+        computed = builder(saved, nodes)
+        assert builder(saved, nodes) is computed  # the same saved set again: the steps kept
+        walked = plan_program(a, saved, offloaded, fusion=True, reload_distance=distance, computed=computed)
+        read_off = plan_program(a, saved, offloaded, fusion=True, reload_distance=distance, computed=computed,
+                                first_uses=first_uses, first_uses_of=forward.index)
+        assert [(s.label, s.allocates, s.reads, s.kind) for s in read_off.steps] == \
+               [(s.label, s.allocates, s.reads, s.kind) for s in walked.steps]
+        compared += any(s.kind == "reload" for s in walked.steps)
+    assert compared > 5
