@@ -88,7 +88,9 @@ def emit_cached(plan: Plan) -> None:
     if plan.notes and not plan.decisions:  # torch's partition was used: say why, as info_line does
         line = f"{plan.graph_name}: not planned ({'; '.join(plan.notes)})"
     else:
-        line = plan.summary()
+        # The line a planning compile logs, which comes before Inductor's kernels (and so the
+        # scheduled peak) exist: a warm cache says what a cold compile said.
+        line = plan.summary(scheduled=False)
     log.info("%s [compiled code from Inductor's cache]", line)
     if plan.decisions:
         log.debug("%s: decisions\n%s", plan.graph_name, plan.table())

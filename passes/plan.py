@@ -94,17 +94,19 @@ class Plan:
         count the whole storage, so this is an upper bound there."""
         return sum(d.bytes for d in self.decisions if d.decision == kind)
 
-    def summary(self) -> str:
+    def summary(self, scheduled: bool = True) -> str:
+        """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
+        it is known), step time, decision counts."""
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         if self.planned_budget_bytes is not None:
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
         # Known once Inductor generated the code (after the INFO line at planning time): the
         # nearer figure to the allocator's where the planner's simulation misses what it does.
-        scheduled = ("" if self.scheduled_peak_bytes is None
-                     else f", scheduled {format_bytes(self.scheduled_peak_bytes)}")
+        scheduled_text = ("" if self.scheduled_peak_bytes is None or not scheduled
+                          else f", scheduled {format_bytes(self.scheduled_peak_bytes)}")
         return (
-            f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)}{scheduled} "
+            f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)}{scheduled_text} "
             f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
