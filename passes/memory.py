@@ -162,25 +162,7 @@ def peak_bytes(program: Program) -> int:
             for key in step.reads:
                 last_read[key] = index
     outlives = program.outlives
-    # ``_in_place_storages``, visiting only the steps that may write in place.
-    storage_of: dict[Hashable, Hashable] = {}
-    if writes_in_place:
-        last_of_storage: dict[Hashable, int] = {}
-        for index in writes_in_place:
-            step = steps[index]
-            key, nbytes = step.allocates[0]
-            if key in storage_of:
-                continue
-            for candidate in step.in_place:
-                physical = storage_of.get(candidate, candidate)
-                last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
-                if (last == index and readers.get(candidate) == 1 and physical not in outlives
-                        and candidate not in outlives):
-                    size = first_size.get(physical)  # its size as of this step: allocated by now
-                    if size is not None and size[0] <= index and size[1] == nbytes:
-                        storage_of[key] = physical
-                        last_of_storage[physical] = max(last, last_read.get(key, index))
-                        break
+    storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives)
     if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -219,38 +201,52 @@ def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict
     into the first of its ``in_place`` reads that the step reads last (no later step reads
     the storage, through any key already written into it) and that outlives nothing, of
     the same size. What Inductor's ``decide_inplace_update`` does for a kernel's output."""
+    steps = program.steps
+    writers = [index for index, step in enumerate(steps) if step.in_place and len(step.allocates) == 1]
+    if not writers:
+        return {}
+    readers: dict[Hashable, int] = {}
+    for step in steps[program.backward_start:]:
+        if step.allocates:  # views and fused values: their consumers' steps read the data
+            for key in step.reads:
+                readers[key] = readers.get(key, 0) + 1
+    first_size: dict[Hashable, tuple[int, int]] = {}
+    for index, step in enumerate(steps):
+        for key, nbytes in step.allocates:
+            first_size.setdefault(key, (index, nbytes))
+    return _take_in_place(steps, writers, last_read, readers, first_size, program.outlives)
+
+
+def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashable, int],
+                   readers: dict[Hashable, int], first_size: dict[Hashable, tuple[int, int]],
+                   outlives: Container[Hashable]) -> dict[Hashable, Hashable]:
+    """The in-place rule of ``_in_place_storages`` (and ``peak_bytes``, which gathers its
+    inputs in its own pass): ``writers``, the steps with ``in_place`` candidates and one
+    allocation, in order; ``readers``, reads per key by allocating backward steps;
+    ``first_size``, each key's first allocation (step, bytes).
+
+    Only a storage read by this one step is taken over: a kernel that reads it at more
+    than one index (a reduction and a pointwise loop of the same fused kernel: measured,
+    the Llama's saved RMSNorm inputs and MLP activations, each read by several backward
+    steps, are never overwritten) cannot write into it, and which of several readers
+    Inductor fuses together is not known here."""
     storage_of: dict[Hashable, Hashable] = {}
     last_of_storage: dict[Hashable, int] = {}
-    sizes: dict[Hashable, int] = {}
-    if not any(step.in_place for step in program.steps):
-        return storage_of
-    # Only a storage read by this one step is taken over: a kernel that reads it at more
-    # than one index (a reduction and a pointwise loop of the same fused kernel: measured,
-    # the Llama's saved RMSNorm inputs and MLP activations, each read by several backward
-    # steps, are never overwritten) cannot write into it, and which of several readers
-    # Inductor fuses together is not known here.
-    readers: dict[Hashable, int] = {}  # in the backward, where the candidates are (saved tensors)
-    for step in program.steps[program.backward_start:]:
-        if not step.allocates:  # views and fused values: their consumers' steps read the data
-            continue
-        for key in step.reads:
-            readers[key] = readers.get(key, 0) + 1
-    for index, step in enumerate(program.steps):
-        for key, nbytes in step.allocates:
-            sizes.setdefault(key, nbytes)
-        if not step.in_place or len(step.allocates) != 1:
-            continue
+    for index in writers:
+        step = steps[index]
         key, nbytes = step.allocates[0]
         if key in storage_of:
             continue
         for candidate in step.in_place:
             physical = storage_of.get(candidate, candidate)
             last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
-            if (last == index and readers.get(candidate) == 1 and physical not in program.outlives
-                    and candidate not in program.outlives and sizes.get(physical) == nbytes):
-                storage_of[key] = physical
-                last_of_storage[physical] = max(last, last_read.get(key, index))
-                break
+            if (last == index and readers.get(candidate) == 1 and physical not in outlives
+                    and candidate not in outlives):
+                size = first_size.get(physical)  # its size as of this step: allocated by now
+                if size is not None and size[0] <= index and size[1] == nbytes:
+                    storage_of[key] = physical
+                    last_of_storage[physical] = max(last, last_read.get(key, index))
+                    break
     return storage_of
 
 
