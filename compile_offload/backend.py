@@ -220,15 +220,16 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     def replan(budget_bytes: int) -> budget_loop.Attempt | None:
         return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
 
+    looped = budget_loop.over_budget(records[0].plan)
     first = budget_loop.Attempt(compiled, records[0].plan, results[0] if results else None)
     kept = budget_loop.keep_within_budget(first, replan)
-    if budget_loop.over_budget(records[0].plan) and kept.result is not None:
+    if looped and kept.result is not None:
         # Each re-plan's dump went over the graph's folder as it was made, before the loop
         # marked it: the folder shows the plan that runs, with its notes.
         logs.dump(kept.result, gm, settings)
     key = graph_reports.record_key(gm, example_inputs, settings)
     if kept.compiled is compiled:
-        if budget_loop.over_budget(records[0].plan):  # kept over its budget: the record keeps the loop's note
+        if looped:  # kept over its budget: the record keeps the loop's note
             graph_reports.store(key, records)
         return compiled, records
     kept_records = _records([kept.result])

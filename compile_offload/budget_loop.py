@@ -103,6 +103,8 @@ def scheduled_program(forward: GraphKernels, backward: GraphKernels | None) -> P
     buffer stay under the peak. That estimate is taken here from the program without such
     reuse (Inductor's own counts less, so this holds fewer buffers than it does).
     """
+    if all(graph.reuses is not None for graph in (forward, backward) if graph is not None):
+        return _program(forward, backward, None)  # the generated code's reuses: no estimate to take
     without_reuse = _program(forward, backward, None)
     return _program(forward, backward, list(simulate(without_reuse).live_bytes))
 
@@ -304,10 +306,16 @@ def keep_within_budget(first: Attempt, replan: Callable[[int], Attempt | None]) 
 OVER_BUDGET_NOTE = "scheduled peak"  # how the note of a kept plan still over its budget starts
 
 
+def kept_over_budget_note(plan: Plan) -> str | None:
+    """The note ``keep_within_budget`` leaves on a plan it kept over its budget (None: none),
+    which a warm cache's record carries (``graph_reports.replay`` warns again on it)."""
+    return next((n for n in plan.notes if n.startswith(OVER_BUDGET_NOTE) and "over the budget after" in n), None)
+
+
 def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
     """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
     (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
-    note = next((n for n in plan.notes if n.startswith(OVER_BUDGET_NOTE) and "over the budget after" in n), None)
+    note = kept_over_budget_note(plan)
     tried = "" if note is None else note.rsplit("after ", 1)[-1]
     warnings.warn(
         f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "

@@ -125,6 +125,5 @@ def replay(records: list[GraphRecord], settings: Settings, graph_name: str) -> N
             )
         emit_cached(plan)
         report_budget(plan, settings)
-        if plan.scheduled_peak_bytes is not None and any(
-                n.startswith(budget_loop.OVER_BUDGET_NOTE) and "over the budget after" in n for n in plan.notes):
+        if plan.scheduled_peak_bytes is not None and budget_loop.kept_over_budget_note(plan) is not None:
             budget_loop.warn_over_budget(plan, stacklevel=4)  # the budget loop's warning, as when it was made

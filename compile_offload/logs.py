@@ -57,8 +57,7 @@ def remember(plan: Plan) -> None:
 
 def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
     """Report one graph the partitioner planned, through every channel."""
-    _latest_plans.pop(result.plan.graph_name, None)
-    _latest_plans[result.plan.graph_name] = result.plan
+    remember(result.plan)
     folder = dump(result, joint_gm, settings)
     log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
     if result.plan.decisions:
@@ -83,8 +82,7 @@ def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
 def emit_cached(plan: Plan) -> None:
     """Report a plan whose graphs came from Inductor's or AOTAutograd's cache (the
     partitioner did not run): the same log lines and trace as when it was made."""
-    _latest_plans.pop(plan.graph_name, None)
-    _latest_plans[plan.graph_name] = plan
+    remember(plan)
     if plan.notes and not plan.decisions:  # torch's partition was used: say why, as info_line does
         line = f"{plan.graph_name}: not planned ({'; '.join(plan.notes)})"
     else:
