@@ -10,6 +10,7 @@ compiled and one step each is measured. The contract (issue 15):
 
     python -m compile_offload.benchmarks.budget_contract                    # CPU, the tiny models
     python -m compile_offload.benchmarks.budget_contract --models mlp_mixer --fractions 0.6
+    python -m compile_offload.benchmarks.budget_contract --device cuda      # the same models on a GPU
 
 ``tests/test_budget_contract.py`` runs the same functions.
 """
@@ -135,14 +136,23 @@ class Point:
         return broken
 
 
+def _on(device: str, model: nn.Module, inputs: tuple) -> tuple[nn.Module, tuple]:
+    """The model and its inputs on ``device`` (inputs keep ``requires_grad`` as leaves)."""
+    if device == "cpu":
+        return model, inputs
+    return model.to(device), tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in inputs)
+
+
 def measure_point(name: str, budget_bytes: int | None, fraction: float | None = None,
-                  inner_compiler: str = "inductor", solver: str | None = None) -> Point:
+                  inner_compiler: str = "inductor", solver: str | None = None, device: str = "cpu") -> Point:
     """Compile ``name`` under ``budget_bytes``, run a warm-up step, and measure one step
     (gradients set to None first, as the plans assume). ``solver``: the planner's solver
-    (None: the configured default)."""
+    (None: the configured default). ``device``: "cpu" plans with the built-in "cpu" profile;
+    "cuda" with the GPU's own, measured once (``device_profile=None``)."""
     from compile_offload import logs, partitioner
 
     model, inputs, loss_of = build(name)
+    model, inputs = _on(device, model, inputs)
     model.train()
     plans = []
     plan_partition = partitioner.plan_partition
@@ -162,10 +172,10 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
             # The loss is part of the compiled graph: the plan then covers the whole step.
             options = {} if solver is None else {"solver": solver}
             compiled = torch.compile(lambda *args: loss_of(model(*args)), backend=compile_offload.offload_remat(
-                memory_budget=budget_bytes, device_profile="cpu", inner_compiler=inner_compiler, **options))
+                memory_budget=budget_bytes, device_profile="cpu" if device == "cpu" else None, inner_compiler=inner_compiler, **options))
             compiled(*inputs).backward()
             model.zero_grad(set_to_none=True)
-            with measure_peak("cpu") as measured:
+            with measure_peak(device) as measured:
                 compiled(*inputs).backward()
     finally:
         partitioner.plan_partition = plan_partition
@@ -181,12 +191,12 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
 
 
 def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor",
-                  solver: str | None = None) -> list[Point]:
-    unconstrained = measure_point(name, None, None, inner_compiler, solver)
+                  solver: str | None = None, device: str = "cpu") -> list[Point]:
+    unconstrained = measure_point(name, None, None, inner_compiler, solver, device)
     points = [unconstrained]
     for fraction in fractions:
         points.append(measure_point(name, int(fraction * unconstrained.measured_bytes), fraction, inner_compiler,
-                                    solver))
+                                    solver, device))
     return points
 
 
@@ -243,6 +253,8 @@ def main(argv=None) -> int:
     parser.add_argument("--inner-compiler", default="inductor", choices=("inductor", "eager"))
     parser.add_argument("--solver", default=None, choices=("greedy", "refined", "exact"),
                         help="the planner's solver (default: compile_offload.config's)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the models run and memory is measured (cuda: max_memory_allocated)")
     parser.add_argument("--why", action="store_true",
                         help="per model, the first fraction's budget under Inductor variants (fusion, reordering off)")
     args = parser.parse_args(argv)
@@ -260,10 +272,11 @@ def main(argv=None) -> int:
         if not available(name):
             print(f"{name}: skipped (transformers is not installed)")
             continue
-        points += measure_model(name, fractions, args.inner_compiler, args.solver)
+        points += measure_model(name, fractions, args.inner_compiler, args.solver, args.device)
     solver = "" if args.solver is None else f", solver={args.solver}"
-    print(f"torch {torch.__version__}, {datetime.date.today()}, CPU, inner_compiler={args.inner_compiler}{solver}, "
-          "memory measured at the CPU allocator (compile_offload.measure_peak)\n")
+    where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"torch {torch.__version__}, {datetime.date.today()}, {where}, inner_compiler={args.inner_compiler}{solver}, "
+          f"memory measured at the {args.device.upper()} allocator (compile_offload.measure_peak)\n")
     print(table(points))
     return 0
 

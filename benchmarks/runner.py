@@ -92,13 +92,19 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit, with "-dirty" where its tracked files differ from it (results of
+    uncommitted code must not pass for the commit's)."""
+    where = Path(__file__).parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=where, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    if not commit:
+        return None
+    return f"{commit}-dirty" if dirty.returncode == 1 else commit
 
 
 def describe_environment(suite: Suite) -> dict:

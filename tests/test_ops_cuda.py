@@ -216,7 +216,13 @@ def test_inductor_never_frees_or_reuses_a_source_before_its_wait(method, monkeyp
         fn = torch.compile(offload_entry, backend=make_backend(offload=True, inner="inductor", codes=codes))
         oracle = torch.compile(oracle_entry, backend=make_backend(offload=False, inner="inductor"))
         inputs = make_inputs(0, dim=1024)
-        assert_bitwise(run_step(fn, inputs), run_step(oracle, inputs), "compiled once")
+        # Close, not bitwise: under a forced peak-memory order the two graphs (one with offload
+        # ops reading h2) fuse the forward's reduction h2[:, ::2].sum() differently, and on an
+        # H200 (torch 2.11) it differed in its last bit. A source freed or reused before its
+        # copy completed gives garbage, far outside this tolerance; the bitwise claim is the
+        # delayed-iteration test's, where both graphs fuse alike.
+        for i, (got, want) in enumerate(zip(run_step(fn, inputs), run_step(oracle, inputs), strict=True)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"compiled once: result {i} differs")
     (code,) = codes
     checked = source_buffers_live_until_waits(code)
     assert checked and len(checked) == code.count("compile_offload.offload.default(")

@@ -1,9 +1,11 @@
-"""Two rules of the code Inductor generates that the scheduled peak (``budget_loop.py``,
+"""Three rules of the code Inductor generates that the scheduled peak (``budget_loop.py``,
 ``inductor_kernels.py``) follows, each checked on hand-built records and at the allocator
 against compiled code:
 
 - an op returning a tuple (a fallback such as ``convolution_backward``) allocates every part
   while it runs, its inputs alive; the ``MultiOutput`` nodes after it only name the parts;
+- only the budgeted device's buffers count: a CUDA graph's offloads return pinned host copies,
+  which are CPU buffers of that graph (checked here on the rules, not yet on a GPU);
 - the buffers the generated code reuses (``buf5 = buf2; del buf2  # reuse``: in-place
   updates and the wrapper's pool) are read from the wrapper Inductor planned, not
   reproduced: the pool holds a freed buffer until a later allocation of its size whenever
@@ -136,3 +138,41 @@ def test_the_reuses_read_are_the_generated_codes_and_give_its_peak():
     assert backward.reuses  # there is something to read
     measured = _measured(step, model, x)
     assert measured * 0.98 <= plan.scheduled_peak_bytes <= measured * 1.02
+
+
+def test_the_budgeted_device_is_the_graphs_accelerator_as_inductor_picks_it():
+    assert inductor_kernels.budget_device(["cpu", "cuda"]) == "cuda"  # a CUDA graph with offloads
+    assert inductor_kernels.budget_device(["cuda"]) == "cuda"
+    assert inductor_kernels.budget_device(["cpu"]) == "cpu"
+    assert inductor_kernels.budget_device(["meta", "cpu"]) == "cpu"
+    assert inductor_kernels.budget_device([]) == "cpu"
+
+
+def test_a_host_buffer_of_a_cuda_graph_is_not_device_memory():
+    # The layouts Inductor gives an offload's pinned host copy (CPU) and a kernel's output
+    # (CUDA) in one CUDA graph: only the second is device memory under the budget. Layouts and
+    # sizes are plain data: no GPU is needed to build them.
+    from types import SimpleNamespace
+
+    from torch._inductor import ir
+    from torch._inductor.sizevars import SizeVarAllocator
+
+    def buffer(device: str):
+        layout = ir.FixedLayout(torch.device(device), torch.bfloat16, [64, 32])
+        node = SimpleNamespace(get_output_spec=lambda: layout, should_allocate=lambda: True)
+        return SimpleNamespace(node=node, get_name=lambda: f"on_{device}")
+
+    sizevars = SizeVarAllocator()
+    on_gpu = inductor_kernels._allocation(buffer("cuda"), "cuda", sizevars)
+    on_host = inductor_kernels._allocation(buffer("cpu"), "cuda", sizevars)
+    assert on_gpu.bytes == 64 * 32 * 2 and on_gpu.reuse_key
+    assert on_host.bytes == 0
+    # The same host buffer in a CPU graph is what the budget bounds.
+    assert inductor_kernels._allocation(buffer("cpu"), "cpu", sizevars).bytes == 64 * 32 * 2
+    # A program of such a record: the host copy the backward reads costs the device nothing.
+    forward = GraphKernels(False, [Kernel("k0", [Buffer("act", 100, "A")], ["x"]),
+                                   Kernel("offload", [on_host], ["act"])],
+                           ["x"], ["on_cpu"], ["saved"])
+    backward = GraphKernels(True, [Kernel("reload", [Buffer("back", 100, "A")], ["saved"])],
+                            ["saved"], ["back"], ["grad"])
+    assert simulate(scheduled_program(forward, backward)).peak_bytes == 100
