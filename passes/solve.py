@@ -478,10 +478,15 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
         sequence.append(plan)
         if not progress.step():
             break
+    sequences = [sequence]
+    if not progress.out_of_time:  # small graphs: every move simulated (passes.solve_peak)
+        from .solve_peak import peak_moves  # it builds on this module
+
+        sequences.append([start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate_plan))])
     if complete:
-        candidates = [evaluate_plan(plan) for plan in unique_plans(sequence)]
+        candidates = [evaluate_plan(plan) for plan in unique_plans([plan for seq in sequences for plan in seq])]
     else:
-        candidates = search_sequences([sequence], evaluate_plan, budget_bytes, progress)
+        candidates = search_sequences(sequences, evaluate_plan, budget_bytes, progress)
     return select(a, candidates, budget_bytes, None, _with_timeline(a))
 
 

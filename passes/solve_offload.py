@@ -70,6 +70,7 @@ from .solve import (
 )
 from .progress import Progress
 from .search_sequence import first_fitting, lowest
+from .solve_peak import peak_moves
 from .transfer import LinkEstimate, Schedule, TransferPlan, first_backward_uses, plan_schedules, plan_transfers
 
 
@@ -144,6 +145,8 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
             if not progress.step():
                 break
         sequences.append(sequence)
+    if not progress.out_of_time:  # small graphs: the sequence that simulates every move (passes.solve_peak)
+        sequences.append([start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate))])
     if complete:
         candidates = [evaluate(plan) for plan in unique_plans([plan for sequence in sequences for plan in sequence])]
     else:
