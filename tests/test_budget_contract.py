@@ -10,9 +10,14 @@ from compile_offload.benchmarks import budget_contract as contract
 
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 
-# Measured on CPU, torch 2.13, 2026-11-25 (docs/benchmarks.md, "The budget contract"): these
-# families break the contract today; strict, so a fix shows up as an unexpected pass.
+# Measured on CPU, torch 2.13, 2026-11-25 and 2026-11-26 (docs/benchmarks.md, "The budget
+# contract"): these families break the contract today; strict, so a fix shows up as an
+# unexpected pass.
 _BROKEN = {
+    "mlp_mixer": "at 0.6 the re-planned plan is predicted 2.32 MiB and measures 2.45 (5.1% off; the budget, 2.63, "
+                 "is kept and the scheduled peak is exact): Inductor computes the loss gradient again inside the "
+                 "residual's pointwise kernel, which reads its saved input after the plan's simulator freed it "
+                 "(design.md, Memory simulator)",
     "hf_gpt2": "at 0.4 the minimum-memory plan measures 3.84 MiB, 3.28 predicted: Inductor's post-grad addmm "
                "pattern computes the LM head's weight gradient (tied to the embedding) inside the embedding "
                "gradient's add at the end of the backward, so the 512 KiB logits gradient and the final hidden "
