@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The checks a session with a borrowed GPU runs, sized for a 15-minute lease in two calls
+# (learned on an H200, 2026-11-26: a call's start costs ~30 s, Triton compiles on cold caches
+# make each compiled strategy 10-60 s, and at most 8 files come back from a call).
+#
+#   benchmarks/device_check.sh OUTDIR first    # <= 560 s: CUDA tests, then the GPT and deep sweeps
+#   benchmarks/device_check.sh OUTDIR second   # <= 240 s: the budget contract's CUDA path, model by model
+#
+# "first" writes 6 files (env.txt, cuda_tests.log, bench.log, gpt.md, gpt.jsonl, deep.md; the
+# deep jsonl and the plots are dropped to stay under 8), "second" 2 (contract_cuda.md and
+# its stderr). Each step has a hard limit, and what finished is written even when a later
+# step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
+# full call of its own). PYTHON=... picks the interpreter.
+set -uo pipefail
+
+OUT=${1:?usage: benchmarks/device_check.sh OUTDIR first|second}
+PART=${2:?usage: benchmarks/device_check.sh OUTDIR first|second}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+say() { echo "[device_check +$(( $(date +%s) - T0 ))s] $*" >&2; }
+
+# The checkout installed (offline: no build isolation, no dependencies).
+"$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >&2 || exit 1
+CACHE=$(mktemp -d)
+trap 'rm -rf "$CACHE"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="$CACHE"
+
+bench() {  # bench HARD_LIMIT_S ARGS...
+    local limit=$1
+    shift
+    timeout --signal=INT --kill-after=15 "$limit" "$PY" -c "from compile_offload.bench import main; main()" "$@" \
+        >>"$OUT/bench.log" 2>&1
+    say "bench $2: exit $?"
+}
+
+case "$PART" in
+first)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      "$PY" -c "import sys, torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(), 'Python', sys.version.split()[0])"
+      git rev-parse --short HEAD 2>/dev/null; } >"$OUT/env.txt" 2>&1
+    cat "$OUT/env.txt" >&2
+    # 120 CUDA tests took 190 s in all on an H200 with cold caches: per-test limit, hard stop.
+    per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90")  # where pytest-timeout is there
+    timeout -s INT -k 10 200 "$PY" -m pytest -m cuda -q -p no:cacheprovider $per_test -rfEs --durations=10 \
+        >"$OUT/cuda_tests.log" 2>&1
+    say "CUDA tests: exit $? ($(tail -1 "$OUT/cuda_tests.log"))"
+    bench 190 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 140 \
+        --budgets 0.5,0.25,2GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget,eager_ckpt,torch_sac_offload
+    bench 150 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 100 \
+        --budgets 3GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget
+    rm -f "$OUT"/*.png "$OUT/deep.jsonl"
+    ;;
+second)
+    for model in transformer mlp_mixer conv_bn hf_llama hf_gpt2; do
+        timeout -s INT -k 5 45 "$PY" -m compile_offload.benchmarks.budget_contract --device cuda --models "$model" \
+            >>"$OUT/contract_cuda.md" 2>>"$OUT/contract_cuda.err"
+        say "contract $model: exit $?"
+    done
+    ;;
+*)
+    echo "device_check.sh: unknown part '$PART' (first or second)" >&2
+    exit 2
+    ;;
+esac
+ls -l "$OUT" >&2
