@@ -65,6 +65,11 @@ class Schedule:
     def end(self, index: int) -> float:
         return self.starts[index + 1] if index + 1 < len(self.nodes) else self.total
 
+    @cached_property
+    def ends(self) -> tuple[float, ...]:
+        """``end(i)`` for every node, non-decreasing (for binary searches)."""
+        return (*self.starts[1:], self.total)
+
 
 def timed(nodes: Iterable[fx.Node], seconds: Seconds) -> Schedule:
     """``nodes`` run back to back; only ``call_function`` nodes take time."""
@@ -204,9 +209,11 @@ def _plan_offloads(a: JointAnalysis, forward: Schedule, offloaded: set[fx.Node],
         issued = forward.end(index[tensor])
         begin = max(issued, link_free)
         end = link_free = begin + transfer_seconds(a.bytes_of.get(tensor, 0), profile, "d2h")
+        # The first node from the last use on whose end is not before the copy's (the last
+        # node when none): a binary search, the ends being non-decreasing (a scan was 40% of
+        # planning deep-48 at 2 GiB).
         wait = last_forward_use(a, tensor, index)
-        while wait < last and forward.end(wait) < end:
-            wait += 1
+        wait = bisect.bisect_left(forward.ends, end, wait, last) if wait < last else wait
         # Only waits after the last node can find their copy unfinished; they run in
         # issue order, which is the order the copies finish in.
         stall = max(0.0, end - now) if wait == last else 0.0
