@@ -23,19 +23,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 say() { echo "[device_check +$(( $(date +%s) - T0 ))s] $*" >&2; }
 
-# The checkout installed (offline: no build isolation, no dependencies).
-"$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >&2 || exit 1
-CACHE=$(mktemp -d)
-trap 'rm -rf "$CACHE"' EXIT
-export TORCHINDUCTOR_CACHE_DIR="$CACHE"
-
-bench() {  # bench HARD_LIMIT_S ARGS...
-    local limit=$1
-    shift
-    timeout --signal=INT --kill-after=15 "$limit" "$PY" -c "from compile_offload.bench import main; main()" "$@" \
-        >>"$OUT/bench.log" 2>&1
-    say "bench $2: exit $?"
-}
+. benchmarks/device_setup.sh  # the checkout installed, cold caches, bench LOG LIMIT ARGS...
 
 case "$PART" in
 first)
@@ -48,9 +36,9 @@ first)
     timeout -s INT -k 10 200 "$PY" -m pytest -m cuda -q -p no:cacheprovider $per_test -rfEs --durations=10 \
         >"$OUT/cuda_tests.log" 2>&1
     say "CUDA tests: exit $? ($(tail -1 "$OUT/cuda_tests.log"))"
-    bench 190 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 140 \
+    bench "$OUT/bench.log" 190 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 140 \
         --budgets 0.5,0.25,2GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget,eager_ckpt,torch_sac_offload
-    bench 150 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 100 \
+    bench "$OUT/bench.log" 150 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 100 \
         --budgets 3GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget
     rm -f "$OUT"/*.png "$OUT/deep.jsonl"
     ;;

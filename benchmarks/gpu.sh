@@ -17,33 +17,19 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-# The checkout installed (offline: no build isolation, no dependencies): compile_offload.passes
-# and compile_offload.benchmarks exist only as installed names.
-"$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >&2 || exit 1
-# Cold Inductor caches, so first-call times are compile times (as in the anchors).
-CACHE=$(mktemp -d)
-trap 'rm -rf "$CACHE"' EXIT
-export TORCHINDUCTOR_CACHE_DIR="$CACHE"
-
-bench() {  # bench HARD_LIMIT_S ARGS...
-    local limit=$1
-    shift
-    timeout --signal=INT --kill-after=20 "$limit" "$PY" -c "from compile_offload.bench import main; main()" "$@" >&2
-    local rc=$?
-    echo "gpu.sh: bench $* exited with $rc" >&2
-}
+. benchmarks/device_setup.sh  # the checkout installed, cold caches, bench LOG LIMIT ARGS...
 
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >&2 || exit 1
 
-bench 225 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 170 \
+bench /dev/stderr 225 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 170 \
     --budgets 0.25,0.5,0.75,2GiB --torch-budgets 0.5,0.0 \
     --strategies compile,ours,eager,eager_ckpt,torch_budget,torch_sac_offload,eager_ckpt_save_on_cpu,eager_save_on_cpu
 
-bench 225 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 170 \
+bench /dev/stderr 225 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 170 \
     --budgets 3GiB --torch-budgets 0.5 \
     --strategies compile,ours,eager,eager_ckpt,torch_budget,torch_sac_offload,eager_ckpt_save_on_cpu,eager_save_on_cpu
 
 # Named profile: explain plans meta tensors, which do not say which GPU they stand for.
-bench 75 --model gpt --device cuda --out "$OUT" --find-max-batch --budgets 4GiB --device-profile h100
+bench /dev/stderr 75 --model gpt --device cuda --out "$OUT" --find-max-batch --budgets 4GiB --device-profile h100
 
 ls -l "$OUT" >&2
