@@ -452,7 +452,7 @@ def pick(candidates: list[Candidate], budget: int | None) -> tuple[Candidate, bo
 
 def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
                  budget_fraction: float | None = None, progress: Progress | None = None,
-                 complete: bool = False) -> Solution:
+                 complete: bool = False, more_moves: "MoreMoves | None" = None) -> Solution:
     """Recompute only: one candidate per prefix of the greedy sequence, the fastest that fits.
 
     Without a budget the unconstrained plan is the answer: nothing is searched. With one,
@@ -460,7 +460,9 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
     that fits (``search_sequences``): recompute time only grows along it, and its peaks
     fall to its lowest plan, so that is the fastest plan that fits, found in a few
     simulations. ``Solution.minimum`` is the lowest peak simulated. ``complete=True``
-    simulates every plan (the reference the tests compare with, and the true minimum)."""
+    simulates every plan (the reference the tests compare with, and the true minimum).
+    ``more_moves``: a second sequence's moves, searched the same way (``solve_joint`` passes
+    ``passes.solve_peak.peak_moves``)."""
     progress = progress or Progress()
     evaluate_plan = RecomputeEvaluator(a)
     start = Prefix(frozenset(base_saved), frozenset(), ())
@@ -479,15 +481,17 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
         if not progress.step():
             break
     sequences = [sequence]
-    if not progress.out_of_time:  # small graphs: every move simulated (passes.solve_peak)
-        from .solve_peak import peak_moves  # it builds on this module
-
-        sequences.append([start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate_plan))])
+    if more_moves is not None and not progress.out_of_time:
+        sequences.append([start, *prefixes(a, start, more_moves(a, base_saved, seconds, evaluate_plan))])
     if complete:
         candidates = [evaluate_plan(plan) for plan in unique_plans([plan for seq in sequences for plan in seq])]
     else:
         candidates = search_sequences(sequences, evaluate_plan, budget_bytes, progress)
     return select(a, candidates, budget_bytes, None, _with_timeline(a))
+
+
+# A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve_peak``).
+MoreMoves = Callable[[JointAnalysis, list[fx.Node], Seconds, "PlanEvaluator"], Iterable[Move]]
 
 
 class PlanEvaluator(Protocol):

@@ -114,7 +114,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     progress = progress or Progress()
     seconds = node_durations(seconds)  # the same values, looked up: every saved set sums them
     if offload is None:
-        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete)
+        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete, peak_moves)
     saved_sets = SavedSetCache(a, seconds)
     evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     start = Prefix(frozenset(base_saved), frozenset(), ())
@@ -131,10 +131,15 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         recompute.append(plan)
         if not progress.step():
             break
+    # Small graphs: the sequence that simulates every move (passes.solve_peak). Its lowest plan
+    # is a branch point too: offloading what it saves lowers its peak further.
+    peak = [] if progress.out_of_time else [start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate))]
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
     branches = branch_points(recompute, evaluate, BRANCHES, search=not complete)
+    if len(peak) > 1 and all(branch.saved != peak[-1].saved for branch in branches):
+        branches.append(peak[-1])
     for branch in branches:
         if progress.out_of_time:
             break
@@ -145,8 +150,8 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
             if not progress.step():
                 break
         sequences.append(sequence)
-    if not progress.out_of_time:  # small graphs: the sequence that simulates every move (passes.solve_peak)
-        sequences.append([start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate))])
+    if len(peak) > 1:
+        sequences.append(peak)
     if complete:
         candidates = [evaluate(plan) for plan in unique_plans([plan for sequence in sequences for plan in sequence])]
     else:

@@ -121,11 +121,17 @@ def test_parity_with_every_saved_tensor_offloaded(name, budget, captured_plans):
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
 @pytest.mark.parametrize("name", ["conv_bn", "autocast_bf16"])
-def test_parity_with_planned_offload(name, prefetch, captured_plans):
+def test_parity_with_planned_offload(name, prefetch, captured_plans, monkeypatch):
     """Offloads the solver chose (not forced), their waits and reloads placed where the
     transfer model put them, train like eager. At the lowest budget these two models get
     offloads under the H100 profile (the CPU profile never offloads: host memory is the
-    CPU's own), which warns once per graph that the profile is not this device's."""
+    CPU's own), which warns once per graph that the profile is not this device's. They get
+    them from the byte-ordered greedy's mixed sequences: the peak-ordered sequence
+    (passes/solve_peak.py) reaches lower peaks on graphs this small by recomputing alone,
+    so it is off here (what is tested is the runtime of a planned offload)."""
+    from compile_offload.passes import solve_peak
+
+    monkeypatch.setattr(solve_peak, "MAX_MOVES", 0)
     case = CASES[name]
     result = run_case(case, 0.0, inner_compiler="eager", offload=True, prefetch=prefetch, device_profile="h100")
     check_budget_reached_planner(result, captured_plans, 0.0, case.graphs)
