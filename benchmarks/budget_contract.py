@@ -258,6 +258,8 @@ def main(argv=None) -> int:
     parser.add_argument("--why", action="store_true",
                         help="per model, the first fraction's budget under Inductor variants (fusion, reordering off)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
     if args.why:
         print(f"torch {torch.__version__}, {datetime.date.today()}, CPU\n")
         print("| model | Inductor | budget | predicted | measured | measured / budget |\n|---|---|---|---|---|---|")

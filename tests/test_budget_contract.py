@@ -36,3 +36,13 @@ def test_budget_contract(model):
     assert [p.fraction for p in points] == [None, *contract.FRACTIONS]
     broken = {f"budget {p.fraction}": p.violations() for p in points if p.violations()}
     assert not broken, "\n" + contract.table(points)
+
+
+def test_cuda_asked_for_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        contract.main(["--device", "cuda", "--models", "transformer"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
