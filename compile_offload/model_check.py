@@ -188,8 +188,10 @@ def decoder_on_meta(args: dict, layers: int | None = None) -> tuple[nn.Module, t
 def capture_joint(model: nn.Module, x: torch.Tensor, decompose: bool = True) -> compat.JointGraph:
     """The prepared joint graph ``torch.compile`` would partition for ``model(x)`` (as
     ``compile_offload.explain`` traces: meta state as empty CPU tensors, graphs run on fake
-    tensors only). ``decompose``: with Inductor's decompositions (compiled strategies);
-    without them the graph has the ops eager mode runs."""
+    tensors only). ``decompose``: with Inductor's decompositions and joint-graph passes
+    (compiled strategies; without the passes torch's budget partitioner was read back on
+    another graph and chose another saved set); without them the graph has the ops eager
+    mode runs."""
     import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
@@ -199,6 +201,8 @@ def capture_joint(model: nn.Module, x: torch.Tensor, decompose: bool = True) -> 
     captured: dict[str, compat.JointGraph] = {}
 
     def partition(joint_gm, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
+        if decompose:  # compiled: the joint graph after Inductor's passes, which torch's partitioner sees
+            joint_gm = compat.inductor_joint_passes(joint_gm, torch.device("cpu"))
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
         captured["joint"] = joint
         return compat.extract_forward_backward(joint, compat.min_cut_saved_values(joint))

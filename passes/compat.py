@@ -57,6 +57,24 @@ def _is_assert_only_symbool(node: fx.Node) -> bool:
     )
 
 
+def inductor_joint_passes(joint_gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Inductor's joint-graph passes (pattern rewrites, no-op removal, ...), as
+    ``compile_fx``'s partition function runs them on the joint graph before any partitioner
+    sees it: the graph torch.compile partitions, which the backend's and ``explain``'s plans
+    see through ``compile_fx``. Older torch versions transform in place and return None, and
+    take no ``input_device``."""
+    import inspect
+
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    parameters = inspect.signature(_recursive_joint_graph_passes).parameters
+    kwargs = {"skip_invoke_subgraph": True} if "skip_invoke_subgraph" in parameters else {}
+    if "input_device" in parameters:
+        kwargs["input_device"] = device
+    result = _recursive_joint_graph_passes(joint_gm, **kwargs)
+    return joint_gm if result is None else result
+
+
 def prepare_joint(
     joint_gm: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None
 ) -> JointGraph:
