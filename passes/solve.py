@@ -481,7 +481,7 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
         if not progress.step():
             break
     sequences = [sequence]
-    if more_moves is not None and not progress.out_of_time:
+    if more_moves is not None and dearest is None and not progress.out_of_time:  # (it simulates every move)
         sequences.append([start, *prefixes(a, start, more_moves(a, base_saved, seconds, evaluate_plan))])
     if complete:
         candidates = [evaluate_plan(plan) for plan in unique_plans([plan for seq in sequences for plan in seq])]

@@ -132,8 +132,11 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         if not progress.step():
             break
     # Small graphs: the sequence that simulates every move (passes.solve_peak). Its lowest plan
-    # is a branch point too: offloading what it saves lowers its peak further.
-    peak = [] if progress.out_of_time else [start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate))]
+    # is a branch point too: offloading what it saves lowers its peak further. Not made when
+    # the unconstrained plan fits: none of its plans is faster (the byte sequences stay).
+    fits = budget_bytes is not None and baseline.peak_bytes <= budget_bytes and not complete
+    peak = [] if fits or progress.out_of_time else [
+        start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate))]
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
