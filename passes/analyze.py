@@ -8,7 +8,7 @@ partitioned forward and backward graphs).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -94,13 +94,14 @@ def collective_source(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """Map each tensor-producing node to the node that allocated its storage."""
+def storage_roots(graph: fx.Graph, copied: frozenset[fx.Node] = frozenset()) -> dict[fx.Node, fx.Node]:
+    """Map each tensor-producing node to the node that allocated its storage. A view in
+    ``copied`` (a view Inductor copies: ``copy_decisions``) allocates its own."""
     roots: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op == "output":
             continue
-        source = _aliased_input(node)
+        source = None if node in copied else _aliased_input(node)
         roots[node] = roots.get(source, source) if source is not None else node
     return roots
 
@@ -272,25 +273,113 @@ def with_view_bases(kept: Iterable[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def _consumers_fuse(node: fx.Node) -> bool:
-    """Every consumer of ``node`` fuses it: pointwise and reduction consumers, and views
+def _consumers_fuse(node: fx.Node, copies: bool = False) -> bool:
+    """Every consumer of ``node`` fuses it: pointwise and reduction consumers, views
     (Inductor indexes an unrealized value through a view without a buffer) whose own
-    consumers fuse it."""
-    return bool(node.users) and all(fuses_into(u) or (is_view(u) and _consumers_fuse(u)) for u in node.users)
+    consumers fuse it, and, with ``copies``, the views Inductor copies
+    (``_copied_view_candidate``: the copy's kernel inlines ``node``)."""
+    return bool(node.users) and all(
+        fuses_into(u) or (is_view(u) and (_consumers_fuse(u) or (copies and _copied_view_candidate(u))))
+        for u in node.users)
 
 
-def fusable_nodes(nodes: Iterable[fx.Node]) -> frozenset[fx.Node]:
+# Extern kernels for which ``GraphLowering.run_node`` fixes the layout of an input that has
+# more than one consumer (its ``need_fixed_layout``, torch 2.11-2.14; the convolution only
+# when layout optimization is off, and the mkldnn ops never appear in a joint graph).
+_FIXED_LAYOUT_USERS = frozenset({"mm", "_int_mm", "convolution_backward"})
+
+
+def _copied_view_candidate(node: fx.Node) -> bool:
+    """A view of a pointwise value that Inductor copies into a buffer of its own when the
+    value is not realized: the view has more than one consumer and one of them is a
+    ``_FIXED_LAYOUT_USERS`` kernel, so ``run_node`` requires its stride order
+    (``ExternKernel.require_stride_order``), and a view of an unrealized value has no
+    storage to reinterpret: ``copy_input`` makes one (unless the value's body loads more
+    than one tensor at a varying index, ``_nontrivial_reads``: the view's ``realize_hint``
+    then realizes the value itself first, and the view reads its buffer). The value itself
+    stays unrealized, and its other consumers compute it again inline, reading its inputs (measured on the
+    contract's MLP-mixer: the loss gradient, copied for the last linear's matmuls and
+    recomputed in the residual's backward kernel, keeps the saved tensor it reads alive
+    past its in-place reuse)."""
+    if not (is_view(node) and node.args and isinstance(node.args[0], fx.Node) and is_pointwise(node.args[0])):
+        return False
+    return len(node.users) > 1 and any(
+        u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
+        and u.target.overloadpacket.__name__ in _FIXED_LAYOUT_USERS for u in node.users)
+
+
+def _nontrivial_reads(reads: Iterable[fx.Node]) -> int:
+    """The loads of an inlined body at a varying index (``OpCounterCSE``'s
+    ``nontrivial_read_count``): a tensor of one element, such as the loss's incoming
+    gradient, is loaded at a constant index, also through a view (``expand``)."""
+    count = 0
+    for read in reads:
+        while is_view(read) and read.args and isinstance(read.args[0], fx.Node):
+            read = read.args[0]
+        val = tensor_value(read)
+        count += val is None or val.numel() != 1
+    return count
+
+
+def copy_candidates(nodes: Iterable[fx.Node], fusable: frozenset[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """The views Inductor may copy (``_copied_view_candidate``) because the value they view
+    may be inlined (in ``fusable``, ``fusable_nodes`` with a ``may_copy``), each with that
+    value, in graph order."""
+    return {n: n.args[0] for n in nodes if n.args and n.args[0] in fusable and _copied_view_candidate(n)}
+
+
+def copy_decisions(candidates: dict[fx.Node, fx.Node], fused: set[fx.Node],
+                   loads: Callable[[fx.Node, set[fx.Node]], Iterable[fx.Node]]) -> tuple[frozenset[fx.Node], set[fx.Node]]:
+    """Which candidate views (``copy_candidates``) Inductor copies when ``fused`` are the
+    inlined values, and those values less the ones it realizes instead: a value whose
+    inlined body loads more than one tensor at a varying index (``loads(value, fused)``,
+    counted by ``_nontrivial_reads``) is realized by the view's ``realize_hint``, and the
+    view reads its buffer. In graph order: a realized value is one load for the later ones."""
+    copies = set()
+    fused = set(fused)
+    for view, value in candidates.items():
+        if value not in fused:
+            continue
+        if _nontrivial_reads(loads(value, fused)) <= 1:
+            copies.add(view)
+        else:
+            fused.discard(value)
+    return frozenset(copies), fused
+
+
+def inlined_loads(node: fx.Node, fused: set[fx.Node]) -> set[fx.Node]:
+    """What ``node``'s body loads when the ``fused`` values are inlined into it."""
+    loads, stack, seen = set(), list(node.all_input_nodes), set()
+    while stack:
+        arg = stack.pop()
+        if arg in seen:
+            continue
+        seen.add(arg)
+        if arg in fused:
+            stack.extend(arg.all_input_nodes)
+        elif tensor_value(arg) is not None:
+            loads.add(arg)
+    return loads
+
+
+def fusable_nodes(nodes: Iterable[fx.Node],
+                  may_copy: Callable[[fx.Node], bool] | None = None) -> frozenset[fx.Node]:
     """Pointwise nodes Inductor inlines into every consumer: each consumer fuses them
     (pointwise or reduction) and Inductor's store-or-inline rule does not realize them
     (``_realized_anyway``). They get no buffer of their own unless something keeps them
     (``passes.memory.fused_nodes``). ``nodes`` in graph order: a node's loads go through
-    the fused nodes it reads, as Inductor's inlined bodies do."""
+    the fused nodes it reads, as Inductor's inlined bodies do. Where ``may_copy(node)``, a
+    view Inductor may copy (``copy_candidates``) counts as a consumer that fuses ``node``: pass
+    it only for nodes no plan saves. Such a node is inlined only if the plan leaves its body
+    loading at most one tensor (``copy_decisions``); otherwise it is realized."""
     fusable: dict[fx.Node, tuple[frozenset[fx.Node], bool]] = {}  # node -> (its loads, heavy)
     for node in nodes:
         if is_view(node) and node.args and node.args[0] in fusable and _consumers_fuse(node):
             fusable[node] = fusable[node.args[0]]  # a view of an inlined value is inlined too
             continue
-        if not (is_pointwise(node) and _consumers_fuse(node)):
+        if not is_pointwise(node):
+            continue
+        if not _consumers_fuse(node, may_copy is not None and may_copy(node)):
             continue
         reads: set[fx.Node] = set()
         heavy = _uses_heavy_op(node)
@@ -370,6 +459,10 @@ class JointAnalysis:
     # ... and the nodes fusion may leave without a buffer (``fusable_nodes``): each plan
     # then only takes away the ones it keeps.
     fusable: frozenset[fx.Node] = frozenset()
+    # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
+    # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
+    copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    copy_bytes: dict[fx.Node, int] = field(default_factory=dict)
     # ... and, for the walks every saved set repeats (``passes.memory``: recomputed nodes,
     # forward nodes needed, the just-in-time backward order): each node's inputs on the
     # forward side (``inputs`` filtered by ``is_forward``, same order), the forward-side
@@ -447,10 +540,14 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
     outputs = list(output.args[0])
     fw_outputs = [o for o in outputs[: joint.num_fwd_outputs] if isinstance(o, fx.Node)]
     bw_outputs = [o for o in outputs[joint.num_fwd_outputs :] if isinstance(o, fx.Node)]
-    roots = storage_roots(graph)
     steady = frozenset(n for n in nodes if n.op == "placeholder" and not _is_tangent(n))
     bw_nodes = [n for n in nodes if n.op != "output" and (info.is_required_bw(n) or _is_tangent(n))]
     bw_set = set(bw_nodes)
+    # Views Inductor may copy (``copy_candidates``), of backward values only: no plan saves
+    # those; whether it copies them depends on what the plan inlines (``copy_decisions``).
+    fusable = fusable_nodes(nodes, bw_set.__contains__)
+    candidates = copy_candidates(nodes, fusable) if fusion else {}
+    roots = storage_roots(graph)
     fw_nodes = [n for n in nodes if n.op != "output" and n not in bw_set]
     bytes_of = {n: (0 if n in steady else allocated_bytes(n, roots)) for n in nodes if n.op != "output"}
     ban = {}
@@ -488,7 +585,9 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         fusion=fusion,
         inputs=inputs,
         alias_parent={n: _aliased_input(n) for n in nodes},
-        fusable=fusable_nodes(nodes),
+        fusable=fusable,
+        copy_candidates=candidates,
+        copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},
         fw_inputs=fw_inputs,
         bw_reads=bw_reads,

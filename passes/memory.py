@@ -27,8 +27,8 @@ from itertools import accumulate
 import torch.fx as fx
 
 from . import compat
-from .analyze import (JointAnalysis, allocated_bytes, fusable_nodes, is_convolution, is_pointwise, is_view, layout_copies,
-                      storage_roots, tensor_value, with_view_bases)
+from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes, inlined_loads,
+                      is_convolution, is_pointwise, is_view, layout_copies, storage_roots, tensor_value, with_view_bases)
 
 
 @dataclass
@@ -261,6 +261,15 @@ def fused_nodes(nodes: Iterable[fx.Node], kept: set[fx.Node]) -> set[fx.Node]:
     return {n for n in fusable_nodes(nodes) if n not in kept}
 
 
+def _backward_fusion(graph: fx.Graph) -> tuple[set[fx.Node], dict[fx.Node, fx.Node]]:
+    """A backward graph's fused nodes and storage roots under Inductor, with the views it
+    copies (``analyze.copy_decisions``; no backward value is kept past its graph but the
+    gradients, which the output consumes and so are never inlined)."""
+    fusable = fusable_nodes(graph.nodes, lambda node: True)
+    copies, fused = copy_decisions(copy_candidates(graph.nodes, fusable), set(fusable), inlined_loads)
+    return fused, storage_roots(graph, copies)
+
+
 def _is_host_copy(node: fx.Node) -> bool:
     """An offload's result lives in host memory (see ``passes.offload``)."""
     return node.meta.get("offload", {}).get("role") == "offload"
@@ -331,8 +340,9 @@ def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, me
     inputs (``skip``: parameters, user inputs) are never overwritten; saved tensors are, in
     the backward (AOTAutograd donates them); the callers keep only those (reuse into other
     buffers is not modelled: design.md, "Memory simulator"). Empty when Inductor would not
-    (``compat.inductor_overwrites_saved``)."""
-    if not (is_pointwise(node) and compat.inductor_overwrites_saved()):
+    (``compat.inductor_overwrites_saved``). A view that allocates (``nbytes``) is one
+    Inductor copies (``analyze.copy_decisions``): its copy is a pointwise kernel too."""
+    if not ((is_pointwise(node) or is_view(node)) and compat.inductor_overwrites_saved()):
         return ()
     out = tensor_value(node)
     if out is None or any(_layout_fixed_by(user) for user in node.users):
@@ -485,6 +495,8 @@ class StepBuilder:
         self.saved: frozenset[fx.Node] = frozenset()
         self.recomputed: frozenset[fx.Node] = frozenset()
         self.fused: frozenset[fx.Node] = frozenset()
+        self.copies: frozenset[fx.Node] = frozenset()  # the views Inductor copies (``analyze.copy_decisions``)
+        self._copy_of = _views_of_copies(a)
         self.forward_steps: dict[fx.Node, Step | None] = {}
         self.backward_steps: dict[fx.Node, Step | None] = {}
         self.memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
@@ -512,17 +524,26 @@ class StepBuilder:
 
     def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
         """Forget the steps that depend on a node whose fate differs from the last plan's."""
+        kept = with_view_bases(saved | set(self.a.fw_outputs) | set(self.a.bw_outputs))
+        fused = self.a.fusable - kept if self.fusion else frozenset()
+        copies = self.copies
+        if self.a.copy_candidates and self.fusion:
+            # Which views Inductor copies, and which values it then realizes instead of
+            # inlining (``analyze.copy_decisions``): they depend on what else is inlined.
+            copies, realized = copy_decisions(self.a.copy_candidates, set(fused), inlined_loads)
+            fused = frozenset(realized)
         if self.forward_steps or self.backward_steps:
             changed = (saved ^ self.saved) | (recomputed ^ self.recomputed)
+            for view in copies ^ self.copies:  # the view's storage, and its value's
+                changed |= {view, self.a.copy_candidates[view]}
             dependents = self.dependents()
             for node in changed:
                 for dependent in dependents.get(node, ()):
                     self.forward_steps.pop(dependent, None)
                     self.backward_steps.pop(dependent, None)
-        self.saved, self.recomputed = saved, recomputed
+        self.saved, self.recomputed, self.copies = saved, recomputed, copies
         self._saved_storages = None
-        kept = with_view_bases(saved | set(self.a.fw_outputs) | set(self.a.bw_outputs))
-        self.fused = self.a.fusable - kept if self.fusion else frozenset()
+        self.fused = fused
         self.memo = {}
 
     def dependents(self) -> dict[fx.Node, list[fx.Node]]:
@@ -550,7 +571,10 @@ class StepBuilder:
 
     def _step(self, node: fx.Node, key, kind: str = "compute") -> Step:
         a = self.a
-        nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
+        if node in self.copies:
+            nbytes = a.copy_bytes[node]
+        else:
+            nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
         allocates = [(key(node), nbytes)] if nbytes else []
         reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
         if a.layout_copies and is_convolution(node):
@@ -570,6 +594,9 @@ class StepBuilder:
         return self._saved_storages
 
     def _root(self, node: fx.Node) -> Hashable:
+        copy = self._copy_of.get(node)
+        if copy is not None and copy in self.copies:
+            return copy
         return self.a.roots.get(node, node)
 
     def _backward_key(self, node: fx.Node) -> Hashable:
@@ -579,10 +606,26 @@ class StepBuilder:
         while True:
             if current in self.saved:
                 return self.a.roots.get(current, current)
+            if current in self.copies:  # a backward value's copy: its own storage
+                return current
             parent = self.a.alias_parent[current]
             if parent is None:
                 return ("recomputed", current) if current in self.recomputed else current
             current = parent
+
+
+def _views_of_copies(a: JointAnalysis) -> dict[fx.Node, fx.Node]:
+    """Each view Inductor may copy (``a.copy_candidates``), and each view of it, to that
+    view: their storage is the copy's when it is made."""
+    found = {}
+    for view in a.copy_candidates:
+        stack = [view]
+        while stack:
+            current = stack.pop()
+            if current not in found:
+                found[current] = view
+                stack.extend(user for user in current.users if is_view(user))
+    return found
 
 
 def step_dependencies(a: JointAnalysis, node: fx.Node, fusion: bool) -> set[fx.Node]:
@@ -741,7 +784,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             reads += [("fw-channels-last", arg.name) for arg in node.all_input_nodes if arg in copies]
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
     backward_start = len(steps)
-    bw_roots = storage_roots(bw_gm.graph)
+    bw_fused, bw_roots = _backward_fusion(bw_gm.graph) if fusion else (set(), storage_roots(bw_gm.graph))
     bw_placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
     # A backward placeholder has the name of the forward node it receives (an offloaded
     # tensor keeps its name: the forward returns the wait in its place).
@@ -777,7 +820,6 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             return key_of_placeholder.get(base)
         return ("bw", base.name)
 
-    bw_fused = fused_nodes(bw_gm.graph.nodes, set()) if fusion else set()
     bw_memo: dict = {}
     key_bytes.update((key, nbytes) for key, nbytes in tangent_allocs)
     for node in bw_gm.graph.nodes:
