@@ -74,6 +74,7 @@ from .passes.solve import pick
 from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool
 from .passes.prune import prune_solution
 from .passes.refine import refine_solution
+from .passes.smaller_matmuls_first import smaller_matmuls_first
 from .passes.solve_offload import OffloadOptions, solve_joint
 
 MB = 2**20
@@ -389,6 +390,7 @@ class ShapePlans:
     shape: AnchorShape
     plans: dict[str, Plan]
     loss_bytes: int = 0  # the eager loss's peak on top of the forward's result (``loss_peak_bytes``)
+    layers: int | None = None  # the depth traced, when not the shape's own
 
     @property
     def compiled(self) -> JointAnalysis:
@@ -418,7 +420,17 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
     if "eager_ckpt" in shape.rows:
         ckpt = analyze_joint(capture_joint(CheckpointedDecoder(model), x, decompose=False), fusion=False)
         plans["eager_ckpt"] = Plan(ckpt, checkpoint_inputs(ckpt), "checkpoint")
-    return ShapePlans(shape, plans, loss_peak_bytes(args))
+    return ShapePlans(shape, plans, loss_peak_bytes(args), layers)
+
+
+def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
+    """``model``'s joint graph as our backend plans it: in its own order (a gradient's
+    smaller matmuls first, ``passes.smaller_matmuls_first``), which torch's partitioners
+    do not make. Our plans are made and predicted on this graph, torch's on the graph as
+    traced."""
+    joint = capture_joint(model, x)
+    smaller_matmuls_first(joint.gm)
+    return analyze_joint(joint, fusion=True)
 
 
 def default_terms(plans: ShapePlans):
@@ -471,16 +483,18 @@ def fit_h100(all_plans: Sequence[ShapePlans]) -> Fit:
 
 def pareto_points(plans: ShapePlans, profile: DeviceProfile) -> list[dict]:
     """At the predicted peak of each torch budget plan, our solver's plan (offload on)."""
-    a = plans.compiled
+    compiled = plans.compiled
+    a = backend_analysis(*decoder_on_meta(plans.shape.args, plans.layers))
+    by_name = {node.name: node for node in a.position}
     seconds = seconds_function(a, profile)
-    base = without_banned_recompute(a, plans.plans[FIT_STRATEGY].saved)
+    base = without_banned_recompute(a, {by_name[node.name] for node in plans.plans[FIT_STRATEGY].saved})
     base_seconds = step_seconds(a, base, seconds)
     offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)
     points = []
     for strategy in sorted(s for s in plans.plans if s.startswith("compile_budget_")):
         torch_saved = plans.plans[strategy].saved
-        torch_peak = predicted_peak(a, torch_saved, plans.loss_bytes)
-        torch_seconds = step_seconds(a, torch_saved, seconds)
+        torch_peak = predicted_peak(compiled, torch_saved, plans.loss_bytes)
+        torch_seconds = step_seconds(compiled, torch_saved, seconds_function(compiled, profile))
         started = time.perf_counter()
         # The budget bounds our solver's graph peak; the eager loss's peak is checked after.
         solution = solve_joint(a, base, seconds, torch_peak, None, offload)  # the backend's default solver
@@ -527,7 +541,7 @@ def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points
     plans it changes peak above their predictions, docs/benchmarks.md); ``refined_*``: the
     greedy's plan after refinement (``solver="refined"``)."""
     model, x = OPTIMALITY_GRAPHS[graph]()
-    a = analyze_joint(capture_joint(model, x), fusion=True)
+    a = backend_analysis(model, x)
     seconds = seconds_function(a, profile)
     base = without_banned_recompute(a, compat.min_cut_saved_values(a.joint))
     offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0], True)

@@ -27,6 +27,7 @@ from .passes.rewrite import build_graphs
 from .passes.progress import Progress
 from .passes.refine import Refinement, refine_solution
 from .passes.solve import Candidate, Solution, SolverError, solve_exact, without_banned_recompute
+from .passes.smaller_matmuls_first import smaller_matmuls_first
 from .passes.solve_offload import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
@@ -53,6 +54,9 @@ def plan_partition(
     with collection_paused():
         started = time.perf_counter()
         policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
+        # The order the plan holds to (Inductor's peak-memory reordering is off under a
+        # budget): a gradient's smaller matmuls first, as that reordering would.
+        joint_gm = smaller_matmuls_first(joint_gm)
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
         profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
         if not compat.has_backward(joint):

@@ -14,9 +14,6 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 # points (model, fraction; None: no budget) that break the contract today. Every other point
 # must keep it, and these must still break it: a fix fails the test until it is taken off.
 _BROKEN = {
-    ("mlp_mixer", None): "without a budget Inductor's peak-memory reordering (on by default; off under a "
-                         "budget, where the plan's order must hold) lowers the step to 4.39 MiB; the plan's "
-                         "order, predicted 4.70, measures 4.70 with reordering off (design.md, Memory simulator)",
     ("hf_gpt2", 0.4): "the minimum-memory plan measures 3.84 MiB, 3.28 predicted: Inductor's post-grad addmm "
                       "pattern computes the LM head's weight gradient (tied to the embedding) inside the embedding "
                       "gradient's add at the end of the backward, so the 512 KiB logits gradient and the final hidden "
