@@ -481,17 +481,21 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
         if not progress.step():
             break
     sequences = [sequence]
+    alternatives: list[Prefix] = []  # plans the second sequence simulated on its way
     if more_moves is not None and dearest is None and not progress.out_of_time:  # (it simulates every move)
-        sequences.append([start, *prefixes(a, start, more_moves(a, base_saved, seconds, evaluate_plan))])
+        sequences.append([start, *prefixes(a, start, more_moves(a, base_saved, seconds, evaluate_plan, alternatives))])
     if complete:
         candidates = [evaluate_plan(plan) for plan in unique_plans([plan for seq in sequences for plan in seq])]
     else:
         candidates = search_sequences(sequences, evaluate_plan, budget_bytes, progress)
+    candidates += [evaluate_plan(plan) for plan in unique_plans(alternatives)]  # simulated already
     return select(a, candidates, budget_bytes, None, _with_timeline(a))
 
 
 # A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve_peak``).
-MoreMoves = Callable[[JointAnalysis, list[fx.Node], Seconds, "PlanEvaluator"], Iterable[Move]]
+# ``(graph, saved set, seconds, evaluator, alternatives)``: the moves; every other plan it
+# simulates is appended to ``alternatives`` (candidates too).
+MoreMoves = Callable[[JointAnalysis, list[fx.Node], Seconds, "PlanEvaluator", list[Prefix]], Iterable[Move]]
 
 
 class PlanEvaluator(Protocol):

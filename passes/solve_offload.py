@@ -135,8 +135,9 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     # is a branch point too: offloading what it saves lowers its peak further. Not made when
     # the unconstrained plan fits: none of its plans is faster (the byte sequences stay).
     fits = budget_bytes is not None and baseline.peak_bytes <= budget_bytes and not complete
+    alternatives: list[Prefix] = []  # every other plan the peak-ordered sequence simulated: candidates too
     peak = [] if fits or progress.out_of_time else [
-        start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate))]
+        start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate, alternatives))]
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
@@ -159,6 +160,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         candidates = [evaluate(plan) for plan in unique_plans([plan for sequence in sequences for plan in sequence])]
     else:
         candidates = search_sequences(sequences, evaluate, budget_bytes, progress)
+    candidates += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
     return select(a, candidates, budget_bytes, None, with_timeline)
 
 

@@ -61,3 +61,28 @@ def test_the_solver_finds_a_plan_wherever_an_exhaustive_search_does():
         solution = solve_joint(a, base, seconds, budget, None, None)
         assert fits and solution.feasible, (step, budget)
         assert solution.chosen.peak_bytes <= budget
+
+
+def test_the_plans_simulated_on_the_way_are_candidates_and_the_choice_stays_monotone():
+    # The move freeing the most per second can overshoot a budget at a price a smaller drop
+    # avoids; every plan the sequence simulates is a candidate (a set that does not depend
+    # on the budget, so a smaller budget never gets a higher peak).
+    a, base, seconds = block()
+    evaluate = RecomputeEvaluator(a)
+    start = Prefix(frozenset(base), frozenset(), ())
+    alternatives = []
+    sequence = [start, *prefixes(a, start, peak_moves(a, base, seconds, evaluate, alternatives))]
+    assert len(alternatives) > len(sequence)
+    top, lowest = evaluate(start).peak_bytes, evaluate(sequence[-1]).peak_bytes
+    cheaper_somewhere, previous_peak = False, None
+    for step in range(1, 12):
+        budget = int(lowest + (top - lowest) * step / 12)
+        chosen = solve_joint(a, base, seconds, budget, None, None).chosen
+        assert chosen.peak_bytes <= budget
+        simulated = [evaluate(plan) for plan in alternatives if evaluate(plan).peak_bytes <= budget]
+        assert chosen.extra_seconds <= min(c.extra_seconds for c in simulated)
+        by_sequence = next(evaluate(plan) for plan in sequence if evaluate(plan).peak_bytes <= budget)
+        cheaper_somewhere |= chosen.extra_seconds < by_sequence.extra_seconds
+        assert previous_peak is None or chosen.peak_bytes >= previous_peak  # monotone in the budget
+        previous_peak = chosen.peak_bytes
+    assert cheaper_somewhere
