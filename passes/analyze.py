@@ -297,10 +297,10 @@ def _copied_view_candidate(node: fx.Node) -> bool:
     storage to reinterpret: ``copy_input`` makes one (unless the value's body loads more
     than one tensor at a varying index, ``_nontrivial_reads``: the view's ``realize_hint``
     then realizes the value itself first, and the view reads its buffer). The value itself
-    stays unrealized, and its other consumers compute it again inline, reading its inputs (measured on the
-    contract's MLP-mixer: the loss gradient, copied for the last linear's matmuls and
-    recomputed in the residual's backward kernel, keeps the saved tensor it reads alive
-    past its in-place reuse)."""
+    stays unrealized, and its other consumers compute it again inline, reading its inputs
+    (measured on the contract's MLP-mixer: the loss gradient, copied for the last linear's
+    matmuls and recomputed in the residual's backward kernel, keeps the saved tensor it
+    reads alive past its in-place reuse)."""
     if not (is_view(node) and node.args and isinstance(node.args[0], fx.Node) and is_pointwise(node.args[0])):
         return False
     return len(node.users) > 1 and any(
