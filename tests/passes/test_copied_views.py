@@ -15,7 +15,7 @@ from torch import nn
 import compile_offload
 from compile_offload.benchmarks import budget_contract
 from compile_offload.passes import analyze
-from compile_offload.passes.memory import StepBuilder, plan_nodes, plan_program
+from compile_offload.passes.memory import StepBuilder, graphs_program, plan_nodes, plan_program, simulate
 
 from ..partition_results import partitions
 
@@ -108,3 +108,31 @@ def test_a_value_loading_two_tensors_is_realized_not_copied():
                  and n.target is torch.ops.aten.add.Tensor and n in set(a.fw_nodes))
     copies_if_saved, _ = _copies(a, set(saved) | {total})
     assert copies_if_saved == frozenset(a.copy_candidates)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_fraction", [None, 0.6])
+def test_the_partitioned_graphs_program_makes_the_same_copies(budget_fraction):
+    # ``graphs_program`` decides the copies on the backward graph the partitioner built, the
+    # planner on the joint graph and a saved set: the same program, the same peak.
+    model, inputs, loss_of = budget_contract.build("mlp_mixer")
+    torch._dynamo.reset()
+    with partitions() as found, warnings.catch_warnings(), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        warnings.simplefilter("ignore")
+        step = torch.compile(lambda *args: loss_of(model(*args)), backend=compile_offload.offload_remat(
+            memory_budget=budget_fraction, device_profile="cpu", inner_compiler="inductor"))
+        step(*inputs).backward()
+    partition = found[0]
+    a = partition.result.analysis
+    saved = {n for n in a.joint.gm.graph.nodes if n.name in set(partition.plan.saved)}
+    copies, _ = _copies(a, saved)
+    assert copies
+    planned = plan_program(a, saved, fusion=True)
+    built = graphs_program(partition.fw, partition.bw, partition.num_fwd_outputs, fusion=True)
+    assert simulate(built).peak_bytes == simulate(planned).peak_bytes
+    backward = {step.label: step for step in built.steps[built.backward_start:]}
+    for view in copies:  # each copy allocates the view's bytes in the backward graph too
+        assert [nbytes for _, nbytes in backward[view.name].allocates] == [a.copy_bytes[view]]
+        assert not backward[view.args[0].name].allocates
