@@ -50,7 +50,7 @@ def _output_bytes(node: fx.Node) -> int:
     return 0 if val is None else allocation_bytes(val)
 
 
-def _views_to_move(node: fx.Node, before: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node] | None:
+def _views_to_move(node: fx.Node, before: fx.Node, position: dict[fx.Node, float]) -> list[fx.Node] | None:
     """The inputs of ``node`` placed after ``before`` (through inputs of inputs), all views
     whose own inputs come before ``before``; None when another kind of node is among them."""
     moving: set[fx.Node] = set()
@@ -79,11 +79,13 @@ def smaller_matmuls_first(gm: fx.GraphModule) -> fx.GraphModule:
                 if base in backward:
                     readers.setdefault(base, []).append(node)
     moved = False
+    # Only compared, never counted: a moved node takes a fraction between its new neighbours,
+    # so one numbering serves the whole pass (linear in the graph, not per move).
+    position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     for mms in readers.values():
         if len(mms) < 2:
             continue
         for mm in mms[1:]:
-            position = {n: i for i, n in enumerate(graph.nodes)}
             larger = [other for other in mms if position[other] < position[mm]
                       and _output_bytes(other) > _output_bytes(mm)]
             if not larger:
@@ -92,8 +94,11 @@ def smaller_matmuls_first(gm: fx.GraphModule) -> fx.GraphModule:
             views = _views_to_move(mm, target, position)
             if views is None:
                 continue
-            for node in [*views, mm]:
+            moving = [*views, mm]
+            low, high = position[target.prev] if target.prev.op != "root" else -1.0, position[target]
+            for index, node in enumerate(moving, start=1):
                 target.prepend(node)
+                position[node] = low + (high - low) * index / (len(moving) + 1)
             moved = True
     if moved:
         graph.lint()
