@@ -260,6 +260,13 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "is_view", False)
 
 
+def view_base(node: fx.Node) -> fx.Node:
+    """The node whose value ``node`` views, through a chain of views (``node`` if none)."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def with_view_bases(kept: Iterable[fx.Node]) -> set[fx.Node]:
     """``kept`` and the nodes its views are views of: a kept view keeps its base's buffer
     (a fused base would leave the view without storage)."""
@@ -309,15 +316,13 @@ def _copied_view_candidate(node: fx.Node) -> bool:
 
 
 def _nontrivial_reads(reads: Iterable[fx.Node]) -> int:
-    """The loads of an inlined body at a varying index (``OpCounterCSE``'s
+    """The tensor loads of an inlined body at a varying index (``OpCounterCSE``'s
     ``nontrivial_read_count``): a tensor of one element, such as the loss's incoming
     gradient, is loaded at a constant index, also through a view (``expand``)."""
     count = 0
     for read in reads:
-        while is_view(read) and read.args and isinstance(read.args[0], fx.Node):
-            read = read.args[0]
-        val = tensor_value(read)
-        count += val is None or val.numel() != 1
+        val = tensor_value(view_base(read))
+        count += val is not None and val.numel() != 1
     return count
 
 
@@ -347,21 +352,6 @@ def copy_decisions(candidates: dict[fx.Node, fx.Node], fused: set[fx.Node],
     return frozenset(copies), fused
 
 
-def inlined_loads(node: fx.Node, fused: set[fx.Node]) -> set[fx.Node]:
-    """What ``node``'s body loads when the ``fused`` values are inlined into it."""
-    loads, stack, seen = set(), list(node.all_input_nodes), set()
-    while stack:
-        arg = stack.pop()
-        if arg in seen:
-            continue
-        seen.add(arg)
-        if arg in fused:
-            stack.extend(arg.all_input_nodes)
-        elif tensor_value(arg) is not None:
-            loads.add(arg)
-    return loads
-
-
 def fusable_nodes(nodes: Iterable[fx.Node],
                   may_copy: Callable[[fx.Node], bool] | None = None) -> frozenset[fx.Node]:
     """Pointwise nodes Inductor inlines into every consumer: each consumer fuses them
@@ -369,8 +359,8 @@ def fusable_nodes(nodes: Iterable[fx.Node],
     (``_realized_anyway``). They get no buffer of their own unless something keeps them
     (``passes.memory.fused_nodes``). ``nodes`` in graph order: a node's loads go through
     the fused nodes it reads, as Inductor's inlined bodies do. Where ``may_copy(node)``, a
-    view Inductor may copy (``copy_candidates``) counts as a consumer that fuses ``node``: pass
-    it only for nodes no plan saves. Such a node is inlined only if the plan leaves its body
+    view Inductor may copy (``copy_candidates``) counts as a consumer that fuses ``node``
+    (meant for nodes no plan saves). Such a node is inlined only if the plan leaves its body
     loading at most one tensor (``copy_decisions``); otherwise it is realized."""
     fusable: dict[fx.Node, tuple[frozenset[fx.Node], bool]] = {}  # node -> (its loads, heavy)
     for node in nodes:
@@ -540,8 +530,8 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
     outputs = list(output.args[0])
     fw_outputs = [o for o in outputs[: joint.num_fwd_outputs] if isinstance(o, fx.Node)]
     bw_outputs = [o for o in outputs[joint.num_fwd_outputs :] if isinstance(o, fx.Node)]
-    steady = frozenset(n for n in nodes if n.op == "placeholder" and not _is_tangent(n))
-    bw_nodes = [n for n in nodes if n.op != "output" and (info.is_required_bw(n) or _is_tangent(n))]
+    steady = frozenset(n for n in nodes if n.op == "placeholder" and not is_tangent(n))
+    bw_nodes = [n for n in nodes if n.op != "output" and (info.is_required_bw(n) or is_tangent(n))]
     bw_set = set(bw_nodes)
     # Views Inductor may copy (``copy_candidates``), of backward values only: no plan saves
     # those; whether it copies them depends on what the plan inlines (``copy_decisions``).
@@ -596,5 +586,5 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
     )
 
 
-def _is_tangent(node: fx.Node) -> bool:
+def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in str(node.target)

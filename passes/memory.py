@@ -27,7 +27,7 @@ from itertools import accumulate
 import torch.fx as fx
 
 from . import compat
-from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes, inlined_loads,
+from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes,
                       is_convolution, is_pointwise, is_view, layout_copies, storage_roots, tensor_value, with_view_bases)
 
 
@@ -266,7 +266,7 @@ def _backward_fusion(graph: fx.Graph) -> tuple[set[fx.Node], dict[fx.Node, fx.No
     copies (``analyze.copy_decisions``; no backward value is kept past its graph but the
     gradients, which the output consumes and so are never inlined)."""
     fusable = fusable_nodes(graph.nodes, lambda node: True)
-    copies, fused = copy_decisions(copy_candidates(graph.nodes, fusable), set(fusable), inlined_loads)
+    copies, fused = copy_decisions(copy_candidates(graph.nodes, fusable), set(fusable), _inlined_loads)
     return fused, storage_roots(graph, copies)
 
 
@@ -320,6 +320,12 @@ def _fused_reads(node: fx.Node, fused: set[fx.Node], skip, inputs, memo: dict) -
                 read[arg] = None
         memo[current] = tuple(read)
     return memo[node]
+
+
+def _inlined_loads(node: fx.Node, fused: set[fx.Node]) -> tuple[fx.Node, ...]:
+    """What ``node``'s body loads with the ``fused`` values inlined into it (for
+    ``analyze.copy_decisions``, whose ``fused`` changes as it decides: no memo kept)."""
+    return _fused_reads(node, fused, lambda arg: False, _all_input_nodes, {})
 
 
 def _layout_fixed_by(user: fx.Node) -> bool:
@@ -530,7 +536,7 @@ class StepBuilder:
         if self.a.copy_candidates and self.fusion:
             # Which views Inductor copies, and which values it then realizes instead of
             # inlining (``analyze.copy_decisions``): they depend on what else is inlined.
-            copies, realized = copy_decisions(self.a.copy_candidates, set(fused), inlined_loads)
+            copies, realized = copy_decisions(self.a.copy_candidates, set(fused), _inlined_loads)
             fused = frozenset(realized)
         if self.forward_steps or self.backward_steps:
             changed = (saved ^ self.saved) | (recomputed ^ self.recomputed)

@@ -20,23 +20,17 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .analyze import allocation_bytes, is_view, tensor_value
+from .analyze import allocation_bytes, is_tangent, is_view, tensor_value, view_base
 
 
 def _is_mm(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.aten.mm.default
 
 
-def _view_base(node: fx.Node) -> fx.Node:
-    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """The nodes computed from the tangents (the backward's own values)."""
     found: set[fx.Node] = set()
-    stack = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
+    stack = [n for n in graph.nodes if is_tangent(n)]
     while stack:
         node = stack.pop()
         if node not in found:
@@ -75,7 +69,7 @@ def smaller_matmuls_first(gm: fx.GraphModule) -> fx.GraphModule:
     readers: dict[fx.Node, list[fx.Node]] = {}  # gradient -> the backward mms reading it
     for node in graph.nodes:
         if _is_mm(node) and node in backward:
-            for base in dict.fromkeys(_view_base(arg) for arg in node.all_input_nodes):
+            for base in dict.fromkeys(view_base(arg) for arg in node.all_input_nodes):
                 if base in backward:
                     readers.setdefault(base, []).append(node)
     moved = False

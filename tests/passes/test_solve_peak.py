@@ -80,6 +80,7 @@ def test_the_plans_simulated_on_the_way_are_candidates_and_the_choice_stays_mono
         chosen = solve_joint(a, base, seconds, budget, None, None).chosen
         assert chosen.peak_bytes <= budget
         simulated = [evaluate(plan) for plan in alternatives if evaluate(plan).peak_bytes <= budget]
+        assert simulated, "the sequence simulated no plan under this budget"
         assert chosen.extra_seconds <= min(c.extra_seconds for c in simulated)
         by_sequence = next(evaluate(plan) for plan in sequence if evaluate(plan).peak_bytes <= budget)
         cheaper_somewhere |= chosen.extra_seconds < by_sequence.extra_seconds
