@@ -19,9 +19,13 @@ that must hold the answer the same way, until the window is small enough to scan
   stretch that probes can step over.
 - ``lowest(peak, n)``: the index of the lowest value (the first of equals), exact on values
   that fall and then rise (plateaus included), and then on past bumps narrower than
-  ``PATIENCE`` plans after the lowest value found.
+  ``PATIENCE`` plans after the lowest value found. Values still falling at the end (the
+  last below the one before) have their lowest last: two reads.
 - ``first_fitting(peak, n, fits)``: ``first_where``, and where no probe fits, the search
   again up to the lowest plan when that one fits: exact on values that fall and then rise.
+  Its halves, ``probed_fit`` and ``fitting_around_lowest``, let a caller searching several
+  sequences skip the second (the expensive one) where another sequence's fitting plan is
+  cheaper than anything left to find (``count_within``: the plans priced at most a bound).
 
 Where the peaks rise and fall again (a bump), a plan that fits only inside the bump can be
 passed over; the solver then chooses among the plans it found, a slower plan, never one
@@ -76,6 +80,10 @@ def lowest(peak: Callable[[int], int | float], n: int, fanout: int = FANOUT, pat
         raise ValueError("lowest of an empty range")
     if fanout < 3:
         raise ValueError(f"fanout={fanout}: at least 3")
+    if n >= 2 and peak(n - 1) < peak(n - 2):
+        # Still falling at the end (a range cut short by price, ``count_within``): on values
+        # that fall then rise, the last is the lowest, and the first of its value.
+        return n - 1
     lo, hi = 0, n
     while hi - lo > fanout:
         probes = sorted({lo, *_probes(lo, hi, fanout)})
@@ -102,13 +110,44 @@ def first_fitting(peak: Callable[[int], int | float], n: int, fits: Callable[[in
     """The first index of ``range(n)`` whose ``peak`` ``fits`` (``fits`` holds for every
     value below one that fits), or None. On values that fall then rise this is exact: where
     no probe of ``first_where`` fits, the fitting stretch, if any, lies around the lowest
-    value, and the values fall up to it. The first value is read first: where it fits
-    (an unconstrained plan under a generous budget) nothing else is."""
+    value, and the values fall up to it (``fitting_around_lowest``)."""
+    found = probed_fit(peak, n, fits, fanout)
+    if found is None:
+        found = fitting_around_lowest(peak, n, fits, fanout)
+    return found
+
+
+def probed_fit(peak: Callable[[int], int | float], n: int, fits: Callable[[int | float], bool],
+               fanout: int = FANOUT) -> int | None:
+    """``first_fitting``'s first half: the first index whose ``peak`` ``fits`` when a probe
+    of ``first_where`` fits; None says no probe did (a narrow stretch around the lowest
+    value may still fit). The first value is read first: where it fits (an unconstrained
+    plan under a generous budget) nothing else is."""
     if n > 0 and fits(peak(0)):
         return 0
-    found = first_where(lambda i: fits(peak(i)), n, fanout)
-    if found is None and n > 0:
-        bottom = lowest(peak, n, max(3, fanout))
-        if fits(peak(bottom)):
-            found = first_where(lambda i: fits(peak(i)), bottom + 1, fanout)
-    return found
+    return first_where(lambda i: fits(peak(i)), n, fanout)
+
+
+def fitting_around_lowest(peak: Callable[[int], int | float], n: int, fits: Callable[[int | float], bool],
+                          fanout: int = FANOUT) -> int | None:
+    """``first_fitting``'s second half, where no probe fitted: the lowest value of
+    ``range(n)``, and when it fits, the first index that fits before it; else None."""
+    if n < 1:
+        return None
+    bottom = lowest(peak, n, max(3, fanout))
+    if not fits(peak(bottom)):
+        return None
+    return first_where(lambda i: fits(peak(i)), bottom + 1, fanout)
+
+
+def count_within(price: Callable[[int], float], n: int, limit: float) -> int:
+    """How many leading indices of ``range(n)`` have ``price`` at most ``limit``, for
+    prices that rise along the range (a binary search: about ``log2(n)`` prices read)."""
+    lo, hi = 0, n
+    while lo < hi:
+        middle = (lo + hi) // 2
+        if price(middle) <= limit:
+            lo = middle + 1
+        else:
+            hi = middle
+    return lo

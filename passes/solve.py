@@ -34,7 +34,7 @@ import torch.fx as fx
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
 from .memory import PlanNodes, Timeline, forward_nodes_needed, peak_bytes, plan_program, recomputed_nodes, simulate
 from .progress import Progress
-from .search_sequence import first_fitting, lowest
+from .search_sequence import count_within, fitting_around_lowest, lowest, probed_fit
 from .transfer import TransferPlan
 
 Seconds = Callable[[fx.Node], float]
@@ -489,7 +489,7 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
     else:
         candidates = search_sequences(sequences, evaluate_plan, budget_bytes, progress)
     candidates += [evaluate_plan(plan) for plan in unique_plans(alternatives)]  # simulated already
-    return select(a, candidates, budget_bytes, None, _with_timeline(a))
+    return select(a, candidates, budget_bytes, None, _with_timeline(a), evaluate_plan.results.values())
 
 
 # A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve_peak``).
@@ -535,22 +535,55 @@ def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", b
     (``passes.search_sequence``). From each sequence: its first plan that fits the budget
     (the cheapest of that sequence that fits) and the plans after it as cheap (for the
     tie-break on peak); where none fits, its lowest-peak plan. Returned in sequence order,
-    the unconstrained plan first. Once ``progress`` is out of time, only the first sequence
-    (as far as it was generated) is searched: a few simulations, so that the plan returned
-    is the best of the plans generated in time, not the unconstrained one."""
-    found: dict[tuple[frozenset, frozenset], Prefix] = {}
+    the unconstrained plan first.
+
+    In two rounds: first every sequence's probes (``probed_fit``); then, in the sequences
+    where no probe fitted, the search around the lowest plan (``fitting_around_lowest``,
+    most of a search's simulations). Each searches only the plans priced at most the
+    cheapest fitting plan found so far (``count_within``): a dearer plan cannot be chosen,
+    and where the first plan is dearer, the sequence is not searched at all. The choice is
+    the one searching every sequence in full gives; ``Solution.minimum`` (the lowest peak
+    simulated) may be higher. Where a mixed sequence's prices fall somewhere (each plan
+    is priced on its own schedules), a fitting plan past the count can be passed over:
+    a slower plan, never one over the budget.
+
+    Once ``progress`` is out of time, only the first sequence (as far as it was
+    generated) is searched: a few simulations, so that the plan returned is the best of
+    the plans generated in time, not the unconstrained one."""
+    fits = (lambda bytes_: bytes_ <= budget_bytes) if budget_bytes is not None else (lambda bytes_: False)
+    price = lambda plan: evaluate.price(plan)[0]  # noqa: E731
+    cheapest = None  # the price of the cheapest plan found that fits
+
+    def choosable(sequence: list[Prefix]) -> int:
+        """How many leading plans of ``sequence`` could be chosen: all, or those priced at
+        most ``cheapest`` (prices rise along a sequence)."""
+        if cheapest is None:
+            return len(sequence)
+        return count_within(lambda i: price(sequence[i]), len(sequence), cheapest)
+
+    searched: list[tuple[list[Prefix], Callable[[int], int], int | None]] = []
     for number, sequence in enumerate(sequences):
         if number and progress is not None and progress.out_of_time:
             break
-        peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
-        fits = None
-        if budget_bytes is not None:
-            fits = first_fitting(peak, len(sequence), lambda bytes_: bytes_ <= budget_bytes)
-        if fits is None:
-            picked = [lowest(peak, len(sequence))]
-        else:
-            picked, price = [fits], evaluate.price(sequence[fits])[0]
-            while picked[-1] + 1 < len(sequence) and evaluate.price(sequence[picked[-1] + 1])[0] <= price:
+        peak = (lambda seq: lambda i: evaluate(seq[i]).peak_bytes)(sequence)
+        fit = probed_fit(peak, choosable(sequence), fits) if budget_bytes is not None else None
+        if fit is not None and (cheapest is None or price(sequence[fit]) < cheapest):
+            cheapest = price(sequence[fit])
+        searched.append((sequence, peak, fit))
+    found: dict[tuple[frozenset, frozenset], Prefix] = {}
+    for sequence, peak, fit in searched:
+        if fit is None:
+            n = choosable(sequence)
+            if n == 0:
+                continue
+            fit = fitting_around_lowest(peak, n, fits)
+            if fit is None:
+                picked = [lowest(peak, n)]  # read by the search just made
+            elif cheapest is None or price(sequence[fit]) < cheapest:
+                cheapest = price(sequence[fit])
+        if fit is not None:
+            picked, fit_price = [fit], price(sequence[fit])
+            while picked[-1] + 1 < len(sequence) and price(sequence[picked[-1] + 1]) <= fit_price:
                 picked.append(picked[-1] + 1)
         for i in picked:
             found.setdefault((sequence[i].saved, sequence[i].offloaded), sequence[i])
@@ -634,16 +667,18 @@ def lowest_peak(candidate: Candidate) -> tuple[int, float]:
 
 
 def select(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | None, budget_fraction: float | None,
-           with_timeline: Callable[[Candidate], Candidate]) -> Solution:
+           with_timeline: Callable[[Candidate], Candidate], simulated: Iterable[Candidate] = ()) -> Solution:
     """The solution among simulated ``candidates`` (the unconstrained plan first): the
     fastest that fits the budget, else the lowest-peak one (``pick``), explained.
     ``with_timeline(candidate)``: the candidate simulated again, keeping its timeline
-    (for the chosen and the unconstrained plan only)."""
+    (for the chosen and the unconstrained plan only). ``Solution.minimum`` is the
+    lowest-peak plan of ``candidates`` and ``simulated`` (every plan the search read: a
+    search that stops early still says how low the plans it saw went)."""
     baseline = candidates[0]
     if budget_bytes is None and budget_fraction is not None:
         budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
     chosen, feasible = pick(candidates, budget_bytes)
-    minimum = min(candidates, key=lowest_peak)
+    minimum = min(itertools.chain(candidates, simulated), key=lowest_peak)
     chosen = with_timeline(chosen)
     baseline = with_timeline(baseline)
     solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))

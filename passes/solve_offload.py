@@ -161,7 +161,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     else:
         candidates = search_sequences(sequences, evaluate, budget_bytes, progress)
     candidates += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
-    return select(a, candidates, budget_bytes, None, with_timeline)
+    return select(a, candidates, budget_bytes, None, with_timeline, evaluate.results.values())
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, search: bool = True) -> list[Prefix]:

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_offload.passes.search_sequence import first_fitting, first_where, lowest
+from compile_offload.passes.search_sequence import count_within, first_fitting, first_where, lowest
+from compile_offload.passes.solve import Candidate, Prefix, pick, search_sequences
 
 
 @st.composite
@@ -96,3 +97,87 @@ def test_lowest_looks_past_a_narrow_bump_after_a_plateau():
     # A bump wider than the patience may hide it: then the lowest before the bump.
     wide = [300, 200] + [250] * 20 + [100, 400]
     assert lowest(wide.__getitem__, len(wide), patience=4) in (1, 22)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=200), st.integers(-1, 400))
+def test_count_within_is_the_scans_count_on_rising_prices(steps, limit):
+    prices = [sum(steps[:i]) for i in range(len(steps) + 1)]
+    assert count_within(prices.__getitem__, len(prices), limit) == sum(1 for p in prices if p <= limit)
+
+
+# --- several sequences: solve.search_sequences -------------------------------------------------
+
+
+class Sequences:
+    """Sequences of fake plans with given peaks and prices, read through the solver's
+    ``PlanEvaluator`` protocol; counts the plans simulated."""
+
+    def __init__(self, shapes):
+        self.sequences, self.values = [], {}
+        for number, (peaks, prices) in enumerate(shapes):
+            sequence = []
+            for i, (peak, price) in enumerate(zip(peaks, prices)):
+                plan = Prefix(frozenset({(number, i)}), frozenset(), ())
+                self.values[plan.saved] = (peak, price)
+                sequence.append(plan)
+            self.sequences.append(sequence)
+        self.simulated = set()
+
+    def price(self, plan):
+        return self.values[plan.saved][1], None
+
+    def __call__(self, plan):
+        self.simulated.add(plan.saved)
+        peak, price = self.values[plan.saved]
+        return Candidate(plan.saved, price, peak)
+
+
+@st.composite
+def solver_sequences(draw):
+    """A few sequences as the solver makes them: peaks falling then rising, prices rising
+    (each a little above the one before, ties allowed), starting anywhere."""
+    shapes = []
+    steep = draw(st.sampled_from([1, 20]))  # steep sides: a budget fits a narrow stretch
+    for _ in range(draw(st.integers(1, 5))):
+        peaks = [steep * value for value in draw(falling_then_rising())]
+        start = draw(st.integers(0, 50))
+        steps = draw(st.lists(st.integers(0, 3), min_size=len(peaks) - 1, max_size=len(peaks) - 1))
+        shapes.append((peaks, [start + sum(steps[:i]) for i in range(len(peaks))]))
+    return shapes
+
+
+@settings(max_examples=300, deadline=None)
+@given(solver_sequences(), st.integers(-5, 40))
+def test_search_sequences_chooses_what_simulating_every_plan_chooses(shapes, slack):
+    sequences = Sequences(shapes)
+    budget = min(peak for peaks, _ in shapes for peak in peaks) + slack
+    every = [sequences(plan) for sequence in sequences.sequences for plan in sequence]
+    searched = Sequences(shapes)
+    candidates = search_sequences(searched.sequences, searched, budget)
+    chosen, fits = pick(candidates, budget)
+    expected, expected_fits = pick(every, budget)
+    assert fits == expected_fits
+    # the same price and peak (a plan of equal price and peak elsewhere may be the one found)
+    assert (chosen.extra_seconds, chosen.peak_bytes) == (expected.extra_seconds, expected.peak_bytes)
+    assert all(c.saved in searched.simulated for c in candidates)
+
+
+def test_a_sequence_dearer_than_a_fitting_plan_is_not_searched():
+    falling = list(range(100, 0, -1))
+    shapes = [(falling, list(range(100))),  # fits from index 60 on (price 60)
+              ([500] * 100, list(range(70, 170)))]  # never fits, and every plan is dearer
+    searched = Sequences(shapes)
+    chosen, fits = pick(search_sequences(searched.sequences, searched, 40), 40)
+    assert fits and chosen.extra_seconds == 60
+    # the first sequence's probes find the fitting plan; the second's first plan is dearer
+    assert not any(number == 1 for plan in searched.simulated for number, _ in plan)
+
+
+def test_a_narrow_fitting_stretch_between_probes_is_found():
+    v_shape = [10 * abs(i - 110) + 10 for i in range(200)]  # fits 25 at 109-111 only
+    shapes = [(v_shape, list(range(200))), (v_shape, [price + 0.5 for price in range(200)])]
+    searched = Sequences(shapes)
+    chosen, fits = pick(search_sequences(searched.sequences, searched, 25), 25)
+    assert fits and chosen.extra_seconds == 109
+    assert len(searched.simulated) < 100
