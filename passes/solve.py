@@ -673,12 +673,15 @@ def select(a: JointAnalysis, candidates: list[Candidate], budget_bytes: int | No
     ``with_timeline(candidate)``: the candidate simulated again, keeping its timeline
     (for the chosen and the unconstrained plan only). ``Solution.minimum`` is the
     lowest-peak plan of ``candidates`` and ``simulated`` (every plan the search read: a
-    search that stops early still says how low the plans it saw went)."""
+    search that stops early still says how low the plans it saw went), and the plan
+    chosen when none fits."""
     baseline = candidates[0]
     if budget_bytes is None and budget_fraction is not None:
         budget_bytes = budget_of_fraction(a, baseline, budget_fraction)
     chosen, feasible = pick(candidates, budget_bytes)
     minimum = min(itertools.chain(candidates, simulated), key=lowest_peak)
+    if not feasible:  # the lowest-peak plan simulated (``pick``'s, unless a search passed a lower one)
+        chosen = minimum
     chosen = with_timeline(chosen)
     baseline = with_timeline(baseline)
     solution = Solution(chosen, baseline, minimum, budget_bytes, feasible, candidates_evaluated=len(candidates))

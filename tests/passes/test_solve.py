@@ -188,3 +188,21 @@ def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed):
             continue
         chosen.apply(state)
     assert steps > 3
+
+
+def test_with_no_plan_fitting_the_lowest_plan_simulated_is_chosen():
+    """A search may read a plan lower than every candidate (a bump hid it from ``lowest``):
+    below the minimum, that plan is the one chosen, and ``minimum`` reports it."""
+    from compile_offload.passes.solve import Candidate, select
+
+    torch.manual_seed(0)
+    analysis, base = capture_analysis(chain_model(["sin", "linear", "relu"], 16), torch.randn(8, 16, requires_grad=True))
+    saved = frozenset(base)
+    candidates = [Candidate(saved, 0.0, 1000), Candidate(saved, 2e-6, 700)]
+    passed_over = Candidate(saved, 3e-6, 600)
+    solution = select(analysis, candidates, 100, None, lambda c: c, [*candidates, passed_over])
+    assert not solution.feasible
+    assert solution.chosen is passed_over and solution.minimum is passed_over
+    # a plan that fits is still chosen among the candidates only
+    solution = select(analysis, candidates, 800, None, lambda c: c, [*candidates, passed_over])
+    assert solution.feasible and solution.chosen is candidates[1] and solution.minimum is passed_over
