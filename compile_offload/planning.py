@@ -16,6 +16,7 @@ import torch.fx as fx
 from . import plan_cache
 from .collection_paused import collection_paused
 from .device_profile import device_of, resolve_profile
+from .op_workspace import op_workspaces
 from .passes import compat, user_policy
 from .passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
 from .passes.build_plan import build_plan, inputs_for_their_views
@@ -80,7 +81,8 @@ def plan_partition(
 
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
                          graph_name: str, started: float) -> PartitionResult:
-    analysis = analyze_joint(joint, fusion=settings.inner_compiler == "inductor")
+    inductor = settings.inner_compiler == "inductor"
+    analysis = analyze_joint(joint, fusion=inductor, workspaces=lambda nodes: op_workspaces(nodes, inductor))
     policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
     memo: dict[fx.Node, float] = {}
     # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.

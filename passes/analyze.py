@@ -467,6 +467,9 @@ class JointAnalysis:
     # channels-last buffer for the convolutions that read them (``layout_copies``), with
     # the copy's bytes.
     layout_copies: dict[fx.Node, int] = field(default_factory=dict)
+    # ... and the bytes an extern op holds while it runs beyond its outputs (a CPU
+    # convolution's backward: ``compile_offload.op_workspace``, measured by the caller).
+    workspace_bytes: dict[fx.Node, int] = field(default_factory=dict)
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -519,7 +522,11 @@ def unsupported_nodes(graph: fx.Graph) -> list[str]:
     return sorted(found)
 
 
-def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalysis:
+def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
+                  workspaces: Callable[[list[fx.Node]], dict[fx.Node, int]] | None = None) -> JointAnalysis:
+    """The analysis every plan of ``joint`` reads. ``fusion``: model Inductor's fusion
+    (else the graphs run as written). ``workspaces(nodes)``: node -> the bytes it holds
+    while it runs beyond its outputs (``JointAnalysis.workspace_bytes``)."""
     graph = joint.gm.graph
     unsupported = unsupported_nodes(graph)
     if unsupported:
@@ -579,6 +586,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False) -> JointAnalys
         copy_candidates=candidates,
         copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},
+        workspace_bytes=workspaces(nodes) if workspaces is not None else {},
         fw_inputs=fw_inputs,
         bw_reads=bw_reads,
         bw_readers={node: tuple(indices) for node, indices in bw_readers.items()},

@@ -19,6 +19,7 @@ inputs instead (which keeps those alive until the consumers run).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -582,9 +583,14 @@ class StepBuilder:
         else:
             nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
         allocates = [(key(node), nbytes)] if nbytes else []
-        reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
-        if a.layout_copies and is_convolution(node):
-            reads += [layout_copy_key(arg) for arg in a.inputs[node] if arg in a.layout_copies]
+        if node in a.workspace_bytes:
+            allocates.append((workspace_key(node), a.workspace_bytes[node]))
+        reads = self._op_reads(node, key)
+        if node.target is operator.getitem and node.args[0] in a.workspace_bytes:
+            # The op allocates its outputs (its getitems' steps) while its inputs and its
+            # workspace are held: those steps read them too, so they peak at what the op
+            # measured on top of what was live before it.
+            reads += [*self._op_reads(node.args[0], key), workspace_key(node.args[0])]
         in_place = ()
         if nbytes and self.fusion and key == self._backward_key:
             saved_storages = self.saved_storages()
@@ -592,6 +598,15 @@ class StepBuilder:
                                                             a.inputs.__getitem__, self.memo, a.storage_bytes)
                              if k in saved_storages)
         return Step(node.name, allocates, reads, kind=kind, in_place=in_place)
+
+    def _op_reads(self, node: fx.Node, key) -> list[Hashable]:
+        """The storages ``node``'s step reads: its inputs' (through what is fused), and a
+        convolution's channels-last copies of steady inputs."""
+        a = self.a
+        reads = _reads(node, key, self.fused, a.steady.__contains__, a.inputs.__getitem__, self.memo)
+        if a.layout_copies and is_convolution(node):
+            reads += [layout_copy_key(arg) for arg in a.inputs[node] if arg in a.layout_copies]
+        return reads
 
     def saved_storages(self) -> set[Hashable]:
         """The storages of the saved tensors (what the backward may overwrite in place)."""
@@ -618,6 +633,13 @@ class StepBuilder:
             if parent is None:
                 return ("recomputed", current) if current in self.recomputed else current
             current = parent
+
+
+def workspace_key(node: fx.Node) -> Hashable:
+    """The storage of what ``node`` holds while it runs (``JointAnalysis.workspace_bytes``):
+    allocated by its step and read by its outputs' steps, so it lives until the last of
+    them (the measured peak of the op is its outputs and this, together)."""
+    return ("workspace", node.name)
 
 
 def _views_of_copies(a: JointAnalysis) -> dict[fx.Node, fx.Node]:
