@@ -75,6 +75,7 @@ from .passes.solve_exhaustive import exhaustive_candidates, greedy_pool
 from .passes.prune import prune_solution
 from .passes.refine import refine_solution
 from .passes.smaller_matmuls_first import smaller_matmuls_first
+from .passes.unfused_mm_add import unfused_mm_add
 from .passes.solve_offload import OffloadOptions, solve_joint
 
 MB = 2**20
@@ -425,11 +426,11 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
 
 def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
     """``model``'s joint graph as our backend plans it: in its own order (a gradient's
-    smaller matmuls first, ``passes.smaller_matmuls_first``), which torch's partitioners
-    do not make. Our plans are made and predicted on this graph, torch's on the graph as
-    traced."""
+    smaller matmuls first, ``passes.smaller_matmuls_first``) and with each matmul kept
+    out of a later add (``passes.unfused_mm_add``), which torch's partitioners do not do.
+    Our plans are made and predicted on this graph, torch's on the graph as traced."""
     joint = capture_joint(model, x)
-    smaller_matmuls_first(joint.gm)
+    unfused_mm_add(smaller_matmuls_first(joint.gm))
     return analyze_joint(joint, fusion=True)
 
 

@@ -29,6 +29,7 @@ from .passes.progress import Progress
 from .passes.refine import Refinement, refine_solution
 from .passes.solve import Candidate, Solution, SolverError, solve_exact, without_banned_recompute
 from .passes.smaller_matmuls_first import smaller_matmuls_first
+from .passes.unfused_mm_add import unfused_mm_add
 from .passes.solve_offload import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
@@ -56,8 +57,9 @@ def plan_partition(
         started = time.perf_counter()
         policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
         # The order the plan holds to (Inductor's peak-memory reordering is off under a
-        # budget): a gradient's smaller matmuls first, as that reordering would.
-        joint_gm = smaller_matmuls_first(joint_gm)
+        # budget): a gradient's smaller matmuls first, as that reordering would; and each
+        # matmul where the graph computes it, not folded into a later add.
+        joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
         profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
         if not compat.has_backward(joint):

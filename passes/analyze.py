@@ -16,17 +16,14 @@ import torch
 import torch.fx as fx
 
 from . import compat
+from .kernel_local import KernelGroups, kernel_groups
+from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value  # noqa: F401  (imported from here too)
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 _RECOMPUTABLE_NAMESPACES = ("aten", "prims")
 # Why a node torch tagged MUST_SAVE is not recomputed (``passes.user_policy`` gives the
 # nodes a user's checkpoint policy tagged their own reason).
 MUST_SAVE_REASON = "marked must-save (mutation source, collective or effectful op)"
-
-
-def tensor_value(node: fx.Node) -> torch.Tensor | None:
-    val = node.meta.get("val")
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def allocation_bytes(val: torch.Tensor) -> int:
@@ -191,31 +188,6 @@ def is_compute_intensive(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _COMPUTE_INTENSIVE
 
 
-# Ops without the pointwise tag that Inductor lowers to a pointwise loop all the same
-# (``Pointwise.create`` in torch/_inductor/lowering.py, torch 2.11-2.14): ``full`` a constant
-# that loads nothing (``tensor_constructor``/``_full``), ``select_scatter`` and
-# ``slice_scatter`` a ``where`` over the index that loads the source and the base. Inlined
-# like any pointwise value: the zeros a backward scatters the query/key/value gradients
-# into (384 KiB on the contract's transformer) get no buffer of their own.
-_POINTWISE_LOWERINGS = frozenset({"full", "select_scatter", "slice_scatter"})
-
-
-def is_pointwise(node: fx.Node) -> bool:
-    """A pointwise op as Inductor lowers it: tagged pointwise, or one of ``_POINTWISE_LOWERINGS``."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if torch.Tag.pointwise in getattr(target, "tags", ()):
-        return True
-    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _POINTWISE_LOWERINGS
-
-
-def fuses_into(node: fx.Node) -> bool:
-    """Inductor fuses a pointwise producer into this consumer (pointwise or reduction)."""
-    tags = getattr(node.target, "tags", ())
-    return is_pointwise(node) or (node.op == "call_function" and torch.Tag.reduction in tags)
-
-
 # Inductor's store-or-inline choice for a pointwise value read by more than one consumer
 # (``StorageBox.should_realize_on_reuse`` in torch/_inductor/ir.py, called from
 # ``GraphLowering.run_node``; the same in torch 2.11-2.14): it is realized (gets a buffer)
@@ -254,10 +226,6 @@ def _realized_anyway(node: fx.Node, reads: frozenset[fx.Node], heavy: bool) -> b
     if len(node.users) > 1:
         return (cpu and heavy) or len(reads) > REALIZE_READS_THRESHOLD
     return False
-
-
-def is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "is_view", False)
 
 
 def view_base(node: fx.Node) -> fx.Node:
@@ -331,6 +299,12 @@ def copy_candidates(nodes: Iterable[fx.Node], fusable: frozenset[fx.Node]) -> di
     may be inlined (in ``fusable``, ``fusable_nodes`` with a ``may_copy``), each with that
     value, in graph order."""
     return {n: n.args[0] for n in nodes if n.args and n.args[0] in fusable and _copied_view_candidate(n)}
+
+
+def inlined_values(nodes: Iterable[fx.Node], fusable: frozenset[fx.Node]) -> frozenset[fx.Node]:
+    """The values of ``fusable`` that Inductor inlines whatever the plan: those whose view it
+    may copy (``copy_candidates``) are realized when their body loads more than one tensor."""
+    return fusable - frozenset(copy_candidates(nodes, fusable).values())
 
 
 def copy_decisions(candidates: dict[fx.Node, fx.Node], fused: set[fx.Node],
@@ -449,6 +423,10 @@ class JointAnalysis:
     # ... and the nodes fusion may leave without a buffer (``fusable_nodes``): each plan
     # then only takes away the ones it keeps.
     fusable: frozenset[fx.Node] = frozenset()
+    # ... and the realized nodes Inductor runs as one kernel (``passes.kernel_local``), and the
+    # values it keeps inside one with all their readers: no buffer either, unless a plan saves them.
+    kernels: tuple[frozenset[fx.Node], ...] = ()
+    kernel_local: frozenset[fx.Node] = frozenset()
     # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
     # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
     copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -560,6 +538,9 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         if n not in ban and n.op == "call_function" and any(roots.get(arg, arg) in mutated for arg in n.all_input_nodes):
             ban[n] = "reads an input that the graph mutates"
     forward_side = frozenset(fw_nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    groups = (kernel_groups(nodes, inlined_values(nodes, fusable), position, steady.__contains__,
+                            forward_side.__contains__) if fusion else KernelGroups((), frozenset()))
     inputs = {n: tuple(n.all_input_nodes) for n in nodes}
     fw_inputs = {n: tuple(arg for arg in args if arg in forward_side) for n, args in inputs.items()}
     bw_readers: dict[fx.Node, list[int]] = {}
@@ -573,7 +554,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         bw_nodes=bw_nodes,
         fw_outputs=fw_outputs,
         bw_outputs=bw_outputs,
-        position={n: i for i, n in enumerate(nodes)},
+        position=position,
         roots=roots,
         bytes_of=bytes_of,
         steady=steady,
@@ -583,6 +564,8 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         inputs=inputs,
         alias_parent={n: _aliased_input(n) for n in nodes},
         fusable=fusable,
+        kernels=groups.kernels,
+        kernel_local=groups.local,
         copy_candidates=candidates,
         copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},

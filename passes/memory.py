@@ -29,7 +29,9 @@ import torch.fx as fx
 
 from . import compat
 from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes,
-                      is_convolution, is_pointwise, is_view, layout_copies, storage_roots, tensor_value, with_view_bases)
+                      inlined_values, is_convolution, is_pointwise, is_view, layout_copies, storage_roots,
+                      tensor_value, with_view_bases)
+from .kernel_local import fused_kernel_order, kernel_groups
 
 
 @dataclass
@@ -268,7 +270,14 @@ def _backward_fusion(graph: fx.Graph) -> tuple[set[fx.Node], dict[fx.Node, fx.No
     gradients, which the output consumes and so are never inlined)."""
     fusable = fusable_nodes(graph.nodes, lambda node: True)
     copies, fused = copy_decisions(copy_candidates(graph.nodes, fusable), set(fusable), _inlined_loads)
-    return fused, storage_roots(graph, copies)
+    return fused | _kernel_local(graph), storage_roots(graph, copies)
+
+
+def _kernel_local(graph: fx.Graph) -> frozenset[fx.Node]:
+    """A partitioned graph's values Inductor keeps inside one kernel (``passes.kernel_local``)."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    inlined = inlined_values(graph.nodes, fusable_nodes(graph.nodes, lambda node: True))
+    return kernel_groups(graph.nodes, inlined, position, lambda node: node.op == "placeholder").local
 
 
 def _is_host_copy(node: fx.Node) -> bool:
@@ -414,7 +423,7 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     bw = a.bw_nodes
     readers = sorted({i for node in recomputed for i in a.bw_readers.get(node, ())})
     if not readers:
-        return list(bw)
+        return _as_kernels(a, list(bw))
     fw_inputs = a.fw_inputs
     order: list[fx.Node] = []
     emitted: set[fx.Node] = set()
@@ -451,7 +460,12 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
                             emitted.add(current)
                             order.append(current)
     order.extend(bw[copied:])
-    return order
+    return _as_kernels(a, order)
+
+
+def _as_kernels(a: JointAnalysis, order: list[fx.Node]) -> list[fx.Node]:
+    """``order`` with the nodes Inductor fuses into one kernel run as one (``a.kernels``)."""
+    return fused_kernel_order(order, a.kernels, a.inputs.__getitem__) if a.kernels else order
 
 
 @dataclass(frozen=True)
@@ -508,7 +522,6 @@ class StepBuilder:
         self.backward_steps: dict[fx.Node, Step | None] = {}
         self.memo: dict[fx.Node, tuple[fx.Node, ...]] = {}  # fused node -> what it reads
         self._dependents: dict[fx.Node, list[fx.Node]] | None = None
-        self._saved_storages: set[Hashable] | None = None
         self._last: tuple[frozenset[fx.Node], PlanNodes, ComputeSteps] | None = None  # the last call's
 
     def __call__(self, saved: Iterable[fx.Node], nodes: PlanNodes) -> ComputeSteps:
@@ -539,6 +552,8 @@ class StepBuilder:
             # inlining (``analyze.copy_decisions``): they depend on what else is inlined.
             copies, realized = copy_decisions(self.a.copy_candidates, set(fused), _inlined_loads)
             fused = frozenset(realized)
+        if self.fusion:
+            fused |= self.a.kernel_local - kept
         if self.forward_steps or self.backward_steps:
             changed = (saved ^ self.saved) | (recomputed ^ self.recomputed)
             for view in copies ^ self.copies:  # the view's storage, and its value's
@@ -549,7 +564,6 @@ class StepBuilder:
                     self.forward_steps.pop(dependent, None)
                     self.backward_steps.pop(dependent, None)
         self.saved, self.recomputed, self.copies = saved, recomputed, copies
-        self._saved_storages = None
         self.fused = fused
         self.memo = {}
 
@@ -593,10 +607,8 @@ class StepBuilder:
             reads += [*self._op_reads(node.args[0], key), workspace_key(node.args[0])]
         in_place = ()
         if nbytes and self.fusion and key == self._backward_key:
-            saved_storages = self.saved_storages()
-            in_place = tuple(k for k in in_place_candidates(node, nbytes, key, self.fused, a.steady.__contains__,
-                                                            a.inputs.__getitem__, self.memo, a.storage_bytes)
-                             if k in saved_storages)
+            in_place = in_place_candidates(node, nbytes, key, self.fused, a.steady.__contains__,
+                                           a.inputs.__getitem__, self.memo, a.storage_bytes)
         return Step(node.name, allocates, reads, kind=kind, in_place=in_place)
 
     def _op_reads(self, node: fx.Node, key) -> list[Hashable]:
@@ -607,12 +619,6 @@ class StepBuilder:
         if a.layout_copies and is_convolution(node):
             reads += [layout_copy_key(arg) for arg in a.inputs[node] if arg in a.layout_copies]
         return reads
-
-    def saved_storages(self) -> set[Hashable]:
-        """The storages of the saved tensors (what the backward may overwrite in place)."""
-        if self._saved_storages is None:
-            self._saved_storages = {self.a.roots.get(n, n) for n in self.saved}
-        return self._saved_storages
 
     def _root(self, node: fx.Node) -> Hashable:
         copy = self._copy_of.get(node)
@@ -666,7 +672,7 @@ def step_dependencies(a: JointAnalysis, node: fx.Node, fusion: bool) -> set[fx.N
         stack = [node]
         while stack:
             for arg in a.inputs[stack.pop()]:
-                if arg in a.fusable and arg not in through:
+                if (arg in a.fusable or arg in a.kernel_local) and arg not in through:
                     through.add(arg)
                     stack.append(arg)
     # A view of a fused node that becomes kept keeps the node's buffer (``with_view_bases``).
@@ -796,7 +802,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     def fw_key(node: fx.Node) -> Hashable:
         return ("fw", fw_roots.get(node, node).name)
 
-    fw_fused = fused_nodes(fw_gm.graph.nodes, set()) if fusion else set()
+    fw_fused = fused_nodes(fw_gm.graph.nodes, set()) | _kernel_local(fw_gm.graph) if fusion else set()
     copies = layout_copies(fw_gm.graph.nodes, fw_placeholders) if fusion else {}
     if copies:  # Inductor's channels-last copies of inputs its convolutions read
         steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
@@ -860,7 +866,6 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
             reads += [copied_placeholders[arg] for arg in node.all_input_nodes if arg in copied_placeholders]
         in_place = in_place_candidates(node, nbytes, bw_key, bw_fused, bw_skip, _all_input_nodes, bw_memo,
                                        lambda x: key_bytes.get(bw_key(x), 0)) if nbytes and fusion else ()
-        in_place = tuple(k for k in in_place if k[0] == "fw")  # saved tensors only (see StepBuilder._step)
         if nbytes:
             key_bytes[bw_key(node)] = nbytes
         steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads, in_place=in_place))

@@ -5,7 +5,8 @@ definitions.
 order does the backward run" from tables the analysis builds once (forward-side inputs,
 the backward's readers of each forward node). Here each fast walk is compared with a
 direct transcription of its definition on the graph itself (``node.all_input_nodes``,
-``passes.schedule.just_in_time_order``), for random saved sets of a transformer's joint
+``passes.schedule.just_in_time_order``, then Inductor's kernels run as one:
+``passes.kernel_local.fused_kernel_order``), for random saved sets of a transformer's joint
 graph: subsets of the nodes torch's min-cut saves, and of every forward node.
 """
 
@@ -13,6 +14,7 @@ import random
 
 import pytest
 
+from compile_offload.passes.kernel_local import fused_kernel_order
 from compile_offload.passes.memory import backward_order, forward_nodes_needed, plan_nodes, recomputed_nodes
 from compile_offload.passes.schedule import just_in_time_order
 
@@ -69,7 +71,9 @@ def test_the_walks_equal_their_definitions():
         assert recomputed == recomputed_by_definition(a, saved)
         assert forward_nodes_needed(a, saved) == forward_needed_by_definition(a, saved)
         order = backward_order(a, recomputed)
-        assert order == just_in_time_order(a.bw_nodes, recomputed)
+        just_in_time = just_in_time_order(a.bw_nodes, recomputed)
+        assert order == fused_kernel_order(just_in_time, a.kernels, lambda n: n.all_input_nodes)
+        assert set(order) == set(just_in_time) and len(order) == len(just_in_time)
         nodes = plan_nodes(a, saved)
         assert (nodes.recomputed, nodes.backward) == (recomputed, order)
         checked += bool(recomputed)

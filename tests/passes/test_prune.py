@@ -48,9 +48,17 @@ def _sweep(low: int, high: int, points: int = SWEEP) -> list[int]:
     return [low + (high - low) * i // (points - 1) for i in range(points)]
 
 
-def test_pruned_plan_dominates_the_greedy_plan_and_reaches_the_optimum_it_missed(narrow_block):
+def test_pruned_plan_dominates_the_greedy_plan_and_improves_where_it_overpays(narrow_block):
+    """Pruning never loses (no higher, no slower, fits wherever the greedy fits), never beats
+    the optimum, and where the greedy overpays it takes back something. Since the simulator
+    runs each fused kernel as one (``passes.kernel_local``, 2026-11-26), recomputing this
+    block's GELU moves the input gradient's matmul ahead of it, so the byte-ordered greedy's
+    early moves cost more peak than before and pruning no longer reaches the optimum here
+    (it did at some budgets before); the default solve, with the peak-ordered sequence, is
+    at the optimum at 11 of these 12 budgets (``tests/passes/test_solve_quality.py`` holds
+    that solver to its bounds)."""
     a, base, seconds, exact_all = narrow_block
-    reached = 0  # budgets where the greedy alone missed the optimum and the pruned plan is it
+    improved = 0  # budgets where the greedy overpaid and pruning made it faster
     for budget in _sweep(min(c.peak_bytes for c in exact_all), exact_all[0].peak_bytes):
         greedy = solve_joint(a, base, seconds, budget)
         pruned, pruning = prune_solution(a, greedy, base, seconds, None)
@@ -66,10 +74,9 @@ def test_pruned_plan_dominates_the_greedy_plan_and_reaches_the_optimum_it_missed
             continue
         # The optimum is never beaten (the exhaustive space holds every plan pruning reaches).
         assert exact.extra_seconds <= pruned.chosen.extra_seconds * (1 + 1e-9) + 1e-15
-        missed = not greedy.feasible or greedy.chosen.extra_seconds > exact.extra_seconds * (1 + 1e-9) + 1e-15
-        if missed and pruned.chosen.extra_seconds == pytest.approx(exact.extra_seconds, rel=1e-9, abs=1e-15):
-            reached += 1
-    assert reached, "pruning reached no optimum the greedy missed: this graph no longer tests it"
+        overpaid = greedy.chosen.extra_seconds > exact.extra_seconds * (1 + 1e-9) + 1e-15
+        improved += overpaid and pruned.chosen.extra_seconds < greedy.chosen.extra_seconds
+    assert improved, "pruning improved no plan the greedy overpaid for: this graph no longer tests it"
 
 
 def test_pruning_leaves_the_unconstrained_plan_alone(narrow_block):

@@ -1,0 +1,300 @@
+"""The kernels Inductor fuses realized nodes into: which buffers vanish, and in what order they run.
+
+The simulator (``passes.memory``) runs one step per FX node and gives every realized value a
+buffer. Inductor's scheduler then fuses realized nodes into kernels, and two things follow
+that the plan must know (measured on the contract's GPT-2 and Llama, CPU, torch 2.13,
+2026-11-26):
+
+- **Buffers that vanish.** Inductor realizes some pointwise values although every consumer
+  could inline them: one read by several consumers whose body is costly to repeat
+  (``analyze._realized_anyway``: a heavy op such as ``tanh`` on CPU, or many loads), and
+  every random draw (``inductor_random``'s lowering calls ``realize()``). If the value and
+  all its readers land in one kernel, the buffer is written and read inside it only, and
+  code generation removes it (``Kernel.remove_kernel_local_buffers`` in
+  ``torch/_inductor/codegen/common.py``, torch 2.11-2.14). The GPT-2's recomputed GELU
+  ``tanh`` (512 KiB) and its dropouts' random draws (128-512 KiB) get no buffer in the
+  generated code; the simulator gave each one and predicted its unconstrained step 0.41 MiB
+  high.
+- **Kernels run as one.** Inductor sorts fused kernels by their first member and then moves
+  up whatever a later member waits for (``Scheduler.fuse_nodes_once``,
+  ``topological_sort_schedule``). The Llama's recomputed SiLU and its derivative are one
+  kernel: their six 352 KiB outputs are allocated together, after the input gradient's
+  matmul the derivative waits for; the simulator ran them apart and predicted its 0.6 step
+  0.24 MiB low once the vanishing buffers were counted.
+
+``kernel_groups`` puts realized pointwise nodes, reductions and random draws of the same
+number of elements into one kernel when one reads the other (through the values inlined
+into it) or both read one buffer, each merge kept only if no member then waits on another
+through a node outside the kernel (an extern matmul between them: the scheduler will not
+fuse a node with something it waits for). A value is kernel-local when every reader is in its
+kernel and pointwise over as many elements: a reduction reader runs its own loop nest on the
+CPU and the value is stored between them, even inside one fused kernel (measured: a ``tanh``
+read by a row sum and a product keeps its buffer). ``fused_kernel_order`` runs each kernel as
+one in the backward's order.
+
+Approximations: Inductor's further limits on fusion (loop orders that do not match, 64
+nodes apart for horizontal fusion, ``max_fusion_size``, its peak-memory veto) are not
+followed; in a joint graph the walk for a waiting member does not go from the forward side
+into the backward (every backward value depends on the whole forward through the loss, but
+the backward reads the forward's results from saved tensors), so a plan that recomputes an
+extern op on such a path is not seen. The budget loop's scheduled peak, read from the
+kernels Inductor generated, sees what this misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value
+
+
+def is_random_draw(node: fx.Node) -> bool:
+    """Inductor's random number op (put in place of the user's random ops by its joint-graph
+    pass ``replace_random``), which its lowering realizes."""
+    random = getattr(torch.ops.prims, "inductor_random", None)  # registered by torch._inductor
+    return node.op == "call_function" and random is not None and node.target is random.default
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = tensor_value(node)
+    return None if val is None else val.numel()
+
+
+def _group(value: fx.Node, inlined: frozenset[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]] | None:
+    """The inlined chain from ``value`` (``inlined`` nodes and views) and its readers, or
+    None when some reader would not let its buffer go: not pointwise over as many elements
+    (a reduction, an extern op, the graph's output)."""
+    size = _numel(value)
+    chain: set[fx.Node] = set()
+    readers: set[fx.Node] = set()
+    stack = list(value.users)
+    while stack:
+        user = stack.pop()
+        if user in chain or user in readers:
+            continue
+        if user in inlined or is_view(user):
+            chain.add(user)
+            stack.extend(user.users)
+            continue
+        # A reduction reader keeps the buffer on CPU: its loop nest is another than the
+        # value's, and the value is stored between them even inside one fused kernel.
+        if user.op != "call_function" or not is_pointwise(user) or _numel(user) != size:
+            return None
+        readers.add(user)
+    return (chain, readers) if readers else None
+
+
+def _reached_around(group: set[fx.Node], position: dict[fx.Node, int], forward: Callable[[fx.Node], bool]) -> bool:
+    """Whether a node of ``group`` depends on another through a node outside it (a cycle
+    the scheduler will not fuse). Walks from the group's consumers outside it, up to the
+    last group member's position (topological order: nothing later reaches back). From a
+    ``forward``-side node only forward-side nodes are followed, up to the last forward-side
+    member: the backward reads the forward's results from saved tensors."""
+    last = max(position[n] for n in group)
+    last_forward = max((position[n] for n in group if forward(n)), default=-1)
+    outside = [u for n in group for u in n.users if u not in group]
+    seen: set[fx.Node] = set()
+    while outside:
+        node = outside.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        bound = last_forward if forward(node) else last
+        if position.get(node, bound + 1) > bound:
+            continue
+        for user in node.users:
+            if forward(node) and not forward(user):
+                continue
+            if user in group:
+                return True
+            outside.append(user)
+    return False
+
+
+FUSION_DISTANCE = 64  # Inductor's limit on horizontal fusion, in scheduler nodes (torch 2.11-2.14)
+
+
+@dataclass(frozen=True)
+class KernelGroups:
+    """Which realized nodes Inductor's scheduler runs as one kernel, as far as modelled."""
+
+    kernels: tuple[frozenset[fx.Node], ...]  # each with the inlined values its members read through
+    local: frozenset[fx.Node]  # realized values whose every reader is in their kernel: no buffer
+
+
+def _size(node: fx.Node) -> int | None:
+    """The elements a kernel iterates over to compute ``node``: its own, or a reduction's input's."""
+    if is_pointwise(node) or is_random_draw(node):
+        return _numel(node)
+    return max((_numel(arg) or 0) for arg in node.all_input_nodes) if node.all_input_nodes else None
+
+
+def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], position: dict[fx.Node, int],
+                  steady: Callable[[fx.Node], bool] = lambda node: False,
+                  forward: Callable[[fx.Node], bool] = lambda node: False) -> KernelGroups:
+    """The kernels Inductor's scheduler fuses realized nodes into, and the values whose
+    buffers it then removes (module docstring). Realized pointwise nodes, reductions and
+    random draws iterating over as many elements are put together when one reads the other
+    (through the values inlined into it) or both read the same buffer (not a graph input:
+    parameters are shared by far-apart nodes), each merge kept only if no member then depends
+    on another through a node outside the kernel (``_reached_around``). ``inlined``: the
+    values Inductor inlines (``analyze.inlined_values``). ``forward(node)``: forward side of
+    a joint graph (always False for one graph)."""
+    nodes = list(nodes)
+    realized = [n for n in nodes if n.op == "call_function" and n not in inlined and not is_view(n)
+                and tensor_value(n) is not None and (fuses_into(n) or is_random_draw(n))]
+    is_realized = set(realized)
+    size = {n: _size(n) for n in realized}
+    loads: dict[fx.Node, set[fx.Node]] = {}
+    through: dict[fx.Node, set[fx.Node]] = {}  # the inlined values and views a node reads through
+    for node in realized:
+        found, walked, stack = set(), set(), list(node.all_input_nodes)
+        while stack:
+            arg = stack.pop()
+            if arg in walked:
+                continue
+            if arg in inlined or is_view(arg):
+                walked.add(arg)
+                stack.extend(arg.all_input_nodes)
+            else:
+                found.add(arg)
+        loads[node], through[node] = found, walked
+    kernel_of = {n: frozenset((n,)) for n in realized}
+
+    def merge(one: fx.Node, other: fx.Node) -> None:
+        if kernel_of[one] is kernel_of[other] or size[one] != size[other] or size[one] is None:
+            return
+        joined = kernel_of[one] | kernel_of[other]
+        with_chains = set(joined).union(*(through[n] for n in joined))
+        if _reached_around(with_chains, position, forward):
+            return
+        for member in joined:
+            kernel_of[member] = joined
+
+    for node in realized:  # a consumer with its producer
+        for arg in loads[node]:
+            if arg in is_realized:
+                merge(arg, node)
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for node in realized:  # nodes reading one buffer
+        for arg in loads[node]:
+            if not steady(arg):
+                readers.setdefault(arg, []).append(node)
+    for group in readers.values():
+        for one, other in zip(group, group[1:]):
+            # Inductor fuses two nodes that only share a read when they are at most 64 nodes
+            # apart (``Scheduler.are_long_distant_nodes``). Joint positions say how far apart
+            # two backward nodes run; a forward-side node may run in the backward, recomputed
+            # next to what reads it, wherever the joint graph has it.
+            if not (forward(one) or forward(other)) and position[other] - position[one] > FUSION_DISTANCE:
+                continue
+            merge(one, other)
+    kernels = {id(k): k for k in kernel_of.values() if len(k) > 1}
+    with_chains, taken = [], set()
+    for kernel in kernels.values():  # a value inlined into two kernels' members is listed with the first
+        chains = set().union(*(through[n] for n in kernel)) - taken
+        with_chains.append(kernel | chains)
+        taken |= chains
+    local = set()
+    for value in realized:
+        if not (is_pointwise(value) or is_random_draw(value)):
+            continue  # a reduction's result is read by another loop nest: stored (measured on CPU)
+        grouped = _group(value, inlined)
+        if grouped is not None and grouped[1] <= kernel_of[value] and len(kernel_of[value]) > 1:
+            local.add(value)
+    return KernelGroups(tuple(with_chains), frozenset(local))
+
+
+def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]],
+                       inputs: Callable[[fx.Node], Iterable[fx.Node]]) -> list[fx.Node]:
+    """``order`` with each group's nodes run together, as Inductor's scheduler runs a fused
+    kernel: kernels are taken by their first member's place (it sorts fused nodes by their
+    first member, ``min_order``), and what a kernel waits for is run just before it
+    (``Scheduler.topological_sort_schedule``, a depth-first walk over what each node waits
+    for). Measured on the contract's GPT-2: the recomputed GELU's kernel computes the GELU
+    output for the weight gradient's matmul where the plan put it, and with it the GELU's
+    derivative, which waits for the input gradient's matmul: that matmul runs earlier and
+    its output lives longer. A group whose members wait on one another through a node
+    outside it (a cycle: the scheduler would not have fused them) runs as separate nodes.
+    Linear in the nodes and their inputs."""
+    groups = list(groups)
+    if not groups:
+        return order
+    position = {node: index for index, node in enumerate(order)}
+    kernels = []
+    taken: set[fx.Node] = set()  # a value inlined into two kernels' nodes runs with the first
+    for group in groups:
+        present = tuple(sorted((n for n in group if n in position and n not in taken), key=position.__getitem__))
+        if len(present) > 1:
+            kernels.append(present)
+            taken.update(present)
+    return _as_kernels(order, kernels, inputs, position)
+
+
+class _Cycle(Exception):
+    def __init__(self, kernel: tuple[fx.Node, ...]) -> None:
+        self.kernel = kernel
+
+
+def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
+                inputs: Callable[[fx.Node], Iterable[fx.Node]], position: dict[fx.Node, int]) -> list[fx.Node]:
+    kernel_of = {node: kernel for kernel in kernels for node in kernel}
+    result: list[fx.Node] = []
+    emitted: set[fx.Node] = set()
+    for node in order:
+        if node in emitted:
+            continue
+        if node not in kernel_of and all(arg in emitted or arg not in position for arg in inputs(node)):
+            result.append(node)  # the common case: nothing to wait for, no kernel to gather
+            emitted.add(node)
+            continue
+        while node not in emitted:
+            mark = len(result)
+            try:
+                _emit(kernel_of.get(node, (node,)), kernel_of, inputs, position, result, emitted)
+            except _Cycle as cycle:  # undo this walk, run that kernel's nodes apart, walk again
+                emitted.difference_update(result[mark:])
+                del result[mark:]
+                for member in cycle.kernel:
+                    kernel_of.pop(member, None)
+    return result
+
+
+def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx.Node, int],
+          result: list[fx.Node], emitted: set[fx.Node]) -> None:
+    """Append ``start`` to ``result``, what it waits for first (depth first, earliest first)."""
+    stack = [start]
+    waiting: set[fx.Node] = set()  # first members of the units whose inputs are on the stack
+    while stack:
+        unit = stack[-1]
+        if unit[0] in emitted:
+            stack.pop()
+            continue
+        if unit[0] not in waiting:
+            waiting.add(unit[0])
+            needed = {}
+            for member in unit:
+                for arg in inputs(member):
+                    if arg in position and arg not in emitted:
+                        other = kernel_of.get(arg, (arg,))
+                        if other is not unit:
+                            needed[other[0]] = other
+            for first in sorted(needed, key=position.__getitem__, reverse=True):
+                if first in waiting:  # the units on the walk from ``first`` to here wait for themselves
+                    path = [u for u in stack if u[0] in waiting]
+                    cycle = path[[u[0] for u in path].index(first):]
+                    # the kernel waited on is the one Inductor would not have fused (the
+                    # cycle runs from it through outside nodes back into it)
+                    kernel = next((u for u in cycle if len(u) > 1), None)
+                    if kernel is None:
+                        raise AssertionError("fused_kernel_order: the order given is not topological")
+                    raise _Cycle(kernel)
+                stack.append(needed[first])
+            continue
+        stack.pop()
+        result.extend(unit)
+        emitted.update(unit)

@@ -1,0 +1,152 @@
+"""``passes.kernel_local``: the values Inductor realizes and then keeps inside one kernel,
+and fused kernels run as one. Checked on hand-built orders and, for the buffers, at the CPU
+allocator against what Inductor's generated code allocates."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torch._inductor.lowering  # noqa: F401
+from torch._inductor.decomposition import select_decomp_table
+
+from compile_offload.memory_tracker import measure_peak
+from compile_offload.passes.analyze import fusable_nodes
+from compile_offload.passes.kernel_local import fused_kernel_order, kernel_groups
+from compile_offload.passes.memory import graphs_program, simulate
+
+ROWS, COLS = 20, 50  # float32 values of 4000 bytes
+
+
+def _tanh_read_twice(x, y):
+    """tanh is realized on CPU (a heavy op read twice); both readers are pointwise over as
+    many elements, so Inductor computes the three in one kernel and drops tanh's buffer."""
+    shared = torch.tanh(x + y)
+    return shared * 3, shared * 2
+
+
+def _tanh_read_by_a_row_sum(x, y):
+    """One reader is a reduction over rows: one fused kernel, two loop nests, and tanh is
+    stored between them."""
+    shared = torch.tanh(x + y)
+    return (shared * 3).sum(dim=1), shared * 2
+
+
+def _tanh_read_around_a_matmul(x, y):
+    """The second reader waits for a matmul of the first: no kernel can hold both, so tanh
+    is a buffer between them."""
+    shared = torch.tanh(x + x)
+    product = (shared * 3) @ y  # y: (COLS, COLS)
+    return shared * product, product
+
+
+def _traced(fn, *inputs) -> fx.GraphModule:
+    return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*inputs)
+
+
+def _groups(gm: fx.GraphModule):
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return kernel_groups(gm.graph.nodes, fusable_nodes(gm.graph.nodes, lambda node: True), position,
+                         lambda node: node.op == "placeholder")
+
+
+def _tanh(gm: fx.GraphModule) -> fx.Node:
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.tanh.default]
+    return node
+
+
+def _inputs_of(fn) -> list[torch.Tensor]:
+    second = (COLS, COLS) if fn is _tanh_read_around_a_matmul else (ROWS, COLS)
+    return [torch.randn(ROWS, COLS), torch.randn(*second)]
+
+
+@pytest.mark.parametrize("fn, local", [(_tanh_read_twice, True), (_tanh_read_by_a_row_sum, False),
+                                       (_tanh_read_around_a_matmul, False)])
+def test_which_values_lose_their_buffer(fn, local):
+    inputs = _inputs_of(fn)
+    gm = _traced(fn, *inputs)
+    assert (_tanh(gm) in _groups(gm).local) == local
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", [_tanh_read_twice, _tanh_read_by_a_row_sum, _tanh_read_around_a_matmul])
+def test_the_simulated_peak_is_what_inductor_allocates(fn):
+    """The simulation of the traced graph (kernel-local values included) equals the peak of
+    the compiled function at the CPU allocator: tanh's 4000 bytes are counted exactly where
+    the generated code allocates them."""
+    inputs = _inputs_of(fn)
+    gm = _traced(fn, *inputs)
+    empty = fx.Graph()
+    empty.output(())
+    predicted = simulate(graphs_program(gm, fx.GraphModule(torch.nn.Module(), empty), num_fwd_outputs=2,
+                                        fusion=True)).peak_bytes
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(*inputs)
+        with measure_peak("cpu") as measured:
+            compiled(*inputs)
+    assert measured.peak_bytes == predicted
+
+
+def _chain(names_and_inputs: list[tuple[str, list[str]]]) -> dict[str, fx.Node]:
+    """A graph of ``operator.add`` nodes, in the order given, each reading the named inputs."""
+    graph = fx.Graph()
+    nodes: dict[str, fx.Node] = {"input": graph.placeholder("input")}
+    for name, inputs in names_and_inputs:
+        args = [nodes[i] for i in inputs] + [nodes["input"]] * (2 - len(inputs))
+        nodes[name] = graph.call_function(operator.add, tuple(args[:2]))
+        nodes[name].name = name
+    graph.output(nodes[names_and_inputs[-1][0]])
+    return nodes
+
+
+def _inputs(node: fx.Node):
+    return node.all_input_nodes
+
+
+def test_a_kernel_runs_where_its_first_member_is_with_what_the_rest_waits_for_moved_up():
+    # a (kernel member) ... b (what c waits for: a matmul) ... c (kernel member) ... d
+    nodes = _chain([("a", []), ("other", []), ("b", ["other"]), ("c", ["a", "b"]), ("d", ["c"])])
+    order = [nodes[n] for n in ("a", "other", "b", "c", "d")]
+    fused = fused_kernel_order(order, [frozenset({nodes["a"], nodes["c"]})], _inputs)
+    assert [n.name for n in fused] == ["other", "b", "a", "c", "d"]
+
+
+def test_a_kernel_whose_member_waits_on_another_through_an_outside_node_is_left_alone():
+    # c waits for b, which reads a: one kernel cannot hold a and c
+    nodes = _chain([("a", []), ("b", ["a"]), ("c", ["a", "b"])])
+    order = [nodes[n] for n in ("a", "b", "c")]
+    assert fused_kernel_order(order, [frozenset({nodes["a"], nodes["c"]})], _inputs) == order
+
+
+def test_no_kernels_keep_the_order_itself():
+    nodes = _chain([("a", []), ("b", ["a"])])
+    order = [nodes["a"], nodes["b"]]
+    assert fused_kernel_order(order, [], _inputs) is order
+
+
+def test_a_node_listed_in_two_kernels_runs_once_with_the_first():
+    # x is inlined into a member of each kernel: each node must still run exactly once
+    nodes = _chain([("x", []), ("a", ["x"]), ("b", ["x"]), ("c", ["a"]), ("d", ["b"])])
+    order = [nodes[n] for n in ("x", "a", "b", "c", "d")]
+    kernels = [frozenset({nodes["x"], nodes["a"], nodes["c"]}), frozenset({nodes["x"], nodes["b"], nodes["d"]})]
+    fused = fused_kernel_order(order, kernels, _inputs)
+    assert sorted(n.name for n in fused) == sorted(n.name for n in order)
+    assert [n.name for n in fused] == ["x", "a", "c", "b", "d"]
+
+
+def test_the_kernel_a_cycle_runs_back_into_is_the_one_run_apart():
+    # r1 and r2 (a recomputed forward value and a backward node) cannot be one kernel: r2
+    # waits for y, which waits for s2, which waits (through x) for r1. s1 and s2 can: run
+    # together, with z, which s2 waits for, moved up before them.
+    nodes = _chain([("r1", []), ("x", ["r1"]), ("s1", ["x"]), ("z", []), ("s2", ["s1", "z"]), ("y", ["s2"]),
+                    ("r2", ["r1", "y"])])
+    order = [nodes[n] for n in ("r1", "x", "s1", "z", "s2", "y", "r2")]
+    kernels = [frozenset({nodes["r1"], nodes["r2"]}), frozenset({nodes["s1"], nodes["s2"]})]
+    assert [n.name for n in fused_kernel_order(order, kernels, _inputs)] == ["r1", "x", "z", "s1", "s2", "y", "r2"]
