@@ -248,8 +248,10 @@ def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
     for node in order:
         if node in emitted:
             continue
-        if node not in kernel_of and all(arg in emitted or arg not in position for arg in inputs(node)):
-            result.append(node)  # the common case: nothing to wait for, no kernel to gather
+        if node not in kernel_of:
+            # Nothing moves later than the order has it (a kernel runs at its first member,
+            # what it waits for is moved up), so what this node reads has run.
+            result.append(node)
             emitted.add(node)
             continue
         while node not in emitted:

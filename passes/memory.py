@@ -415,7 +415,8 @@ def recomputed_nodes(a: JointAnalysis, saved: set[fx.Node]) -> set[fx.Node]:
 def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
     """Backward nodes in joint order, each recomputed node placed right before its first
     backward user (how ``passes.schedule.sink_recomputation`` orders the real graph):
-    ``just_in_time_order(a.bw_nodes, recomputed, a.inputs.__getitem__)``.
+    ``just_in_time_order(a.bw_nodes, recomputed, a.inputs.__getitem__)``, then each kernel
+    Inductor fuses run as one (``kernel_local.fused_kernel_order``).
 
     Only the backward nodes that read a recomputed node can have one placed before them
     (``a.bw_readers``), so the backward is copied in slices between those; the order is
