@@ -14,10 +14,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor.lowering  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table
 
-from compile_offload.memory_tracker import measure_peak
-from compile_offload.passes.analyze import fusable_nodes
+from compile_offload.passes.analyze import fusable_nodes, inlined_values
 from compile_offload.passes.kernel_local import fused_kernel_order, kernel_groups
-from compile_offload.passes.memory import graphs_program, simulate
+
+from .test_memory import simulated_and_compiled_peaks
 
 ROWS, COLS = 20, 50  # float32 values of 4000 bytes
 
@@ -50,8 +50,8 @@ def _traced(fn, *inputs) -> fx.GraphModule:
 
 def _groups(gm: fx.GraphModule):
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return kernel_groups(gm.graph.nodes, fusable_nodes(gm.graph.nodes, lambda node: True), position,
-                         lambda node: node.op == "placeholder")
+    inlined = inlined_values(gm.graph.nodes, fusable_nodes(gm.graph.nodes, lambda node: True))
+    return kernel_groups(gm.graph.nodes, inlined, position, lambda node: node.op == "placeholder")
 
 
 def _tanh(gm: fx.GraphModule) -> fx.Node:
@@ -79,19 +79,8 @@ def test_the_simulated_peak_is_what_inductor_allocates(fn):
     """The simulation of the traced graph (kernel-local values included) equals the peak of
     the compiled function at the CPU allocator: tanh's 4000 bytes are counted exactly where
     the generated code allocates them."""
-    inputs = _inputs_of(fn)
-    gm = _traced(fn, *inputs)
-    empty = fx.Graph()
-    empty.output(())
-    predicted = simulate(graphs_program(gm, fx.GraphModule(torch.nn.Module(), empty), num_fwd_outputs=2,
-                                        fusion=True)).peak_bytes
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="inductor", fullgraph=True)
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        compiled(*inputs)
-        with measure_peak("cpu") as measured:
-            compiled(*inputs)
-    assert measured.peak_bytes == predicted
+    predicted, measured = simulated_and_compiled_peaks(fn, _inputs_of(fn))
+    assert measured == predicted
 
 
 def _chain(names_and_inputs: list[tuple[str, list[str]]]) -> dict[str, fx.Node]:
