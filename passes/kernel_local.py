@@ -43,12 +43,14 @@ kernels Inductor generated, sees what this misses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
+from . import compat
 from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value
 
 
@@ -60,8 +62,9 @@ def is_random_draw(node: fx.Node) -> bool:
 
 
 def _numel(node: fx.Node) -> int | None:
+    """Elements of ``node``'s value (a symbolic size by its hint: no guard is added)."""
     val = tensor_value(node)
-    return None if val is None else val.numel()
+    return None if val is None else math.prod(compat.size_hint(s) for s in val.shape)
 
 
 def _group(value: fx.Node, inlined: frozenset[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]] | None:
