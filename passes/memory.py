@@ -270,13 +270,14 @@ def _backward_fusion(graph: fx.Graph) -> tuple[set[fx.Node], dict[fx.Node, fx.No
     gradients, which the output consumes and so are never inlined)."""
     fusable = fusable_nodes(graph.nodes, lambda node: True)
     copies, fused = copy_decisions(copy_candidates(graph.nodes, fusable), set(fusable), _inlined_loads)
-    return fused | _kernel_local(graph), storage_roots(graph, copies)
+    return fused | _kernel_local(graph, fusable), storage_roots(graph, copies)
 
 
-def _kernel_local(graph: fx.Graph) -> frozenset[fx.Node]:
-    """A partitioned graph's values Inductor keeps inside one kernel (``passes.kernel_local``)."""
+def _kernel_local(graph: fx.Graph, fusable: frozenset[fx.Node]) -> frozenset[fx.Node]:
+    """A partitioned graph's values Inductor keeps inside one kernel (``passes.kernel_local``);
+    ``fusable``: its ``fusable_nodes``."""
     position = {n: i for i, n in enumerate(graph.nodes)}
-    inlined = inlined_values(graph.nodes, fusable_nodes(graph.nodes, lambda node: True))
+    inlined = inlined_values(graph.nodes, fusable)
     return kernel_groups(graph.nodes, inlined, position, lambda node: node.op == "placeholder").local
 
 
@@ -803,7 +804,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     def fw_key(node: fx.Node) -> Hashable:
         return ("fw", fw_roots.get(node, node).name)
 
-    fw_fused = fused_nodes(fw_gm.graph.nodes, set()) | _kernel_local(fw_gm.graph) if fusion else set()
+    fw_fused = (fused_nodes(fw_gm.graph.nodes, set()) | _kernel_local(fw_gm.graph, fusable_nodes(fw_gm.graph.nodes))
+                if fusion else set())
     copies = layout_copies(fw_gm.graph.nodes, fw_placeholders) if fusion else {}
     if copies:  # Inductor's channels-last copies of inputs its convolutions read
         steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
