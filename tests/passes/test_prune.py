@@ -18,7 +18,7 @@ def narrow_block():
     planned for the h100 profile, recompute only, with the simulator's in-place reuse (the
     default): as on model-check's gpt2-block, the greedy's sequence carries moves that do
     not lower the simulated peak, so its plans are slower than the optimum or fit no budget
-    below the unconstrained peak, and pruning reaches the optimum at some budgets. A size
+    below the unconstrained peak, and pruning makes some of them faster. A size
     the exhaustive search finishes in about a minute on a loaded 2-core machine.
     (analysis, starting saved set, seconds, exhaustive candidates)."""
     from compile_offload.model_check import capture_joint, decoder_on_meta, seconds_function
