@@ -5,24 +5,17 @@ import pytest
 import torch
 from torch import nn
 
+from compile_offload.benchmarks.budget_contract import ConvBNNet
 from compile_offload.op_workspace import op_workspaces
 
 from .passes.joint_capture import capture_analysis
 from .passes.test_in_place import planned_and_measured
 
 
-class WideConvNet(nn.Module):
+def WideConvNet() -> nn.Module:
     """Wide channels at a small size: the weights, and so the backward's temporaries, are
     large against the activations (a tenth of the step's peak)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                                 nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                                 nn.Conv2d(32, 32, 3, padding=1))
-
-    def forward(self, x):
-        return self.net(x)
+    return ConvBNNet(width=32, blocks=2)
 
 
 def test_each_convolution_backward_gets_a_measured_workspace():

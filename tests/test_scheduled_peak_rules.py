@@ -19,10 +19,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 import compile_offload
 from compile_offload import budget_loop, inductor_kernels, logs
+from compile_offload.benchmarks.budget_contract import ConvBNNet
 from compile_offload.budget_loop import scheduled_program
 from compile_offload.inductor_kernels import Buffer, GraphKernels, Kernel
 from compile_offload.passes.memory import simulate
@@ -82,23 +81,12 @@ def _measured(step, model, x) -> int:
     return measured.peak_bytes
 
 
-class _Conv(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                 nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                 nn.Conv2d(16, 16, 3, padding=1))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 @pytest.mark.inductor
 @pytest.mark.slow
 @needs_hook
 def test_a_tuple_returning_op_allocates_its_parts_while_it_runs():
     torch.manual_seed(0)
-    model, x = _Conv(), torch.randn(8, 3, 32, 32)
+    model, x = ConvBNNet(width=16, blocks=2), torch.randn(8, 3, 32, 32)
     step, plan, recorder, _ = _step_with_budget(model, x, 0.8)
     backward = recorder.backward()
     # The convolution_backward kernels allocate their gradients (the MultiOutput nodes after
