@@ -152,7 +152,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
                 and tensor_value(n) is not None and (fuses_into(n) or is_random_draw(n))]
     is_realized = set(realized)
     size = {n: _size(n) for n in realized}
-    loads: dict[fx.Node, set[fx.Node]] = {}
+    loads: dict[fx.Node, list[fx.Node]] = {}
     through: dict[fx.Node, set[fx.Node]] = {}  # the inlined values and views a node reads through
     for node in realized:
         found, walked, stack = set(), set(), list(node.all_input_nodes)
@@ -165,7 +165,8 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
                 stack.extend(arg.all_input_nodes)
             else:
                 found.add(arg)
-        loads[node], through[node] = found, walked
+        # in graph order: which merge is tried first decides between conflicting ones
+        loads[node], through[node] = sorted(found, key=position.__getitem__), walked
     kernel_of = {n: frozenset((n,)) for n in realized}
 
     def merge(one: fx.Node, other: fx.Node) -> None:
