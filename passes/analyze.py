@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from . import compat
 from .kernel_local import KernelGroups, kernel_groups
+from .loop_ranges import cpu_graph
 from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value  # noqa: F401  (imported from here too)
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
@@ -540,7 +541,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
     forward_side = frozenset(fw_nodes)
     position = {n: i for i, n in enumerate(nodes)}
     groups = (kernel_groups(nodes, inlined_values(nodes, fusable), position, steady.__contains__,
-                            forward_side.__contains__) if fusion else KernelGroups((), frozenset()))
+                            forward_side.__contains__, cpu=cpu_graph(nodes)) if fusion else KernelGroups((), frozenset()))
     inputs = {n: tuple(n.all_input_nodes) for n in nodes}
     fw_inputs = {n: tuple(arg for arg in args if arg in forward_side) for n, args in inputs.items()}
     bw_readers: dict[fx.Node, list[int]] = {}

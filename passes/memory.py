@@ -32,6 +32,7 @@ from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_deci
                       inlined_values, is_convolution, is_pointwise, is_view, layout_copies, storage_roots,
                       tensor_value, with_view_bases)
 from .kernel_local import fused_kernel_order, kernel_groups
+from .loop_ranges import cpu_graph
 
 
 @dataclass
@@ -278,7 +279,8 @@ def _kernel_local(graph: fx.Graph, fusable: frozenset[fx.Node]) -> frozenset[fx.
     ``fusable``: its ``fusable_nodes``."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     inlined = inlined_values(graph.nodes, fusable)
-    return kernel_groups(graph.nodes, inlined, position, lambda node: node.op == "placeholder").local
+    return kernel_groups(graph.nodes, inlined, position, lambda node: node.op == "placeholder",
+                         cpu=cpu_graph(graph.nodes)).local
 
 
 def _is_host_copy(node: fx.Node) -> bool:

@@ -139,3 +139,34 @@ def test_the_kernel_a_cycle_runs_back_into_is_the_one_run_apart():
     order = [nodes[n] for n in ("r1", "x", "s1", "z", "s2", "y", "r2")]
     kernels = [frozenset({nodes["r1"], nodes["r2"]}), frozenset({nodes["s1"], nodes["s2"]})]
     assert [n.name for n in fused_kernel_order(order, kernels, _inputs)] == ["r1", "x", "z", "s1", "s2", "y", "r2"]
+
+
+def test_a_kernel_a_cycle_only_passes_through_stays_one():
+    # Walking from a (first in the order), the cycle a -> p -> m3 ... m103 -> q -> a passes
+    # through the kernel {a, a2} in at a2 and out at a2 (sound: a2 reads a inside it), and
+    # through {m3, m103} out at m103 and back in at m3, which m103 does not lead to inside
+    # the kernel: that one joins a forward value with a node waiting on it through others
+    # (the GPT-2's layer norm recomputed and its gradient) and runs apart. The sound kernel
+    # runs as one, what it waits for moved up.
+    nodes = _chain([("a", []), ("m3", []), ("p", ["m3"]), ("a2", ["p", "a"]), ("q", ["a2"]), ("m103", ["q"])])
+    order = [nodes[n] for n in ("a", "m3", "p", "a2", "q", "m103")]
+    kernels = [frozenset({nodes["a"], nodes["a2"]}), frozenset({nodes["m3"], nodes["m103"]})]
+    assert [n.name for n in fused_kernel_order(order, kernels, _inputs)] == ["m3", "p", "a", "a2", "q", "m103"]
+
+
+def _zeros_shared_by_a_kernel_and_a_matmul_input(x, y, w):
+    zeros = torch.zeros(ROWS, COLS)  # inlined wherever it is read
+    shared = torch.tanh(x + y)  # realized (read twice on CPU), one kernel with both readers
+    kernel_outputs = torch.where(shared > 0, zeros, shared) * 2, shared * 3
+    return kernel_outputs[0] + kernel_outputs[1], torch.where(y > 0, zeros, y) @ w
+
+
+def test_an_inlined_value_read_outside_a_kernel_is_not_listed_with_it():
+    """Listed with the kernel, the matmul's input would wait for the whole kernel: each
+    reader computes the zeros itself."""
+    gm = _traced(_zeros_shared_by_a_kernel_and_a_matmul_input, torch.randn(ROWS, COLS), torch.randn(ROWS, COLS),
+                 torch.randn(COLS, COLS))
+    (zeros,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.full.default]
+    kernels = _groups(gm).kernels
+    assert any(_tanh(gm) in k for k in kernels)
+    assert not any(zeros in k for k in kernels)
