@@ -81,6 +81,8 @@ def _accesses(node: fx.Node, space: Sequence[int], inlined: frozenset[fx.Node]) 
         val = tensor_value(arg)
         if val is None:
             continue
+        if val.layout != torch.strided:
+            return None  # sparse or nested: no strides to read
         shape = _shape(val)
         if arg in inlined and not is_view(arg) and shape == list(space):
             stack.extend(arg.all_input_nodes)  # its loads index this loop directly
@@ -139,7 +141,7 @@ def loop_ranges(node: fx.Node, inlined: frozenset[fx.Node]) -> Ranges | None:
     merging (module docstring); ``((n1, n2, ...), ())`` for a pointwise node or a random
     draw. ``inlined``: the values Inductor inlines (``analyze.inlined_values``)."""
     val = tensor_value(node)
-    if val is None or node.op != "call_function":
+    if val is None or node.op != "call_function" or val.layout != torch.strided:
         return None
     reduction = torch.Tag.reduction in getattr(node.target, "tags", ())
     if not reduction:

@@ -106,3 +106,11 @@ def test_a_one_range_draw_shares_no_kernel_with_a_row_reduction_on_the_cpu(cpu):
     assert with_reduction, "the row statistics and the row sum are one kernel"
     # Triton indexes by element counts: on a GPU the draw joins that kernel
     assert any(draw in k for k in with_reduction) == (not cpu)
+
+
+def test_a_sparse_value_has_no_ranges_to_read():
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2),
+                                     check_invariants=True)
+    gm = make_fx(lambda x: (x * 2,))(sparse)
+    (product,) = gm.graph.output_node().args[0]
+    assert loop_ranges(product, frozenset()) is None  # unknown: fits any kernel
