@@ -17,10 +17,11 @@ two fuse: the rule is the C++ backend's.
 
 ``loop_ranges`` follows ``SchedulerNode``'s loop simplification on the FX graph's shapes and
 strides: each access's stride over each dimension (a view's strides, zero for a broadcast
-dimension; the values inlined into the node contribute their own loads), then the merges of
-``_simplify_loops_impl``. Loop reordering by stride is not followed. ``None`` where the
-accesses cannot be read from the graph (a reshape of an inlined value): callers treat the
-node as compatible with any kernel (the rule before this one).
+dimension; a value inlined into the node over the same shape contributes its own loads, a
+view of an inlined value is read at the view's strides), then the merges of
+``_simplify_loops_impl``. Loop reordering by stride is not followed. ``None`` where a load
+does not broadcast to the loop or has no strides (a sparse value): callers treat the node
+as compatible with any kernel (the rule before this one).
 """
 
 from __future__ import annotations
