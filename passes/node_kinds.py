@@ -19,10 +19,12 @@ def is_view(node: fx.Node) -> bool:
 # Ops without the pointwise tag that Inductor lowers to a pointwise loop all the same
 # (``Pointwise.create`` in torch/_inductor/lowering.py, torch 2.11-2.14): ``full`` a constant
 # that loads nothing (``tensor_constructor``/``_full``), ``select_scatter`` and
-# ``slice_scatter`` a ``where`` over the index that loads the source and the base. Inlined
+# ``slice_scatter`` a ``where`` over the index that loads the source and the base,
+# ``embedding`` a load at the rows its indices name, ``iota`` the index itself. Inlined
 # like any pointwise value: the zeros a backward scatters the query/key/value gradients
-# into (384 KiB on the contract's transformer) get no buffer of their own.
-_POINTWISE_LOWERINGS = frozenset({"full", "select_scatter", "slice_scatter"})
+# into (384 KiB on the contract's transformer) get no buffer of their own, nor does the
+# Llama's recomputed token embedding (128 KiB, measured at its 0.6 budget, 2026-11-26).
+_POINTWISE_LOWERINGS = frozenset({"full", "select_scatter", "slice_scatter", "embedding", "iota"})
 
 
 def is_pointwise(node: fx.Node) -> bool:

@@ -341,6 +341,21 @@ def _scatter_into_zeros(a, b, c, d, e):
     return stacked.sum(), (stacked * 2).sum()
 
 
+def _embedding_read_twice(a, b, c, d, e):
+    """An embedding lookup read by two consumers: no pointwise tag, and Inductor lowers it
+    to a pointwise loop (an indirect load) that it inlines into both."""
+    rows = torch.nn.functional.embedding(torch.arange(N, device=a.device) % 4, torch.stack([a, b, c, d]).view(4 * N, 1))
+    return rows.sum(), (rows * 2).sum()
+
+
+def test_an_embedding_lookup_is_inlined_like_a_pointwise_value():
+    from compile_offload.passes.analyze import fusable_nodes
+
+    nodes = _traced_nodes(_embedding_read_twice, *[torch.randn(N) for _ in range(5)])
+    (lookup,) = [n for n in nodes.values() if n.target is torch.ops.aten.embedding.default]
+    assert lookup in fusable_nodes(nodes.values())
+
+
 def test_zeros_and_scatters_into_them_are_inlined_like_pointwise_values():
     from compile_offload.passes.analyze import fusable_nodes
 
@@ -376,7 +391,8 @@ def test_a_value_read_twice_keeps_its_buffer_on_cpu_when_its_body_holds_an_exp(d
 
 @pytest.mark.inductor
 @pytest.mark.slow
-@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale, _scatter_into_zeros])
+@pytest.mark.parametrize("fn", [_sum_of_five, _sum_of_three, _exp_then_scale, _scale, _scatter_into_zeros,
+                                _embedding_read_twice])
 def test_the_fused_simulation_matches_inductor_at_the_allocator(fn):
     """Inductor itself realizes (or inlines) the shared value as the rule says: the
     simulated peak of the traced graph with fusion is what the compiled function
