@@ -181,14 +181,17 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
     kernel_of = {n: frozenset((n,)) for n in realized}
     ranges = {n: loop_ranges(n, inlined) for n in realized} if cpu else {}
 
+    refused: set[frozenset[fx.Node]] = set()  # joins found to close a cycle: the same kernels again
+
     def merge(one: fx.Node, other: fx.Node) -> None:
         if kernel_of[one] is kernel_of[other] or size[one] != size[other] or size[one] is None:
             return
         joined = kernel_of[one] | kernel_of[other]
-        if cpu and not fits_cpu_kernel([ranges[n] for n in joined]):
+        if joined in refused or (cpu and not fits_cpu_kernel([ranges[n] for n in joined])):
             return
         with_chains = set(joined).union(*(through[n] for n in joined))
         if _reached_around(with_chains, position, forward):
+            refused.add(joined)
             return
         for member in joined:
             kernel_of[member] = joined
