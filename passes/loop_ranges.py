@@ -102,14 +102,13 @@ def _merged(sizes: list[int], accesses: list[list[int]]) -> tuple[int, ...]:
     """``_simplify_loops_impl``: size-1 ranges dropped; ranges ``a`` and ``b`` merged while
     every access steps over ``b`` as over ``a`` times its size (one contiguous walk)."""
     sizes = [None if size == 1 else size for size in sizes]
-    strides = [list(access) for access in accesses]
     changed = True
     while changed:
         changed = False
         for i, j in itertools.product(reversed(range(len(sizes))), reversed(range(len(sizes)))):
             if i == j or sizes[i] is None or sizes[j] is None:
                 continue
-            if all(stride[i] * sizes[i] == stride[j] for stride in strides):
+            if all(stride[i] * sizes[i] == stride[j] for stride in accesses):
                 changed = True
                 sizes[i] = sizes[i] * sizes[j]
                 sizes[j] = None

@@ -806,8 +806,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     def fw_key(node: fx.Node) -> Hashable:
         return ("fw", fw_roots.get(node, node).name)
 
-    fw_fused = (fused_nodes(fw_gm.graph.nodes, set()) | _kernel_local(fw_gm.graph, fusable_nodes(fw_gm.graph.nodes))
-                if fusion else set())
+    fw_fusable = fusable_nodes(fw_gm.graph.nodes) if fusion else frozenset()  # nothing kept: fused_nodes(nodes, set())
+    fw_fused = set(fw_fusable | _kernel_local(fw_gm.graph, fw_fusable)) if fusion else set()
     copies = layout_copies(fw_gm.graph.nodes, fw_placeholders) if fusion else {}
     if copies:  # Inductor's channels-last copies of inputs its convolutions read
         steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
