@@ -22,11 +22,17 @@ that the plan must know (measured on the contract's GPT-2 and Llama, CPU, torch 
   matmul the derivative waits for; the simulator ran them apart and predicted its 0.6 step
   0.24 MiB low once the vanishing buffers were counted.
 
-``kernel_groups`` puts realized pointwise nodes, reductions and random draws of the same
+``kernel_groups`` puts realized pointwise nodes, reductions (``var_mean`` too: two results
+of one Welford loop, read through ``getitem``) and random draws of the same
 number of elements into one kernel when one reads the other (through the values inlined
 into it) or both read one buffer, each merge kept only if no member then waits on another
 through a node outside the kernel (an extern matmul between them: the scheduler will not
-fuse a node with something it waits for). A value is kernel-local when every reader is in its
+fuse a node with something it waits for). What waits on the kernel is what reads its members
+or a value computed from them; a value merely inlined into a member is computed again by each
+of its readers, so its other readers do not wait for the kernel (measured on torch's own
+0.5-budget plan of a 4-layer decoder, CPU bf16, 2026-11-26: each layer norm recomputed in the
+backward is one kernel with its gradient's row sums, although the residual stream inlined
+into it also feeds the attention's matmuls). A value is kernel-local when every reader is in its
 kernel and pointwise over as many elements: a reduction reader runs its own loop nest on the
 CPU and the value is stored between them, even inside one fused kernel (measured: a ``tanh``
 read by a row sum and a product keeps its buffer). ``fused_kernel_order`` runs each kernel as
@@ -53,6 +59,7 @@ kernels Inductor generated, sees what this misses.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -69,6 +76,19 @@ def is_random_draw(node: fx.Node) -> bool:
     pass ``replace_random``), which its lowering realizes."""
     random = getattr(torch.ops.prims, "inductor_random", None)  # registered by torch._inductor
     return node.op == "call_function" and random is not None and node.target is random.default
+
+
+def has_tensor_outputs(node: fx.Node) -> bool:
+    """Whether ``node`` returns a tuple of tensors (``var_mean``: Inductor lowers both
+    results as one Welford reduction, its ``getitem`` users only name them)."""
+    val = node.meta.get("val")
+    return isinstance(val, (tuple, list)) and bool(val) and all(isinstance(v, torch.Tensor) for v in val)
+
+
+def _names_output(node: fx.Node) -> bool:
+    """A ``getitem`` of a node returning several tensors: no loop of its own."""
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and has_tensor_outputs(node.args[0]))
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -101,15 +121,24 @@ def _group(value: fx.Node, inlined: frozenset[fx.Node]) -> tuple[set[fx.Node], s
     return (chain, readers) if readers else None
 
 
-def _reached_around(group: set[fx.Node], position: dict[fx.Node, int], forward: Callable[[fx.Node], bool]) -> bool:
+def _reached_around(group: set[fx.Node], members: Iterable[fx.Node], position: dict[fx.Node, int],
+                    forward: Callable[[fx.Node], bool]) -> bool:
     """Whether a node of ``group`` depends on another through a node outside it (a cycle
-    the scheduler will not fuse). Walks from the group's consumers outside it, up to the
-    last group member's position (topological order: nothing later reaches back). From a
-    ``forward``-side node only forward-side nodes are followed, up to the last forward-side
-    member: the backward reads the forward's results from saved tensors."""
+    the scheduler will not fuse). ``group``: the kernel's realized ``members`` with the
+    values inlined into them. Walks from the consumers outside it of what the kernel
+    computes (its members and the inlined values that read them: an inlined value that
+    reads no member is computed again by each kernel that reads it, and its other readers
+    do not wait for this one), up to the last group member's position (topological order:
+    nothing later reaches back). From a ``forward``-side node only forward-side nodes are
+    followed, up to the last forward-side member: the backward reads the forward's results
+    from saved tensors."""
     last = max(position[n] for n in group)
     last_forward = max((position[n] for n in group if forward(n)), default=-1)
-    outside = [u for n in group for u in n.users if u not in group]
+    computed = set(members)
+    for node in sorted(group - computed, key=position.__getitem__):
+        if any(arg in computed for arg in node.all_input_nodes):
+            computed.add(node)
+    outside = [u for n in computed for u in n.users if u not in group]
     seen: set[fx.Node] = set()
     while outside:
         node = outside.pop()
@@ -160,7 +189,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
     loops must line up (``loop_ranges.fits_cpu_kernel``)."""
     nodes = list(nodes)
     realized = [n for n in nodes if n.op == "call_function" and n not in inlined and not is_view(n)
-                and tensor_value(n) is not None and (fuses_into(n) or is_random_draw(n))]
+                and (tensor_value(n) is not None or has_tensor_outputs(n)) and (fuses_into(n) or is_random_draw(n))]
     is_realized = set(realized)
     size = {n: _size(n) for n in realized}
     loads: dict[fx.Node, list[fx.Node]] = {}
@@ -171,7 +200,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
             arg = stack.pop()
             if arg in walked:
                 continue
-            if arg in inlined or is_view(arg):
+            if arg in inlined or is_view(arg) or _names_output(arg):
                 walked.add(arg)
                 stack.extend(arg.all_input_nodes)
             else:
@@ -190,7 +219,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
         if joined in refused or (cpu and not fits_cpu_kernel([ranges[n] for n in joined])):
             return
         with_chains = set(joined).union(*(through[n] for n in joined))
-        if _reached_around(with_chains, position, forward):
+        if _reached_around(with_chains, joined, position, forward):
             refused.add(joined)
             return
         for member in joined:

@@ -141,7 +141,9 @@ def loop_ranges(node: fx.Node, inlined: frozenset[fx.Node]) -> Ranges | None:
     merging (module docstring); ``((n1, n2, ...), ())`` for a pointwise node or a random
     draw. ``inlined``: the values Inductor inlines (``analyze.inlined_values``)."""
     val = tensor_value(node)
-    if val is None or node.op != "call_function" or val.layout != torch.strided:
+    if val is None and isinstance(node.meta.get("val"), (tuple, list)) and node.meta["val"]:
+        val = node.meta["val"][0]  # ``var_mean``: its results share the kernel's loops
+    if not isinstance(val, torch.Tensor) or node.op != "call_function" or val.layout != torch.strided:
         return None
     reduction = torch.Tag.reduction in getattr(node.target, "tags", ())
     if not reduction:

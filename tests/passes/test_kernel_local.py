@@ -170,3 +170,37 @@ def test_an_inlined_value_read_outside_a_kernel_is_not_listed_with_it():
     kernels = _groups(gm).kernels
     assert any(_tanh(gm) in k for k in kernels)
     assert not any(zeros in k for k in kernels)
+
+
+def _layer_norm_rows(x, y):
+    """A layer norm over rows: ``var_mean`` returns two tensors (one Welford reduction in
+    Inductor), which the normalization reads through ``getitem``."""
+    shifted = x + y
+    var, mean = torch.var_mean(shifted, dim=1, keepdim=True, correction=0)
+    return (shifted - mean) * torch.rsqrt(var + 1e-5), shifted * 2
+
+
+def test_a_reduction_of_two_results_joins_the_kernel_that_reads_them():
+    gm = _traced(_layer_norm_rows, torch.randn(ROWS, COLS), torch.randn(ROWS, COLS))
+    (var_mean,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.var_mean.correction]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    normalized = output.args[0][0]
+    assert any(var_mean in k and normalized in k for k in _groups(gm).kernels)
+
+
+def _inlined_value_also_read_by_a_matmuls_input(x, w):
+    """``shifted`` is inlined: ``scaled`` (a matmul's input, so a buffer) computes it again
+    from ``x``. The kernel of ``first`` and ``second`` waits for the matmul, and the matmul
+    for ``scaled`` only: the two can be one kernel."""
+    shifted = x + 1
+    first = shifted * 3
+    product = (shifted * 5) @ w
+    second = first * product + shifted
+    return first, second
+
+
+def test_a_value_inlined_upstream_of_a_kernel_does_not_make_a_cycle_of_its_other_readers():
+    gm = _traced(_inlined_value_also_read_by_a_matmuls_input, torch.randn(ROWS, COLS), torch.randn(COLS, COLS))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, second = output.args[0]
+    assert any(first in k and second in k for k in _groups(gm).kernels)

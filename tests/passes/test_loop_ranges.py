@@ -55,6 +55,13 @@ def test_loop_ranges_after_merging_contiguous_dimensions(fn, shapes, ranges):
     assert _ranges_of_output(fn, *shapes) == ranges
 
 
+def test_a_reduction_of_two_results_has_the_loops_of_each():
+    # var_mean: one Welford reduction writing two row statistics
+    gm = _traced(lambda x: torch.var_mean(x, dim=1, keepdim=True, correction=0), torch.randn(ROWS, COLS))
+    (var_mean,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.var_mean.correction]
+    assert loop_ranges(var_mean, frozenset()) == ((ROWS,), (COLS,))
+
+
 def test_an_inlined_value_contributes_its_own_loads():
     # x * s is inlined into the tanh: its stride-0 read of s keeps the tanh's loop 2-D
     gm = _traced(lambda x, s: (torch.tanh(x * s),), torch.randn(ROWS, COLS), torch.randn(ROWS, 1))
