@@ -5,8 +5,8 @@ anchor decoder (``torch.compile`` default and ``activation_memory_budget``) from
 meta-device joint graph, and compares with H100 measurements it cannot reproduce here. This
 runs the same predictions (``model_check.predicted_peak`` of the saved set torch's
 partitioner chooses, the eager loss included) on a small decoder of the same block, and
-measures the same step (compiled model, eager ``y.float().pow(2).mean()`` loss, backward)
-with Inductor on the CPU, at the allocator (``compile_offload.measure_peak``), with
+measures the same step as ``bench_anchors.py`` (compiled model, its output held while the eager
+``y.float().pow(2).mean()`` loss and the backward run, gradients zeroed in place) with Inductor on the CPU, at the allocator (``compile_offload.measure_peak``), with
 Inductor's peak-memory reordering on (torch's default, as the anchors ran) and off.
 
     python -m compile_offload.benchmarks.torch_plans_cpu                 # 2 layers, d 256
@@ -53,16 +53,19 @@ def predicted_peaks(args: dict, strategies: dict[str, float | None]) -> dict[str
     joint = model_check.capture_joint(model, x)
     analysis = analyze_joint(joint, fusion=True)
     loss_bytes = model_check.loss_peak_bytes(args)
+    input_grad = model_check.input_grad_bytes(args)  # measured over two steps, as the anchors are
     peaks = {}
     for strategy, budget in strategies.items():
         saved = compat.min_cut_saved_values(joint) if budget is None else compat.budget_saved_values(joint, budget)
-        peaks[strategy] = model_check.predicted_peak(analysis, set(saved), loss_bytes)
+        peaks[strategy] = model_check.predicted_peak(analysis, set(saved), loss_bytes) + input_grad
     return peaks
 
 
-def measured_peak(args: dict, budget: float | None, reorder: bool, steps: int = 2) -> int:
+def measured_peak(args: dict, budget: float | None, reorder: bool, warmup: int = 1, steps: int = 2) -> int:
     """The allocator's peak of the anchor step compiled by torch under ``budget`` (None: torch's
-    default), the last of ``steps`` steps (the first compiles)."""
+    default), run as ``bench_anchors.py`` runs it: the output held while the eager loss and
+    the backward run, ``warmup`` steps (the first compiles), gradients zeroed in place, then
+    ``steps`` measured steps in one region."""
     torch.manual_seed(0)
     dtype = getattr(torch, args["dtype"])
     model = Decoder(args["layers"], args["d"], args["heads"]).to(dtype)
@@ -71,12 +74,19 @@ def measured_peak(args: dict, budget: float | None, reorder: bool, steps: int = 
     with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
                                        enable_autograd_cache=False), \
             torch._inductor.config.patch(reorder_for_peak_memory=reorder, fx_graph_cache=False):
-        step = torch.compile(model)
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            x.grad = None
-            with measure_peak("cpu") as measured:
-                step(x).float().pow(2).mean().backward()
+        compiled = torch.compile(model)
+
+        def step():
+            y = compiled(x)
+            y.float().pow(2).mean().backward()
+
+        for _ in range(warmup):
+            step()
+        model.zero_grad(set_to_none=False)
+        x.grad = None
+        with measure_peak("cpu") as measured:
+            for _ in range(steps):
+                step()
     torch._dynamo.reset()
     return measured.peak_bytes
 

@@ -136,3 +136,17 @@ def test_the_builtin_h100_constants_are_what_the_fit_gives_on_the_shipped_anchor
     fit = fit_h100([torch_plans(shape, fit_only=True) for shape in load_anchors()])
     assert {"compute": fit.compute_efficiency, "memory": fit.memory_efficiency,
             "launch": fit.launch_overhead_seconds} == H100_CALIBRATION
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_the_anchor_step_of_torchs_default_plan_is_predicted_at_the_cpu_allocator():
+    """The anchors' step as ``bench_anchors.py`` runs it (output held through the eager loss
+    and the backward, gradients zeroed in place, several steps measured), compiled by torch
+    on the CPU: its peak is what model-check predicts for torch's default plan, the eager
+    loss and the input's gradient from the step before included."""
+    from compile_offload.benchmarks.torch_plans_cpu import measured_peak, predicted_peaks
+
+    args = {"layers": 2, "d": 64, "heads": 2, "ff": 256, "seq": 128, "batch": 2, "dtype": "float32"}
+    predicted = predicted_peaks(args, {"compile": None})["compile"]
+    assert measured_peak(args, None, reorder=True) == pytest.approx(predicted, rel=0.005)
