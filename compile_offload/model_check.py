@@ -29,7 +29,10 @@ nothing runs):
    - ``eager_offload`` / ``eager_ckpt_offload`` (``save_on_cpu``, synchronous copies) are
      not modelled: their predictions are null.
 
-   Peaks are "above steady state", as measured. The step-time ratio is against the
+   Peaks are "above steady state", as measured, of the step ``bench_anchors.py`` runs: the
+   eager loss around the model (its peak measured at the CPU allocator,
+   ``loss_peak_bytes``) and, under every measured step but the first, the input gradient
+   the step before left (``input_grad_bytes``). The step-time ratio is against the
    ``compile`` row of the same shape, measured and predicted alike.
 
 2. **Calibration.** ``--fit`` refits the ``h100`` profile's constants on the ``compile``
