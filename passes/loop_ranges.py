@@ -86,6 +86,12 @@ def _accesses(node: fx.Node, space: Sequence[int], inlined: frozenset[fx.Node]) 
             return None  # sparse or nested: no strides to read
         shape = _shape(val)
         if arg in inlined and not is_view(arg) and shape == list(space):
+            if arg.target is torch.ops.aten.embedding.default:
+                embedded = _embedding_accesses(arg, space)
+                if embedded is None:
+                    return None
+                found += embedded
+                continue
             stack.extend(arg.all_input_nodes)  # its loads index this loop directly
             continue
         # A view of a buffer, a buffer, or an inlined value broadcast into this loop: read
@@ -96,6 +102,20 @@ def _accesses(node: fx.Node, space: Sequence[int], inlined: frozenset[fx.Node]) 
             return None
         found.append(access)
     return found
+
+
+def _embedding_accesses(node: fx.Node, space: Sequence[int]) -> list[list[int]] | None:
+    """An inlined ``embedding(weight, indices)`` over ``space`` (the indices' shape, then the
+    embedding's width): the indices are read along the leading dimensions, the weight's row
+    along the last (its row number is loaded, not a loop variable: stride 0 elsewhere)."""
+    weight, indices = node.args[0], node.args[1]
+    index_val, weight_val = tensor_value(indices), tensor_value(weight)
+    if index_val is None or weight_val is None or weight_val.dim() != 2 or weight_val.layout != torch.strided:
+        return None
+    index_access = _broadcast(_shape(index_val), _strides(index_val), space[:-1])
+    if index_access is None:
+        return None
+    return [index_access + [0], [0] * (len(space) - 1) + [_strides(weight_val)[1]]]
 
 
 def _merged(sizes: list[int], accesses: list[list[int]]) -> tuple[int, ...]:

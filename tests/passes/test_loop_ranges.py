@@ -62,6 +62,19 @@ def test_a_reduction_of_two_results_has_the_loops_of_each():
     assert loop_ranges(var_mean, frozenset()) == ((ROWS,), (COLS,))
 
 
+def test_an_inlined_embedding_reads_its_indices_by_row_and_its_weight_by_column():
+    # Inductor inlines the lookup: the indices are loaded along (batch, seq), the weight's row
+    # along the width; a row sum over it keeps (batch * seq) and reduces the width
+    def lookup_row_sum(weight, indices, x):
+        return ((torch.nn.functional.embedding(indices, weight) * x).sum(-1),)
+
+    gm = _traced(lookup_row_sum, torch.randn(ROWS, COLS), torch.randint(0, ROWS, (2, 3)), torch.randn(2, 3, COLS))
+    inlined = inlined_values(gm.graph.nodes, fusable_nodes(gm.graph.nodes, lambda node: True))
+    (out,) = gm.graph.output_node().args[0]
+    assert any(n.target is torch.ops.aten.embedding.default for n in inlined)
+    assert loop_ranges(out, inlined) == ((2 * 3,), (COLS,))
+
+
 def test_an_inlined_value_contributes_its_own_loads():
     # x * s is inlined into the tanh: its stride-0 read of s keeps the tanh's loop 2-D
     gm = _traced(lambda x, s: (torch.tanh(x * s),), torch.randn(ROWS, COLS), torch.randn(ROWS, 1))
