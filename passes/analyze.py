@@ -428,6 +428,10 @@ class JointAnalysis:
     # values it keeps inside one with all their readers: no buffer either, unless a plan saves them.
     kernels: tuple[frozenset[fx.Node], ...] = ()
     kernel_local: frozenset[fx.Node] = frozenset()
+    # The kernel each cycle of units met while running the kernels of some saved set runs
+    # apart (``kernel_local.fused_kernel_order``): filled as plans are simulated. Plans of a
+    # sequence differ by a move, and the same layer's cycles come back in each.
+    kernel_cycles: dict = field(default_factory=dict, repr=False, compare=False)
     # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
     # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
     copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)

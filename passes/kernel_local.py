@@ -274,7 +274,7 @@ def _own_chains(kernel: frozenset[fx.Node], through: dict[fx.Node, set[fx.Node]]
 
 
 def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]],
-                       inputs: Callable[[fx.Node], Iterable[fx.Node]]) -> list[fx.Node]:
+                       inputs: Callable[[fx.Node], Iterable[fx.Node]], cycles: dict | None = None) -> list[fx.Node]:
     """``order`` with each group's nodes run together, as Inductor's scheduler runs a fused
     kernel: kernels are taken by their first member's place (it sorts fused nodes by their
     first member, ``min_order``), and what a kernel waits for is run just before it
@@ -284,7 +284,8 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     derivative, which waits for the input gradient's matmul: that matmul runs earlier and
     its output lives longer. A group whose members wait on one another through a node
     outside it (a cycle: the scheduler would not have fused them) runs as separate nodes.
-    Linear in the nodes and their inputs."""
+    Linear in the nodes and their inputs, and a walk per cycle met; ``cycles`` keeps which
+    kernel each cycle runs apart, for the next order over the same graph."""
     groups = list(groups)
     if not groups:
         return order
@@ -296,7 +297,7 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
         if len(present) > 1:
             kernels.append(present)
             taken.update(present)
-    return _as_kernels(order, kernels, inputs, position)
+    return _as_kernels(order, kernels, inputs, position, {} if cycles is None else cycles)
 
 
 class _Cycle(Exception):
@@ -305,7 +306,8 @@ class _Cycle(Exception):
 
 
 def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
-                inputs: Callable[[fx.Node], Iterable[fx.Node]], position: dict[fx.Node, int]) -> list[fx.Node]:
+                inputs: Callable[[fx.Node], Iterable[fx.Node]], position: dict[fx.Node, int],
+                cycles: dict) -> list[fx.Node]:
     kernel_of = {node: kernel for kernel in kernels for node in kernel}
     result: list[fx.Node] = []
     emitted: set[fx.Node] = set()
@@ -321,7 +323,7 @@ def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
         while node not in emitted:
             mark = len(result)
             try:
-                _emit(kernel_of.get(node, (node,)), kernel_of, inputs, position, result, emitted)
+                _emit(kernel_of.get(node, (node,)), kernel_of, inputs, position, result, emitted, cycles)
             except _Cycle as cycle:  # undo this walk, run that kernel's nodes apart, walk again
                 emitted.difference_update(result[mark:])
                 del result[mark:]
@@ -331,7 +333,7 @@ def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
 
 
 def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx.Node, int],
-          result: list[fx.Node], emitted: set[fx.Node]) -> None:
+          result: list[fx.Node], emitted: set[fx.Node], cycles: dict) -> None:
     """Append ``start`` to ``result``, what it waits for first (depth first, earliest first)."""
     stack = [start]
     waiting: set[fx.Node] = set()  # first members of the units whose inputs are on the stack
@@ -352,8 +354,10 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
             for first in sorted(needed, key=position.__getitem__, reverse=True):
                 if first in waiting:  # the units on the walk from ``first`` to here wait for themselves
                     path = [u for u in stack if u[0] in waiting]
-                    cycle = path[[u[0] for u in path].index(first):]
-                    kernel = _joined_around(cycle, inputs)
+                    cycle = tuple(path[[u[0] for u in path].index(first):])
+                    if cycle not in cycles:  # the answer depends on the cycle's units alone
+                        cycles[cycle] = _joined_around(list(cycle), inputs)
+                    kernel = cycles[cycle]
                     if kernel is None:
                         raise AssertionError("fused_kernel_order: the order given is not topological")
                     raise _Cycle(kernel)

@@ -141,6 +141,17 @@ def test_the_kernel_a_cycle_runs_back_into_is_the_one_run_apart():
     assert [n.name for n in fused_kernel_order(order, kernels, _inputs)] == ["r1", "x", "z", "s1", "s2", "y", "r2"]
 
 
+def test_the_kernel_a_cycle_runs_apart_is_remembered_for_the_next_order():
+    nodes = _chain([("r1", []), ("x", ["r1"]), ("s1", ["x"]), ("z", []), ("s2", ["s1", "z"]), ("y", ["s2"]),
+                    ("r2", ["r1", "y"])])
+    order = [nodes[n] for n in ("r1", "x", "s1", "z", "s2", "y", "r2")]
+    kernels = [frozenset({nodes["r1"], nodes["r2"]}), frozenset({nodes["s1"], nodes["s2"]})]
+    cycles: dict = {}
+    first = fused_kernel_order(order, kernels, _inputs, cycles)
+    assert list(cycles.values()) == [(nodes["r1"], nodes["r2"])]
+    assert fused_kernel_order(order, kernels, _inputs, cycles) == first == fused_kernel_order(order, kernels, _inputs)
+
+
 def test_a_kernel_a_cycle_only_passes_through_stays_one():
     # Walking from a (first in the order), the cycle a -> p -> m3 ... m103 -> q -> a passes
     # through the kernel {a, a2} in at a2 and out at a2 (sound: a2 reads a inside it), and
