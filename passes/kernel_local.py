@@ -337,6 +337,7 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
     """Append ``start`` to ``result``, what it waits for first (depth first, earliest first)."""
     stack = [start]
     waiting: set[fx.Node] = set()  # first members of the units whose inputs are on the stack
+    unit_of = kernel_of.get
     while stack:
         unit = stack[-1]
         if unit[0] in emitted:
@@ -348,10 +349,14 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
             for member in unit:
                 for arg in inputs(member):
                     if arg in position and arg not in emitted:
-                        other = kernel_of.get(arg, (arg,))
-                        if other is not unit:
+                        other = unit_of(arg)
+                        if other is None:
+                            needed[arg] = (arg,)
+                        elif other is not unit:
                             needed[other[0]] = other
-            for first in sorted(needed, key=position.__getitem__, reverse=True):
+            if not needed:
+                continue
+            for first in (sorted(needed, key=position.__getitem__, reverse=True) if len(needed) > 1 else needed):
                 if first in waiting:  # the units on the walk from ``first`` to here wait for themselves
                     path = [u for u in stack if u[0] in waiting]
                     cycle = tuple(path[[u[0] for u in path].index(first):])
