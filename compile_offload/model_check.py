@@ -257,21 +257,41 @@ class MeanSquare(nn.Module):
         return y.float().pow(2).mean()
 
 
+LOSS_PROBE_ELEMENTS = 1 << 16  # the loss is measured on this many output elements and twice as many
+
+
 def loss_peak_bytes(args: dict) -> int:
     """What the eager loss allocates at its peak (forward and backward, the gradient of the
     model output included) on top of what is alive when the compiled forward returns:
-    measured at the CPU allocator on an output of the anchor's shape and dtype.
+    measured at the CPU allocator for an output of the anchor's size and dtype.
 
     Measured, not simulated: the loss runs ATen's eager kernels and autograd's C++ formulas,
     which allocate the same buffers on any device, and hold temporaries an FX graph does
     not show (``pow``'s backward, ``grad * (2 * self.pow(1))``, keeps both products alive
     until the whole expression is done: 10 bytes per output byte in bf16, where the traced
     graph frees each one after its last use and gave 6). The CPU allocator does not round;
-    the CUDA caching allocator rounds each block up to 512 bytes."""
+    the CUDA caching allocator rounds each block up to 512 bytes.
+
+    Every buffer of the loss is either as large as the output or a scalar, and which are
+    alive at its peak does not depend on the size: the peak is ``a * n + b`` for ``n``
+    output elements. It is measured at two small sizes and extended to the output's, so a
+    large anchor shape needs no memory of its size here."""
+    dtype = getattr(torch, args.get("dtype", "bfloat16"))
+    numel = args["batch"] * args["seq"] * args["d"]
+    if numel <= 2 * LOSS_PROBE_ELEMENTS:
+        return _loss_peak_measured(numel, dtype)
+    small, large = _loss_peak_measured(LOSS_PROBE_ELEMENTS, dtype), _loss_peak_measured(2 * LOSS_PROBE_ELEMENTS, dtype)
+    per_element, remainder = divmod(large - small, LOSS_PROBE_ELEMENTS)
+    if remainder:
+        raise RuntimeError(f"model-check: the eager loss's peak is not linear in its size ({small} bytes for "
+                           f"{LOSS_PROBE_ELEMENTS} elements, {large} for twice as many): measure it at the output's size")
+    return small + per_element * (numel - LOSS_PROBE_ELEMENTS)
+
+
+def _loss_peak_measured(numel: int, dtype: torch.dtype) -> int:
     from .memory_tracker import measure_peak
 
-    dtype = getattr(torch, args.get("dtype", "bfloat16"))
-    y = torch.zeros(args["batch"], args["seq"], args["d"], dtype=dtype, requires_grad=True)
+    y = torch.zeros(numel, dtype=dtype, requires_grad=True)
     with measure_peak("cpu") as measured:
         MeanSquare()(y).backward()
     return measured.peak_bytes

@@ -150,3 +150,13 @@ def test_the_anchor_step_of_torchs_default_plan_is_predicted_at_the_cpu_allocato
     args = {"layers": 2, "d": 64, "heads": 2, "ff": 256, "seq": 128, "batch": 2, "dtype": "float32"}
     predicted = predicted_peaks(args, {"compile": None})["compile"]
     assert measured_peak(args, None, reorder=True) == pytest.approx(predicted, rel=0.005)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_eager_loss_measured_small_and_extended_is_its_peak_at_full_size(dtype):
+    """The loss's peak is linear in its size: measured on two small outputs and extended,
+    it is what the allocator shows for the whole output."""
+    from compile_offload.model_check import LOSS_PROBE_ELEMENTS, _loss_peak_measured, loss_peak_bytes
+
+    args = {"batch": 2, "seq": 8, "d": LOSS_PROBE_ELEMENTS // 4, "dtype": dtype}  # 4x the probe's size
+    assert loss_peak_bytes(args) == _loss_peak_measured(2 * 8 * LOSS_PROBE_ELEMENTS // 4, getattr(torch, dtype))
