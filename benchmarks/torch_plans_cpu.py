@@ -4,10 +4,12 @@
 anchor decoder (``torch.compile`` default and ``activation_memory_budget``) from the
 meta-device joint graph, and compares with H100 measurements it cannot reproduce here. This
 runs the same predictions (``model_check.predicted_peak`` of the saved set torch's
-partitioner chooses, the eager loss included) on a small decoder of the same block, and
-measures the same step as ``bench_anchors.py`` (compiled model, its output held while the eager
-``y.float().pow(2).mean()`` loss and the backward run, gradients zeroed in place) with Inductor on the CPU, at the allocator (``compile_offload.measure_peak``), with
-Inductor's peak-memory reordering on (torch's default, as the anchors ran) and off.
+partitioner chooses, the eager loss and the input's gradient included) on a small decoder of
+the same block, and measures the same step as ``bench_anchors.py`` (compiled model, its
+output held while the eager ``y.float().pow(2).mean()`` loss and the backward run, gradients
+zeroed in place, two steps measured) with Inductor on the CPU, at the allocator
+(``compile_offload.measure_peak``), with Inductor's peak-memory reordering on (torch's
+default, as the anchors ran) and off.
 
     python -m compile_offload.benchmarks.torch_plans_cpu                 # 2 layers, d 256
     python -m compile_offload.benchmarks.torch_plans_cpu --layers 4 --seq 1024

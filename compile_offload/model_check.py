@@ -283,8 +283,9 @@ def loss_peak_bytes(args: dict) -> int:
     small, large = _loss_peak_measured(LOSS_PROBE_ELEMENTS, dtype), _loss_peak_measured(2 * LOSS_PROBE_ELEMENTS, dtype)
     per_element, remainder = divmod(large - small, LOSS_PROBE_ELEMENTS)
     if remainder:
-        raise RuntimeError(f"model-check: the eager loss's peak is not linear in its size ({small} bytes for "
-                           f"{LOSS_PROBE_ELEMENTS} elements, {large} for twice as many): measure it at the output's size")
+        raise RuntimeError(f"model-check: the eager loss's peak is not linear in its size ({small} bytes "
+                           f"for {LOSS_PROBE_ELEMENTS} elements, {large} for twice as many): measure it "
+                           "at the output's size")
     return small + per_element * (numel - LOSS_PROBE_ELEMENTS)
 
 
@@ -558,7 +559,8 @@ def pareto_points(plans: ShapePlans, profile: DeviceProfile) -> list[dict]:
             budget -= ours_peak - torch_peak
         ours_seconds = step_seconds(a, chosen.saved, seconds) + (chosen.transfers.added_seconds if chosen.transfers else 0.0)
         points.append({"kind": "pareto", "shape": plans.shape.name, "torch_strategy": strategy,
-                       "budget_mb": round(torch_peak / MB, 1), "planned_under_mb": round(budget / MB, 1),
+                       "budget_mb": round(torch_peak / MB, 1),
+                       "planned_under_mb": round(budget / MB, 1),
                        "torch_peak_mb": round(torch_peak / MB, 1), "torch_ratio": round(torch_seconds / base_seconds, 3),
                        "ours_peak_mb": round(ours_peak / MB, 1), "ours_ratio": round(ours_seconds / base_seconds, 3),
                        "ours_fits": ours_peak <= torch_peak, "planning_s": round(time.perf_counter() - started, 1)})
