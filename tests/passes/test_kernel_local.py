@@ -215,26 +215,3 @@ def test_a_value_inlined_upstream_of_a_kernel_does_not_make_a_cycle_of_its_other
     output = next(n for n in gm.graph.nodes if n.op == "output")
     first, second = output.args[0]
     assert any(first in k and second in k for k in _groups(gm).kernels)
-
-
-def _statistic_read_outside_its_kernel(x, y):
-    """``scale`` is inlined: computed from the ``var_mean`` of the kernel that normalizes, and
-    read by it and by a node of another size outside it."""
-    shifted = x + y
-    var, mean = torch.var_mean(shifted, dim=1, keepdim=True, correction=0)
-    scale = torch.rsqrt(var + 1e-5)
-    return (shifted - mean) * scale, scale * 2
-
-
-def test_a_value_computed_from_a_kernel_stays_with_it_when_read_outside():
-    """Listed apart, the normalization would wait for ``scale``, which waits for the kernel's
-    ``var_mean``: a cycle the scheduler does not have, and the kernel would run apart."""
-    gm = _traced(_statistic_read_outside_its_kernel, torch.randn(ROWS, COLS), torch.randn(ROWS, COLS))
-    kernels = _groups(gm).kernels
-    (var_mean,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.var_mean.correction]
-    (scale,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.rsqrt.default]
-    assert any(var_mean in k and scale in k for k in kernels)
-    cycles: dict = {}
-    order = [n for n in gm.graph.nodes if n.op == "call_function"]
-    fused_kernel_order(order, kernels, lambda n: n.all_input_nodes, cycles)
-    assert not cycles
