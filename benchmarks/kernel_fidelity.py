@@ -28,9 +28,8 @@ from torch import fx
 
 from compile_offload import inductor_kernels
 from compile_offload.passes.analyze import fusable_nodes, inlined_values
-from compile_offload.passes.kernel_local import has_tensor_outputs, is_random_draw, kernel_groups
+from compile_offload.passes.kernel_local import kernel_groups, realized_nodes
 from compile_offload.passes.loop_ranges import cpu_graph
-from compile_offload.passes.node_kinds import fuses_into, is_view, tensor_value
 
 from . import budget_contract
 
@@ -59,8 +58,7 @@ def compared_pairs(gm: fx.GraphModule, kernels: inductor_kernels.GraphKernels, m
     for index, kernel in enumerate(kernels.kernels):
         for origin in kernel.origins:
             theirs.setdefault(origin, set()).add(index)
-    realized = [n for n in nodes if n.op == "call_function" and n not in inlined and not is_view(n)
-                and (tensor_value(n) is not None or has_tensor_outputs(n)) and (fuses_into(n) or is_random_draw(n))]
+    realized = realized_nodes(nodes, inlined)
     single = [n for n in realized if len(theirs.get(n.name, ())) == 1]
     result = Fidelity(model, graph, len(realized), 0)
     for one, other in itertools.combinations(single, 2):

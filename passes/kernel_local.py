@@ -91,6 +91,13 @@ def _names_output(node: fx.Node) -> bool:
             and isinstance(node.args[0], fx.Node) and has_tensor_outputs(node.args[0]))
 
 
+def realized_nodes(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node]) -> list[fx.Node]:
+    """The nodes that may share a kernel (``kernel_groups``' members): realized pointwise
+    nodes, reductions (``var_mean`` too) and random draws, in the order given."""
+    return [n for n in nodes if n.op == "call_function" and n not in inlined and not is_view(n)
+            and (tensor_value(n) is not None or has_tensor_outputs(n)) and (fuses_into(n) or is_random_draw(n))]
+
+
 def _numel(node: fx.Node) -> int | None:
     """Elements of ``node``'s value (a symbolic size by its hint: no guard is added)."""
     val = tensor_value(node)
@@ -188,8 +195,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
     a joint graph (always False for one graph). ``cpu``: the C++ backend's kernels, whose
     loops must line up (``loop_ranges.fits_cpu_kernel``)."""
     nodes = list(nodes)
-    realized = [n for n in nodes if n.op == "call_function" and n not in inlined and not is_view(n)
-                and (tensor_value(n) is not None or has_tensor_outputs(n)) and (fuses_into(n) or is_random_draw(n))]
+    realized = realized_nodes(nodes, inlined)
     is_realized = set(realized)
     size = {n: _size(n) for n in realized}
     loads: dict[fx.Node, list[fx.Node]] = {}
@@ -399,4 +405,3 @@ def _joined_around(cycle: list[tuple[fx.Node, ...]], inputs) -> tuple[fx.Node, .
         if not (entered & reached):
             return unit
     return next((unit for unit in cycle if len(unit) > 1), None)
-
