@@ -483,13 +483,26 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
     sequences = [sequence]
     alternatives: list[Prefix] = []  # plans the second sequence simulated on its way
     if more_moves is not None and dearest is None and not progress.out_of_time:  # (it simulates every move)
-        sequences.append([start, *prefixes(a, start, more_moves(a, base_saved, seconds, evaluate_plan, alternatives))])
+        more = prefixes(a, start, more_moves(a, base_saved, seconds, evaluate_plan, alternatives))
+        sequences.append([start, *until_fitting(more, evaluate_plan, None if complete else budget_bytes)])
     if complete:
         candidates = [evaluate_plan(plan) for plan in unique_plans([plan for seq in sequences for plan in seq])]
     else:
         candidates = search_sequences(sequences, evaluate_plan, budget_bytes, progress)
     candidates += [evaluate_plan(plan) for plan in unique_plans(alternatives)]  # simulated already
     return select(a, candidates, budget_bytes, None, _with_timeline(a), evaluate_plan.results.values())
+
+
+def until_fitting(plans: Iterable[Prefix], evaluate: "PlanEvaluator", budget_bytes: int | None) -> Iterator[Prefix]:
+    """``plans`` up to the first whose simulated peak fits ``budget_bytes`` (all of them
+    where it is None). For a sequence that simulates each plan as it makes it
+    (``passes.solve_peak.peak_moves``): prices rise along it, so no plan after that one,
+    nor any plan it would simulate on the way there, is cheaper; stopping there keeps the
+    choice and skips the rest of the simulations (most of a small graph's solve)."""
+    for plan in plans:
+        yield plan
+        if budget_bytes is not None and evaluate(plan).peak_bytes <= budget_bytes:
+            return
 
 
 # A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve_peak``).

@@ -67,6 +67,7 @@ from .solve import (
     select,
     solve_greedy,
     step_seconds,
+    until_fitting,
 )
 from .progress import Progress
 from .search_sequence import first_fitting, lowest
@@ -136,13 +137,16 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     # the unconstrained plan fits: none of its plans is faster (the byte sequences stay).
     fits = budget_bytes is not None and baseline.peak_bytes <= budget_bytes and not complete
     alternatives: list[Prefix] = []  # every other plan the peak-ordered sequence simulated: candidates too
-    peak = [] if fits or progress.out_of_time else [
-        start, *prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate, alternatives))]
+    peak = [] if fits or progress.out_of_time else [start, *until_fitting(
+        prefixes(a, start, peak_moves(a, base_saved, seconds, evaluate, alternatives)), evaluate,
+        None if complete else budget_bytes)]
     granularity = int(EVALUATION_GRANULARITY * baseline.peak_bytes)
     offloadable_now = Offloadable(a, offload.eligible)  # each tensor's eligibility once per solve
     sequences = [recompute]
     branches = branch_points(recompute, evaluate, BRANCHES, search=not complete)
-    if len(peak) > 1 and all(branch.saved != peak[-1].saved for branch in branches):
+    # (Where the sequence stopped at a plan that fits, offloading from it only costs more.)
+    if (len(peak) > 1 and all(branch.saved != peak[-1].saved for branch in branches)
+            and (complete or evaluate(peak[-1]).peak_bytes > budget_bytes)):
         branches.append(peak[-1])
     for branch in branches:
         if progress.out_of_time:

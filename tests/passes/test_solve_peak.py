@@ -10,7 +10,8 @@ from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.cost import BUILTIN_PROFILES
 from compile_offload.passes.memory import recomputed_nodes
-from compile_offload.passes.solve import Prefix, RecomputeEvaluator, RecomputeMoves, pick, prefixes, without_banned_recompute
+from compile_offload.passes.solve import (Prefix, RecomputeEvaluator, RecomputeMoves, pick, prefixes, solve_greedy,
+                                          without_banned_recompute)
 from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
 from compile_offload.passes.solve_offload import solve_joint
 from compile_offload.passes.solve_peak import peak_moves
@@ -87,3 +88,29 @@ def test_the_plans_simulated_on_the_way_are_candidates_and_the_choice_stays_mono
         assert previous_peak is None or chosen.peak_bytes >= previous_peak  # monotone in the budget
         previous_peak = chosen.peak_bytes
     assert cheaper_somewhere
+
+
+def test_the_sequence_is_made_only_up_to_its_first_plan_that_fits_and_the_choice_keeps_its_price():
+    # Prices rise along the sequence: past its first plan under the budget nothing it would
+    # simulate is cheaper, so the solve stops making it there (most of a small graph's solve).
+    a, base, seconds = block()
+    full = list(peak_moves(a, base, seconds, RecomputeEvaluator(a)))
+    top = solve_greedy(a, base, seconds, None).baseline.peak_bytes
+    lowest = solve_greedy(a, base, seconds, 1, complete=True, more_moves=peak_moves).minimum.peak_bytes
+    shorter = 0
+    for step in range(1, 8):
+        budget = int(lowest + (top - lowest) * step / 8)
+        made = []
+
+        def counted(*args):
+            for move in peak_moves(*args):
+                made.append(move)
+                yield move
+
+        solution = solve_greedy(a, base, seconds, budget, more_moves=counted)
+        reference = solve_greedy(a, base, seconds, budget, complete=True, more_moves=peak_moves)
+        assert solution.feasible and solution.chosen.peak_bytes <= budget
+        assert solution.chosen.extra_seconds == reference.chosen.extra_seconds, step
+        assert made == full[:len(made)]
+        shorter += len(made) < len(full)
+    assert shorter >= 4
