@@ -432,6 +432,8 @@ class JointAnalysis:
     # apart (``kernel_local.fused_kernel_order``): filled as plans are simulated. Plans of a
     # sequence differ by a move, and the same layer's cycles come back in each.
     kernel_cycles: dict = field(default_factory=dict, repr=False, compare=False)
+    # ... and the order of each run of overlapping kernels met (most come back unchanged).
+    kernel_runs: dict = field(default_factory=dict, repr=False, compare=False)
     # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
     # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
     copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)

@@ -129,7 +129,7 @@ def _group(value: fx.Node, inlined: frozenset[fx.Node]) -> tuple[set[fx.Node], s
 
 
 def _reached_around(group: set[fx.Node], members: Iterable[fx.Node], position: dict[fx.Node, int],
-                    forward: Callable[[fx.Node], bool]) -> bool:
+                    forward: Callable[[fx.Node], bool], depth: dict[fx.Node, int]) -> bool:
     """Whether a node of ``group`` depends on another through a node outside it (a cycle
     the scheduler will not fuse). ``group``: the kernel's realized ``members`` with the
     values inlined into them. Walks from the consumers outside it of what the kernel
@@ -138,9 +138,14 @@ def _reached_around(group: set[fx.Node], members: Iterable[fx.Node], position: d
     do not wait for this one), up to the last group member's position (topological order:
     nothing later reaches back). From a ``forward``-side node only forward-side nodes are
     followed, up to the last forward-side member: the backward reads the forward's results
-    from saved tensors."""
+    from saved tensors. ``depth``: each node's longest path from the graph's inputs (a node
+    reaches only deeper ones), which stops the walk below the deepest member it may reach:
+    a kernel joining a weight's cast with the first layer's normalization otherwise walks
+    the whole forward (a millisecond per merge, quadratic in depth over a stack)."""
     last = max(position[n] for n in group)
     last_forward = max((position[n] for n in group if forward(n)), default=-1)
+    deepest = max(depth[n] for n in group)
+    deepest_forward = max((depth[n] for n in group if forward(n)), default=-1)
     computed = set(members)
     for node in sorted(group - computed, key=position.__getitem__):
         if any(arg in computed for arg in node.all_input_nodes):
@@ -152,8 +157,8 @@ def _reached_around(group: set[fx.Node], members: Iterable[fx.Node], position: d
         if node in seen:
             continue
         seen.add(node)
-        bound = last_forward if forward(node) else last
-        if position.get(node, bound + 1) > bound:
+        bound, deeper = (last_forward, deepest_forward) if forward(node) else (last, deepest)
+        if position.get(node, bound + 1) > bound or depth[node] >= deeper:
             continue
         for user in node.users:
             if forward(node) and not forward(user):
@@ -215,6 +220,9 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
         loads[node], through[node] = sorted(found, key=position.__getitem__), walked
     kernel_of = {n: frozenset((n,)) for n in realized}
     ranges = {n: loop_ranges(n, inlined) for n in realized} if cpu else {}
+    depth: dict[fx.Node, int] = {}  # longest path from the inputs, for ``_reached_around``
+    for node in sorted(position, key=position.__getitem__):
+        depth[node] = 1 + max((depth.get(arg, 0) for arg in node.all_input_nodes), default=0)
 
     refused: set[frozenset[fx.Node]] = set()  # joins found to close a cycle: the same kernels again
 
@@ -225,7 +233,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
         if joined in refused or (cpu and not fits_cpu_kernel([ranges[n] for n in joined])):
             return
         with_chains = set(joined).union(*(through[n] for n in joined))
-        if _reached_around(with_chains, joined, position, forward):
+        if _reached_around(with_chains, joined, position, forward, depth):
             refused.add(joined)
             return
         for member in joined:
@@ -279,8 +287,13 @@ def _own_chains(kernel: frozenset[fx.Node], through: dict[fx.Node, set[fx.Node]]
     return chains
 
 
+# Runs of kernels kept per graph (``fused_kernel_order``'s ``runs``) before the memo is emptied.
+MAX_KEPT_RUNS = 100_000
+
+
 def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]],
-                       inputs: Callable[[fx.Node], Iterable[fx.Node]], cycles: dict | None = None) -> list[fx.Node]:
+                       inputs: Callable[[fx.Node], Iterable[fx.Node]], cycles: dict | None = None,
+                       runs: dict | None = None) -> list[fx.Node]:
     """``order`` with each group's nodes run together, as Inductor's scheduler runs a fused
     kernel: kernels are taken by their first member's place (it sorts fused nodes by their
     first member, ``min_order``), and what a kernel waits for is run just before it
@@ -291,7 +304,14 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     its output lives longer. A group whose members wait on one another through a node
     outside it (a cycle: the scheduler would not have fused them) runs as separate nodes.
     Linear in the nodes and their inputs, and a walk per cycle met; ``cycles`` keeps which
-    kernel each cycle runs apart, for the next order over the same graph."""
+    kernel each cycle runs apart, for the next order over the same graph.
+
+    Nothing moves across the edge of a run of overlapping kernels (a kernel runs at its
+    first member, and what it waits for lies before its last), so each run is ordered
+    alone. ``runs`` keeps each run's order by its nodes and kernels: the solver orders the
+    backward of hundreds of saved sets, and plans along a sequence differ in a few layers,
+    so most runs come back unchanged (``tests/passes/test_plan_walks.py`` checks the result
+    is the same)."""
     groups = list(groups)
     if not groups:
         return order
@@ -303,7 +323,33 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
         if len(present) > 1:
             kernels.append(present)
             taken.update(present)
-    return _as_kernels(order, kernels, inputs, position, {} if cycles is None else cycles)
+    cycles = {} if cycles is None else cycles
+    if runs is None:
+        return _as_kernels(order, kernels, inputs, position, cycles)
+    if len(runs) > MAX_KEPT_RUNS:
+        runs.clear()
+    kernels.sort(key=lambda kernel: position[kernel[0]])
+    result: list[fx.Node] = []
+    copied = 0  # order[:copied] is in ``result``
+    first = 0
+    while first < len(kernels):
+        start, end = position[kernels[first][0]], position[kernels[first][-1]]
+        last = first + 1
+        while last < len(kernels) and position[kernels[last][0]] <= end:
+            end = max(end, position[kernels[last][-1]])
+            last += 1
+        result.extend(order[copied:start])
+        nodes, run_kernels = tuple(order[start:end + 1]), tuple(kernels[first:last])
+        key = (nodes, run_kernels)
+        ordered = runs.get(key)
+        if ordered is None:
+            # Positions within the run: what it reads from before it has run, as in the whole order.
+            ordered = runs[key] = _as_kernels(list(nodes), list(run_kernels), inputs,
+                                              {node: index for index, node in enumerate(nodes)}, cycles)
+        result.extend(ordered)
+        copied, first = end + 1, last
+    result.extend(order[copied:])
+    return result
 
 
 class _Cycle(Exception):
