@@ -315,11 +315,13 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     groups = list(groups)
     if not groups:
         return order
-    position = {node: index for index, node in enumerate(order)}
+    position = dict(zip(order, range(len(order))))
     kernels = []
     taken: set[fx.Node] = set()  # a value inlined into two kernels' nodes runs with the first
+    present_in_order, at = position.__contains__, position.__getitem__  # C callables: a frame per node was most of it
     for group in groups:
-        present = tuple(sorted((n for n in group if n in position and n not in taken), key=position.__getitem__))
+        members = group if taken.isdisjoint(group) else [n for n in group if n not in taken]
+        present = tuple(sorted(filter(present_in_order, members), key=at))
         if len(present) > 1:
             kernels.append(present)
             taken.update(present)
@@ -386,9 +388,19 @@ def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
 
 def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx.Node, int],
           result: list[fx.Node], emitted: set[fx.Node], cycles: dict) -> None:
-    """Append ``start`` to ``result``, what it waits for first (depth first, earliest first)."""
+    """Append ``start`` to ``result``, what it waits for first (depth first, earliest first).
+
+    A cycle runs a kernel apart (its members leave ``kernel_of``) and the walk goes back to
+    where that kernel was first pushed: up to there it never met the kernel, so walking
+    again from ``start`` would repeat it step for step. (Walking again from ``start`` made
+    a backward whose recomputed layer norms close a cycle per layer quadratic in depth.)
+    ``_Cycle`` is raised only when the kernel is ``start`` itself."""
     stack = [start]
     waiting: set[fx.Node] = set()  # first members of the units whose inputs are on the stack
+    expanded: list[fx.Node] = []  # ``waiting`` in the order it was filled
+    # Kernel (first member) -> the walk's state before the expansion that first pushed it:
+    # (len(expanded), len(result), len(stack)).
+    pushed_by: dict[fx.Node, tuple[int, int, int]] = {}
     unit_of = kernel_of.get
     while stack:
         unit = stack[-1]
@@ -396,7 +408,9 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
             stack.pop()
             continue
         if unit[0] not in waiting:
+            before = (len(expanded), len(result), len(stack))
             waiting.add(unit[0])
+            expanded.append(unit[0])
             needed = {}
             for member in unit:
                 for arg in inputs(member):
@@ -417,8 +431,21 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
                     kernel = cycles[cycle]
                     if kernel is None:
                         raise AssertionError("fused_kernel_order: the order given is not topological")
-                    raise _Cycle(kernel)
+                    if kernel[0] not in pushed_by:
+                        raise _Cycle(kernel)
+                    for member in kernel:
+                        kernel_of.pop(member, None)
+                    n_expanded, n_result, n_stack = pushed_by[kernel[0]]
+                    waiting.difference_update(expanded[n_expanded:])
+                    del expanded[n_expanded:]
+                    emitted.difference_update(result[n_result:])
+                    del result[n_result:]
+                    del stack[n_stack:]
+                    pushed_by = {k: v for k, v in pushed_by.items() if v[0] < n_expanded}
+                    break
                 stack.append(needed[first])
+                if len(needed[first]) > 1 and first not in pushed_by:
+                    pushed_by[first] = before
             continue
         stack.pop()
         result.extend(unit)

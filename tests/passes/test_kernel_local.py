@@ -165,6 +165,21 @@ def test_a_kernel_a_cycle_only_passes_through_stays_one():
     assert [n.name for n in fused_kernel_order(order, kernels, _inputs)] == ["m3", "p", "a", "a2", "q", "m103"]
 
 
+def test_a_cycle_met_inside_the_walk_goes_back_to_where_its_kernel_was_first_pushed():
+    # Walking from s0 (kernel {s0, s1}): u runs first (s1 waits for it), then v, which waits
+    # for the kernel {k1, k2}; k2 waits for w, which reads k1: a cycle through w, so that
+    # kernel runs apart, and the walk resumes from v's wait as a new walk from s0 would (u
+    # stays where it ran); each node runs once.
+    nodes = _chain([("s0", []), ("u", []), ("k1", []), ("w", ["k1"]), ("k2", ["w"]), ("v", ["k2"]),
+                    ("s1", ["u", "v"])])
+    order = [nodes[n] for n in ("s0", "u", "k1", "w", "k2", "v", "s1")]
+    kernels = [frozenset({nodes["s0"], nodes["s1"]}), frozenset({nodes["k1"], nodes["k2"]})]
+    cycles: dict = {}
+    fused = fused_kernel_order(order, kernels, _inputs, cycles)
+    assert [n.name for n in fused] == ["u", "k1", "w", "k2", "v", "s0", "s1"]
+    assert list(cycles.values()) == [(nodes["k1"], nodes["k2"])]
+
+
 def _zeros_shared_by_a_kernel_and_a_matmul_input(x, y, w):
     zeros = torch.zeros(ROWS, COLS)  # inlined wherever it is read
     shared = torch.tanh(x + y)  # realized (read twice on CPU), one kernel with both readers
