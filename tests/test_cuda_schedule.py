@@ -1,0 +1,42 @@
+"""benchmarks/cuda_schedule.py: Inductor's CUDA kernels for a plan, on a machine without a GPU.
+
+The machinery needs a CUDA build of torch (it runs without a driver); on the CPU wheel only
+its refusal is checked. Checked here with torch 2.11.0+cu130 (docs/benchmarks.md)."""
+
+import pytest
+import torch
+
+from compile_offload import model_check
+from compile_offload.benchmarks import cuda_schedule
+
+needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
+                                      reason="needs a CUDA build of torch (the CPU wheel has no CUDA lowering)")
+TINY = {"layers": 2, "d": 64, "heads": 2, "seq": 128, "batch": 2, "dtype": "bfloat16"}
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build: the machinery runs instead")
+def test_on_a_cpu_build_it_says_what_it_needs():
+    with pytest.raises(RuntimeError, match="needs a CUDA build of torch"):
+        with cuda_schedule.fake_cuda():
+            pass
+
+
+@needs_cuda_build
+def test_a_plan_is_lowered_for_cuda_and_the_device_is_restored():
+    shape = model_check.AnchorShape("tiny", TINY, torch.__version__, "none", {"compile": {}})
+    plans = model_check.torch_plans(shape, fit_only=True)
+    available, properties = torch.cuda.is_available, torch.cuda.get_device_properties
+    plan = plans.plans["compile"]
+    joint = plan.analysis.joint
+    forward, backward = model_check.compat.extract_forward_backward(
+        joint, [n for n in joint.gm.graph.nodes if n in plan.saved])
+    with cuda_schedule.fake_cuda():
+        kernels = [cuda_schedule.cuda_kernels(forward, False), cuda_schedule.cuda_kernels(backward, True)]
+    assert torch.cuda.is_available is available and torch.cuda.get_device_properties is properties
+    assert [graph.is_backward for graph in kernels] == [False, True]
+    assert all(graph.kernels and graph.reuses is not None for graph in kernels)
+    # Triton kernels fuse several nodes (the CPU backend's would be named the same way, but
+    # the graphs were traced on the CPU device: only the cuda lowering ran here)
+    assert any("_op" in kernel.name for graph in kernels for kernel in graph.kernels)
+    peak = cuda_schedule.scheduled_peak(plans, "compile")
+    assert peak >= model_check.forward_end_bytes(plan.analysis, plan.saved) > 0
