@@ -494,15 +494,21 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
 
 
 def until_fitting(plans: Iterable[Prefix], evaluate: "PlanEvaluator", budget_bytes: int | None) -> Iterator[Prefix]:
-    """``plans`` up to the first whose simulated peak fits ``budget_bytes`` (all of them
-    where it is None). For a sequence that simulates each plan as it makes it
-    (``passes.solve_peak.peak_moves``): prices rise along it, so no plan after that one,
-    nor any plan it would simulate on the way there, is cheaper; stopping there keeps the
-    choice and skips the rest of the simulations (most of a small graph's solve)."""
+    """``plans`` up to the first whose simulated peak fits ``budget_bytes``, and the plans
+    after it at its price (all of them where the budget is None). For a sequence that
+    simulates each plan as it makes it (``passes.solve_peak.peak_moves``): prices rise
+    along it, so no plan past those, nor any plan it would simulate on the way there, is
+    cheaper; stopping there keeps the choice and skips the rest of the simulations (most of
+    a small graph's solve). The plans at the same price lower the peak for nothing: the
+    choice takes the lowest, and ``solver="refined"`` undoes paid moves from there."""
+    fitting_price = None
     for plan in plans:
-        yield plan
-        if budget_bytes is not None and evaluate(plan).peak_bytes <= budget_bytes:
+        candidate = evaluate(plan) if budget_bytes is not None else None
+        if fitting_price is not None and candidate.extra_seconds > fitting_price:
             return
+        yield plan
+        if fitting_price is None and candidate is not None and candidate.peak_bytes <= budget_bytes:
+            fitting_price = candidate.extra_seconds
 
 
 # A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve_peak``).

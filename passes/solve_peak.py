@@ -17,8 +17,9 @@ on the way (each prefix with each listed move applied) is a candidate too
 a smaller drop avoids (on the GPT-2 block at 202.35 MiB the sequence's move reached 172.94
 MiB for 0.042 ms where one to 196.91 MiB cost 0.025 ms), and these plans are already
 simulated. Its peaks fall and its prices rise along it, as ``search_sequences`` needs; so a
-solve makes it only up to its first plan under the budget (``solve.until_fitting``: nothing
-after it is cheaper), and the choice stays monotone in the budget. It costs about moves x
+solve makes it only up to its first plan under the budget and the plans at that plan's
+price (``solve.until_fitting``: nothing after them is cheaper), and the choice stays
+monotone in the budget. It costs about moves x
 steps simulations, so it runs only where the first plan lists at most ``MAX_MOVES`` moves.
 """
 

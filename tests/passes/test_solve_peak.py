@@ -91,8 +91,8 @@ def test_the_plans_simulated_on_the_way_are_candidates_and_the_choice_stays_mono
 
 
 def test_the_sequence_is_made_only_up_to_its_first_plan_that_fits_and_the_choice_keeps_its_price():
-    # Prices rise along the sequence: past its first plan under the budget nothing it would
-    # simulate is cheaper, so the solve stops making it there (most of a small graph's solve).
+    # Prices rise along the sequence: past its first plan under the budget (and the plans at
+    # that price) nothing it would simulate is cheaper, so the solve stops making it there.
     a, base, seconds = block()
     full = list(peak_moves(a, base, seconds, RecomputeEvaluator(a)))
     top = solve_greedy(a, base, seconds, None).baseline.peak_bytes
