@@ -449,7 +449,7 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
     args = shape.args
     model, x = decoder_on_meta(args, layers)
     joint = capture_joint(model, x)
-    compiled = analyze_joint(joint, fusion=True)
+    compiled = analyze_joint(joint, fusion=True, accelerator=True)  # the H100's (Triton) kernels
     plans = {FIT_STRATEGY: Plan(compiled, set(compat.min_cut_saved_values(joint)))}
     if fit_only:
         return ShapePlans(shape, plans)
@@ -458,7 +458,8 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
             budget = float(strategy.rsplit("_", 1)[1])
             plans[strategy] = Plan(compiled, set(compat.budget_saved_values(joint, budget)))
     if "compile_sac_offload" in shape.rows:
-        sac = analyze_joint(capture_joint(CheckpointedDecoder(model, _sac_offload_policy), x), fusion=True)
+        sac = analyze_joint(capture_joint(CheckpointedDecoder(model, _sac_offload_policy), x), fusion=True,
+                            accelerator=True)
         plans["compile_sac_offload"] = Plan(sac, set(compat.min_cut_saved_values(sac.joint)))
     if "eager" in shape.rows:
         eager = analyze_joint(capture_joint(model, x, decompose=False), fusion=False)
@@ -476,7 +477,7 @@ def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
     Our plans are made and predicted on this graph, torch's on the graph as traced."""
     joint = capture_joint(model, x)
     unfused_mm_add(smaller_matmuls_first(joint.gm))
-    return analyze_joint(joint, fusion=True)
+    return analyze_joint(joint, fusion=True, accelerator=True)  # planned for the H100's (Triton) kernels
 
 
 def default_terms(plans: ShapePlans):

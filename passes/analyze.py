@@ -434,6 +434,9 @@ class JointAnalysis:
     kernel_cycles: dict = field(default_factory=dict, repr=False, compare=False)
     # ... and the order of each run of overlapping kernels met (most come back unchanged).
     kernel_runs: dict = field(default_factory=dict, repr=False, compare=False)
+    # Whether the kernels are Triton's (an accelerator's graph) rather than the C++ backend's:
+    # their loops need not line up, and a kernel a cycle breaks keeps what does not wait on it.
+    triton_kernels: bool = False
     # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
     # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
     copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -508,10 +511,14 @@ def unsupported_nodes(graph: fx.Graph) -> list[str]:
 
 
 def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
-                  workspaces: Callable[[list[fx.Node]], dict[fx.Node, int]] | None = None) -> JointAnalysis:
+                  workspaces: Callable[[list[fx.Node]], dict[fx.Node, int]] | None = None,
+                  accelerator: bool | None = None) -> JointAnalysis:
     """The analysis every plan of ``joint`` reads. ``fusion``: model Inductor's fusion
     (else the graphs run as written). ``workspaces(nodes)``: node -> the bytes it holds
-    while it runs beyond its outputs (``JointAnalysis.workspace_bytes``)."""
+    while it runs beyond its outputs (``JointAnalysis.workspace_bytes``). ``accelerator``:
+    whether Inductor generates an accelerator's (Triton) kernels for the graph rather than
+    C++ ones; None: as its tensors' device says (``model_check`` traces the anchors' graphs
+    on the CPU for an H100, and says True)."""
     graph = joint.gm.graph
     unsupported = unsupported_nodes(graph)
     if unsupported:
@@ -546,8 +553,9 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
             ban[n] = "reads an input that the graph mutates"
     forward_side = frozenset(fw_nodes)
     position = {n: i for i, n in enumerate(nodes)}
+    cpu = cpu_graph(nodes) if accelerator is None else not accelerator
     groups = (kernel_groups(nodes, inlined_values(nodes, fusable), position, steady.__contains__,
-                            forward_side.__contains__, cpu=cpu_graph(nodes)) if fusion else KernelGroups((), frozenset()))
+                            forward_side.__contains__, cpu=cpu) if fusion else KernelGroups((), frozenset()))
     inputs = {n: tuple(n.all_input_nodes) for n in nodes}
     fw_inputs = {n: tuple(arg for arg in args if arg in forward_side) for n, args in inputs.items()}
     bw_readers: dict[fx.Node, list[int]] = {}
@@ -573,6 +581,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         fusable=fusable,
         kernels=groups.kernels,
         kernel_local=groups.local,
+        triton_kernels=fusion and not cpu,
         copy_candidates=candidates,
         copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},

@@ -293,7 +293,7 @@ MAX_KEPT_RUNS = 100_000
 
 def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]],
                        inputs: Callable[[fx.Node], Iterable[fx.Node]], cycles: dict | None = None,
-                       runs: dict | None = None) -> list[fx.Node]:
+                       runs: dict | None = None, split: bool = False) -> list[fx.Node]:
     """``order`` with each group's nodes run together, as Inductor's scheduler runs a fused
     kernel: kernels are taken by their first member's place (it sorts fused nodes by their
     first member, ``min_order``), and what a kernel waits for is run just before it
@@ -311,7 +311,16 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     alone. ``runs`` keeps each run's order by its nodes and kernels: the solver orders the
     backward of hundreds of saved sets, and plans along a sequence differ in a few layers,
     so most runs come back unchanged (``tests/passes/test_plan_walks.py`` checks the result
-    is the same)."""
+    is the same).
+
+    ``split`` (Triton's kernels): a cycle runs apart only the members that wait on it (the
+    ones it leaves the kernel from, and what depends on them inside it); the rest stays one
+    kernel, as Inductor fuses every pair that closes no cycle. Read from Inductor's CUDA
+    kernels for torch's budget-0.0 plans (``benchmarks/cuda_schedule.py``): a recomputed
+    layer norm and the backward's fp32 normalized input run as one kernel at the start of
+    the backward, the norm's gradient reductions later, and the H100 peaks follow. Without
+    it (the C++ backend's kernels, measured on the CPU contract) the whole kernel runs
+    apart: the split predicts a transformer's minimum plan at 2.52 MiB where it measures 1.95."""
     groups = list(groups)
     if not groups:
         return order
@@ -327,7 +336,7 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
             taken.update(present)
     cycles = {} if cycles is None else cycles
     if runs is None:
-        return _as_kernels(order, kernels, inputs, position, cycles)
+        return _as_kernels(order, kernels, inputs, position, cycles, split)
     if len(runs) > MAX_KEPT_RUNS:
         runs.clear()
     kernels.sort(key=lambda kernel: position[kernel[0]])
@@ -347,7 +356,7 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
         if ordered is None:
             # Positions within the run: what it reads from before it has run, as in the whole order.
             ordered = runs[key] = _as_kernels(list(nodes), list(run_kernels), inputs,
-                                              {node: index for index, node in enumerate(nodes)}, cycles)
+                                              {node: index for index, node in enumerate(nodes)}, cycles, split)
         result.extend(ordered)
         copied, first = end + 1, last
     result.extend(order[copied:])
@@ -355,13 +364,24 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
 
 
 class _Cycle(Exception):
-    def __init__(self, kernel: tuple[fx.Node, ...]) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel: tuple[fx.Node, ...], key: tuple) -> None:
+        self.kernel, self.key = kernel, key  # ``key``: the cycle, as ``cycles`` keeps it
+
+
+def _run_apart(kernel_of: dict, kernel: tuple[fx.Node, ...], waiting: frozenset[fx.Node], split: bool) -> None:
+    """Take ``kernel`` out of ``kernel_of``; with ``split``, its members not ``waiting`` on
+    the cycle stay one kernel."""
+    for member in kernel:
+        kernel_of.pop(member, None)
+    rest = tuple(member for member in kernel if member not in waiting) if split else ()
+    if len(rest) > 1:
+        for member in rest:
+            kernel_of[member] = rest
 
 
 def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
                 inputs: Callable[[fx.Node], Iterable[fx.Node]], position: dict[fx.Node, int],
-                cycles: dict) -> list[fx.Node]:
+                cycles: dict, split: bool = False) -> list[fx.Node]:
     kernel_of = {node: kernel for kernel in kernels for node in kernel}
     result: list[fx.Node] = []
     emitted: set[fx.Node] = set()
@@ -377,17 +397,16 @@ def _as_kernels(order: list[fx.Node], kernels: list[tuple[fx.Node, ...]],
         while node not in emitted:
             mark = len(result)
             try:
-                _emit(kernel_of.get(node, (node,)), kernel_of, inputs, position, result, emitted, cycles)
+                _emit(kernel_of.get(node, (node,)), kernel_of, inputs, position, result, emitted, cycles, split)
             except _Cycle as cycle:  # undo this walk, run that kernel's nodes apart, walk again
                 emitted.difference_update(result[mark:])
                 del result[mark:]
-                for member in cycle.kernel:
-                    kernel_of.pop(member, None)
+                _run_apart(kernel_of, cycle.kernel, cycles[cycle.key][1], split)
     return result
 
 
 def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx.Node, int],
-          result: list[fx.Node], emitted: set[fx.Node], cycles: dict) -> None:
+          result: list[fx.Node], emitted: set[fx.Node], cycles: dict, split: bool = False) -> None:
     """Append ``start`` to ``result``, what it waits for first (depth first, earliest first).
 
     A cycle runs a kernel apart (its members leave ``kernel_of``) and the walk goes back to
@@ -428,13 +447,12 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
                     cycle = tuple(path[[u[0] for u in path].index(first):])
                     if cycle not in cycles:  # the answer depends on the cycle's units alone
                         cycles[cycle] = _joined_around(list(cycle), inputs)
-                    kernel = cycles[cycle]
+                    kernel, waiting_on_it = cycles[cycle]
                     if kernel is None:
                         raise AssertionError("fused_kernel_order: the order given is not topological")
                     if kernel[0] not in pushed_by:
-                        raise _Cycle(kernel)
-                    for member in kernel:
-                        kernel_of.pop(member, None)
+                        raise _Cycle(kernel, cycle)
+                    _run_apart(kernel_of, kernel, waiting_on_it, split)
                     n_expanded, n_result, n_stack = pushed_by[kernel[0]]
                     waiting.difference_update(expanded[n_expanded:])
                     del expanded[n_expanded:]
@@ -452,7 +470,7 @@ def _emit(start: tuple[fx.Node, ...], kernel_of: dict, inputs, position: dict[fx
         emitted.update(unit)
 
 
-def _joined_around(cycle: list[tuple[fx.Node, ...]], inputs) -> tuple[fx.Node, ...] | None:
+def _joined_around(cycle: list[tuple[fx.Node, ...]], inputs) -> tuple[tuple[fx.Node, ...] | None, frozenset[fx.Node]]:
     """The kernel of a cycle of units (each waits for the next, the last for the first)
     that Inductor would not have fused: the cycle leaves it from a member that waits for
     the next unit and comes back into a member the previous unit waits for, and no path
@@ -461,7 +479,9 @@ def _joined_around(cycle: list[tuple[fx.Node, ...]], inputs) -> tuple[fx.Node, .
     cycle only passes through, in at a member and out at one that depends on it, is
     sound. Measured on the contract's GPT-2: a layer-norm kernel joining the forward's
     normalization, recomputed in the backward, with its gradient's reductions closes a
-    cycle through the attention kernel of the same layer, which Inductor fuses."""
+    cycle through the attention kernel of the same layer, which Inductor fuses. With it,
+    the members that wait on the cycle: those it leaves from and what depends on them
+    inside the kernel (all of them where no kernel is found so)."""
     for index, unit in enumerate(cycle):
         if len(unit) == 1:
             continue
@@ -476,5 +496,6 @@ def _joined_around(cycle: list[tuple[fx.Node, ...]], inputs) -> tuple[fx.Node, .
                     reached.add(user)
                     stack.append(user)
         if not (entered & reached):
-            return unit
-    return next((unit for unit in cycle if len(unit) > 1), None)
+            return unit, frozenset(reached)
+    unit = next((unit for unit in cycle if len(unit) > 1), None)
+    return unit, frozenset(unit or ())

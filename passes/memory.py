@@ -469,7 +469,8 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
 
 def _as_kernels(a: JointAnalysis, order: list[fx.Node]) -> list[fx.Node]:
     """``order`` with the nodes Inductor fuses into one kernel run as one (``a.kernels``)."""
-    return (fused_kernel_order(order, a.kernels, a.inputs.__getitem__, a.kernel_cycles, a.kernel_runs)
+    return (fused_kernel_order(order, a.kernels, a.inputs.__getitem__, a.kernel_cycles, a.kernel_runs,
+                               split=a.triton_kernels)
             if a.kernels else order)
 
 
