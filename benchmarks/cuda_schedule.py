@@ -20,6 +20,7 @@ how ``passes/kernel_local.py`` groups kernels, not in the plan or the terms.
 
     python -m compile_offload.benchmarks.cuda_schedule              # every shape
     python -m compile_offload.benchmarks.cuda_schedule --shapes gpt8
+    python -m compile_offload.benchmarks.cuda_schedule --shapes gpt8 --ours 0.5,3GiB   # our plans too
 
 Needs a CUDA build of torch (``pip install torch==2.11.0``, as the anchors were measured
 with; the CPU wheel has no CUDA lowering). The device is faked for the duration of a
@@ -61,12 +62,16 @@ class _Stop(Exception):
     """Raised where Inductor would load the generated module (its Triton kernels need a driver)."""
 
 
-@contextlib.contextmanager
-def fake_cuda() -> Iterator[None]:
-    """CUDA as Inductor sees it on an H100, without a driver, until the block ends."""
+def _needs_cuda_build() -> None:
     if torch.version.cuda is None:
         raise RuntimeError("cuda_schedule needs a CUDA build of torch (this one is CPU-only: "
                            f"{torch.__version__}); e.g. pip install torch==2.11.0 in a venv of its own")
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[None]:
+    """CUDA as Inductor sees it on an H100, without a driver, until the block ends."""
+    _needs_cuda_build()
     import torch._inductor.codegen.triton as triton_codegen
     import torch._inductor.graph as graph_lowering
     import torch._inductor.scheduler as scheduler
@@ -111,9 +116,10 @@ def fake_cuda() -> Iterator[None]:
 
 
 def _on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with the CPU device its graph was traced on (``model_check.capture_joint``) made ``cuda``."""
+    """``gm`` with the CPU or meta device its graph was traced on (``model_check.capture_joint``,
+    ``planning_time.capture_joint``) made ``cuda``."""
     cuda = torch.device("cuda")
-    on_cpu = lambda value: isinstance(value, torch.device) and value.type == "cpu"  # noqa: E731
+    on_cpu = lambda value: isinstance(value, torch.device) and value.type in ("cpu", "meta")  # noqa: E731
     for node in gm.graph.nodes:
         node.args = tuple(cuda if on_cpu(arg) else arg for arg in node.args)
         node.kwargs = {key: cuda if on_cpu(value) else value for key, value in node.kwargs.items()}
@@ -121,10 +127,13 @@ def _on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def cuda_kernels(gm: fx.GraphModule, is_backward: bool) -> inductor_kernels.GraphKernels:
+def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[str] = frozenset(),
+                 config_patches: dict | None = None) -> inductor_kernels.GraphKernels:
     """Inductor's kernels for one partitioned graph on the (faked) CUDA device, in the order
-    the generated code runs them (after its peak-memory reordering), with the wrapper's
-    reuses. Call inside ``fake_cuda()``."""
+    the generated code runs them (after its peak-memory reordering, where that is on), with
+    the wrapper's reuses. ``host_inputs``: placeholders that stay host tensors (an offload's
+    host copy, received by the backward). ``config_patches``: Inductor config the graph
+    compiles under (the backend's, for our plans). Call inside ``fake_cuda()``."""
     from torch._inductor import memory as inductor_memory
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -133,7 +142,8 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool) -> inductor_kernels.Grap
     gm = _on_cuda(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+        inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                      device="cpu" if node.name in host_inputs else "cuda")
                   if isinstance(v := node.meta["val"], torch.Tensor) else v
                   for node in gm.graph.nodes if node.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
@@ -146,8 +156,8 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool) -> inductor_kernels.Grap
         recorder.record(nodes)
         return nodes
 
-    with torch._inductor.config.patch(**inductor_kernels.recording_patches(recorder), fx_graph_cache=False,
-                                      compile_threads=1), \
+    with torch._inductor.config.patch(**(config_patches or {}), **inductor_kernels.recording_patches(recorder),
+                                      fx_graph_cache=False, compile_threads=1), \
             mock.patch.object(inductor_memory, "reorder_for_peak_memory", reordered):
         try:
             with mode:
@@ -174,6 +184,38 @@ def scheduled_peak(plans: model_check.ShapePlans, strategy: str) -> int:
     return max(simulate(program).peak_bytes, forward_end + plans.loss_bytes) + plans.input_grad_bytes
 
 
+def ours_scheduled(shape: str, budget: str) -> tuple[int, int]:
+    """Our backend's plan of ``shape`` (``model_check.SHAPES``) under ``memory_budget=budget``
+    (h100 profile, offload on): (its predicted peak, the peak of Inductor's CUDA kernels for
+    the graphs it builds, compiled under the backend's Inductor config). Graph peaks only: no
+    loss, no input gradient (the plan's own figure)."""
+    from compile_offload import settings as settings_mod
+    from compile_offload.backend import inductor_config_patches
+    from compile_offload.benchmarks import planning_time
+    from compile_offload.copy_order import has_copy_ops, order_keeping_patches
+    from compile_offload.ops import NAMESPACE
+    from compile_offload.partitioner import OffloadRematPartitioner
+
+    _needs_cuda_build()
+    args = model_check.load_anchors(shapes=[shape])[0].args
+    joint, inputs, num_fwd_outputs = planning_time.capture_joint(
+        args["layers"], {"gpt8": "gpt", "deep24": "deep"}[shape])
+    settings = settings_mod.resolve({"memory_budget": budget, "device_profile": "h100"})
+    results: list = []
+    partitioner = OffloadRematPartitioner(settings, on_result=results.append)
+    forward, backward = partitioner(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+    # The host copies the forward hands the backward stay on the host: the backward's inputs
+    # that only its reload ops read.
+    host = frozenset(n.name for n in backward.graph.nodes if n.op == "placeholder" and n.users
+                     and all(getattr(user.target, "namespace", None) == NAMESPACE for user in n.users))
+    patches = {k: v for k, v in inductor_config_patches(settings, partitioner).items() if k != "custom_partitioner_fn"}
+    with fake_cuda():
+        kernels = [cuda_kernels(graph, is_backward, host,
+                                {**patches, **(order_keeping_patches() if has_copy_ops(graph) else {})})
+                   for graph, is_backward in ((forward, False), (backward, True))]
+    return results[-1].plan.predicted_peak_bytes, simulate(scheduled_program(*kernels)).peak_bytes
+
+
 def rows(shapes: list[str]) -> Iterator[dict]:
     for shape in model_check.load_anchors(shapes=shapes):
         plans = model_check.torch_plans(shape)
@@ -193,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(model_check.SHAPES), help="anchor shapes, comma-separated")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--ours", default="", metavar="BUDGETS",
+                        help="also our backend's plans under these memory_budget values (comma-separated, "
+                             "e.g. 0.5,3GiB): predicted peak against Inductor's CUDA kernels, graphs only")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}; Inductor's CUDA kernels on fake H100 tensors; peaks in MiB",
           file=sys.stderr)
@@ -208,6 +253,19 @@ def main(argv: list[str] | None = None) -> int:
                  for k in ("predicted_peak_mb", "scheduled_peak_mb")]
         measured_cell = "-" if measured is None else f"{measured:.1f}"
         print(f"| {row['shape']} | {row['strategy']} | {measured_cell} | {cells[0]} | {cells[1]} |", flush=True)
+    budgets = [b for b in args.ours.split(",") if b]
+    if budgets and not args.json:
+        print("\n| shape | our plan's budget | predicted peak (the plan) | Inductor's CUDA kernels |\n|---|---|---|---|")
+    for shape in args.shapes.split(",") if budgets else ():
+        for budget in budgets:
+            print(f"cuda_schedule: {shape} ours at {budget}", file=sys.stderr, flush=True)
+            predicted, scheduled = ours_scheduled(shape, budget)
+            if args.json:
+                print(json.dumps({"shape": shape, "strategy": f"ours_{budget}", "predicted_peak_mb": round(predicted / MB, 1),
+                                  "scheduled_peak_mb": round(scheduled / MB, 1)}), flush=True)
+            else:
+                print(f"| {shape} | {budget} | {predicted / MB:.1f} | {scheduled / MB:.1f} "
+                      f"({scheduled / predicted - 1:+.1%}) |", flush=True)
     return 0
 
 

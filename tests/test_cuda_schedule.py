@@ -19,6 +19,8 @@ def test_on_a_cpu_build_it_says_what_it_needs():
     with pytest.raises(RuntimeError, match="needs a CUDA build of torch"):
         with cuda_schedule.fake_cuda():
             pass
+    with pytest.raises(RuntimeError, match="needs a CUDA build of torch"):  # before planning anything
+        cuda_schedule.ours_scheduled("gpt8", "0.5")
 
 
 @needs_cuda_build
