@@ -481,9 +481,11 @@ def test_measured_peak_stays_within_a_feasible_budget():
 def test_cuda_peak_memory_contract():
     """§5.5 on a GPU: a 4-layer transformer after warm-up. Under a feasible budget between
     the minimum and the unconstrained peak, the measured peak (above the allocation before
-    the step) is within 10% of the budget;
-    offloading everything lowers the unconstrained peak by at least 0.8x the offloaded
-    bytes."""
+    the step) is within 10% of the budget; offloading everything lowers the measured peak,
+    stays within 10% of its own plan's predicted peak, and saves at least 0.8x what that
+    plan predicts it saves. (Not 0.8x the offloaded bytes: on an H200, 2026-11-26, the
+    forced plan offloaded 730 MB of a 572 MB peak, since saved tensors that are never live
+    at the peak together are offloaded too; it measured 243 MB.)"""
     def peak(**options) -> tuple[int, list[Plan]]:
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -511,10 +513,12 @@ def test_cuda_peak_memory_contract():
     assert plan.feasible and plan.predicted_peak_bytes < free_plan.baseline_peak_bytes
     assert budgeted < baseline
     assert budgeted <= 1.10 * plan.budget_bytes, (budgeted, plan.summary())
-    forced, plans = peak(memory_budget=None, debug_force_offload=True)
-    offloaded = sum(p.bytes_of("offload") for p in plans)
-    assert offloaded > 0
-    assert forced <= baseline - 0.8 * offloaded, (forced, baseline, offloaded)
+    forced, (forced_plan,) = peak(memory_budget=None, debug_force_offload=True)  # no budget: no re-plan
+    assert forced_plan.bytes_of("offload") > 0
+    assert forced < baseline
+    assert forced <= 1.10 * forced_plan.predicted_peak_bytes, (forced, forced_plan.summary())
+    predicted_saving = free_plan.predicted_peak_bytes - forced_plan.predicted_peak_bytes
+    assert baseline - forced >= 0.8 * predicted_saving, (baseline, forced, predicted_saving)
 
 
 # --------------------------------------------------------------------------- §5.6 steady state
