@@ -367,12 +367,15 @@ def _is_collective_call(node: torch.fx.Node) -> bool:
 
 def _inner_compile():
     """Inductor's inner compiler, with its reordering passes off for graphs that carry our
-    copies, so the copies run where the plan put them (copy_order.py)."""
+    copies, so the copies run where the plan put them (copy_order.py), and the kernels it
+    records naming each graph's outputs as the graph did before Inductor's passes, as the
+    other graph of the compile knows them (inductor_kernels.py)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     from .copy_order import keeping_copy_order
+    from .inductor_kernels import naming_outputs_before_passes
 
-    return keeping_copy_order(compile_fx_inner)
+    return keeping_copy_order(naming_outputs_before_passes(compile_fx_inner))
 
 
 def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]):

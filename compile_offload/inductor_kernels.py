@@ -12,6 +12,12 @@ wrapper, whose memory plan Inductor makes after the hook: once the compile has r
 memory (``ReuseLine``) and lets the wrapper go. ``budget_loop.py`` turns a record into a
 program for ``passes.memory.simulate``.
 
+A record names the graph's outputs as the graph handed to Inductor did
+(``naming_outputs_before_passes``, which wraps the inner compile): ``budget_loop`` matches
+the forward's saved outputs to the backward's inputs by name, and Inductor's passes rename
+some outputs of the forward (its noop removal replaces an output that is an ``aten.alias`` by
+what it aliases) but none of the backward's inputs, compiled apart.
+
 Every private Inductor API this project reads about kernels is used here and only here,
 feature-detected: on a torch without the hook, ``recording`` records nothing.
 """
@@ -19,9 +25,12 @@ feature-detected: on a torch without the hook, ``recording`` records nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -146,6 +155,30 @@ class _RecordingPass(_scheduler_pass_base()):  # type: ignore[misc]
 def recording_patches(recorder: KernelRecorder) -> dict:
     """Inductor config patches that install ``recorder`` (for ``compile_fx``'s config_patches)."""
     return {"_post_fusion_custom_pass": _RecordingPass(recorder)}
+
+
+# The output names of the graph the innermost ``naming_outputs_before_passes`` compile was
+# given, before Inductor's passes ran on it (None: outside one).
+_names_before_passes: contextvars.ContextVar[list[str | None] | None] = contextvars.ContextVar(
+    "compile_offload_output_names_before_passes", default=None)
+
+
+def naming_outputs_before_passes(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner_compile`` (Inductor's ``compile_fx_inner``), whose recorded graph names its
+    outputs as the graph it was given does, before Inductor's passes (post-grad noop removal
+    among them) rewrite it: the names the other graph of the compile knows them by. The
+    record is read after those passes, so the names are taken here, where the graph arrives
+    first, and given to it by position (the passes replace outputs, never add or drop one)."""
+
+    @functools.wraps(inner_compile)
+    def compile_naming_outputs(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any):
+        token = _names_before_passes.set(_fx_output_names(gm.graph))
+        try:
+            return inner_compile(gm, *args, **kwargs)
+        finally:
+            _names_before_passes.reset(token)
+
+    return compile_naming_outputs
 
 
 @contextlib.contextmanager
@@ -322,7 +355,15 @@ def _input_bytes(graph, device: str) -> dict[str, int]:
 
 
 def _output_names(graph) -> list[str | None]:
-    output = next(n for n in reversed(graph.orig_gm.graph.nodes) if n.op == "output")
+    """The graph's output names as its inner compile was given them (``naming_outputs_before_passes``)
+    where known and of the same count, else as Inductor's passes left them."""
+    after = _fx_output_names(graph.orig_gm.graph)
+    before = _names_before_passes.get()
+    return before if before is not None and len(before) == len(after) else after
+
+
+def _fx_output_names(graph: torch.fx.Graph) -> list[str | None]:
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
     values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     return [value.name if isinstance(value, torch.fx.Node) else None for value in values]
 
