@@ -147,10 +147,6 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
                   if isinstance(v := node.meta["val"], torch.Tensor) else v
                   for node in gm.graph.nodes if node.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-    # The outputs' names as the other graph knows them: Inductor's passes replace an output
-    # that is an ``alias`` (our plans save some) by what it aliases, and the backward, compiled
-    # apart, still names its input after the alias (``scheduled_program`` matches by name).
-    output_names = [arg.name if isinstance(arg, fx.Node) else None for arg in gm.graph.output_node().args[0]]
     recorder = inductor_kernels.KernelRecorder()
     reorder = inductor_memory.reorder_for_peak_memory
 
@@ -164,8 +160,8 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
                                       fx_graph_cache=False, compile_threads=1), \
             mock.patch.object(inductor_memory, "reorder_for_peak_memory", reordered):
         try:
-            with mode:
-                compile_fx_inner(gm, inputs, is_backward=is_backward)
+            with mode:  # outputs named as the other graph knows them (our plans save some through aliases)
+                inductor_kernels.naming_outputs_before_passes(compile_fx_inner)(gm, inputs, is_backward=is_backward)
         except _Stop:
             pass
         except Exception as error:  # Inductor wraps what a lowering raises
@@ -174,10 +170,7 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
     recorder.read_reuses()
     if len(recorder.graphs) != 1:
         raise RuntimeError(f"cuda_schedule: expected one recorded graph, got {len(recorder.graphs)}")
-    graph = recorder.graphs[0]
-    if len(graph.output_names) == len(output_names):
-        graph.output_names = output_names
-    return graph
+    return recorder.graphs[0]
 
 
 def scheduled_peak(plans: model_check.ShapePlans, strategy: str) -> int:
