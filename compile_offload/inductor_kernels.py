@@ -221,6 +221,7 @@ def _graph_kernels(nodes: list) -> GraphKernels:
                     kernels[made_by].allocates.append(_allocation(buf, device, graph.sizevars))
                 else:
                     allocates.append(_allocation(buf, device, graph.sizevars))
+        allocates += _workspaces(node)
         reads = list(dict.fromkeys(dep.name for dep in node.read_writes.reads))  # Inductor's order: in-place picks the first
         origins = sorted({o.name for sub in node.get_nodes() for o in _origins(sub)})
         kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins))
@@ -229,6 +230,25 @@ def _graph_kernels(nodes: list) -> GraphKernels:
     return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
                         output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph, device),
                         wrapper=_Held(getattr(graph, "wrapper_code", None)))
+
+
+def _workspaces(node) -> list[Buffer]:
+    """What an extern op allocates while it runs beyond its outputs, as a buffer of its
+    kernel that nothing reads (freed when the kernel ends): the workspaces known from the
+    op's source (``op_workspace.flash_attention_backward_workspace``), read off the FX node
+    the op was lowered from. The tuple-returning op itself, not the ``MultiOutput`` nodes
+    naming its parts (they share its origins)."""
+    from .op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
+
+    ir_node = getattr(node, "node", None)
+    if getattr(ir_node, "op_overload", None) is not FLASH_BACKWARD:
+        return []
+    found = []
+    for origin in _origins(node):
+        nbytes = flash_attention_backward_workspace(origin)
+        if nbytes:
+            found.append(Buffer(f"{node.get_name()}_workspace", nbytes, None))
+    return found[:1]
 
 
 def _wrapper_reuses(wrapper) -> dict[str, str] | None:

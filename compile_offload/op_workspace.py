@@ -14,7 +14,22 @@ is the workspace. Measured once per signature per process.
 Only on the CPU, only for static shapes, and only where the op's inputs are small enough to
 copy (``MAX_INPUT_BYTES``): running a GPU kernel at planning time could fail for lack of
 memory on a GPU that is nearly full, which is exactly where a budget is used, and cuDNN's
-workspace depends on the algorithm it picks at run time. Elsewhere no workspace is counted.
+workspace depends on the algorithm it picks at run time.
+
+On CUDA one workspace is known from the kernel's source instead of measured: FlashAttention-2's
+backward (``mha_bwd``, which ``_scaled_dot_product_flash_attention_backward`` calls) allocates
+an fp32 accumulator for the query's gradient, ``batch x round_up(seq_q, 128) x heads x
+round_up(head_dim, 32)``, and the fp32 row sums ``batch x heads x round_up(seq_q, 128)``
+beside its three outputs, and with fewer key than query heads (grouped-query attention)
+key and value gradients at the query's head count, summed down after
+(``flash_attention_backward_workspace``). On GPT-8 (batch 8, seq 2048, 16 heads of 128) that
+is 129 MiB per attention backward, which a plan whose peak falls there would miss. The rule
+counts for the plan (``op_workspaces``) and for Inductor's kernels (``inductor_kernels``, the
+scheduled peak). It is read from FlashAttention-2's source, not yet measured on its own
+(``tests/test_op_workspace.py`` does that where there is a GPU).
+The memory-efficient kernel's backward workspace (fp32 inputs, or shapes FlashAttention
+does not take) depends on its template's tiles and split-key heuristics: not counted.
+Elsewhere no workspace is counted.
 """
 
 from __future__ import annotations
@@ -28,22 +43,28 @@ from .passes.compat import inductor_channels_last_convolutions
 
 MAX_INPUT_BYTES = 64 * 2**20  # the op's tensor inputs, all together
 _measured: dict[tuple, int] = {}  # signature -> workspace bytes
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 
 
 def op_workspaces(nodes: list[fx.Node], inductor: bool = True) -> dict[fx.Node, int]:
-    """Each CPU ``convolution_backward`` of ``nodes`` (a joint graph's) -> the bytes it holds
-    while it runs beyond its outputs (omitted where nothing, or where it is not measured).
-    ``inductor``: the graphs are compiled by Inductor, whose layout optimization decides the
-    layouts the op gets; otherwise they run as written, in the traced layouts."""
+    """Each CPU ``convolution_backward`` and CUDA FlashAttention backward of ``nodes`` (a joint
+    graph's) -> the bytes it holds while it runs beyond its outputs (omitted where nothing, or
+    where it is not known). ``inductor``: the graphs are compiled by Inductor, whose layout
+    optimization decides the layouts the op gets; otherwise they run as written, in the
+    traced layouts."""
+    found = {}
+    for node in nodes:
+        nbytes = flash_attention_backward_workspace(node)
+        if nbytes:
+            found[node] = nbytes
     convolutions = [n for n in nodes if n.op == "call_function"
                     and n.target is torch.ops.aten.convolution_backward.default]
     if not convolutions:
-        return {}
+        return found
     forward_convolutions = [n for n in nodes if n.op == "call_function"
                             and n.target is torch.ops.aten.convolution.default]
     channels_last = inductor and inductor_channels_last_convolutions(
         [tensor_value(arg) for n in forward_convolutions for arg in n.args[:2] if isinstance(arg, fx.Node)])
-    found = {}
     for node in convolutions:
         args = _tensor_args(node)
         if args is None:
@@ -98,3 +119,30 @@ def _measure(node: fx.Node, args: list[torch.Tensor], channels_last: bool) -> in
     except Exception:  # noqa: BLE001
         return 0
     return max(0, measured.peak_bytes - output_bytes)
+
+
+def flash_attention_backward_workspace(node: fx.Node) -> int:
+    """The bytes a CUDA ``_scaled_dot_product_flash_attention_backward`` node allocates while it
+    runs beyond its outputs (module docstring; FlashAttention-2's ``mha_bwd``, not in
+    deterministic mode, whose accumulator is split per SM group); 0 for any other node, off
+    CUDA, or with shapes not known as integers."""
+    if node.op != "call_function" or node.target is not FLASH_BACKWARD:
+        return 0
+    query, key = (tensor_value(arg) if isinstance(arg, fx.Node) else None for arg in node.args[1:3])
+    if query is None or key is None or query.device.type != "cuda" or query.dim() != 4:
+        return 0
+    if any(isinstance(size, torch.SymInt) for size in (*query.shape, *key.shape)):
+        return 0  # dynamic shapes: reading a size would guard on it
+    batch, heads, seq_q, head_dim = query.shape
+    heads_k, seq_k = key.shape[1], key.shape[2]
+    seq_q_rounded = _round_up(seq_q, 128)
+    head_dim_rounded = _round_up(head_dim, 32) if head_dim <= 192 else 256
+    fp32 = 4
+    dq_accum = batch * seq_q_rounded * heads * head_dim_rounded * fp32
+    softmax_d = batch * heads * seq_q_rounded * fp32
+    expanded = 2 * batch * seq_k * heads * head_dim * query.dtype.itemsize if heads_k != heads else 0
+    return dq_accum + softmax_d + expanded
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

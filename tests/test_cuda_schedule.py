@@ -42,3 +42,26 @@ def test_a_plan_is_lowered_for_cuda_and_the_device_is_restored():
     assert any("_op" in kernel.name for graph in kernels for kernel in graph.kernels)
     peak = cuda_schedule.scheduled_peak(plans, "compile")
     assert peak >= model_check.forward_end_bytes(plan.analysis, plan.saved) > 0
+
+
+@needs_cuda_build
+def test_a_flash_attention_backward_kernel_holds_its_workspace_in_the_record():
+    """The scheduled peak counts what FlashAttention's backward allocates beside its outputs,
+    as the plan does (``op_workspace``): the recorded fallback kernel allocates it, and the
+    program holds it with the three gradients."""
+    import torch.fx as fx
+
+    from compile_offload.budget_loop import scheduled_program
+    from compile_offload.op_workspace import op_workspaces
+    from compile_offload.passes.memory import simulate
+
+    from .test_op_workspace import _flash_backward_graph
+
+    with cuda_schedule.fake_cuda():
+        node = _flash_backward_graph(batch=2, heads=4, seq=200, head_dim=40)
+        kernels = cuda_schedule.cuda_kernels(fx.GraphModule({}, node.graph), is_backward=True)
+    workspace = op_workspaces([node])[node]
+    held = [b.bytes for kernel in kernels.kernels for b in kernel.allocates if b.name.endswith("_workspace")]
+    assert held == [workspace]
+    gradients = 3 * 2 * 200 * 4 * 40 * 2
+    assert simulate(scheduled_program(kernels, None)).peak_bytes >= gradients + workspace

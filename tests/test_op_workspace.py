@@ -1,8 +1,10 @@
-"""What an extern op holds while it runs, measured by running it (``op_workspace``): the
-CPU convolution's backward, checked against the measured step of a compiled net."""
+"""What an extern op holds while it runs (``op_workspace``): the CPU convolution's backward,
+measured by running it and checked against the measured step of a compiled net; CUDA
+FlashAttention's backward, from its source (checked on a GPU where there is one)."""
 
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
 
 from compile_offload.benchmarks.budget_contract import ConvBNNet
@@ -48,3 +50,81 @@ def test_the_compiled_step_of_a_wide_convolution_net_is_predicted():
     x = torch.randn(4, 3, 16, 16)
     predicted, measured = planned_and_measured(lambda x: model(x).pow(2).mean(), x)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def _flash_backward_graph(batch, heads, seq, head_dim, heads_k=None, device="cuda", dtype=torch.bfloat16):
+    """A graph of one ``_scaled_dot_product_flash_attention_backward`` on fake tensors of
+    ``device`` (fake CUDA tensors need no GPU), laid out as SDPA's callers give them: the
+    (batch, seq, heads, head_dim) buffers seen through a transpose."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_offload.op_workspace import FLASH_BACKWARD
+
+    heads_k = heads if heads_k is None else heads_k
+    with FakeTensorMode():
+        def bshd(h):
+            return torch.empty(batch, seq, h, head_dim, device=device, dtype=dtype).transpose(1, 2)
+
+        values = {"grad_out": bshd(heads), "query": bshd(heads), "key": bshd(heads_k), "value": bshd(heads_k),
+                  "out": bshd(heads), "logsumexp": torch.empty(batch, heads, seq, device=device),
+                  "seed": torch.empty((), dtype=torch.int64, device=device),
+                  "offset": torch.empty((), dtype=torch.int64, device=device)}
+    graph = fx.Graph()
+    args = {}
+    for name, value in values.items():
+        args[name] = graph.placeholder(name)
+        args[name].meta["val"] = value
+    node = graph.call_function(FLASH_BACKWARD, (*(args[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp")),
+                                                None, None, seq, seq, 0.0, True, args["seed"], args["offset"]))
+    graph.output(tuple(graph.call_function(operator.getitem, (node, i)) for i in range(3)))
+    return node
+
+
+def test_flash_attention_backward_on_cuda_holds_its_fp32_accumulators():
+    """FlashAttention-2's ``mha_bwd``: an fp32 dq accumulator of (batch, seq rounded up to 128,
+    heads, head_dim rounded up to 32) and fp32 row sums of (batch, heads, seq rounded up to
+    128) beside the gradients; fewer key heads (grouped-query) add key and value gradients at
+    the query's head count."""
+    node = _flash_backward_graph(batch=2, heads=4, seq=200, head_dim=40)
+    accumulator, row_sums = 2 * 256 * 4 * 64 * 4, 2 * 4 * 256 * 4
+    assert op_workspaces([node]) == {node: accumulator + row_sums}
+    wide = _flash_backward_graph(batch=1, heads=2, seq=128, head_dim=200)  # over 192: rounded to 256
+    assert op_workspaces([wide])[wide] == 1 * 128 * 2 * 256 * 4 + 1 * 2 * 128 * 4
+    grouped = _flash_backward_graph(batch=2, heads=4, seq=200, head_dim=40, heads_k=2)
+    expanded = 2 * (2 * 200 * 4 * 40 * 2)  # dk and dv at 4 heads, bf16
+    assert op_workspaces([grouped])[grouped] == accumulator + row_sums + expanded
+
+
+def test_flash_attention_backward_off_cuda_counts_nothing():
+    assert op_workspaces([_flash_backward_graph(2, 4, 200, 40, device="cpu")]) == {}
+    assert op_workspaces([_flash_backward_graph(2, 4, 200, 40, device="meta")]) == {}
+
+
+@pytest.mark.cuda
+def test_flash_attention_backward_allocates_what_the_rule_says():
+    """On a GPU: what the op holds above its three gradients, at the allocator, is the rule's
+    figure (the caching allocator rounds each block; 1 MiB of slack). If torch's SDPA takes
+    another kernel for these shapes (FlashAttention-3, cuDNN), this is where it shows."""
+    from compile_offload.op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
+
+    batch, heads, seq, head_dim = 4, 8, 1000, 72
+    node = _flash_backward_graph(batch, heads, seq, head_dim)
+
+    def bshd():
+        return torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    query, key, value = bshd(), bshd(), bshd()
+    out, logsumexp, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, 0.0, True)
+    grad_out = bshd()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = FLASH_BACKWARD(grad_out, query, key, value, out, logsumexp, None, None, seq, seq, 0.0, True, seed, offset)
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated() - before - sum(g.untyped_storage().nbytes() for g in grads)
+    expected = flash_attention_backward_workspace(node)
+    assert expected > 10 * 2**20
+    assert abs(held - expected) <= 2**20, (held, expected)
