@@ -16,7 +16,9 @@ kernel runs: the compiled forward graphs are executed on
 fake tensors only to get output shapes (so code after a graph break can be traced too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
 written: ``meta`` itself would make attention take the unfused math path (a
 seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
-plans for that GPU on a CPU-only machine.
+plans for that GPU on a CPU-only machine: its rates, and its kernels (the memory model
+groups nodes into kernels as Triton does, not as the C++ backend that would compile the
+host tensors here).
 """
 
 from __future__ import annotations
@@ -195,11 +197,18 @@ def explain_all(
                                                                 *(model_or_fn.buffers() if isinstance(
                                                                     model_or_fn, torch.nn.Module) else [])]))
 
+    # A GPU profile with host tensors standing in for the GPU's: the GPU's code is Triton's,
+    # whose kernels group nodes otherwise than the C++ backend's (analyze_joint), so the
+    # memory model groups them as Triton would. With the budget loop the graph's own device
+    # decides (it is lowered for real).
+    for_gpu_here = settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type != "cuda"
+
     def planning_backend(gm: torch.fx.GraphModule, inputs):
         if lowers is None:
             return compile_with_the_budget_loop(gm, inputs, settings, f"graph_{len(plans)}", plans)
         made: list = []
-        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}", on_result=made.append)
+        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}", on_result=made.append,
+                                              accelerator=True if for_gpu_here else None)
         compiled = compile_like_backend(gm, inputs, partitioner, settings)
         for result in made:
             if lowers and result.plan.decisions:

@@ -24,10 +24,11 @@ from .settings import Settings
 
 class OffloadRematPartitioner(CustomPartitionerFn):
     def __init__(self, settings: Settings, graph_name: str = "graph",
-                 on_result: Callable[[PartitionResult], None] | None = None) -> None:
+                 on_result: Callable[[PartitionResult], None] | None = None, accelerator: bool | None = None) -> None:
         self.settings = settings
         self.graph_name = graph_name
         self.on_result = on_result
+        self.accelerator = accelerator  # plan_partition's: the kernels Inductor generates (None: the graph's device says)
 
     def __call__(
         self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -39,6 +40,7 @@ class OffloadRematPartitioner(CustomPartitionerFn):
             num_fwd_outputs=kwargs["num_fwd_outputs"],
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             graph_name=self.graph_name,
+            accelerator=self.accelerator,
         )
         emit(result, gm, self.settings)
         if self.on_result is not None:
@@ -48,9 +50,10 @@ class OffloadRematPartitioner(CustomPartitionerFn):
     def __getstate__(self) -> dict:
         # Inductor's cache key pickles its config, this object included: only what decides
         # the partition (not ``on_result``'s target, which holds graphs).
-        return {"settings": self.settings, "graph_name": self.graph_name, "on_result": None}
+        return {"settings": self.settings, "graph_name": self.graph_name, "on_result": None,
+                "accelerator": self.accelerator}
 
     def uuid(self) -> str:
         # Inductor's FX graph cache and AOTAutograd's cache key on this: a cache hit must
         # never skip a different plan.
-        return f"{source_hash()}:{self.settings!r}"
+        return f"{source_hash()}:{self.settings!r}:{self.accelerator!r}"

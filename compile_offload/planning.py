@@ -44,8 +44,14 @@ def plan_partition(
     num_fwd_outputs: int,
     static_lifetime_input_indices: list[int] | None = None,
     graph_name: str = "graph",
+    accelerator: bool | None = None,
 ) -> PartitionResult:
     """Plan and partition one joint graph under ``settings``.
+
+    ``accelerator``: whether Inductor will generate an accelerator's (Triton) kernels for the
+    graph rather than the C++ backend's, which decides how the memory model groups kernels
+    (``analyze_joint``); None: the graph's device says (``explain`` passes True where host
+    tensors stand in for a GPU's).
 
     A graph the planner is known not to handle (``UnsupportedGraph``) falls back to torch's
     min-cut partition (a correct plan) with one warning naming the reason; so does any other
@@ -69,7 +75,8 @@ def plan_partition(
                                   why="no backward: torch's default partition")
             return PartitionResult(plan, fw_gm, bw_gm, None, None)
         try:
-            result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started)
+            result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started,
+                                          accelerator)
         except (BudgetError, SolverError):
             raise
         except Exception as error:
@@ -82,9 +89,10 @@ def plan_partition(
 
 
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
-                         graph_name: str, started: float) -> PartitionResult:
+                         graph_name: str, started: float, accelerator: bool | None = None) -> PartitionResult:
     inductor = settings.inner_compiler == "inductor"
-    analysis = analyze_joint(joint, fusion=inductor, workspaces=lambda nodes: op_workspaces(nodes, inductor))
+    analysis = analyze_joint(joint, fusion=inductor, workspaces=lambda nodes: op_workspaces(nodes, inductor),
+                             accelerator=accelerator)
     policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
     memo: dict[fx.Node, float] = {}
     # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
@@ -95,8 +103,10 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
             memo[node] = 0.0 if node in fused else node_seconds(node, profile)
         return memo[node]
 
+    # The kernel rules decide the plan as much as the profile does: both key the plan cache.
+    cache_profile = profile.to_dict() if accelerator is None else {**profile.to_dict(), "accelerator": accelerator}
     if settings.plan_cache_dir is not None:
-        cached = plan_cache.lookup(joint.gm, settings, profile.to_dict(), analysis=analysis)
+        cached = plan_cache.lookup(joint.gm, settings, cache_profile, analysis=analysis)
         if cached is not None:
             return plan_cache.rebuild(analysis, cached, settings, num_fwd_outputs, graph_name, seconds, profile)
     base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
@@ -153,7 +163,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
                                  planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
     if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
-        plan_cache.store(joint.gm, settings, profile.to_dict(), plan)
+        plan_cache.store(joint.gm, settings, cache_profile, plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
 
 

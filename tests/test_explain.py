@@ -275,6 +275,35 @@ def test_a_gpu_profile_on_cpu_tensors_is_not_checked_against_cpu_code(monkeypatc
     assert plan.scheduled_peak_bytes is None
 
 
+def test_a_gpu_profile_on_host_tensors_groups_kernels_as_the_gpu_would(monkeypatch):
+    """The memory model's kernels are the GPU's (Triton's rules) when explain plans for a GPU
+    profile on host tensors, and the graph's own device decides otherwise (the CPU profile
+    here; a real compile, whose C++ kernels are what runs)."""
+    import importlib
+
+    planning = importlib.import_module("compile_offload.planning")
+    analyze_joint = planning.analyze_joint
+    asked: list = []
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("accelerator"))
+        return analyze_joint(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "analyze_joint", recording)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    x = torch.randn(16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for profile in ("h100", "cpu"):
+            compile_offload.explain(model, x, memory_budget=0.6, device_profile=profile)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(
+            memory_budget=0.6, device_profile="h100", inner_compiler="eager"))
+        compiled(x).sum().backward()
+    assert asked == [True, None, None]
+
+
 def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
     """solver="refined" refines the greedy's plan (passes/refine.py): the Plan carries the
     refined decisions, a note with the undo steps, and the plan cache stores it; a
@@ -284,13 +313,15 @@ def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
     # Without in-place reuse into saved tensors: with it (Inductor's default, counted by the
     # simulator since 2026-11-25) this block's unconstrained prediction falls from 256.94 to
     # 208.94 MiB, within 4% of its minimum, and no fractional budget leaves the greedy
-    # anything to refine.
+    # anything to refine. The CPU profile: under a GPU profile the memory model groups this
+    # block's kernels as Triton does (explain on host tensors, since 2026-11-26), and there
+    # the greedy leaves nothing to refine at any of these budgets.
     reuse_off = torch._inductor.config.patch(inplace_buffers=False)
     reuse_off.__enter__()
     request.addfinalizer(lambda: reuse_off.__exit__(None, None, None))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a budget below the minimum warns
-        plans = {b: compile_offload.explain(model, x, memory_budget=b, device_profile="h100", offload=False,
+        plans = {b: compile_offload.explain(model, x, memory_budget=b, device_profile="cpu", offload=False,
                                             solver="refined")
                  for b in (0.8, 0.6, 0.4, 0.2)}
     refined = {b: p for b, p in plans.items() if any(n.startswith("refined: ") for n in p.notes)}
@@ -303,11 +334,11 @@ def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        greedy = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False)
+        greedy = compile_offload.explain(model, x, memory_budget=budget, device_profile="cpu", offload=False)
     assert not any(n.startswith("refined: ") for n in greedy.notes)
     assert greedy.predicted_step_seconds > plan.predicted_step_seconds
 
-    options = {"memory_budget": budget, "device_profile": "h100", "offload": False, "plan_cache_dir": str(tmp_path),
+    options = {"memory_budget": budget, "device_profile": "cpu", "offload": False, "plan_cache_dir": str(tmp_path),
                "solver": "refined"}
     first = compile_offload.explain(model, x, **options)
     reused = compile_offload.explain(model, x, **options)
@@ -318,7 +349,7 @@ def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the time limit warns
-        limited = compile_offload.explain(model, x, memory_budget=budget, device_profile="h100", offload=False,
+        limited = compile_offload.explain(model, x, memory_budget=budget, device_profile="cpu", offload=False,
                                           plan_time_limit=0, solver="refined")
     assert not any(n.startswith("refined: ") for n in limited.notes)
 
