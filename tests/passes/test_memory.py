@@ -266,8 +266,23 @@ class ViewsAndPointwise(nn.Module):
         return (self.down(h).tanh() + x).sum()
 
 
+class Attention(nn.Module):
+    """Tuple-returning ops (attention forward and backward): the steps of their outputs read
+    what the op reads, so they depend on the fate of its inputs too."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(attended.transpose(1, 2).reshape(x.shape)).tanh().sum()
+
+
 @pytest.mark.parametrize("fusion", [False, True])
-def test_step_builder_matches_fresh_steps_over_any_sequence_of_saved_sets(fusion):
+@pytest.mark.parametrize("model", [ViewsAndPointwise, Attention])
+def test_step_builder_matches_fresh_steps_over_any_sequence_of_saved_sets(fusion, model):
     """A StepBuilder that moves from saved set to saved set (in any order, with any
     jumps) builds exactly the steps a fresh ``compute_steps`` builds for each."""
     import random
@@ -276,7 +291,9 @@ def test_step_builder_matches_fresh_steps_over_any_sequence_of_saved_sets(fusion
 
     from .joint_capture import capture_analysis
 
-    analysis, base = capture_analysis(ViewsAndPointwise(), torch.randn(4, 16, requires_grad=True), fusion=fusion)
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, requires_grad=True) if model is ViewsAndPointwise else torch.randn(2, 8, 16, requires_grad=True)
+    analysis, base = capture_analysis(model(), x, fusion=fusion)
     forward = [n for n in analysis.fw_nodes if n.op == "call_function"]
     rng = random.Random(0)
     saved_sets = [set(base)]
@@ -418,3 +435,27 @@ def simulated_and_compiled_peaks(fn, inputs: list[torch.Tensor]) -> tuple[int, i
             outputs = compiled(*inputs)
     assert len(outputs) == 2
     return predicted, measured.peak_bytes
+
+
+def test_a_tuple_op_holds_its_inputs_while_its_outputs_are_allocated():
+    """An attention backward (one op returning three gradients) allocates every gradient
+    while its inputs are alive: each output's step reads what the op reads, so an input
+    whose last use is the op is freed after the outputs exist, not before them."""
+    from compile_offload.passes.memory import plan_program, simulate
+
+    from .joint_capture import capture_analysis
+
+    torch.manual_seed(0)
+    analysis, base = capture_analysis(Attention(), torch.randn(2, 8, 16, requires_grad=True), fusion=True)
+    program = plan_program(analysis, set(base), fusion=True)
+    steps = {step.label: step for step in program.steps}
+    (backward,) = [n for n in analysis.bw_nodes if "attention" in str(n.target) and "backward" in str(n.target)]
+    outputs = [user for user in backward.users if user.name in steps]
+    assert outputs and steps[backward.name].reads
+    for output in outputs:
+        assert set(steps[backward.name].reads) <= set(steps[output.name].reads), output.name
+    trace = simulate(program)
+    index = {step.label: i for i, step in enumerate(program.steps)}
+    gradients = sum(nbytes for output in outputs for _, nbytes in steps[output.name].allocates)
+    inputs_before = trace.live_bytes[index[backward.name]]
+    assert trace.live_bytes[index[outputs[-1].name]] >= inputs_before + gradients - 1
