@@ -9,7 +9,10 @@ convolution + BatchNorm net with 32 channels at 16x16 it was 72 KiB, 7.5% of the
 peak. The size depends on the op's implementation, its shapes, layouts and thread count, so
 it is measured: the op runs once on zero-filled tensors of the node's shapes, with the
 layouts Inductor gives it, under ``measure_peak``; what the allocator held above the outputs
-is the workspace. Measured once per signature per process.
+is the workspace. Measured once per signature per process. The CPU attention backward
+(``_scaled_dot_product_flash_attention_for_cpu_backward``) is measured the same way (in the
+traced layouts): it holds per-thread fp32 buffers for the scores and their gradient, which
+made an attention block with seq 512 predicted 33% low (to a few bytes with it).
 
 Only on the CPU, only for static shapes, and only where the op's inputs are small enough to
 copy (``MAX_INPUT_BYTES``): running a GPU kernel at planning time could fail for lack of
@@ -44,11 +47,18 @@ from .passes.compat import inductor_channels_last_convolutions
 MAX_INPUT_BYTES = 64 * 2**20  # the op's tensor inputs, all together
 _measured: dict[tuple, int] = {}  # signature -> workspace bytes
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+# The CPU ops whose workspace is measured by running them. Not the attention forward: its
+# measured buffers made the contract's transformer minimum plan 1.99 MiB against 1.95
+# measured (2026-11-26), and no measured step needed them.
+MEASURED_OPS = frozenset({
+    torch.ops.aten.convolution_backward.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+})
 
 
 def op_workspaces(nodes: list[fx.Node], inductor: bool = True) -> dict[fx.Node, int]:
-    """Each CPU ``convolution_backward`` and CUDA FlashAttention backward of ``nodes`` (a joint
-    graph's) -> the bytes it holds while it runs beyond its outputs (omitted where nothing, or
+    """Each CPU ``convolution_backward`` and attention backward, and CUDA FlashAttention backward,
+    of ``nodes`` (a joint graph's) -> the bytes it holds while it runs beyond its outputs (omitted where nothing, or
     where it is not known). ``inductor``: the graphs are compiled by Inductor, whose layout
     optimization decides the layouts the op gets; otherwise they run as written, in the
     traced layouts."""
@@ -57,31 +67,38 @@ def op_workspaces(nodes: list[fx.Node], inductor: bool = True) -> dict[fx.Node, 
         nbytes = flash_attention_backward_workspace(node)
         if nbytes:
             found[node] = nbytes
-    convolutions = [n for n in nodes if n.op == "call_function"
-                    and n.target is torch.ops.aten.convolution_backward.default]
-    if not convolutions:
+    measured = [n for n in nodes if n.op == "call_function" and n.target in MEASURED_OPS]
+    if not measured:
         return found
     forward_convolutions = [n for n in nodes if n.op == "call_function"
                             and n.target is torch.ops.aten.convolution.default]
     channels_last = inductor and inductor_channels_last_convolutions(
         [tensor_value(arg) for n in forward_convolutions for arg in n.args[:2] if isinstance(arg, fx.Node)])
-    for node in convolutions:
+    for node in measured:
         args = _tensor_args(node)
         if args is None:
             continue
-        key = (*(_signature(t) for t in args), *map(repr, node.args[3:]), channels_last, torch.get_num_threads())
+        # Only the convolution gets Inductor's channels-last layouts (``_measure``).
+        convolution_layout = channels_last and node.target is torch.ops.aten.convolution_backward.default
+        key = (node.target, *(_signature(t) for t in args), *(repr(a) for a in _constants(node)),
+               convolution_layout, torch.get_num_threads())
         if key not in _measured:
-            _measured[key] = _measure(node, args, channels_last)
+            _measured[key] = _measure(node, convolution_layout)
         if _measured[key] > 0:
             found[node] = _measured[key]
     return found
 
 
+def _constants(node: fx.Node) -> list:
+    return [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, fx.Node)]
+
+
 def _tensor_args(node: fx.Node) -> list[torch.Tensor] | None:
-    """The fake values of (grad_output, input, weight), when all are static CPU tensors
-    small enough to run the op on."""
-    values = [tensor_value(arg) if isinstance(arg, fx.Node) else None for arg in node.args[:3]]
-    if any(v is None or v.device.type != "cpu" for v in values):
+    """The fake values of the op's tensor arguments, when all are static CPU tensors small
+    enough to run the op on."""
+    nodes = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    values = [tensor_value(arg) for arg in nodes]
+    if not values or any(v is None or v.device.type != "cpu" for v in values):
         return None
     if any(isinstance(s, torch.SymInt) for v in values for s in (*v.shape, *v.stride())):
         return None  # dynamic shapes: reading a size would guard on it
@@ -93,28 +110,30 @@ def _signature(value: torch.Tensor) -> tuple:
     return tuple(value.shape), tuple(value.stride()), value.dtype
 
 
-def _measure(node: fx.Node, args: list[torch.Tensor], channels_last: bool) -> int:
+def _measure(node: fx.Node, channels_last: bool) -> int:
     """Run the op once to warm it up and once under ``measure_peak``: its peak less its
     outputs. An op that cannot run here counts nothing rather than failing the plan."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    def real(value: torch.Tensor) -> torch.Tensor:
+        # Inductor's layout optimization gives the convolution every 4-d argument in
+        # channels-last: the activations, and the weight through its channels-last copy
+        # (``analyze.layout_copies``), which the backward receives. In another layout
+        # the op converts them itself, and that conversion is part of what it holds.
+        if channels_last and value.dim() == 4:
+            return torch.empty(value.shape, dtype=value.dtype, memory_format=torch.channels_last).zero_()
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).zero_()
+
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            real = []
-            for value in args:
-                # Inductor's layout optimization gives the convolution every 4-d argument in
-                # channels-last: the activations, and the weight through its channels-last copy
-                # (``analyze.layout_copies``), which the backward receives. In another layout
-                # the op converts them itself, and that conversion is part of what it holds.
-                if channels_last and value.dim() == 4:
-                    tensor = torch.empty(value.shape, dtype=value.dtype, memory_format=torch.channels_last).zero_()
-                else:
-                    tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).zero_()
-                real.append(tensor)
-            rest = node.args[3:]
-            node.target(*real, *rest)
+            made = {arg: real(tensor_value(arg)) for arg in (*node.args, *node.kwargs.values())
+                    if isinstance(arg, fx.Node)}
+            args = [made.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
+            kwargs = {k: made.get(v, v) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+            node.target(*args, **kwargs)
             with measure_peak("cpu") as measured:
-                outputs = node.target(*real, *rest)
+                outputs = node.target(*args, **kwargs)
+            outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
             output_bytes = sum(out.untyped_storage().nbytes() for out in outputs if isinstance(out, torch.Tensor))
     except Exception:  # noqa: BLE001
         return 0
