@@ -91,8 +91,8 @@ def plan_partition(
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
                          graph_name: str, started: float, accelerator: bool | None = None) -> PartitionResult:
     inductor = settings.inner_compiler == "inductor"
-    analysis = analyze_joint(joint, fusion=inductor, workspaces=lambda nodes: op_workspaces(nodes, inductor),
-                             accelerator=accelerator)
+    analysis = analyze_joint(joint, fusion=inductor, accelerator=accelerator,
+                             workspaces=lambda nodes: op_workspaces(nodes, inductor, measure=accelerator is not True))
     policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
     memo: dict[fx.Node, float] = {}
     # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.

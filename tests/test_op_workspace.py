@@ -2,6 +2,8 @@
 measured by running it and checked against the measured step of a compiled net; CUDA
 FlashAttention's backward, from its source (checked on a GPU where there is one)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.fx as fx
@@ -37,6 +39,33 @@ def test_nothing_is_measured_off_the_cpu_or_with_symbolic_shapes():
         model = WideConvNet()
     analysis, _ = capture_analysis(lambda x: model(x).pow(2).mean(), torch.randn(4, 3, 16, 16, device="meta"))
     assert op_workspaces(list(analysis.position)) == {}
+
+
+def test_nothing_is_measured_for_a_gpu_plan_on_host_tensors(monkeypatch):
+    """explain with a GPU profile on CPU tensors plans for the GPU: the CPU kernels'
+    workspace is not the GPU's, so no CPU op is run for it (the planner asks with
+    ``measure=False`` when it plans with Triton's kernel rules)."""
+    import importlib
+
+    import compile_offload
+
+    torch.manual_seed(0)
+    model = WideConvNet()
+    x = torch.randn(4, 3, 16, 16)
+    analysis, _ = capture_analysis(lambda x: model(x).pow(2).mean(), x)
+    assert op_workspaces(list(analysis.position))  # measured on the CPU ...
+    assert op_workspaces(list(analysis.position), measure=False) == {}  # ... unless told not to
+    op_workspace = importlib.import_module("compile_offload.op_workspace")
+    measured = []
+    run = op_workspace._measure
+    monkeypatch.setattr(op_workspace, "_measure", lambda *args: measured.append(args) or run(*args))
+    monkeypatch.setattr(op_workspace, "_measured", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_offload.explain(model, x, memory_budget=0.6, device_profile="h100")
+        assert not measured
+        compile_offload.explain(model, x, memory_budget=0.6, device_profile="cpu")
+    assert measured
 
 
 @pytest.mark.inductor
