@@ -6,9 +6,9 @@
 #   benchmarks/device_check.sh OUTDIR first    # <= 560 s: CUDA tests, then the GPT and deep sweeps
 #   benchmarks/device_check.sh OUTDIR second   # <= 240 s: the budget contract's CUDA path, model by model
 #
-# "first" writes 6 files (env.txt, cuda_tests.log, bench.log, gpt.md, gpt.jsonl, deep.md; the
-# deep jsonl and the plots are dropped to stay under 8), "second" 2 (contract_cuda.md and
-# its stderr). Each step has a hard limit, and what finished is written even when a later
+# "first" writes 7 files (env.txt, cuda_tests.log, bench.log, gpt.md, gpt.jsonl, deep.md,
+# deep.jsonl; the plots are dropped to stay under 8), "second" 2 (contract_cuda.md and its
+# stderr). Each step has a hard limit, and what finished is written even when a later
 # step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
 # full call of its own). PYTHON=... picks the interpreter.
 set -uo pipefail
@@ -40,7 +40,7 @@ first)
         --budgets 0.5,0.25,2GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget,eager_ckpt,torch_sac_offload
     bench "$OUT/bench.log" 150 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 100 \
         --budgets 3GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget
-    rm -f "$OUT"/*.png "$OUT/deep.jsonl"
+    rm -f "$OUT"/*.png  # 7 files: the plots would make 9
     ;;
 second)
     # Slots from the second H200 lease (2026-11-26): transformer 32 s, mixer 32 s, conv+BN 25 s
