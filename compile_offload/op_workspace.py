@@ -57,12 +57,13 @@ MEASURED_OPS = frozenset({
 
 
 def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = True) -> dict[fx.Node, int]:
-    """Each CPU ``convolution_backward`` and attention backward, and CUDA FlashAttention backward,
-    of ``nodes`` (a joint graph's) -> the bytes it holds while it runs beyond its outputs (omitted where nothing, or
-    where it is not known). ``inductor``: the graphs are compiled by Inductor, whose layout
-    optimization decides the layouts the op gets; otherwise they run as written, in the
-    traced layouts. ``measure=False``: none of the CPU ops is run (host tensors standing in
-    for a GPU's: the CPU kernels' workspace says nothing of the GPU's)."""
+    """Each CPU ``convolution_backward`` and attention backward, and each CUDA FlashAttention
+    backward, of ``nodes`` (a joint graph's) -> the bytes it holds while it runs beyond its
+    outputs (omitted where nothing, or where it is not known). ``inductor``: the graphs are
+    compiled by Inductor, whose layout optimization decides the layouts the op gets;
+    otherwise they run as written, in the traced layouts. ``measure=False``: none of the CPU
+    ops is run (host tensors standing in for a GPU's: the CPU kernels' workspace says nothing
+    of the GPU's)."""
     found = {}
     for node in nodes:
         nbytes = flash_attention_backward_workspace(node)
