@@ -99,6 +99,12 @@ def _state_kept(module: torch.nn.Module | None):
                     buffer.copy_(buffers[name])
 
 
+def _gpu_profile_on_host(settings, device: torch.device) -> bool:
+    """A named GPU profile for tensors that are not on a GPU: the plan is for that GPU, and
+    the code Inductor would generate here is not."""
+    return settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type != "cuda"
+
+
 def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -> str | None:
     """None where explain lowers each graph with Inductor as the backend does, so that the
     backend's budget loop (``budget_loop.keep_within_budget``) runs here too and the plan is
@@ -113,7 +119,7 @@ def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -
         return ""
     if not_real is not None:
         why = not_real
-    elif settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type != "cuda":
+    elif _gpu_profile_on_host(settings, device):
         # Planning for a GPU on this machine's tensors: the code Inductor would generate here
         # is not the GPU's, so its scheduled peak says nothing about the plan asked for.
         why = f"the plan is for the {settings.device_profile!r} GPU profile and the tensors are on {device.type}"
@@ -201,7 +207,7 @@ def explain_all(
     # whose kernels group nodes otherwise than the C++ backend's (analyze_joint), so the
     # memory model groups them as Triton would. With the budget loop the graph's own device
     # decides (it is lowered for real).
-    for_gpu_here = settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type != "cuda"
+    for_gpu_here = _gpu_profile_on_host(settings, device)
 
     def planning_backend(gm: torch.fx.GraphModule, inputs):
         if lowers is None:

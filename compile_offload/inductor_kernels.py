@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
+
 log = logging.getLogger("compile_offload")
 
 
@@ -238,8 +240,6 @@ def _workspaces(node) -> list[Buffer]:
     op's source (``op_workspace.flash_attention_backward_workspace``), read off the FX node
     the op was lowered from. The tuple-returning op itself, not the ``MultiOutput`` nodes
     naming its parts (they share its origins)."""
-    from .op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
-
     ir_node = getattr(node, "node", None)
     if getattr(ir_node, "op_overload", None) is not FLASH_BACKWARD:
         return []

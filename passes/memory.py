@@ -836,8 +836,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         nbytes = 0 if node in fw_fused or _is_host_copy(node) else allocated_bytes(node, fw_roots)
         fw_skip = lambda x: fw_roots.get(x, x) in fw_placeholders  # noqa: E731
         reads = _reads(node, fw_key, fw_fused, fw_skip)
-        if _tuple_op(node) is not None:  # a tuple op's outputs appear while its inputs live (StepBuilder._step)
-            reads += _reads(_tuple_op(node), fw_key, fw_fused, fw_skip)
+        if (op := _tuple_op(node)) is not None:  # its outputs appear while its inputs live (StepBuilder._step)
+            reads += _reads(op, fw_key, fw_fused, fw_skip)
         if nbytes:
             key_bytes[fw_key(node)] = nbytes
         if copies and is_convolution(node):
@@ -888,8 +888,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         nbytes = 0 if node in bw_fused else allocated_bytes(node, bw_roots)
         bw_skip = lambda x: bw_key(x) is None  # noqa: E731
         reads = [k for k in _reads(node, bw_key, bw_fused, bw_skip)]
-        if _tuple_op(node) is not None:
-            reads += _reads(_tuple_op(node), bw_key, bw_fused, bw_skip)
+        if (op := _tuple_op(node)) is not None:
+            reads += _reads(op, bw_key, bw_fused, bw_skip)
         if copied_placeholders and is_convolution(node):
             reads += [copied_placeholders[arg] for arg in node.all_input_nodes if arg in copied_placeholders]
         in_place = in_place_candidates(node, nbytes, bw_key, bw_fused, bw_skip, _all_input_nodes, bw_memo,
