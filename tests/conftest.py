@@ -50,6 +50,19 @@ def fallback_random():
 
 
 @pytest.fixture
+def deterministic_inductor():
+    """Inductor's deterministic mode, for tests that compare two separately compiled programs
+    bitwise (offload on against offload off). Without it Inductor picks among Triton
+    reduction configs by timing them on the device at first call, and the configs sum in
+    different orders: under the transfer delays those tests inject, the two programs picked
+    different kernels and a forward sum differed in its last bit (H200, 2026-11-27), which is
+    rounding, not a copy race. The mode picks every such config without timing
+    (``torch._inductor.config.deterministic``, in every torch version we support)."""
+    with torch._inductor.config.patch(deterministic=True):
+        yield
+
+
+@pytest.fixture
 def captured_plans():
     """The Plan of every graph the offload_remat partitioner partitions during the test,
     in order (``partition_results.partitions``). A compile served from Inductor's or

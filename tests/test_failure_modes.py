@@ -89,7 +89,8 @@ def assert_bitwise(actual: dict, expected: dict) -> None:
     for name, want in expected.items():
         got = actual[name]
         assert not got.is_floating_point() or not torch.isnan(got).any(), f"{name}: NaN"
-        assert torch.equal(got, want), f"{name}: not bitwise equal to the oracle"
+        assert torch.equal(got, want), \
+            f"{name}: not bitwise equal to the oracle; max abs difference {(got.double() - want.double()).abs().max().item()}"
 
 
 def assert_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
@@ -213,6 +214,7 @@ def test_each_reload_reads_the_host_copy_the_forward_waited_for():
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("deterministic_inductor")
 @pytest.mark.parametrize("prefetch, buffer_reuse", [(True, True), (True, False), (False, True)])
 def test_real_backend_under_delay_is_bitwise_equal_to_no_offload(prefetch, buffer_reuse):
     """§5.1 and §5.2 through the real backend: upstream's 6-input ``sin`` function at
@@ -778,6 +780,7 @@ def test_cuda_graph_mode_turns_offload_off_with_a_warning():
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("deterministic_inductor")
 def test_inductor_cudagraphs_turn_offload_off_and_train_like_no_offload():
     """§5.13 on a GPU: Inductor's own CUDA graphs (``triton.cudagraphs`` set globally) with
     ``debug_force_offload``: offloading is turned off with a warning (captured graphs would
