@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
+from .op_workspace import CUDA_WORKSPACES, cuda_workspace
 
 log = logging.getLogger("compile_offload")
 
@@ -237,15 +237,15 @@ def _graph_kernels(nodes: list) -> GraphKernels:
 def _workspaces(node) -> list[Buffer]:
     """What an extern op allocates while it runs beyond its outputs, as a buffer of its
     kernel that nothing reads (freed when the kernel ends): the workspaces known from the
-    op's source (``op_workspace.flash_attention_backward_workspace``), read off the FX node
-    the op was lowered from. The tuple-returning op itself, not the ``MultiOutput`` nodes
-    naming its parts (they share its origins)."""
+    op's source (``op_workspace.CUDA_WORKSPACES``: FlashAttention's and the memory-efficient
+    attention's backward), read off the FX node the op was lowered from. The tuple-returning
+    op itself, not the ``MultiOutput`` nodes naming its parts (they share its origins)."""
     ir_node = getattr(node, "node", None)
-    if getattr(ir_node, "op_overload", None) is not FLASH_BACKWARD:
+    if getattr(ir_node, "op_overload", None) not in CUDA_WORKSPACES:
         return []
     found = []
     for origin in _origins(node):
-        nbytes = flash_attention_backward_workspace(origin)
+        nbytes = cuda_workspace(origin) if origin.target is ir_node.op_overload else 0
         if nbytes:
             found.append(Buffer(f"{node.get_name()}_workspace", nbytes, None))
     return found[:1]

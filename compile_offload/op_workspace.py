@@ -30,8 +30,14 @@ is 129 MiB per attention backward, which a plan whose peak falls there would mis
 counts for the plan (``op_workspaces``) and for Inductor's kernels (``inductor_kernels``, the
 scheduled peak). It is read from FlashAttention-2's source, not yet measured on its own
 (``tests/test_op_workspace.py`` does that where there is a GPU).
-The memory-efficient kernel's backward workspace (fp32 inputs, or shapes FlashAttention
-does not take) depends on its template's tiles and split-key heuristics: not counted.
+
+The memory-efficient (cutlass) kernel's backward, which SDPA takes for fp32, or for fp16 and
+bf16 with a mask (``_scaled_dot_product_efficient_attention_backward``), is read from its
+source the same way (``efficient_attention_backward_workspace``): an fp32 workspace of per
+block dq accumulators (and for head dims over 128 in fp16/bf16, dk and dv ones per key
+split), and the fp32 ``delta`` row sums. On the contract's GPT-2 (fp32, batch 4, seq 128, 2
+heads of 32) that is 266,496 bytes per attention backward, which the H200 measured as a
+constant 0.25 MiB above the plan (2026-11-27).
 Elsewhere no workspace is counted.
 """
 
@@ -47,6 +53,7 @@ from .passes.compat import inductor_channels_last_convolutions
 MAX_INPUT_BYTES = 64 * 2**20  # the op's tensor inputs, all together
 _measured: dict[tuple, int] = {}  # signature -> workspace bytes
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
 # The CPU ops whose workspace is measured by running them. Not the attention forward: its
 # measured buffers made the contract's transformer minimum plan 1.99 MiB against 1.95
 # measured (2026-11-26), and no measured step needed them.
@@ -58,15 +65,15 @@ MEASURED_OPS = frozenset({
 
 def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = True) -> dict[fx.Node, int]:
     """Each CPU ``convolution_backward`` and attention backward, and each CUDA FlashAttention
-    backward, of ``nodes`` (a joint graph's) -> the bytes it holds while it runs beyond its
-    outputs (omitted where nothing, or where it is not known). ``inductor``: the graphs are
-    compiled by Inductor, whose layout optimization decides the layouts the op gets;
-    otherwise they run as written, in the traced layouts. ``measure=False``: none of the CPU
-    ops is run (host tensors standing in for a GPU's: the CPU kernels' workspace says nothing
-    of the GPU's)."""
+    and memory-efficient attention backward, of ``nodes`` (a joint graph's) -> the bytes it
+    holds while it runs beyond its outputs (omitted where nothing, or where it is not known).
+    ``inductor``: the graphs are compiled by Inductor, whose layout optimization decides the
+    layouts the op gets; otherwise they run as written, in the traced layouts.
+    ``measure=False``: none of the CPU ops is run (host tensors standing in for a GPU's: the
+    CPU kernels' workspace says nothing of the GPU's)."""
     found = {}
     for node in nodes:
-        nbytes = flash_attention_backward_workspace(node)
+        nbytes = cuda_workspace(node)
         if nbytes:
             found[node] = nbytes
     measured = [n for n in nodes if measure and n.op == "call_function" and n.target in MEASURED_OPS]
@@ -167,3 +174,91 @@ def flash_attention_backward_workspace(node: fx.Node) -> int:
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+def efficient_attention_backward_workspace(node: fx.Node) -> int:
+    """The bytes a CUDA ``_scaled_dot_product_efficient_attention_backward`` node allocates
+    while it runs beyond its outputs; 0 for any other node, off CUDA, or with shapes not known
+    as integers. Read from PyTorch's source (its main branch, files under
+    ``aten/src/ATen/native/transformers/cuda/``; that torch 2.11 builds the same kernels is
+    assumed) for sm80 to sm90 GPUs (A100, H100, H200):
+
+    - ``attention_backward.cu``, ``_efficient_attention_backward`` (which the SDPA op calls on
+      the (batch, seq, heads, dim) transposes): after the gradients, ``delta`` (fp32, batch x
+      heads x seq_q): ``at::empty`` where the kernel computes it (``kKernelComputesDelta``:
+      fp16/bf16), else ``(grad_out.to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2,
+      -1).contiguous()``, whose product and sum live to the end of that expression. Then
+      ``workspace = at::empty({p.workspace_size()}, Byte)`` (zeroed in place when keys are
+      split), held to the op's end.
+    - ``mem_eff_attention/kernels/cutlassB.h`` (``dispatch_cutlassB``: dtype and 80 <= cc <
+      100 pick ``dispatch_cutlassB_<dtype>_sm80``) and ``generate_kernels.py`` (its order):
+      the first aligned kernel whose ``kMaxK`` >= max(head_dim, head_dim_v) runs. fp32: 64x64
+      tiles (kBlockSizeI x kBlockSizeJ) up to kMaxK 64, else 128x64. fp16/bf16: 64x64 up to
+      64 and 128x128 up to 128, both with the outputs in registers (``kOutputInRF``: kMaxK <=
+      kBlockSizeI), else 128x64 without. Assumed: the 128-row kernels fit the GPU's shared
+      memory (A100 and H100/H200 do; sm86/89 may fall back to 64x64).
+    - ``mem_eff_attention/kernel_backward.h``, ``AttentionBackwardKernel``: ``kEnableSplitKeys``
+      (sm >= 70) makes ``kNeedsAccumGradQ`` true; ``kNeedsAccumGradK/V`` only where the output
+      is not fp32 and not kept in registers. ``Params::workspace_elements_gq`` = ceil(seq_q /
+      kBlockSizeI) x ceil(head_dim / MatmulGradQ::ThreadblockShape::kN (= kBlockSizeJ)) x
+      sizeof(GradQTempStorage) / 4, where ``GradQTempStorage`` is 16 bytes (lock, counter,
+      pad) and ``AccumTileGmem::kElementsStored`` = kNumThreads x the fragment's elements =
+      kBlockSizeI x kBlockSizeJ floats (one 32x32 warp tile per warp);
+      ``workspace_elements_gk/gv`` = num_splits_key x kBlockSizeJ x align_up(head_dim[_value],
+      kBlockSizeI); ``workspace_strideBH`` rounds their sum up to 4; ``workspace_size`` =
+      batch x heads x that x 4 bytes. ``num_splits_key`` (``_efficient_attention_backward``'s
+      heuristic, with dk/dv accumulators): min(ceil(seq_k / kBlockSizeJ), 200 // (batch x
+      heads)), at least 1; deterministic mode would make it 1: not assumed (the larger).
+
+    Not counted: the copy ``_efficient_attention_backward`` makes of ``grad_out`` when its
+    transpose is not contiguous (the traced layouts give it contiguous, as for FlashAttention
+    above), batches over 65,535 (run in chunks), older GPUs' kernels."""
+    if node.op != "call_function" or node.target is not EFFICIENT_BACKWARD:
+        return 0
+    query, key, value = (tensor_value(arg) if isinstance(arg, fx.Node) else None for arg in node.args[1:4])
+    if query is None or key is None or value is None or query.device.type != "cuda" or query.dim() != 4:
+        return 0
+    if any(isinstance(size, torch.SymInt) for size in (*query.shape, *key.shape, *value.shape)):
+        return 0  # dynamic shapes: reading a size would guard on it
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return 0
+    batch, heads, seq_q, head_dim = query.shape
+    seq_k, head_dim_v = key.shape[2], value.shape[3]
+    half = query.dtype != torch.float32
+    max_k = max(head_dim, head_dim_v)
+    if max_k <= 64:
+        block_i, block_j = 64, 64
+    elif max_k <= 128:
+        block_i, block_j = (128, 128) if half else (128, 64)
+    else:
+        block_i, block_j = 128, 64
+    fp32 = 4
+    grad_q = _ceil_div(seq_q, block_i) * _ceil_div(head_dim, block_j) * (16 // fp32 + block_i * block_j)
+    grad_kv = 0
+    if half and max_k > block_i:  # fp16/bf16 outputs not kept in registers: dk and dv accumulators
+        splits = max(1, min(_ceil_div(seq_k, block_j), 200 // (batch * heads)))
+        grad_kv = splits * block_j * (_round_up(head_dim, block_i) + _round_up(head_dim_v, block_i))
+    workspace = batch * heads * _round_up(grad_q + grad_kv, 4) * fp32
+    delta = batch * heads * seq_q * fp32
+    if half:
+        return delta + workspace
+    product, sums = batch * seq_q * heads * head_dim_v * fp32, batch * seq_q * heads * fp32
+    return max(product + sums + delta, delta + workspace)
+
+
+# The CUDA ops whose workspace is read from the kernel's source: op -> its rule (node -> bytes).
+CUDA_WORKSPACES = {
+    FLASH_BACKWARD: flash_attention_backward_workspace,
+    EFFICIENT_BACKWARD: efficient_attention_backward_workspace,
+}
+
+
+def cuda_workspace(node: fx.Node) -> int:
+    """What a CUDA op whose workspace is known from its source holds beyond its outputs
+    (``CUDA_WORKSPACES``); 0 for any other node."""
+    rule = CUDA_WORKSPACES.get(node.target) if node.op == "call_function" else None
+    return rule(node) if rule is not None else 0
+
+
+def _ceil_div(value: int, divisor: int) -> int:
+    return -(-value // divisor)
