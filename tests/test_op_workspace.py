@@ -1,6 +1,7 @@
 """What an extern op holds while it runs (``op_workspace``): the CPU convolution's backward,
 measured by running it and checked against the measured step of a compiled net; CUDA
-FlashAttention's backward, from its source (checked on a GPU where there is one)."""
+FlashAttention's and memory-efficient attention's backward, from their source (checked on a
+GPU where there is one)."""
 
 import warnings
 
@@ -157,6 +158,173 @@ def test_flash_attention_backward_allocates_what_the_rule_says():
     expected = flash_attention_backward_workspace(node)
     assert expected > 10 * 2**20
     assert abs(held - expected) <= 2**20, (held, expected)
+
+
+def _efficient_backward_graph(batch, heads, seq_q, head_dim, seq_k=None, head_dim_v=None, device="cuda",
+                               dtype=torch.float32):
+    """A graph of one ``_scaled_dot_product_efficient_attention_backward`` on fake tensors of
+    ``device``, laid out as SDPA's callers give them (as ``_flash_backward_graph``)."""
+    import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_offload.op_workspace import EFFICIENT_BACKWARD
+
+    seq_k = seq_q if seq_k is None else seq_k
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    with FakeTensorMode():
+        def bshd(seq, dim):
+            return torch.empty(batch, seq, heads, dim, device=device, dtype=dtype).transpose(1, 2)
+
+        values = {"grad_out": bshd(seq_q, head_dim_v), "query": bshd(seq_q, head_dim), "key": bshd(seq_k, head_dim),
+                  "value": bshd(seq_k, head_dim_v), "out": bshd(seq_q, head_dim_v),
+                  "logsumexp": torch.empty(batch, heads, -(-seq_q // 32) * 32, device=device),
+                  "seed": torch.empty((), dtype=torch.int64, device=device),
+                  "offset": torch.empty((), dtype=torch.int64, device=device)}
+    graph = fx.Graph()
+    args = {}
+    for name, value in values.items():
+        args[name] = graph.placeholder(name)
+        args[name].meta["val"] = value
+    node = graph.call_function(EFFICIENT_BACKWARD, (
+        *(args[n] for n in ("grad_out", "query", "key", "value")), None,
+        *(args[n] for n in ("out", "logsumexp", "seed", "offset")), 0.0, [True, True, True, False], True))
+    graph.output(tuple(graph.call_function(operator.getitem, (node, i)) for i in range(3)))
+    return node
+
+
+def test_efficient_attention_backward_on_cuda_holds_its_fp32_workspace():
+    """The cutlass kernel's backward (``_efficient_attention_backward``, sm80 to sm90): per
+    (batch, head), one GradQTempStorage (16 bytes of lock and counter, then block_i x block_j
+    fp32) per block of block_i queries and block_j columns of the head dim; fp16/bf16 above
+    head dim 128 add dk and dv accumulators per key split; and the fp32 ``delta`` row sums
+    (batch x heads x seq_q)."""
+    from compile_offload.op_workspace import efficient_attention_backward_workspace
+
+    # The contract's GPT-2 (fp32, batch 4, 2 heads, seq 128, head dim 32): the 64x64 kernel
+    # (kMaxK 32), 2 query blocks x 1 column block of (16 + 64*64*4) bytes per (batch, head):
+    # 262,400 bytes (what the H200 measured, 0.25 MiB), and delta 4*2*128*4. Before the
+    # workspace, the fp32 delta's product (4*128*2*32*4) and sums are held: less.
+    gpt2 = _efficient_backward_graph(batch=4, heads=2, seq_q=128, head_dim=32)
+    workspace, delta = 4 * 2 * 2 * 1 * (16 + 64 * 64 * 4), 4 * 2 * 128 * 4
+    assert workspace == 262_400
+    assert op_workspaces([gpt2]) == {gpt2: workspace + delta}
+    # fp32 above head dim 64: 128x64 tiles; 100 queries are one block, 80 columns two.
+    wide = _efficient_backward_graph(batch=2, heads=3, seq_q=100, head_dim=80, seq_k=300)
+    assert efficient_attention_backward_workspace(wide) == 2 * 3 * 1 * 2 * (16 + 128 * 64 * 4) + 2 * 3 * 100 * 4
+    # bf16 up to head dim 128: 128x128 tiles, dk and dv kept in registers: dq only.
+    bf16 = _efficient_backward_graph(batch=2, heads=4, seq_q=200, head_dim=128, dtype=torch.bfloat16)
+    assert efficient_attention_backward_workspace(bf16) == 2 * 4 * 2 * 1 * (16 + 128 * 128 * 4) + 2 * 4 * 200 * 4
+    # bf16 above 128: 128x64 tiles; dk and dv accumulators of 64 x round_up(256, 128) floats
+    # per key split, min(ceil(256 / 64), 200 // (1 * 2)) = 4 splits; dq: 2 x 4 blocks.
+    large = _efficient_backward_graph(batch=1, heads=2, seq_q=256, head_dim=256, dtype=torch.bfloat16)
+    per_head = 4 * 64 * 256 * 4 * 2 + 2 * 4 * (16 + 128 * 64 * 4)
+    assert efficient_attention_backward_workspace(large) == 1 * 2 * per_head + 1 * 2 * 256 * 4
+    many_heads = _efficient_backward_graph(batch=16, heads=16, seq_q=256, head_dim=256, dtype=torch.float16)
+    per_head = 1 * 64 * 256 * 4 * 2 + 2 * 4 * (16 + 128 * 64 * 4)  # 200 // 256 = 0: one split
+    assert efficient_attention_backward_workspace(many_heads) == 16 * 16 * per_head + 16 * 16 * 256 * 4
+
+
+def test_efficient_attention_backward_off_cuda_counts_nothing():
+    assert op_workspaces([_efficient_backward_graph(4, 2, 128, 32, device="cpu")]) == {}
+    assert op_workspaces([_efficient_backward_graph(4, 2, 128, 32, device="meta")]) == {}
+
+
+def _joint_on_cuda(joint):
+    """``joint`` (traced on ``meta``) with its values fake CUDA tensors, as a trace on a GPU
+    gives them: SDPA on fake CUDA tensors cannot be traced without a GPU (autograd asks the
+    device for a stream), so the graph is traced on meta and its values propagated again."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm = joint.gm
+    cuda = torch.device("cuda")
+    for node in gm.graph.nodes:
+        node.args = tuple(cuda if isinstance(arg, torch.device) else arg for arg in node.args)
+        node.kwargs = {key: cuda if isinstance(value, torch.device) else value for key, value in node.kwargs.items()}
+    gm.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+                  if isinstance(v := node.meta["val"], torch.Tensor) else v
+                  for node in gm.graph.nodes if node.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    return joint
+
+
+def test_a_cuda_plan_holds_the_efficient_attention_backward_workspace():
+    """A traced joint graph with the memory-efficient attention on CUDA: the analysis the
+    planner builds (``planning``: ``op_workspaces`` with ``measure=False`` for a GPU) counts
+    the workspace, and the plan's simulated peak holds it while the backward runs."""
+    from compile_offload.op_workspace import EFFICIENT_BACKWARD
+    from compile_offload.passes import compat, memory
+    from compile_offload.passes.analyze import analyze_joint
+
+    from .passes.joint_capture import capture
+
+    def hook(joint, _):
+        _joint_on_cuda(joint)
+        analysis = analyze_joint(joint, accelerator=True, workspaces=lambda nodes: op_workspaces(nodes, measure=False))
+        return analysis, compat.min_cut_saved_values(joint)
+
+    def attention(q, k, v):
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0].sum()
+
+    with torch.device("meta"):
+        q, k, v = (torch.empty(4, 128, 2, 32, requires_grad=True).transpose(1, 2) for _ in range(3))
+    (analysis, saved), _ = capture(attention, q, k, v, hook=hook)
+    backward = [n for n in analysis.bw_nodes if n.target is EFFICIENT_BACKWARD]
+    assert len(backward) == 1 and analysis.bw_nodes[0].meta["val"].device.type == "cuda"
+    assert analysis.workspace_bytes == {backward[0]: 262_400 + 4 * 2 * 128 * 4}
+    held = memory.simulate(memory.plan_program(analysis, set(saved))).peak_bytes
+    analysis.workspace_bytes.clear()
+    assert held - memory.simulate(memory.plan_program(analysis, set(saved))).peak_bytes == 262_400 + 4 * 2 * 128 * 4
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (Inductor's CUDA lowering)")
+def test_the_recorded_efficient_attention_backward_kernel_holds_its_workspace():
+    """The scheduled peak counts it as the plan does: Inductor's fallback kernel for the op,
+    recorded on fake CUDA (``benchmarks/cuda_schedule``), allocates the rule's bytes."""
+    from compile_offload.benchmarks import cuda_schedule
+
+    with cuda_schedule.fake_cuda():
+        node = _efficient_backward_graph(batch=4, heads=2, seq_q=128, head_dim=32)
+        kernels = cuda_schedule.cuda_kernels(fx.GraphModule({}, node.graph), is_backward=True)
+    held = [b.bytes for kernel in kernels.kernels for b in kernel.allocates if b.name.endswith("_workspace")]
+    assert held == [op_workspaces([node])[node]] == [262_400 + 4 * 2 * 128 * 4]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 32), (torch.float32, 80), (torch.bfloat16, 128),
+                                             (torch.bfloat16, 256)])
+def test_efficient_attention_backward_allocates_what_the_rule_says(dtype, head_dim):
+    """On a GPU: what the op holds above its gradients, at the allocator, is the rule's figure
+    (the caching allocator rounds each block up to 512 bytes: 4 KiB of slack). The first case
+    is the contract's GPT-2 attention, measured 0.25 MiB above the plan on an H200. Where it
+    fails, the kernel picked (tiles, key splits) is not the one the rule reads for this GPU."""
+    from compile_offload.op_workspace import EFFICIENT_BACKWARD, efficient_attention_backward_workspace
+
+    batch, heads, seq = (4, 2, 128) if head_dim == 32 else (2, 4, 300)
+    node = _efficient_backward_graph(batch, heads, seq, head_dim, dtype=dtype)
+
+    def bshd():
+        return torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+
+    query, key, value = bshd(), bshd(), bshd()
+    out, logsumexp, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, True)
+    grad_out = bshd()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = EFFICIENT_BACKWARD(grad_out, query, key, value, None, out, logsumexp, seed, offset, 0.0,
+                               [True, True, True, False], True)
+    torch.cuda.synchronize()
+    held = torch.cuda.max_memory_allocated() - before - sum(
+        g.untyped_storage().nbytes() for g in grads if isinstance(g, torch.Tensor) and g.numel())
+    expected = efficient_attention_backward_workspace(node)
+    assert expected > 0
+    assert abs(held - expected) <= 4096, (held, expected)
 
 
 @pytest.mark.inductor
