@@ -36,8 +36,8 @@ bf16 with a mask (``_scaled_dot_product_efficient_attention_backward``), is read
 source the same way (``efficient_attention_backward_workspace``): an fp32 workspace of per
 block dq accumulators (and for head dims over 128 in fp16/bf16, dk and dv ones per key
 split), and the fp32 ``delta`` row sums. On the contract's GPT-2 (fp32, batch 4, seq 128, 2
-heads of 32) that is 266,496 bytes per attention backward, which the H200 measured as a
-constant 0.25 MiB above the plan (2026-11-27).
+heads of 32) that is 266,496 bytes per attention backward, the size of the constant 0.25 MiB
+the H200 measured above the plan (whether it is that gap is open: design.md).
 Elsewhere no workspace is counted.
 """
 
