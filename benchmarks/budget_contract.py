@@ -11,6 +11,7 @@ compiled and one step each is measured. The contract (issue 15):
     python -m compile_offload.benchmarks.budget_contract                    # CPU, the tiny models
     python -m compile_offload.benchmarks.budget_contract --models mlp_mixer --fractions 0.6
     python -m compile_offload.benchmarks.budget_contract --device cuda      # the same models on a GPU
+    python -m compile_offload.benchmarks.budget_contract --device cuda --snapshot live.txt  # and what is alive at each peak
 
 ``tests/test_budget_contract.py`` runs the same functions.
 """
@@ -18,6 +19,7 @@ compiled and one step each is measured. The contract (issue 15):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import warnings
 from dataclasses import dataclass
@@ -143,12 +145,37 @@ def _on(device: str, model: nn.Module, inputs: tuple) -> tuple[nn.Module, tuple]
     return model.to(device), tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in inputs)
 
 
+@contextlib.contextmanager
+def recorded(path: str | None, label: str):
+    """Record the CUDA allocator's history over the block and append what is alive at its
+    peak to ``path`` under ``label`` (``profile_step.describe_live_at_peak``); nothing when
+    ``path`` is None. Python frames only: C++ stacks make the snapshot slow to symbolize."""
+    if path is None:
+        yield
+        return
+    from compile_offload.profile_step import describe_live_at_peak
+
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000, clear_history=True)
+    try:
+        yield
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "a") as out:
+        out.write(f"## {label}\n{describe_live_at_peak(snapshot, torch.cuda.current_device())}\n\n")
+
+
 def measure_point(name: str, budget_bytes: int | None, fraction: float | None = None,
-                  inner_compiler: str = "inductor", solver: str | None = None, device: str = "cpu") -> Point:
+                  inner_compiler: str = "inductor", solver: str | None = None, device: str = "cpu",
+                  snapshot: str | None = None) -> Point:
     """Compile ``name`` under ``budget_bytes``, run a warm-up step, and measure one step
     (gradients set to None first, as the plans assume). ``solver``: the planner's solver
     (None: the configured default). ``device``: "cpu" plans with the built-in "cpu" profile;
-    "cuda" with the GPU's own, measured once (``device_profile=None``)."""
+    "cuda" with the GPU's own, measured once (``device_profile=None``). ``snapshot`` (CUDA
+    only): a file the measured step's live allocations at its peak are appended to."""
+    if snapshot is not None and device != "cuda":
+        raise ValueError("snapshot: the allocator's history is recorded on CUDA only")
     from compile_offload import logs, partitioner
 
     model, inputs, loss_of = build(name)
@@ -175,7 +202,8 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
                 memory_budget=budget_bytes, device_profile="cpu" if device == "cpu" else None, inner_compiler=inner_compiler, **options))
             compiled(*inputs).backward()
             model.zero_grad(set_to_none=True)
-            with measure_peak(device) as measured:
+            label = f"{name}, budget {'none' if budget_bytes is None else format_bytes(budget_bytes)}"
+            with measure_peak(device) as measured, recorded(snapshot, label):
                 compiled(*inputs).backward()
     finally:
         partitioner.plan_partition = plan_partition
@@ -191,12 +219,12 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
 
 
 def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor",
-                  solver: str | None = None, device: str = "cpu") -> list[Point]:
-    unconstrained = measure_point(name, None, None, inner_compiler, solver, device)
+                  solver: str | None = None, device: str = "cpu", snapshot: str | None = None) -> list[Point]:
+    unconstrained = measure_point(name, None, None, inner_compiler, solver, device, snapshot)
     points = [unconstrained]
     for fraction in fractions:
         points.append(measure_point(name, int(fraction * unconstrained.measured_bytes), fraction, inner_compiler,
-                                    solver, device))
+                                    solver, device, snapshot))
     return points
 
 
@@ -255,11 +283,16 @@ def main(argv=None) -> int:
                         help="the planner's solver (default: compile_offload.config's)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the models run and memory is measured (cuda: max_memory_allocated)")
+    parser.add_argument("--snapshot", default=None, metavar="FILE",
+                        help="(--device cuda) append the allocations alive at each measured step's peak, with "
+                             "the lines that allocated them, to FILE")
     parser.add_argument("--why", action="store_true",
                         help="per model, the first fraction's budget under Inductor variants (fusion, reordering off)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")
+    if args.snapshot is not None and args.device != "cuda":
+        parser.error("--snapshot: the allocator's history is recorded on CUDA only (--device cuda)")
     if args.why:
         print(f"torch {torch.__version__}, {datetime.date.today()}, CPU\n")
         print("| model | Inductor | budget | predicted | measured | measured / budget |\n|---|---|---|---|---|---|")
@@ -274,7 +307,7 @@ def main(argv=None) -> int:
         if not available(name):
             print(f"{name}: skipped (transformers is not installed)")
             continue
-        points += measure_model(name, fractions, args.inner_compiler, args.solver, args.device)
+        points += measure_model(name, fractions, args.inner_compiler, args.solver, args.device, args.snapshot)
     solver = "" if args.solver is None else f", solver={args.solver}"
     where = "CPU" if args.device == "cpu" else torch.cuda.get_device_name()
     print(f"torch {torch.__version__}, {datetime.date.today()}, {where}, inner_compiler={args.inner_compiler}{solver}, "

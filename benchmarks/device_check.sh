@@ -7,9 +7,10 @@
 #   benchmarks/device_check.sh OUTDIR second   # <= 240 s: the budget contract's CUDA path, model by model
 #
 # "first" writes 7 files (env.txt, cuda_tests.log, bench.log, gpt.md, gpt.jsonl, deep.md,
-# deep.jsonl; the plots are dropped to stay under 8), "second" 2 (contract_cuda.md and its
-# stderr). Each step has a hard limit, and what finished is written even when a later
-# step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
+# deep.jsonl; the plots are dropped to stay under 8), "second" 3 (contract_cuda.md, its
+# stderr, and live_at_peak.txt: the allocations alive at each measured peak and the lines
+# that made them). Each step has a hard limit, and what finished is written even when a
+# later step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
 # full call of its own). PYTHON=... picks the interpreter.
 set -uo pipefail
 
@@ -48,7 +49,7 @@ second)
     for slot in transformer:40 mlp_mixer:40 conv_bn:30 hf_llama:65 hf_gpt2:65; do
         model=${slot%%:*}
         timeout -s INT -k 5 "${slot##*:}" "$PY" -m compile_offload.benchmarks.budget_contract --device cuda \
-            --models "$model" >>"$OUT/contract_cuda.md" 2>>"$OUT/contract_cuda.err"
+            --models "$model" --snapshot "$OUT/live_at_peak.txt" >>"$OUT/contract_cuda.md" 2>>"$OUT/contract_cuda.err"
         say "contract $model: exit $?"
     done
     ;;

@@ -10,8 +10,11 @@ one, so both are drawn against the fraction of the step done.
 
 from __future__ import annotations
 
+import linecache
+import os
 import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,60 @@ def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
     return series
 
 
+@dataclass
+class LiveBlock:
+    """An allocation made during a recorded step and alive at its peak."""
+
+    nbytes: int
+    frames: list[str]  # innermost first: "file:line in function: source line"
+
+
+def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[LiveBlock]]:
+    """The most bytes allocated above the start of the recorded step (``allocated_over_time``'s
+    maximum, the first time it is reached) and the allocations made during the step that are
+    alive then, largest first. Blocks allocated before recording started are not listed, and
+    their frees lower the running total, as they lower ``torch.cuda.memory_allocated``. This
+    is what tells which buffer of a generated program, or which op's own workspace, a
+    prediction missed: each block's frames name the line that allocated it."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for event in snapshot.get("device_traces", [[]])[device]:
+        if event["action"] == "alloc":
+            total += event["size"]
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            total -= event["size"]
+            live.pop(event["addr"], None)
+        else:
+            continue
+        if total > peak:
+            peak, at_peak = total, list(live.values())
+    blocks = [LiveBlock(event["size"], [_frame(f) for f in event.get("frames", [])]) for event in at_peak]
+    return peak, sorted(blocks, key=lambda block: -block.nbytes)
+
+
+def _frame(frame: dict) -> str:
+    source = linecache.getline(frame.get("filename", ""), frame.get("line", 0)).strip()
+    where = f"{frame.get('filename', '?')}:{frame.get('line', '?')} in {frame.get('name', '?')}"
+    return f"{where}: {source}" if source else where
+
+
+def describe_live_at_peak(snapshot: dict, device: int = 0, frames: int = 3, top: int = 25) -> str:
+    """``live_at_peak`` as text: the peak, then each of the ``top`` largest blocks with its
+    ``frames`` innermost frames outside torch's own Python files (the generated program's
+    line or the user's; torch's frames when there are no others)."""
+    peak, blocks = live_at_peak(snapshot, device)
+    lines = [f"peak {peak} bytes above the step's start; {len(blocks)} blocks allocated in the step alive then"]
+    for block in blocks[:top]:
+        outside = [f for f in block.frames if f"{os.sep}torch{os.sep}" not in f.split(":", 1)[0]]
+        lines.append(f"  {block.nbytes:>12} bytes")
+        lines += [f"      {frame}" for frame in (outside or block.frames)[:frames]]
+    if len(blocks) > top:
+        lines.append(f"  ... {len(blocks) - top} smaller blocks, {sum(b.nbytes for b in blocks[top:])} bytes")
+    return "\n".join(lines)
+
+
 def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile",
                  plans: Sequence[Plan] | None = None) -> dict:
     """Run ``fn(*args)`` once under the CUDA memory recorder; returns the measured peak
@@ -51,7 +108,7 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with measure_peak(torch.device("cuda", torch.cuda.current_device())) as measured:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)  # not an earlier step's events
         try:
             fn(*args)
             torch.cuda.synchronize()

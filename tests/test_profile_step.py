@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload.profile_step import allocated_over_time
+from compile_offload.profile_step import allocated_over_time, describe_live_at_peak, live_at_peak
 
 
 def test_allocated_over_time_follows_allocs_and_completed_frees():
@@ -16,6 +16,55 @@ def test_allocated_over_time_follows_allocs_and_completed_frees():
         {"action": "segment_alloc", "size": 4096},
     ]]}
     assert allocated_over_time(snapshot) == [100, 150, 50]
+
+
+def test_live_at_peak_lists_the_blocks_alive_at_the_first_maximum(tmp_path):
+    source = tmp_path / "program.py"
+    source.write_text("buf0 = empty(100)\nbuf1 = empty(60)\n")
+    where = {"filename": str(source), "name": "call"}
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [{**where, "line": 1}]},
+        {"action": "alloc", "addr": 2, "size": 60, "frames": [{**where, "line": 2}]},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 99, "size": 30},  # allocated before recording began
+        {"action": "alloc", "addr": 3, "size": 70, "frames": []},  # 100 again: not a new peak
+        {"action": "segment_alloc", "addr": 7, "size": 4096},
+    ]]}
+    peak, blocks = live_at_peak(snapshot)
+    assert peak == 160
+    assert [b.nbytes for b in blocks] == [100, 60]
+    assert blocks[0].frames == [f"{source}:1 in call: buf0 = empty(100)"]
+    text = describe_live_at_peak(snapshot)
+    assert text.splitlines()[0].startswith("peak 160 bytes") and "buf1 = empty(60)" in text
+
+
+def test_the_contract_records_snapshots_on_cuda_only():
+    from compile_offload.benchmarks import budget_contract
+
+    with pytest.raises(ValueError, match="CUDA only"):
+        budget_contract.measure_point("mlp_mixer", None, snapshot="live.txt")
+    with pytest.raises(SystemExit):
+        budget_contract.main(["--snapshot", "live.txt"])
+
+
+@pytest.mark.cuda
+def test_the_snapshot_peak_is_the_allocators(tmp_path):
+    """The replayed history's peak is what ``max_memory_allocated`` says for the same step."""
+    from compile_offload.benchmarks.budget_contract import recorded
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    x = torch.randn(512, 256, device="cuda")
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    out = tmp_path / "live.txt"
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with recorded(str(out), "mlp"):
+        model(x).sum().backward()
+    measured = torch.cuda.max_memory_allocated() - start
+    first = out.read_text().splitlines()[1]
+    assert first.startswith(f"peak {measured} bytes"), (first, measured)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
