@@ -14,6 +14,7 @@ wall-clock seconds.
 
     python -m compile_offload.benchmarks.planning_time --depths 2,4,8,16
     python -m compile_offload.benchmarks.planning_time --shape deep --depths 24,48,96 --only ours-0.5,torch-0.5
+    python -m compile_offload.benchmarks.planning_time --shape deep --depths 24,48 --repeat 3   # least of 3 runs
 """
 
 from __future__ import annotations
@@ -110,23 +111,29 @@ def partitioners() -> dict[str, Callable]:
     }
 
 
-def time_depth(layers: int, shape: str, columns: list[str], clock=time.process_time) -> tuple[int, dict[str, float]]:
+def time_depth(layers: int, shape: str, columns: list[str], clock=time.process_time,
+               repeat: int = 1) -> tuple[int, dict[str, float]]:
+    """(joint nodes, column -> seconds): each column's partition of its own copy of the
+    joint graph, the least of ``repeat`` runs (the columns take turns, so a slow stretch
+    of a shared machine does not fall on one column's runs alone)."""
     from torch._dynamo import config as dynamo_config
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     joint, inputs, num_fwd_outputs = capture_joint(layers, shape)
     nodes = len(joint.graph.nodes)
     table = partitioners()
-    times = {}
-    for column in columns:
-        graph = copy.deepcopy(joint)
-        # As under torch.compile, which runs the partitioner inside Dynamo's frame compile:
-        # graph modules made there generate their Python code only when first called or
-        # read (Dynamo's ``use_lazy_graph_module``, on by default), and Inductor reads graphs.
-        with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
-            started = clock()
-            table[column](graph, inputs, num_fwd_outputs)
-            times[column] = clock() - started
+    times: dict[str, float] = {}
+    for _ in range(repeat):
+        for column in columns:
+            graph = copy.deepcopy(joint)
+            # As under torch.compile, which runs the partitioner inside Dynamo's frame compile:
+            # graph modules made there generate their Python code only when first called or
+            # read (Dynamo's ``use_lazy_graph_module``, on by default), and Inductor reads graphs.
+            with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+                started = clock()
+                table[column](graph, inputs, num_fwd_outputs)
+                elapsed = clock() - started
+            times[column] = min(elapsed, times.get(column, elapsed))
     return nodes, times
 
 
@@ -136,7 +143,11 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--only", default=",".join(COLUMNS), help=f"columns to run, of {','.join(COLUMNS)}")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each partitioner per depth; the least time is reported (default: 1)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: at least 1")
     depths = [int(d) for d in args.depths.split(",")]
     columns = [c for c in args.only.split(",") if c]
     unknown = sorted(set(columns) - set(COLUMNS))
@@ -151,12 +162,13 @@ def main(argv=None) -> int:
     width, heads, seq, batch = SHAPES[args.shape]
     print(f"{args.shape}: d{width}, {heads} heads, seq {seq}, batch {batch}, bf16, meta device, profile h100; "
           f"torch {torch.__version__}, {platform.machine()} {platform.node()}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.clock} seconds of the partition call\n")
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.clock} seconds of the partition call"
+          + (f", the least of {args.repeat} runs" if args.repeat > 1 else "") + "\n")
     print("| layers | joint nodes | " + " | ".join(HEADERS[c] for c in columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     results: dict[int, dict[str, float]] = {}
     for layers in depths:
-        nodes, times = time_depth(layers, args.shape, columns, clock)
+        nodes, times = time_depth(layers, args.shape, columns, clock, args.repeat)
         results[layers] = times
         cells = " | ".join(f"{times[c]:.2f} s" for c in columns)
         print(f"| {layers} | {nodes:,} | {cells} |", flush=True)

@@ -20,3 +20,19 @@ def test_planning_time_table(capsys):
 def test_planning_time_rejects_unknown_columns():
     with pytest.raises(SystemExit):
         planning_time.main(["--only", "ours-0.3"])
+
+
+def test_planning_time_rejects_fewer_than_one_run():
+    with pytest.raises(SystemExit):
+        planning_time.main(["--repeat", "0"])
+
+
+@pytest.mark.slow
+def test_repeated_runs_report_the_least_time(monkeypatch):
+    """With ``repeat``, each column is timed that many times, in turns, and the least is kept."""
+    calls = []
+    readings = iter([0.0, 5.0, 10.0, 12.0])  # the first run takes 5 s, the second 2 s
+
+    monkeypatch.setattr(planning_time, "partitioners", lambda: {"ours-none": lambda *args: calls.append(args)})
+    _, times = planning_time.time_depth(1, "gpt", ["ours-none"], clock=lambda: next(readings), repeat=2)
+    assert len(calls) == 2 and times == {"ours-none": 2.0}
