@@ -24,6 +24,8 @@ def test_live_at_peak_lists_the_blocks_alive_at_the_first_maximum(tmp_path):
     where = {"filename": str(source), "name": "call"}
     snapshot = {"device_traces": [[
         {"action": "alloc", "addr": 1, "size": 100, "frames": [{**where, "line": 1}]},
+        # A free whose stream work is pending: still allocated until it completes.
+        {"action": "free_requested", "addr": 1, "size": 100},
         {"action": "alloc", "addr": 2, "size": 60, "frames": [{**where, "line": 2}]},
         {"action": "free_completed", "addr": 1, "size": 100},
         {"action": "free_completed", "addr": 99, "size": 30},  # allocated before recording began
