@@ -3,6 +3,7 @@ measured by running it and checked against the measured step of a compiled net; 
 FlashAttention's and memory-efficient attention's backward, from their source (checked on a
 GPU where there is one)."""
 
+import operator
 import warnings
 
 import pytest
@@ -86,8 +87,6 @@ def _flash_backward_graph(batch, heads, seq, head_dim, heads_k=None, device="cud
     """A graph of one ``_scaled_dot_product_flash_attention_backward`` on fake tensors of
     ``device`` (fake CUDA tensors need no GPU), laid out as SDPA's callers give them: the
     (batch, seq, heads, head_dim) buffers seen through a transpose."""
-    import operator
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_offload.op_workspace import FLASH_BACKWARD
@@ -101,13 +100,20 @@ def _flash_backward_graph(batch, heads, seq, head_dim, heads_k=None, device="cud
                   "out": bshd(heads), "logsumexp": torch.empty(batch, heads, seq, device=device),
                   "seed": torch.empty((), dtype=torch.int64, device=device),
                   "offset": torch.empty((), dtype=torch.int64, device=device)}
+    return _one_op_graph(values, FLASH_BACKWARD, lambda args: (
+        *(args[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp")),
+        None, None, seq, seq, 0.0, True, args["seed"], args["offset"]))
+
+
+def _one_op_graph(values: dict, target, arguments) -> fx.Node:
+    """A graph of placeholders holding ``values`` (name -> fake tensor) and one call of
+    ``target`` on ``arguments(placeholders by name)``, whose three outputs it returns."""
     graph = fx.Graph()
     args = {}
     for name, value in values.items():
         args[name] = graph.placeholder(name)
         args[name].meta["val"] = value
-    node = graph.call_function(FLASH_BACKWARD, (*(args[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp")),
-                                                None, None, seq, seq, 0.0, True, args["seed"], args["offset"]))
+    node = graph.call_function(target, arguments(args))
     graph.output(tuple(graph.call_function(operator.getitem, (node, i)) for i in range(3)))
     return node
 
@@ -164,8 +170,6 @@ def _efficient_backward_graph(batch, heads, seq_q, head_dim, seq_k=None, head_di
                                dtype=torch.float32):
     """A graph of one ``_scaled_dot_product_efficient_attention_backward`` on fake tensors of
     ``device``, laid out as SDPA's callers give them (as ``_flash_backward_graph``)."""
-    import operator
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_offload.op_workspace import EFFICIENT_BACKWARD
@@ -181,16 +185,9 @@ def _efficient_backward_graph(batch, heads, seq_q, head_dim, seq_k=None, head_di
                   "logsumexp": torch.empty(batch, heads, -(-seq_q // 32) * 32, device=device),
                   "seed": torch.empty((), dtype=torch.int64, device=device),
                   "offset": torch.empty((), dtype=torch.int64, device=device)}
-    graph = fx.Graph()
-    args = {}
-    for name, value in values.items():
-        args[name] = graph.placeholder(name)
-        args[name].meta["val"] = value
-    node = graph.call_function(EFFICIENT_BACKWARD, (
+    return _one_op_graph(values, EFFICIENT_BACKWARD, lambda args: (
         *(args[n] for n in ("grad_out", "query", "key", "value")), None,
         *(args[n] for n in ("out", "logsumexp", "seed", "offset")), 0.0, [True, True, True, False], True))
-    graph.output(tuple(graph.call_function(operator.getitem, (node, i)) for i in range(3)))
-    return node
 
 
 def test_efficient_attention_backward_on_cuda_holds_its_fp32_workspace():
