@@ -279,20 +279,25 @@ def _new_node(graph: fx.Graph, target, args: tuple, role: str, tensor: str) -> f
     return node
 
 
-def _last_forward_use(node: fx.Node, exclude: set[fx.Node]) -> fx.Node | None:
+def _last_forward_use(node: fx.Node, exclude: set[fx.Node], order: dict[fx.Node, int]) -> fx.Node | None:
+    """The last user of ``node`` in the forward, by ``order`` (the forward's nodes numbered
+    before any copy was inserted: inserting copies keeps the order of the others, and a
+    saved tensor's users are the forward's own nodes, its own copy excluded)."""
     users = [u for u in node.users if u.op != "output" and u not in exclude]
     if not users:
         return None
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    if any(u not in order for u in users):  # a user inserted since: number the graph again
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
     return max(users, key=order.__getitem__)
 
 
-def _offload_forward(fw_gm: fx.GraphModule, node: fx.Node, output_index: int, ops: OffloadOps) -> None:
+def _offload_forward(fw_gm: fx.GraphModule, node: fx.Node, output_index: int, ops: OffloadOps,
+                     order: dict[fx.Node, int]) -> None:
     graph = fw_gm.graph
     contiguous_host, _ = host_layout(node.meta["val"])
     with graph.inserting_after(node):
         host = _new_node(graph, ops.offload, (node, contiguous_host), ROLE_OFFLOAD, node.name)
-    anchor = _last_forward_use(node, exclude={host}) or host
+    anchor = _last_forward_use(node, exclude={host}, order=order) or host
     with graph.inserting_after(anchor):
         wait = _new_node(graph, ops.wait_offload, (host, node), ROLE_WAIT_OFFLOAD, node.name)
     output = _output_node(fw_gm)
@@ -307,15 +312,16 @@ def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 def _offload_backward(
     bw_gm: fx.GraphModule, placeholder: fx.Node, fw_val: torch.Tensor, host_val, prefetch_distance: int,
-    ops: OffloadOps, original_order: list[fx.Node],
+    ops: OffloadOps, original_order: list[fx.Node], position: dict[fx.Node, int],
 ) -> None:
+    """``position``: each node of ``original_order`` (the backward's compute nodes before any
+    copy was inserted) -> its index there."""
     graph = bw_gm.graph
     if host_val is not None:
         placeholder.meta["val"] = host_val
     users = list(placeholder.users)
     if not users:
         return  # the backward never reads it: nothing to reload
-    position = {n: i for i, n in enumerate(original_order)}
     first_use = min(users, key=lambda u: position.get(u, len(original_order)))
     reload_index = max(0, position.get(first_use, len(original_order)) - prefetch_distance)
     reload_anchor = original_order[reload_index] if reload_index < len(original_order) else first_use
@@ -369,12 +375,16 @@ def insert_offloads(
     _check_names(names, fw_nodes, saved_index, bw_placeholders, saved_tensor_eligibility(fw_gm, num_fwd_outputs))
 
     original_bw_order = _compute_nodes(bw_gm.graph)
+    # Numbered once, not per tensor: a deep plan offloads hundreds of tensors.
+    bw_position = {n: i for i, n in enumerate(original_bw_order)}
+    fw_order = {n: i for i, n in enumerate(fw_gm.graph.nodes)}
     for name in names:
         node = fw_nodes[name]
         fw_val = node.meta["val"]
-        _offload_forward(fw_gm, node, saved_index[name], ops)
+        _offload_forward(fw_gm, node, saved_index[name], ops, fw_order)
         host_val = _output_node(fw_gm).args[0][saved_index[name]].meta.get("val")
-        _offload_backward(bw_gm, bw_placeholders[name], fw_val, host_val, prefetch_distance, ops, original_bw_order)
+        _offload_backward(bw_gm, bw_placeholders[name], fw_val, host_val, prefetch_distance, ops, original_bw_order,
+                          bw_position)
 
     for gm in (fw_gm, bw_gm):
         gm.graph.lint()

@@ -56,13 +56,16 @@ def sink_recomputation(bw_gm: fx.GraphModule, recomputed: set[str], recompile: b
 # --- copies: where the forward waits for offloads, where the backward issues reloads -------
 
 
-def _transfer_node(graph: fx.Graph, role: str, tensor: str) -> fx.Node | None:
-    """The node ``passes.offload.insert_offloads`` inserted with ``role`` for saved tensor ``tensor``."""
+def _transfer_nodes(graph: fx.Graph) -> dict[tuple[str, str], fx.Node]:
+    """(role, saved tensor name) -> the node ``passes.offload.insert_offloads`` inserted with
+    that role for that tensor: one pass over the graph, not one per tensor (a deep plan
+    offloads hundreds)."""
+    found = {}
     for node in graph.nodes:
         meta = node.meta.get("offload")
-        if meta is not None and meta.get("role") == role and meta.get("tensor") == tensor:
-            return node
-    return None
+        if meta is not None:
+            found.setdefault((meta.get("role"), meta.get("tensor")), node)
+    return found
 
 
 def place_offload_waits(fw_gm: fx.GraphModule, wait_after: dict[str, str]) -> fx.GraphModule:
@@ -77,8 +80,9 @@ def place_offload_waits(fw_gm: fx.GraphModule, wait_after: dict[str, str]) -> fx
     graph = fw_gm.graph
     position = {node: i for i, node in enumerate(graph.nodes)}
     by_name = {node.name: node for node in graph.nodes}
+    transfers = _transfer_nodes(graph)
     for tensor, anchor_name in wait_after.items():
-        wait, anchor = _transfer_node(graph, ROLE_WAIT_OFFLOAD, tensor), by_name.get(anchor_name)
+        wait, anchor = transfers.get((ROLE_WAIT_OFFLOAD, tensor)), by_name.get(anchor_name)
         if wait is None or anchor is None or anchor.op == "output" or position[anchor] <= position[wait]:
             continue
         if any(position[user] <= position[anchor] for user in wait.users):
@@ -104,14 +108,18 @@ def place_reloads(bw_gm: fx.GraphModule, reload_before: dict[str, str]) -> fx.Gr
     # placeholder nor a reload (a fixed point, so they keep the order given).
     first_compute = next(n for n in graph.nodes
                          if n.op != "placeholder" and n.meta.get("offload", {}).get("role") != ROLE_RELOAD)
+    transfers = _transfer_nodes(graph)
+    # Only reloads move, so the order of every other node stays as numbered here.
+    position = {node: i for i, node in enumerate(graph.nodes)}
     for tensor, anchor_name in reload_before.items():
-        reload, wait = _transfer_node(graph, ROLE_RELOAD, tensor), _transfer_node(graph, ROLE_WAIT_RELOAD, tensor)
+        reload, wait = transfers.get((ROLE_RELOAD, tensor)), transfers.get((ROLE_WAIT_RELOAD, tensor))
         anchor = by_name.get(anchor_name)
         if reload is None or wait is None or anchor is None:
             continue
         if anchor.op == "placeholder":
             anchor = first_compute
-        position = {node: i for i, node in enumerate(graph.nodes)}
+        if anchor.meta.get("offload", {}).get("role") == ROLE_RELOAD:  # a reload moved already
+            position = {node: i for i, node in enumerate(graph.nodes)}
         if position[anchor] > position[wait]:
             anchor = wait
         anchor.prepend(reload)
