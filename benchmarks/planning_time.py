@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
+import sys
 import time
 from collections.abc import Callable
 
@@ -111,30 +112,41 @@ def partitioners() -> dict[str, Callable]:
     }
 
 
-def time_depth(layers: int, shape: str, columns: list[str], clock=time.process_time,
-               repeat: int = 1) -> tuple[int, dict[str, float]]:
-    """(joint nodes, column -> seconds): each column's partition of its own copy of the
-    joint graph, the least of ``repeat`` runs (the columns take turns, so a slow stretch
-    of a shared machine does not fall on one column's runs alone)."""
+def time_depths(depths: list[int], shape: str, columns: list[str], clock=time.process_time,
+                repeat: int = 1, progress: Callable[[str], None] | None = None) -> dict[int, tuple[int, dict[str, float]]]:
+    """depth -> (joint nodes, column -> seconds): each column's partition of its own copy of
+    the depth's joint graph, the least of ``repeat`` runs. With ``repeat`` > 1 every depth and
+    column takes its turn in each round, so a slow stretch of a shared machine (they last
+    longer than a run) falls on all of them rather than on one depth: the growth per
+    doubling is a ratio of two depths' times. ``progress`` gets a line per run."""
     from torch._dynamo import config as dynamo_config
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    joint, inputs, num_fwd_outputs = capture_joint(layers, shape)
-    nodes = len(joint.graph.nodes)
+    joints = {layers: capture_joint(layers, shape) for layers in depths}
     table = partitioners()
-    times: dict[str, float] = {}
-    for _ in range(repeat):
-        for column in columns:
-            graph = copy.deepcopy(joint)
-            # As under torch.compile, which runs the partitioner inside Dynamo's frame compile:
-            # graph modules made there generate their Python code only when first called or
-            # read (Dynamo's ``use_lazy_graph_module``, on by default), and Inductor reads graphs.
-            with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
-                started = clock()
-                table[column](graph, inputs, num_fwd_outputs)
-                elapsed = clock() - started
-            times[column] = min(elapsed, times.get(column, elapsed))
-    return nodes, times
+    times: dict[int, dict[str, float]] = {layers: {} for layers in depths}
+    for round_ in range(repeat):
+        for layers in depths:
+            joint, inputs, num_fwd_outputs = joints[layers]
+            for column in columns:
+                graph = copy.deepcopy(joint)
+                # As under torch.compile, which runs the partitioner inside Dynamo's frame compile:
+                # graph modules made there generate their Python code only when first called or
+                # read (Dynamo's ``use_lazy_graph_module``, on by default), and Inductor reads graphs.
+                with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+                    started = clock()
+                    table[column](graph, inputs, num_fwd_outputs)
+                    elapsed = clock() - started
+                times[layers][column] = min(elapsed, times[layers].get(column, elapsed))
+                if progress is not None:
+                    progress(f"run {round_ + 1}/{repeat}, {layers} layers, {column}: {elapsed:.2f} s")
+    return {layers: (len(joints[layers][0].graph.nodes), times[layers]) for layers in depths}
+
+
+def time_depth(layers: int, shape: str, columns: list[str], clock=time.process_time,
+               repeat: int = 1) -> tuple[int, dict[str, float]]:
+    """``time_depths`` of one depth: (joint nodes, column -> seconds)."""
+    return time_depths([layers], shape, columns, clock, repeat)[layers]
 
 
 def main(argv=None) -> int:
@@ -144,7 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--only", default=",".join(COLUMNS), help=f"columns to run, of {','.join(COLUMNS)}")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="runs of each partitioner per depth; the least time is reported (default: 1)")
+                        help="runs of each partitioner per depth, the depths taking turns; the least time is "
+                             "reported (default: 1)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: at least 1")
@@ -163,12 +176,16 @@ def main(argv=None) -> int:
     print(f"{args.shape}: d{width}, {heads} heads, seq {seq}, batch {batch}, bf16, meta device, profile h100; "
           f"torch {torch.__version__}, {platform.machine()} {platform.node()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.clock} seconds of the partition call"
-          + (f", the least of {args.repeat} runs" if args.repeat > 1 else "") + "\n")
+          + (f", the least of {args.repeat} runs, the depths taking turns" if args.repeat > 1 else "") + "\n")
     print("| layers | joint nodes | " + " | ".join(HEADERS[c] for c in columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     results: dict[int, dict[str, float]] = {}
-    for layers in depths:
-        nodes, times = time_depth(layers, args.shape, columns, clock, args.repeat)
+    if args.repeat == 1:  # each row as soon as it is timed
+        measured = ((layers, time_depth(layers, args.shape, columns, clock)) for layers in depths)
+    else:  # the depths take turns in each round: rows at the end, a line per run on stderr
+        measured = time_depths(depths, args.shape, columns, clock, args.repeat,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True)).items()
+    for layers, (nodes, times) in measured:
         results[layers] = times
         cells = " | ".join(f"{times[c]:.2f} s" for c in columns)
         print(f"| {layers} | {nodes:,} | {cells} |", flush=True)

@@ -1,6 +1,7 @@
 """benchmarks/planning_time.py prints one row per depth and the growth per doubling."""
 
 import pytest
+import torch
 
 from compile_offload.benchmarks import planning_time
 
@@ -36,3 +37,19 @@ def test_repeated_runs_report_the_least_time(monkeypatch):
     monkeypatch.setattr(planning_time, "partitioners", lambda: {"ours-none": lambda *args: calls.append(args)})
     _, times = planning_time.time_depth(1, "gpt", ["ours-none"], clock=lambda: next(readings), repeat=2)
     assert len(calls) == 2 and times == {"ours-none": 2.0}
+
+
+def test_repeated_runs_take_turns_over_the_depths(monkeypatch):
+    """Each round times every depth, so a slow stretch of the machine falls on all of them."""
+    graph = torch.fx.Graph()
+    graph.output(())
+    monkeypatch.setattr(planning_time, "capture_joint",
+                        lambda layers, shape: (torch.fx.GraphModule({}, graph), [], 0))
+    order = []
+    monkeypatch.setattr(planning_time, "partitioners",
+                        lambda: {"ours-none": lambda gm, inputs, n: order.append("ours")})
+    lines = []
+    results = planning_time.time_depths([1, 2], "gpt", ["ours-none"], repeat=2, progress=lines.append)
+    assert [line.split(",")[:2] for line in lines] == [["run 1/2", " 1 layers"], ["run 1/2", " 2 layers"],
+                                                      ["run 2/2", " 1 layers"], ["run 2/2", " 2 layers"]]
+    assert len(order) == 4 and set(results) == {1, 2}
