@@ -152,10 +152,11 @@ def hf_offload_unavailable_reason(workload: str | None) -> str | None:
     """Why ``hf_ckpt_offload`` cannot run on ``workload``, or None when it can."""
     from . import workloads
 
-    if importlib.util.find_spec("transformers") is None:
-        return "needs Hugging Face transformers (pip install transformers)"
+    # The model first: installing transformers would not make another model run it.
     if workload is not None and workload not in workloads.HF_WORKLOADS:
         return f"runs on Hugging Face models only (--model {' or '.join(workloads.HF_WORKLOADS)})"
+    if importlib.util.find_spec("transformers") is None:
+        return "needs Hugging Face transformers (pip install transformers)"
     return None
 
 

@@ -31,6 +31,7 @@ def factory_folder(tmp_path):
 
 
 def test_the_command_line_writes_the_dump_for_a_module_of_the_current_folder(factory_folder):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     # A real process, run from the user's folder with the module named as a module (not a
     # path): what the docs tell users to type.
     out = factory_folder / "dump"

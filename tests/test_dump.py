@@ -24,6 +24,7 @@ def _is_png(path) -> bool:
 
 
 def test_dump_folder_holds_graphs_plan_report_and_timeline(tmp_path, caplog):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     model = MLP()
     (x,) = mlp_inputs()
     backend = compile_offload.offload_remat(inner_compiler="eager", memory_budget=0.5, dump_dir=str(tmp_path))
@@ -59,6 +60,7 @@ def test_folders_are_named_after_dynamos_compile_ids(tmp_path):
 
 
 def test_emit_writes_the_dump_and_names_it_in_the_info_line(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     result, joint_gm, settings = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
     settings = dataclasses.replace(settings, dump_dir=str(tmp_path / "dumps"))
     caplog.clear()
@@ -73,6 +75,7 @@ def test_emit_writes_the_dump_and_names_it_in_the_info_line(tmp_path, monkeypatc
 
 
 def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     result, joint_gm, _ = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
     cached = dataclasses.replace(result, solution=None)  # a plan cache hit: no solver run
     folder = dump_result(tmp_path, cached, joint_gm)

@@ -87,6 +87,7 @@ def test_profile_step_records_a_step(tmp_path):
 
 
 def test_the_drawing_overlays_measured_and_predicted_timelines(tmp_path):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     from compile_offload.profile_step import _draw
     from tests.models import MLP, mlp_inputs
 

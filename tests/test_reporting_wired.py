@@ -30,6 +30,7 @@ def test_a_graph_the_planner_cannot_handle_is_logged_and_dumped(tmp_path, monkey
 
 
 def test_a_restart_from_the_plan_cache_is_logged_and_dumped(tmp_path, caplog):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     cache, dumps = tmp_path / "cache", tmp_path / "dumps"
     train_step(MLP(), mlp_inputs(), memory_budget=0.5, plan_cache_dir=str(cache))
     torch._dynamo.reset()

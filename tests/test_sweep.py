@@ -1,11 +1,14 @@
 """compile_offload.sweep: one plan per budget and the predicted Pareto plot."""
 
+import pytest
+
 import compile_offload
 
 from .models import MLP, mlp_inputs
 
 
 def test_sweep_returns_a_plan_per_budget_and_draws_the_front(tmp_path):
+    pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     model = MLP()
     budgets = [None, 0.75, 0.5, 0.0]
     plans = compile_offload.sweep(model, *mlp_inputs(), budgets=budgets, out=tmp_path, device_profile="cpu")
