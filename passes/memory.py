@@ -830,11 +830,14 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     if copies:  # Inductor's channels-last copies of inputs its convolutions read
         steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
     key_bytes: dict[Hashable, int] = {}  # storage key -> bytes, for in-place reuse
+
+    def fw_skip(x: fx.Node) -> bool:
+        return fw_roots.get(x, x) in fw_placeholders
+
     for node in fw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         nbytes = 0 if node in fw_fused or _is_host_copy(node) else allocated_bytes(node, fw_roots)
-        fw_skip = lambda x: fw_roots.get(x, x) in fw_placeholders  # noqa: E731
         reads = _reads(node, fw_key, fw_fused, fw_skip)
         if (op := _tuple_op(node)) is not None:  # its outputs appear while its inputs live (StepBuilder._step)
             reads += _reads(op, fw_key, fw_fused, fw_skip)
@@ -882,12 +885,15 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
 
     bw_memo: dict = {}
     key_bytes.update((key, nbytes) for key, nbytes in tangent_allocs)
+
+    def bw_skip(x: fx.Node) -> bool:
+        return bw_key(x) is None
+
     for node in bw_gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         nbytes = 0 if node in bw_fused else allocated_bytes(node, bw_roots)
-        bw_skip = lambda x: bw_key(x) is None  # noqa: E731
-        reads = [k for k in _reads(node, bw_key, bw_fused, bw_skip)]
+        reads = list(_reads(node, bw_key, bw_fused, bw_skip))
         if (op := _tuple_op(node)) is not None:
             reads += _reads(op, bw_key, bw_fused, bw_skip)
         if copied_placeholders and is_convolution(node):
