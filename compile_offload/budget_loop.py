@@ -11,7 +11,10 @@ the order the plan gives. Inductor then fuses nodes into kernels and plans its o
 - a buffer freed by one kernel is kept for a later allocation of the same size and dtype
   (the wrapper's buffer reuse): it stays allocated from its last use until that allocation;
 - a kernel may write its output into an input it is the last reader of (in-place reuse,
-  saved tensors of the backward included), which saves an allocation.
+  saved tensors of the backward included), which saves an allocation;
+- on the CPU, consecutive C++ kernels run as one call, and an extern op may hold a
+  workspace while it runs (``inductor_kernels`` joins the calls and measures the workspaces);
+- a saved tensor no backward kernel reads is held until the backward returns.
 
 The last two are read from the wrapper Inductor generated (``GraphKernels.reuses``), and
 reproduced only for a record without them. ``scheduled_program`` builds a program
@@ -135,6 +138,13 @@ def _program(forward: GraphKernels, backward: GraphKernels | None, live: list[in
             tangents.append((("bw", name), backward.input_bytes.get(name, 0)))
     steps.append(Step("backward inputs", [t for t in tangents if t[1]], []))
     steps += _graph_steps(backward, "bw", bw_storage, live, len(steps))
+    # A saved tensor no backward kernel reads (``avg_pool2d_backward`` takes its input for
+    # its shape alone) has no last use, so the generated code frees it when it returns.
+    read = {key for step in steps[backward_start:] for key in step.reads}
+    unread = [key for key in dict.fromkeys(bw_storage[name] for name in backward.input_names)
+              if key is not None and key not in read]
+    if unread:
+        steps.append(Step("backward returns", [], unread))
     outlives |= {bw_storage.get(backward.aliases.get(name, name)) for name in backward.output_buffers
                  if name is not None} - {None}
     return Program(steps, backward_start, outlives)
@@ -165,7 +175,7 @@ def _graph_steps(graph: GraphKernels, side: str, storage: dict[str, Hashable | N
     for index, kernel in enumerate(graph.kernels):
         taken: set[str] = set()  # reads an output of this kernel took over in place
         allocates = []
-        for buffer in kernel.allocates:
+        for buffer in _reused_first(kernel.allocates, graph.reuses):
             reuse_key[buffer.name] = buffer.reuse_key
             if graph.reuses is not None:  # what the generated code does: no rule to reproduce
                 reused = graph.reuses.get(buffer.name)
@@ -198,6 +208,31 @@ def _graph_steps(graph: GraphKernels, side: str, storage: dict[str, Hashable | N
             if reuse_key.get(name) and storage.get(name) is not None:
                 pool.setdefault(reuse_key[name], []).append((storage[name], offset + index))
     return steps
+
+
+def _reused_first(buffers: list[Buffer], reuses: dict[str, str] | None) -> list[Buffer]:
+    """``buffers`` (one kernel's) with each buffer after the one of them whose memory it is
+    written into (``buf6 = buf5; del buf5  # reuse``: an in-place update inside the kernel),
+    so that the memory is known when the buffer takes it."""
+    if not reuses:
+        return buffers
+    names = {buffer.name for buffer in buffers}
+    ordered: list[Buffer] = []
+    placed: set[str] = set()
+    pending = list(buffers)
+    while pending:
+        waiting = []
+        for buffer in pending:
+            source = reuses.get(buffer.name)
+            if source in names and source not in placed and source != buffer.name:
+                waiting.append(buffer)
+            else:
+                ordered.append(buffer)
+                placed.add(buffer.name)
+        if len(waiting) == len(pending):  # a cycle, never generated: the order as it was
+            return ordered + waiting
+        pending = waiting
+    return ordered
 
 
 def _storage_for(buffer: Buffer, takeable: list[str], reuse_key: dict, storage: dict,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .op_workspace import CUDA_WORKSPACES, cuda_workspace
+from .op_workspace import CUDA_WORKSPACES, MEASURED_OPS, cuda_workspace, measured_workspace
 
 log = logging.getLogger("compile_offload")
 
@@ -76,6 +76,12 @@ class GraphKernels:
     # and the wrapper's pool alike). None: not read (a hand-built record, or a torch we cannot read).
     reuses: dict[str, str] | None = None
     wrapper: _Held | None = field(default=None, repr=False, compare=False)  # Inductor's wrapper until read
+    # Buffers only their own kernel reads: no memory of their own, unless the generated code
+    # allocates them anyway (``read_reuses``). Buffer name -> (kernel index, the buffer).
+    kernel_local: dict[str, tuple[int, Buffer]] = field(default_factory=dict, repr=False, compare=False)
+    # The kernels each call of the generated code runs, where a call runs several (Inductor's
+    # C++ kernel groups, ``_calls``): joined into one kernel by ``read_reuses``. None: one each.
+    calls: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
 
 class _Held:
@@ -109,13 +115,27 @@ class KernelRecorder:
             log.debug("compile_offload: could not read Inductor's kernels (%s: %s)", type(error).__name__, error)
 
     def read_reuses(self) -> None:
-        """Read, for every recorded graph, the reuse decisions of the code Inductor generated
+        """Read, for every recorded graph, the memory decisions of the code Inductor generated
         (after its compile: the wrapper plans memory after the scheduler hook has run), and let
-        go of the wrapper."""
+        go of the wrapper: which buffer reuses which memory, and which of the buffers only
+        their own kernel reads the code allocates all the same. Inductor's C++ kernels keep
+        such a buffer in memory where its writer and its readers run in different loop nests
+        of the kernel (measured: a bf16 softmax's fp32 ``exp``, written beside the row maximum
+        and read by the row sum over merged loops, a buffer twice the size of the attention
+        scores alive while the kernel runs); they are charged to that kernel, freed when it ends.
+        Then the kernels one call of the generated code runs are joined into one (``_calls``)."""
         for graph in self.graphs:
             if graph.wrapper is not None:
                 graph.reuses = _wrapper_reuses(graph.wrapper.value)
+                allocated = _wrapper_allocations(graph.wrapper.value)
+                for name, (index, buffer) in graph.kernel_local.items():
+                    if name in allocated:
+                        graph.kernels[index].allocates.append(buffer)
                 graph.wrapper = None
+            graph.kernel_local = {}
+            if graph.calls is not None:
+                graph.kernels = [_joined([graph.kernels[index] for index in call]) for call in graph.calls]
+                graph.calls = None
 
     def forward(self) -> GraphKernels | None:
         return next((g for g in self.graphs if not g.is_backward), None)
@@ -207,6 +227,7 @@ def _graph_kernels(nodes: list) -> GraphKernels:
     outputs = {name for name in output_buffers if name is not None}
     aliases = _mutation_renames()
     kernels = []
+    kernel_local: dict[str, tuple[int, Buffer]] = {}
     for index, node in enumerate(nodes):
         allocates = []
         for buf in node.get_outputs():
@@ -217,13 +238,14 @@ def _graph_kernels(nodes: list) -> GraphKernels:
             if name in aliases:  # an in-place write or a view: another buffer's memory
                 continue
             if name in outputs or any(_user_index(user, owner) != index for user in buf.users):
-                # else a temporary inside the kernel: no buffer
                 made_by = _multi_output_parent(node, owner)
                 if made_by is not None and made_by < index:
                     kernels[made_by].allocates.append(_allocation(buf, device, graph.sizevars))
                 else:
                     allocates.append(_allocation(buf, device, graph.sizevars))
-        allocates += _workspaces(node)
+            else:  # read inside its kernel only: a buffer if the generated code allocates it
+                kernel_local[name] = (index, _allocation(buf, device, graph.sizevars))
+        allocates += _workspaces(node, device)
         reads = list(dict.fromkeys(dep.name for dep in node.read_writes.reads))  # Inductor's order: in-place picks the first
         origins = sorted({o.name for sub in node.get_nodes() for o in _origins(sub)})
         kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins))
@@ -231,24 +253,113 @@ def _graph_kernels(nodes: list) -> GraphKernels:
                if type(value).__name__ == "DonatedBuffer"]
     return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
                         output_buffers, _output_names(graph), aliases, donated, _input_bytes(graph, device),
-                        wrapper=_Held(getattr(graph, "wrapper_code", None)))
+                        wrapper=_Held(getattr(graph, "wrapper_code", None)), kernel_local=kernel_local,
+                        calls=_calls(nodes) if device == "cpu" else None)
 
 
-def _workspaces(node) -> list[Buffer]:
+def _calls(nodes: list) -> list[list[int]] | None:
+    """The kernels (indices of ``nodes``) each call of the generated code runs, where some
+    call runs several; None where every kernel is its own call.
+
+    Inductor's C++ backend does not call a fused kernel when it generates it: it gathers
+    consecutive kernels into one function (``CppScheduling``'s ``KernelGroup``) and the
+    scheduler emits the call, and frees what the group's kernels read last, when it flushes:
+    before an extern op or a template (each runs and frees on its own), on a change of device,
+    and at the end (``Scheduler._codegen``; also past 500 arguments, not followed here). So
+    every buffer the group writes is allocated before the call and everything it frees
+    goes after it: for memory the group is one kernel (measured, torch 2.13: a causal
+    attention's masked softmax, its fp32 ``exp`` and the clone of ``v`` for the next matmul,
+    three scheduler nodes, run as one function; the two outputs allocated while the ``exp``
+    is alive, 32% over the nodes apart on a bf16 decoder). Triton's kernels are each called
+    and freed after as they are generated."""
+    from torch._inductor import config as inductor_config
+
+    if getattr(inductor_config, "cpu_backend", "cpp") != "cpp":
+        return None
+    calls: list[list[int]] = []
+    run: list[int] = []
+    device = None
+    for index, node in enumerate(nodes):
+        node_device = node.get_device()
+        if node.is_extern() or node.is_template():
+            if run:
+                calls.append(run)
+                run = []
+            calls.append([index])
+            device = node_device or device
+            continue
+        if node_device is not None and node_device != device:
+            if run:
+                calls.append(run)
+                run = []
+            device = node_device
+        run.append(index)
+    if run:
+        calls.append(run)
+    return calls if any(len(call) > 1 for call in calls) else None
+
+
+def _joined(kernels: list[Kernel]) -> Kernel:
+    """One kernel running ``kernels`` as one call: every buffer allocated before it, every
+    read alive until it ends."""
+    if len(kernels) == 1:
+        return kernels[0]
+    in_place: dict[str, list[str]] = {}
+    for kernel in kernels:
+        in_place.update(kernel.in_place)
+    return Kernel("+".join(kernel.name for kernel in kernels),
+                  [buffer for kernel in kernels for buffer in kernel.allocates],
+                  list(dict.fromkeys(name for kernel in kernels for name in kernel.reads)),
+                  in_place, sorted({origin for kernel in kernels for origin in kernel.origins}))
+
+
+def _workspaces(node, device: str) -> list[Buffer]:
     """What an extern op allocates while it runs beyond its outputs, as a buffer of its
-    kernel that nothing reads (freed when the kernel ends): the workspaces known from the
-    op's source (``op_workspace.CUDA_WORKSPACES``: FlashAttention's and the memory-efficient
-    attention's backward), read off the FX node the op was lowered from. The tuple-returning
-    op itself, not the ``MultiOutput`` nodes naming its parts (they share its origins)."""
+    kernel that nothing reads (freed when the kernel ends): on CUDA the workspaces known
+    from the op's source (``op_workspace.CUDA_WORKSPACES``: FlashAttention's and the
+    memory-efficient attention's backward); on the CPU those of ``op_workspace.MEASURED_OPS``
+    (mkldnn's ``convolution_backward``, the CPU attention backward), measured by running the
+    op in the layouts Inductor gives its arguments, as the plan measures them. Read off the
+    FX node the op was lowered from: the tuple-returning op itself, not the ``MultiOutput``
+    nodes naming its parts (they share its origins)."""
     ir_node = getattr(node, "node", None)
-    if getattr(ir_node, "op_overload", None) not in CUDA_WORKSPACES:
+    op = getattr(ir_node, "op_overload", None)
+    if op in CUDA_WORKSPACES:
+        def workspace(origin):
+            return cuda_workspace(origin)
+    elif op in MEASURED_OPS and device == "cpu":
+        def workspace(origin):
+            return measured_workspace(origin, strides=_argument_strides(origin, ir_node))
+    else:
         return []
     found = []
     for origin in _origins(node):
-        nbytes = cuda_workspace(origin) if origin.target is ir_node.op_overload else 0
+        nbytes = workspace(origin) if origin.target is op else 0
         if nbytes:
             found.append(Buffer(f"{node.get_name()}_workspace", nbytes, None))
     return found[:1]
+
+
+def _argument_strides(origin, ir_node) -> dict:
+    """The strides Inductor gives the tensor arguments of an extern op (FX argument node ->
+    strides), matched in order to ``origin``'s tensor arguments where their sizes agree."""
+    arguments = [a for a in (*origin.args, *origin.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    inputs = list(getattr(ir_node, "inputs", ()) or ())
+    if len(arguments) != len(inputs):
+        return {}
+    strides = {}
+    for argument, tensor in zip(arguments, inputs):
+        try:
+            layout = tensor.get_layout()
+            sizes, stride = tuple(int(s) for s in layout.size), tuple(int(s) for s in layout.stride)
+        except Exception:  # symbolic sizes, not a tensor
+            return {}
+        value = argument.meta.get("val")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != sizes:
+            return {}
+        if tuple(value.stride()) != stride:
+            strides[argument] = stride
+    return strides
 
 
 def _wrapper_reuses(wrapper) -> dict[str, str] | None:
@@ -275,6 +386,26 @@ def _wrapper_reuses(wrapper) -> dict[str, str] | None:
             except Exception:
                 return None
     return reuses
+
+
+def _wrapper_allocations(wrapper) -> set[str]:
+    """The buffers a generated wrapper gives memory: its ``AllocateLine``s and the new
+    buffers of its ``ReuseLine``s, once planned (a buffer a kernel's code generation removed
+    is a ``NullLine`` by then). Empty when there are no lines to read."""
+    try:
+        from torch._inductor.codegen.wrapper import AllocateLine, ReuseLine
+    except ImportError:
+        return set()
+    allocated = set()
+    for line in getattr(wrapper, "lines", None) or ():
+        try:
+            if isinstance(line, AllocateLine):
+                allocated.add(line.node.get_name())
+            elif isinstance(line, ReuseLine):
+                allocated.add(line.reused_as.get_name())
+        except Exception:
+            continue
+    return allocated
 
 
 def _multi_output_parent(node, owner: dict[str, int]) -> int | None:

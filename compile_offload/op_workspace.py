@@ -9,7 +9,9 @@ convolution + BatchNorm net with 32 channels at 16x16 it was 72 KiB, 7.5% of the
 peak. The size depends on the op's implementation, its shapes, layouts and thread count, so
 it is measured: the op runs once on zero-filled tensors of the node's shapes, with the
 layouts Inductor gives it, under ``measure_peak``; what the allocator held above the outputs
-is the workspace. Measured once per signature per process. The CPU attention backward
+is the workspace. Measured once per signature per process, for the plan
+(``op_workspaces``) and for the scheduled peak of Inductor's kernels (``inductor_kernels``,
+``measured_workspace`` in the strides Inductor gives the op's arguments). The CPU attention backward
 (``_scaled_dot_product_flash_attention_for_cpu_backward``) is measured the same way (in the
 traced layouts): it holds per-thread fp32 buffers for the scores and their gradient, which
 made an attention block with seq 512 predicted 33% low (to a few bytes with it).
@@ -84,18 +86,34 @@ def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = T
     channels_last = inductor and inductor_channels_last_convolutions(
         [tensor_value(arg) for n in forward_convolutions for arg in n.args[:2] if isinstance(arg, fx.Node)])
     for node in measured:
-        args = _tensor_args(node)
-        if args is None:
-            continue
         # Only the convolution gets Inductor's channels-last layouts (``_measure``).
-        convolution_layout = channels_last and node.target is torch.ops.aten.convolution_backward.default
-        key = (node.target, *(_signature(t) for t in args), *(repr(a) for a in _constants(node)),
-               convolution_layout, torch.get_num_threads())
-        if key not in _measured:
-            _measured[key] = _measure(node, convolution_layout)
-        if _measured[key] > 0:
-            found[node] = _measured[key]
+        nbytes = measured_workspace(node, channels_last and node.target is torch.ops.aten.convolution_backward.default)
+        if nbytes > 0:
+            found[node] = nbytes
     return found
+
+
+def measured_workspace(node: fx.Node, channels_last: bool = False,
+                       strides: dict[fx.Node, tuple[int, ...]] | None = None) -> int:
+    """What one CPU op of ``MEASURED_OPS`` holds while it runs beyond its outputs, measured by
+    running it (once per signature per process); 0 for any other node, or one whose inputs
+    are not static CPU tensors small enough to copy. ``channels_last``: its 4-d arguments in
+    channels-last, as Inductor's layout optimization gives a convolution's. ``strides``: the
+    strides some arguments have where they differ from the traced ones (the layouts
+    Inductor's kernels give the tensors an extern op receives; the op copies an argument
+    it needs in another layout, and that copy is part of what it holds)."""
+    if node.op != "call_function" or node.target not in MEASURED_OPS:
+        return 0
+    args = _tensor_args(node)
+    if args is None:
+        return 0
+    strides = strides or {}
+    key = (node.target, *(_signature(t) for t in args), *(repr(a) for a in _constants(node)),
+           channels_last, tuple(sorted((arg.name, stride) for arg, stride in strides.items())),
+           torch.get_num_threads())
+    if key not in _measured:
+        _measured[key] = _measure(node, channels_last, strides)
+    return _measured[key]
 
 
 def _constants(node: fx.Node) -> list:
@@ -119,7 +137,7 @@ def _signature(value: torch.Tensor) -> tuple:
     return tuple(value.shape), tuple(value.stride()), value.dtype
 
 
-def _measure(node: fx.Node, channels_last: bool) -> int:
+def _measure(node: fx.Node, channels_last: bool, strides: dict[fx.Node, tuple[int, ...]]) -> int:
     """Run the op once to warm it up and once under ``measure_peak``: its peak less its
     outputs. An op that cannot run here counts nothing rather than failing the plan."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -135,8 +153,9 @@ def _measure(node: fx.Node, channels_last: bool) -> int:
 
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            made = {arg: real(tensor_value(arg)) for arg in (*node.args, *node.kwargs.values())
-                    if isinstance(arg, fx.Node)}
+            made = {arg: (torch.empty_strided(tensor_value(arg).shape, strides[arg], dtype=tensor_value(arg).dtype).zero_()
+                          if arg in strides else real(tensor_value(arg)))
+                    for arg in (*node.args, *node.kwargs.values()) if isinstance(arg, fx.Node)}
             args = [made.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
             kwargs = {k: made.get(v, v) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
             node.target(*args, **kwargs)

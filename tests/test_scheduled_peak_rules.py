@@ -1,4 +1,4 @@
-"""Three rules of the code Inductor generates that the scheduled peak (``budget_loop.py``,
+"""Rules of the code Inductor generates that the scheduled peak (``budget_loop.py``,
 ``inductor_kernels.py``) follows, each checked on hand-built records and at the allocator
 against compiled code:
 
@@ -9,7 +9,12 @@ against compiled code:
 - the buffers the generated code reuses (``buf5 = buf2; del buf2  # reuse``: in-place
   updates and the wrapper's pool) are read from the wrapper Inductor planned, not
   reproduced: the pool holds a freed buffer until a later allocation of its size whenever
-  Inductor's own peak estimate allows it, and that estimate is not the plan's.
+  Inductor's own peak estimate allows it, and that estimate is not the plan's;
+- on the CPU, consecutive C++ kernels run as one call of the generated code (every buffer they
+  write allocated before it, everything they free after it), a buffer only its own kernel
+  reads is memory when the code allocates it, and mkldnn's ``convolution_backward`` holds
+  temporaries while it runs (measured by running it in the layouts Inductor gives it);
+- a saved tensor no backward kernel reads is held until the backward returns.
 """
 
 from __future__ import annotations
@@ -99,8 +104,7 @@ def test_a_tuple_returning_op_allocates_its_parts_while_it_runs():
     assert any(o.startswith("convolution_backward") for k in makers.values() for o in k.origins)
     assert all(sum(b.bytes for b in k.allocates) > 0 for k in makers.values())
     measured = _measured(step, model, x)
-    # The one thing not counted is convolution_backward's workspace (tens of KiB here).
-    assert measured * 0.97 <= plan.scheduled_peak_bytes <= measured * 1.01
+    assert measured * 0.99 <= plan.scheduled_peak_bytes <= measured * 1.01
 
 
 def _code_reuses(code: str) -> dict[str, str]:
@@ -164,3 +168,117 @@ def test_a_host_buffer_of_a_cuda_graph_is_not_device_memory():
     backward = GraphKernels(True, [Kernel("reload", [Buffer("back", 100, "A")], ["saved"])],
                             ["saved"], ["back"], ["grad"])
     assert simulate(scheduled_program(forward, backward)).peak_bytes == 100
+
+
+def test_the_kernels_of_one_cpp_call_are_one_kernel_for_memory():
+    # k1 and k2 run in one call: b (k1's, read by k2 only) and c are allocated together
+    # before it, and a, which k1 reads last, is freed after it, not between them.
+    kernels = [Kernel("k0", [Buffer("a", 100, "A")], ["x"]),
+               Kernel("k1", [Buffer("b", 200, "B")], ["a"]),
+               Kernel("k2", [Buffer("c", 50, "C")], ["b"]),
+               Kernel("k3", [Buffer("d", 10, "D")], ["c"])]
+    apart = GraphKernels(False, [Kernel(k.name, list(k.allocates), list(k.reads)) for k in kernels],
+                         ["x"], ["d"], ["d"], reuses={})
+    assert simulate(scheduled_program(apart, None)).peak_bytes == 300
+    joined = GraphKernels(False, kernels, ["x"], ["d"], ["d"], calls=[[0], [1, 2], [3]])
+    joined.wrapper = None
+    recorder = inductor_kernels.KernelRecorder()
+    recorder.graphs.append(joined)
+    recorder.read_reuses()
+    assert [k.name for k in joined.kernels] == ["k0", "k1+k2", "k3"]
+    assert simulate(scheduled_program(joined, None)).peak_bytes == 350
+
+
+def test_a_kernel_local_buffer_counts_only_where_the_generated_code_allocates_it():
+    from types import SimpleNamespace
+
+    from torch._inductor.codegen.wrapper import AllocateLine
+
+    line = AllocateLine.__new__(AllocateLine)
+    line.node = SimpleNamespace(get_name=lambda: "tmp")
+    for lines, expected in (([line], 500), ([], 100)):
+        graph = GraphKernels(False, [Kernel("k0", [Buffer("out", 100, "A")], ["x"])], ["x"], ["out"], ["out"],
+                             kernel_local={"tmp": (0, Buffer("tmp", 400, "T"))})
+        graph.wrapper = inductor_kernels._Held(SimpleNamespace(lines=lines))
+        recorder = inductor_kernels.KernelRecorder()
+        recorder.graphs.append(graph)
+        recorder.read_reuses()
+        assert simulate(scheduled_program(graph, None)).peak_bytes == expected
+
+
+def test_a_saved_tensor_the_backward_never_reads_is_held_until_it_returns():
+    forward = GraphKernels(False, [Kernel("k0", [Buffer("shape_only", 100, "A")], ["x"]),
+                                   Kernel("k1", [Buffer("act", 10, "B")], ["x"])],
+                           ["x"], ["shape_only", "act"], ["shape_only", "act"], reuses={})
+    backward = GraphKernels(True, [Kernel("k0", [Buffer("big", 1000, "C")], ["act"]),
+                                   Kernel("k1", [Buffer("grad", 10, "D")], ["big"])],
+                            ["shape_only", "act"], ["grad"], ["grad"], reuses={})
+    timeline = simulate(scheduled_program(forward, backward))
+    assert timeline.peak_bytes == 100 + 10 + 1000  # held through the backward's peak
+    assert timeline.live_bytes[-1] == 100 + 10  # and to its end, with the gradient
+
+
+def test_a_buffer_written_in_place_over_another_of_its_kernel_takes_that_memory():
+    # ``buf5 = empty(...); buf6 = buf5; del buf5  # reuse`` inside one kernel, buf6 listed first.
+    kernels = [Kernel("k0", [Buffer("buf6", 100, "A"), Buffer("buf5", 100, "A")], ["x"]),
+               Kernel("k1", [Buffer("out", 1, "B")], ["buf6"])]
+    graph = GraphKernels(False, kernels, ["x"], ["out"], ["out"], reuses={"buf6": "buf5"})
+    assert simulate(scheduled_program(graph, None)).peak_bytes == 101
+
+
+class _CausalAttention(torch.nn.Module):
+    """Two pre-norm blocks of attention written out (masked_fill, softmax, two bmm)."""
+
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(2))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
+        self.norm = torch.nn.ModuleList(torch.nn.LayerNorm(d) for _ in range(2))
+
+    def forward(self, x):
+        batch, seq, d = x.shape
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+        for qkv, out, norm in zip(self.qkv, self.out, self.norm):
+            q, k, v = qkv(norm(x)).view(batch, seq, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+            x = x + out((scores.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, d))
+        return x
+
+
+class _Conv1dNet(torch.nn.Module):
+    """Conv1d, BatchNorm1d, a grouped Conv1d, average pooling: a backward that receives a
+    saved tensor only for its shape (``avg_pool2d_backward``), and mkldnn's
+    ``convolution_backward`` with temporaries."""
+
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Conv1d(8, channels, 5, padding=2), nn.BatchNorm1d(channels), nn.SiLU(),
+                                 nn.Conv1d(channels, channels, 5, padding=2, groups=4), nn.BatchNorm1d(channels),
+                                 nn.SiLU(), nn.AvgPool1d(2), nn.Conv1d(channels, channels, 3, padding=1), nn.SiLU())
+        self.head = nn.Linear(channels * 64, 10)
+
+    def forward(self, x):
+        return self.head(self.net(x).flatten(1))
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@needs_hook
+@pytest.mark.parametrize("family", ["causal_attention_bf16", "conv1d_bn"])
+def test_the_scheduled_peak_is_the_allocators_on_cpu_kernel_calls(family):
+    """Found on model families outside the contract suite (2026-11-27): a bf16 causal
+    attention, whose softmax Inductor's C++ backend runs with the next clone in one call,
+    its fp32 ``exp`` a buffer (scheduled 17% under the allocator before); and a Conv1d net
+    (11% under: the unread saved input, the convolution backward's temporaries). At 0.9 of
+    the unconstrained peak the first plans measured over their budgets."""
+    torch.manual_seed(0)
+    if family == "conv1d_bn":
+        model, x = _Conv1dNet(), torch.randn(8, 8, 128)
+    else:
+        model, x = _CausalAttention().to(torch.bfloat16), torch.randn(4, 64, 64, dtype=torch.bfloat16)
+    step, plan, recorder, _ = _step_with_budget(model, x, 0.9)
+    assert plan.scheduled_peak_bytes is not None
+    measured = _measured(step, model, x)
+    assert measured * 0.99 <= plan.scheduled_peak_bytes <= measured * 1.01
