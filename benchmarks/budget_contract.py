@@ -10,6 +10,7 @@ compiled and one step each is measured. The contract (issue 15):
 
     python -m compile_offload.benchmarks.budget_contract                    # CPU, the tiny models
     python -m compile_offload.benchmarks.budget_contract --models mlp_mixer --fractions 0.6
+    python -m compile_offload.benchmarks.budget_contract --models extra      # benchmarks/families.py
     python -m compile_offload.benchmarks.budget_contract --device cuda      # the same models on a GPU
     python -m compile_offload.benchmarks.budget_contract --device cuda --snapshot live.txt  # and what is alive at each peak
 
@@ -31,6 +32,7 @@ import compile_offload
 from compile_offload.memory_tracker import measure_peak
 from compile_offload.passes.plan import format_bytes
 
+from . import families
 from .workloads import Decoder
 
 FRACTIONS = (0.8, 0.6, 0.4)
@@ -100,10 +102,13 @@ def build(name: str):
         return ConvBNNet(), (torch.randn(8, 3, 32, 32),), _square_mean
     if name in ("hf_gpt2", "hf_llama"):
         return _hf(name[3:])
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if name in families.FAMILIES:
+        return families.build(name)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join((*MODELS, *families.FAMILIES))}")
 
 
 MODELS = ("transformer", "mlp_mixer", "conv_bn", "hf_gpt2", "hf_llama")
+EXTRA_MODELS = families.FAMILIES  # beyond the contract's families (``--models extra``): checked, not yet claimed
 
 
 @dataclass
@@ -276,7 +281,9 @@ def available(name: str) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, of {', '.join(MODELS)} (the contract's) and {', '.join(EXTRA_MODELS)} "
+                             "(benchmarks/families.py); 'extra' for all of the latter")
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--inner-compiler", default="inductor", choices=("inductor", "eager"))
     parser.add_argument("--solver", default=None, choices=("greedy", "refined", "exact"),
@@ -293,17 +300,21 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device is available here")
     if args.snapshot is not None and args.device != "cuda":
         parser.error("--snapshot: the allocator's history is recorded on CUDA only (--device cuda)")
+    names = [n for name in args.models.split(",") for n in (EXTRA_MODELS if name == "extra" else (name,))]
+    unknown = [n for n in names if n not in (*MODELS, *EXTRA_MODELS)]
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; known: {', '.join((*MODELS, *EXTRA_MODELS))}")
     if args.why:
         print(f"torch {torch.__version__}, {datetime.date.today()}, CPU\n")
         print("| model | Inductor | budget | predicted | measured | measured / budget |\n|---|---|---|---|---|---|")
-        for name in args.models.split(","):
+        for name in names:
             for label, p in why_over(name, float(args.fractions.split(",")[0])):
                 print(f"| {name} | {label} | {format_bytes(p.budget_bytes)} | {format_bytes(p.predicted_bytes)} | "
                       f"{format_bytes(p.measured_bytes)} | {p.measured_bytes / p.budget_bytes:.3f} |")
         return 0
     fractions = [float(f) for f in args.fractions.split(",")]
     points = []
-    for name in args.models.split(","):
+    for name in names:
         if not available(name):
             print(f"{name}: skipped (transformers is not installed)")
             continue

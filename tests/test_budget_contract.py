@@ -41,3 +41,21 @@ def test_cuda_asked_for_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
         contract.main(["--device", "cuda", "--models", "transformer"])
     assert exit_info.value.code == 2
     assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
+
+
+def test_an_unknown_model_is_a_usage_error_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        contract.main(["--models", "transformer,resnet"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown resnet" in err and "conv1d_bn" in err and "hf_llama" in err
+
+
+def test_every_extra_family_builds_and_trains_eagerly():
+    from compile_offload.benchmarks import families
+
+    assert set(contract.EXTRA_MODELS) == set(families.FAMILIES)
+    for name in families.FAMILIES:
+        model, inputs, loss_of = contract.build(name)
+        loss_of(model(*inputs)).backward()
+        assert all(p.grad is not None for p in model.parameters()), name

@@ -26,6 +26,7 @@ import pytest
 import torch
 import compile_offload
 from compile_offload import budget_loop, inductor_kernels, logs
+from compile_offload.benchmarks import families
 from compile_offload.benchmarks.budget_contract import ConvBNNet
 from compile_offload.budget_loop import scheduled_program
 from compile_offload.inductor_kernels import Buffer, GraphKernels, Kernel
@@ -226,43 +227,6 @@ def test_a_buffer_written_in_place_over_another_of_its_kernel_takes_that_memory(
     assert simulate(scheduled_program(graph, None)).peak_bytes == 101
 
 
-class _CausalAttention(torch.nn.Module):
-    """Two pre-norm blocks of attention written out (masked_fill, softmax, two bmm)."""
-
-    def __init__(self, d: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(2))
-        self.out = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
-        self.norm = torch.nn.ModuleList(torch.nn.LayerNorm(d) for _ in range(2))
-
-    def forward(self, x):
-        batch, seq, d = x.shape
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
-        for qkv, out, norm in zip(self.qkv, self.out, self.norm):
-            q, k, v = qkv(norm(x)).view(batch, seq, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-            scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
-            x = x + out((scores.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, d))
-        return x
-
-
-class _Conv1dNet(torch.nn.Module):
-    """Conv1d, BatchNorm1d, a grouped Conv1d, average pooling: a backward that receives a
-    saved tensor only for its shape (``avg_pool2d_backward``), and mkldnn's
-    ``convolution_backward`` with temporaries."""
-
-    def __init__(self, channels: int = 32) -> None:
-        super().__init__()
-        nn = torch.nn
-        self.net = nn.Sequential(nn.Conv1d(8, channels, 5, padding=2), nn.BatchNorm1d(channels), nn.SiLU(),
-                                 nn.Conv1d(channels, channels, 5, padding=2, groups=4), nn.BatchNorm1d(channels),
-                                 nn.SiLU(), nn.AvgPool1d(2), nn.Conv1d(channels, channels, 3, padding=1), nn.SiLU())
-        self.head = nn.Linear(channels * 64, 10)
-
-    def forward(self, x):
-        return self.head(self.net(x).flatten(1))
-
-
 @pytest.mark.inductor
 @pytest.mark.slow
 @needs_hook
@@ -273,11 +237,7 @@ def test_the_scheduled_peak_is_the_allocators_on_cpu_kernel_calls(family):
     its fp32 ``exp`` a buffer (scheduled 17% under the allocator before); and a Conv1d net
     (11% under: the unread saved input, the convolution backward's temporaries). At 0.9 of
     the unconstrained peak the first plans measured over their budgets."""
-    torch.manual_seed(0)
-    if family == "conv1d_bn":
-        model, x = _Conv1dNet(), torch.randn(8, 8, 128)
-    else:
-        model, x = _CausalAttention().to(torch.bfloat16), torch.randn(4, 64, 64, dtype=torch.bfloat16)
+    model, (x,), _ = families.build(family)
     step, plan, recorder, _ = _step_with_budget(model, x, 0.9)
     assert plan.scheduled_peak_bytes is not None
     measured = _measured(step, model, x)
