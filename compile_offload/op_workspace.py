@@ -142,7 +142,10 @@ def _measure(node: fx.Node, channels_last: bool, strides: dict[fx.Node, tuple[in
     outputs. An op that cannot run here counts nothing rather than failing the plan."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    def real(value: torch.Tensor) -> torch.Tensor:
+    def real(arg: fx.Node) -> torch.Tensor:
+        value = tensor_value(arg)
+        if arg in strides:  # the layout Inductor gives it
+            return torch.empty_strided(value.shape, strides[arg], dtype=value.dtype).zero_()
         # Inductor's layout optimization gives the convolution every 4-d argument in
         # channels-last: the activations, and the weight through its channels-last copy
         # (``analyze.layout_copies``), which the backward receives. In another layout
@@ -153,9 +156,7 @@ def _measure(node: fx.Node, channels_last: bool, strides: dict[fx.Node, tuple[in
 
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            made = {arg: (torch.empty_strided(tensor_value(arg).shape, strides[arg], dtype=tensor_value(arg).dtype).zero_()
-                          if arg in strides else real(tensor_value(arg)))
-                    for arg in (*node.args, *node.kwargs.values()) if isinstance(arg, fx.Node)}
+            made = {arg: real(arg) for arg in (*node.args, *node.kwargs.values()) if isinstance(arg, fx.Node)}
             args = [made.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
             kwargs = {k: made.get(v, v) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
             node.target(*args, **kwargs)
