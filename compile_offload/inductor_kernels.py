@@ -324,20 +324,15 @@ def _workspaces(node, device: str) -> list[Buffer]:
     nodes naming its parts (they share its origins)."""
     ir_node = getattr(node, "node", None)
     op = getattr(ir_node, "op_overload", None)
-    if op in CUDA_WORKSPACES:
-        def workspace(origin):
-            return cuda_workspace(origin)
-    elif op in MEASURED_OPS and device == "cpu":
-        def workspace(origin):
-            return measured_workspace(origin, strides=_argument_strides(origin, ir_node))
-    else:
+    measured_here = op in MEASURED_OPS and device == "cpu"
+    if op not in CUDA_WORKSPACES and not measured_here:
         return []
-    found = []
-    for origin in _origins(node):
-        nbytes = workspace(origin) if origin.target is op else 0
-        if nbytes:
-            found.append(Buffer(f"{node.get_name()}_workspace", nbytes, None))
-    return found[:1]
+    origin = next((o for o in _origins(node) if o.target is op), None)
+    if origin is None:
+        return []
+    nbytes = (measured_workspace(origin, strides=_argument_strides(origin, ir_node)) if measured_here
+              else cuda_workspace(origin))
+    return [Buffer(f"{node.get_name()}_workspace", nbytes, None)] if nbytes else []
 
 
 def _argument_strides(origin, ir_node) -> dict:
