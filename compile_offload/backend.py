@@ -25,6 +25,7 @@ from . import settings as settings_mod
 from .device_profile import device_of
 from .passes.analyze import COLLECTIVE_NAMESPACES, is_collective
 from .partitioner import OffloadRematPartitioner
+from .planning import report_budget
 from .result import PartitionResult
 from .settings import Settings
 
@@ -200,6 +201,22 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
         return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, patches, None)
     # With a budget: Inductor's kernels are recorded (read-only) and the backward lowered
     # now, so the plan's scheduled peak is known when the compile returns (budget_loop.py).
+    # A budget below the planner's minimum is reported then, against the plan kept (a cached
+    # compile's record is reported as it is read: graph_reports.replay).
+    partitioner.report_budget = False
+    try:
+        compiled, records = _compile_inductor_looped(gm, example_inputs, settings, partitioner, results, recorder,
+                                                     patches, inductor_patches)
+    finally:
+        partitioner.report_budget = True
+    for result in results:
+        report_budget(result.plan, settings)
+    return compiled, records
+
+
+def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                             partitioner: OffloadRematPartitioner, results: list[PartitionResult], recorder,
+                             patches: dict, inductor_patches: dict):
     with budget_loop.recording(recorder, patches) as recording_patches:
         compiled, records = _compile_inductor_planned(gm, example_inputs, settings, partitioner, results,
                                                       recording_patches, recorder)
@@ -220,7 +237,8 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     def replan(budget_bytes: int) -> budget_loop.Attempt | None:
         return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
 
-    looped = budget_loop.over_budget(records[0].plan)
+    looped = any(test(records[0].plan) for test in (budget_loop.over_budget, budget_loop.fits_below_the_minimum,
+                                                     budget_loop.below_the_minimum_in_code_too))
     first = budget_loop.Attempt(compiled, records[0].plan, results[0] if results else None)
     kept = budget_loop.keep_within_budget(first, replan)
     if looped and kept.result is not None:
@@ -229,8 +247,9 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
         logs.dump(kept.result, gm, settings)
     key = graph_reports.record_key(gm, example_inputs, settings)
     if kept.compiled is compiled:
-        if looped:  # kept over its budget: the record keeps the loop's note
+        if looped:  # kept over its budget, or under it though predicted over: the record keeps the loop's note
             graph_reports.store(key, records)
+            logs.remember(kept.plan)  # the first plan, not the last re-plan made
         return compiled, records
     kept_records = _records([kept.result])
     # verify_budget and the caller read results[-1]; a warm cache reads the record.

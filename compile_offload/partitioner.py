@@ -23,6 +23,10 @@ from .settings import Settings
 
 
 class OffloadRematPartitioner(CustomPartitionerFn):
+    # Whether planning reports a budget below the planner's minimum (planning.report_budget);
+    # the budget loop turns it off and reports once the generated code is known.
+    report_budget = True
+
     def __init__(self, settings: Settings, graph_name: str = "graph",
                  on_result: Callable[[PartitionResult], None] | None = None, accelerator: bool | None = None) -> None:
         self.settings = settings
@@ -41,6 +45,7 @@ class OffloadRematPartitioner(CustomPartitionerFn):
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             graph_name=self.graph_name,
             accelerator=self.accelerator,
+            report=self.report_budget,
         )
         emit(result, gm, self.settings)
         if self.on_result is not None:

@@ -45,6 +45,7 @@ def plan_partition(
     static_lifetime_input_indices: list[int] | None = None,
     graph_name: str = "graph",
     accelerator: bool | None = None,
+    report: bool = True,
 ) -> PartitionResult:
     """Plan and partition one joint graph under ``settings``.
 
@@ -56,7 +57,8 @@ def plan_partition(
     A graph the planner is known not to handle (``UnsupportedGraph``) falls back to torch's
     min-cut partition (a correct plan) with one warning naming the reason; so does any other
     error when ``settings.suppress_errors`` is set, and otherwise it raises. A budget below
-    the minimum warns, or raises ``BudgetError`` under ``strict_budget``.
+    the minimum warns, or raises ``BudgetError`` under ``strict_budget`` (``report=False``:
+    the caller reports it, once Inductor's code for the plan is known).
     """
     # Collections walking the whole heap were ~40% of planning (collection_paused.py).
     with collection_paused():
@@ -84,7 +86,8 @@ def plan_partition(
                 raise
             return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
                              graph_name, error)
-        report_budget(result.plan, settings)
+        if report:
+            report_budget(result.plan, settings)
         return result
 
 
@@ -196,16 +199,32 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
 
 def report_budget(plan: Plan, settings: Settings) -> None:
     """Warn (or, under ``strict_budget``, raise) when ``plan`` could not meet its budget;
-    also run for a plan whose graphs came from a cache (``graph_reports.replay``)."""
+    also run for a plan whose graphs came from a cache (``graph_reports.replay``). Under the
+    budget loop it runs once Inductor's code is known (``backend._compile_inductor``): a plan
+    predicted over the budget whose scheduled peak fits it is not reported."""
     if plan.feasible or plan.budget_bytes is None:
         return
+    if plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes <= plan.budget_bytes:
+        return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
     if settings.budget_fraction == 0.0:
         return  # asks for the minimum plan: nothing to warn about
+    from .budget_loop import UNCONSTRAINED_NOTE, kept_over_budget_note
+
+    if kept_over_budget_note(plan) is not None:
+        return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
     message = (
         f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
         f"this planner can reach ({format_bytes(plan.min_peak_bytes)}; predicted peak "
-        f"{format_bytes(plan.predicted_peak_bytes)})"
+        f"{format_bytes(plan.predicted_peak_bytes)}"
+        + ("" if plan.scheduled_peak_bytes is None else
+           f"; the code Inductor generated for it is scheduled at {format_bytes(plan.scheduled_peak_bytes)}")
+        + ")"
     )
     if settings.strict_budget:
         raise BudgetError(message + "; strict_budget=True")
-    warnings.warn(message + "; using the minimum-memory plan", stacklevel=4)
+    if any(note.startswith(UNCONSTRAINED_NOTE) for note in plan.notes):
+        message += ("; using the unconstrained plan, whose generated code peaks lower than the minimum-memory "
+                    "plan's")
+    else:
+        message += "; using the minimum-memory plan"
+    warnings.warn(message, stacklevel=4)

@@ -85,6 +85,16 @@ class Plan:
                    predicted_step_seconds=0.0, baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0,
                    device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why])
 
+    def meets_budget(self) -> bool:
+        """Whether the budget is met (always without one): by the scheduled peak where
+        Inductor's code for the plan was seen (the nearer figure to the allocator's), else by
+        the prediction (``feasible``)."""
+        if self.budget_bytes is None:
+            return True
+        if self.scheduled_peak_bytes is not None:
+            return self.scheduled_peak_bytes <= self.budget_bytes
+        return self.feasible
+
     def count(self, kind: str) -> int:
         return sum(1 for d in self.decisions if d.decision == kind)
 
@@ -110,7 +120,7 @@ class Plan:
             f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
-            + ("" if self.feasible else " -- over budget")
+            + ("" if self.meets_budget() else " -- over budget")
         )
 
     def table(self) -> str:
