@@ -12,7 +12,11 @@ scheduled peak meet less often. Tiny, random init, CPU; each is ``(model, inputs
 - ``custom_function``: a ``torch.autograd.Function`` with ``save_for_backward`` and
   in-place ops on fresh tensors;
 - ``tied_lm``: token embedding tied to the output projection, two pre-norm
-  ``TransformerEncoderLayer`` blocks, cross-entropy.
+  ``TransformerEncoderLayer`` blocks, cross-entropy;
+- ``inplace_residual``: a residual MLP with in-place ``relu_`` and an in-place scale of the
+  stream, whose backward's pointwise gradients Inductor inlines into later kernels;
+- ``lora``: LayerNorm and ``nn.Linear`` frozen (``requires_grad=False``), low-rank adapters
+  trained.
 
     python -m compile_offload.benchmarks.budget_contract --models extra
 """
@@ -143,6 +147,48 @@ class TiedLM(nn.Module):
         return self.norm(x) @ self.embedding.weight.t()
 
 
+class InplaceResidual(nn.Module):
+    """Residual linear layers with ``relu_`` on each layer's output and the stream scaled in place."""
+
+    def __init__(self, width: int = 128, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            y = layer(x)
+            y.relu_()
+            x = x + y
+            x.mul_(0.9)
+        return x
+
+
+class _LoRALinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, rank: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(d_in, rank) * 0.02)
+        self.b = nn.Parameter(torch.full((rank, d_out), 0.01))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a) @ self.b
+
+
+class LoRAMLP(nn.Module):
+    """Pre-norm residual MLP blocks, the base weights and norms frozen, adapters trained."""
+
+    def __init__(self, width: int = 128, layers: int = 4) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(width).requires_grad_(False) for _ in range(layers))
+        self.up = nn.ModuleList(_LoRALinear(width, 4 * width) for _ in range(layers))
+        self.down = nn.ModuleList(_LoRALinear(4 * width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, up, down in zip(self.norms, self.up, self.down):
+            x = x + down(F.gelu(up(norm(x))))
+        return x
+
+
 def _square_mean(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).mean()
 
@@ -152,7 +198,8 @@ def _next_token_loss(logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
 
 
-FAMILIES = ("causal_attention_bf16", "conv1d_bn", "unet", "moe", "custom_function", "tied_lm")
+FAMILIES = ("causal_attention_bf16", "conv1d_bn", "unet", "moe", "custom_function", "tied_lm", "inplace_residual",
+            "lora")
 
 
 def build(name: str):
@@ -170,4 +217,8 @@ def build(name: str):
         return CustomFunctionNet(), (torch.randn(64, 128, requires_grad=True),), _square_mean
     if name == "tied_lm":
         return TiedLM(), (torch.randint(0, 256, (4, 64)),), _next_token_loss
+    if name == "inplace_residual":
+        return InplaceResidual(), (torch.randn(512, 128),), _square_mean
+    if name == "lora":
+        return LoRAMLP(), (torch.randn(256, 128),), _square_mean
     raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
