@@ -388,7 +388,9 @@ def _unconstrained(over: Attempt, replan: Callable[[int], Attempt | None]) -> At
     recomputes nothing (found on a residual MLP with in-place ``relu_``: the minimum-memory
     plan's recomputed pointwise gradients, which Inductor inlined into later kernels, kept
     three more buffers alive: 1.88 MiB against the unconstrained plan's 1.75 MiB). One more
-    compile, only where the budget is missed anyway, so that a budget never costs memory."""
+    compile, only where the budget is missed anyway, so that such a budget costs no memory
+    over the unconstrained plan compiled the same way (without Inductor's peak-memory
+    reordering, which a budget turns off and the recorder could not follow)."""
     plan = over.plan
     if not plan.decisions or all(d.decision == "keep" for d in plan.decisions):
         return None
