@@ -412,6 +412,20 @@ def test_the_dump_holds_the_plan_the_loop_kept_not_the_last_one_made(tmp_path):
     assert "re-planned under" in (folder / "report.md").read_text()
 
 
+def _replans(asked, plan):
+    """``replan(outcomes)``: a stand-in for the backend's re-plan that records each budget
+    asked for in ``asked`` and returns an attempt with the next outcome's plan
+    (``plan(*outcome)``), None past the last outcome."""
+    def replan(outcomes):
+        def make(budget):
+            asked.append(budget)
+            if len(asked) > len(outcomes):
+                return None
+            return budget_loop.Attempt(f"compiled {len(asked)}", plan(*outcomes[len(asked) - 1]))
+        return make
+    return replan
+
+
 def _recomputing():
     from compile_offload.passes.plan import Decision
 
@@ -430,15 +444,7 @@ def test_the_loop_on_hand_made_attempts():
                     decisions=_recomputing(), scheduled_peak_bytes=scheduled)
 
     asked = []
-
-    def replan(outcomes):
-        def make(budget):
-            asked.append(budget)
-            if len(asked) > len(outcomes):
-                return None
-            predicted, scheduled = outcomes[len(asked) - 1]
-            return budget_loop.Attempt(f"compiled {len(asked)}", plan(predicted, scheduled))
-        return make
+    replan = _replans(asked, plan)
 
     first = budget_loop.Attempt("compiled 0", plan(950, 1100))
     kept = budget_loop.keep_within_budget(first, replan([(840, 990)]))
@@ -479,12 +485,7 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
                     scheduled_peak_bytes=scheduled)
 
     asked = []
-
-    def replan(outcomes):
-        def make(budget):
-            asked.append(budget)
-            return budget_loop.Attempt(f"compiled {len(asked)}", plan(*outcomes[len(asked) - 1]))
-        return make
+    replan = _replans(asked, plan)
 
     # The re-plan is the minimum (predicted above what was asked); the unconstrained plan's
     # code peaks lower than both: kept, with the loop's one warning.
@@ -541,12 +542,7 @@ def test_a_plan_predicted_over_the_budget_whose_code_fits_is_made_faster_on_hand
                     min_peak_bytes=1300, decisions=[object()], scheduled_peak_bytes=scheduled)
 
     asked = []
-
-    def replan(outcomes):
-        def make(budget):
-            asked.append(budget)
-            return budget_loop.Attempt(f"compiled {len(asked)}", plan(*outcomes[len(asked) - 1]))
-        return make
+    replan = _replans(asked, plan)
 
     minimum = lambda: budget_loop.Attempt("c", plan(1300, 700, 2.0))  # noqa: E731
     assert budget_loop.fits_below_the_minimum(minimum().plan)
