@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from . import plan_cache
+from .budget_loop import UNCONSTRAINED_NOTE, kept_over_budget_note
 from .collection_paused import collection_paused
 from .device_profile import device_of, resolve_profile
 from .op_workspace import op_workspaces
@@ -208,8 +209,6 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
     if settings.budget_fraction == 0.0:
         return  # asks for the minimum plan: nothing to warn about
-    from .budget_loop import UNCONSTRAINED_NOTE, kept_over_budget_note
-
     if kept_over_budget_note(plan) is not None:
         return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
     message = (
