@@ -129,10 +129,20 @@ def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str)
         f"{format_bytes(measured_bytes)} at the allocator, above the memory budget "
         f"{format_bytes(plan.budget_bytes)} (+{measured_bytes / plan.budget_bytes - 1:.1%}; predicted peak "
         f"{format_bytes(plan.predicted_peak_bytes)}). "
-        + ("The plan itself did not fit (the budget is below the minimum it can reach). " if not plan.feasible else
-           "The program that ran holds more than the plan predicts (docs/design.md, 'Where the compiled peak "
-           "exceeds the plan'); a lower budget leaves room for it. ")
+        + _why_over(plan)
         + "docs/guide.md, 'When memory surprises you'",
         stacklevel=2,
     )
     return True
+
+
+def _why_over(plan: Plan) -> str:
+    """What the plan already said about the budget: the planner's verdict, and the budget
+    loop's from the code Inductor generated (``Plan.meets_budget``)."""
+    if not plan.meets_budget():
+        if not plan.feasible:
+            return "The plan itself did not fit (the budget is below the minimum it can reach). "
+        return (f"No plan the budget loop compiled fit in Inductor's code (scheduled peak "
+                f"{format_bytes(plan.scheduled_peak_bytes)}), as its warning said. ")
+    return ("The program that ran holds more than the plan predicts (docs/design.md, 'Where the compiled peak "
+            "exceeds the plan'); a lower budget leaves room for it. ")

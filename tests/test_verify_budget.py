@@ -33,6 +33,25 @@ def test_warns_only_beyond_one_percent_over_the_budget():
         assert format_bytes(figure) in text, text
 
 
+def test_the_warning_says_what_the_plan_already_said_about_the_budget():
+    def message(plan):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert warn_if_over_budget(plan, 1_100_000, "graph_0")
+        return str(caught[0].message)
+
+    below = _plan(1_000_000, 1_050_000)  # the planner's minimum is over the budget
+    assert "did not fit" in message(below)
+    below.scheduled_peak_bytes = 950_000  # ... but its code fits (the budget loop kept it): not "did not fit"
+    assert "holds more than the plan predicts" in message(below)
+    kept_over = _plan(1_000_000, 990_000)  # the planner says it fits, no plan's code did
+    kept_over.scheduled_peak_bytes = 1_080_000
+    assert f"scheduled peak {format_bytes(1_080_000)}" in message(kept_over)
+    fits = _plan(1_000_000, 990_000)
+    fits.scheduled_peak_bytes = 990_000
+    assert "holds more than the plan predicts" in message(fits)
+
+
 def _verify_messages(caught) -> list[str]:
     return [str(w.message) for w in caught if "verify_budget" in str(w.message)]
 
