@@ -237,8 +237,7 @@ def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[
     def replan(budget_bytes: int) -> budget_loop.Attempt | None:
         return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
 
-    looped = any(test(records[0].plan) for test in (budget_loop.over_budget, budget_loop.fits_below_the_minimum,
-                                                     budget_loop.below_the_minimum_in_code_too))
+    looped = budget_loop.acts_on(records[0].plan)
     first = budget_loop.Attempt(compiled, records[0].plan, results[0] if results else None)
     kept = budget_loop.keep_within_budget(first, replan)
     if looped and kept.result is not None:

@@ -282,20 +282,27 @@ class Attempt:
     result: Any = None  # the PartitionResult the plan came with (the backend's records need it)
 
 
+def _judged(plan: Plan) -> bool:
+    """A plan the loop can judge: a budget, decisions, and a scheduled peak."""
+    return plan.budget_bytes is not None and bool(plan.decisions) and plan.scheduled_peak_bytes is not None
+
+
+def acts_on(plan: Plan) -> bool:
+    """Whether ``keep_within_budget`` may compile another plan for ``plan``'s graph."""
+    return over_budget(plan) or fits_below_the_minimum(plan) or below_the_minimum_in_code_too(plan)
+
+
 def over_budget(plan: Plan) -> bool:
-    """Whether the loop acts on ``plan``: the planner says it fits, but the code Inductor
-    generated for it is predicted to exceed the budget. A plan the planner already says does
-    not fit (its budget is below the minimum) has had its warning."""
-    return (plan.budget_bytes is not None and plan.feasible and bool(plan.decisions)
-            and plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes > plan.budget_bytes)
+    """The planner says ``plan`` fits, but the code Inductor generated for it is predicted to
+    exceed the budget: re-planned lower."""
+    return _judged(plan) and plan.feasible and plan.scheduled_peak_bytes > plan.budget_bytes
 
 
 def fits_below_the_minimum(plan: Plan) -> bool:
     """Whether the planner said ``plan``'s budget is below its minimum (so it made its
     minimum-memory plan) while the code Inductor generated for it fits the budget: the
     planner over-predicted, and a faster plan may fit too."""
-    return (plan.budget_bytes is not None and not plan.feasible and bool(plan.decisions)
-            and plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes <= plan.budget_bytes)
+    return _judged(plan) and not plan.feasible and plan.scheduled_peak_bytes <= plan.budget_bytes
 
 
 def keep_within_budget(first: Attempt, replan: Callable[[int], Attempt | None]) -> Attempt:
@@ -366,8 +373,7 @@ def below_the_minimum_in_code_too(plan: Plan) -> bool:
     own prediction by more than ``MODEL_MISS``: the planner's model missed this plan's code,
     so its ranking of plans by memory is not to be trusted (``_unconstrained``). Where the
     prediction holds, the minimum-memory plan is what it says, and no compile is spent."""
-    return (plan.budget_bytes is not None and not plan.feasible and bool(plan.decisions)
-            and plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes > plan.budget_bytes
+    return (_judged(plan) and not plan.feasible and plan.scheduled_peak_bytes > plan.budget_bytes
             and plan.scheduled_peak_bytes > plan.predicted_peak_bytes * (1 + MODEL_MISS))
 
 
@@ -400,9 +406,7 @@ def _unconstrained(over: Attempt, replan: Callable[[int], Attempt | None]) -> At
     found = replan(target)
     if found is None or found.plan.scheduled_peak_bytes is None:
         return None
-    found.plan.budget_bytes = budget
-    found.plan.planned_budget_bytes = target
-    found.plan.feasible = found.plan.predicted_peak_bytes <= budget
+    _as_replanned(found.plan, budget, target)
     found.plan.min_peak_bytes = min(found.plan.min_peak_bytes, plan.min_peak_bytes)  # what the search reached
     found.plan.notes.append(f"{UNCONSTRAINED_NOTE}: its generated code was compared with that of the plans made "
                             f"under the budget {format_bytes(budget)}, which all exceeded it")
@@ -447,9 +451,7 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int], Attempt | None
         found = replan(target)
         if found is None or found.plan.scheduled_peak_bytes is None:
             break
-        found.plan.budget_bytes = budget
-        found.plan.planned_budget_bytes = target
-        found.plan.feasible = found.plan.predicted_peak_bytes <= budget
+        _as_replanned(found.plan, budget, target)
         if found.plan.scheduled_peak_bytes > budget:
             aim = found  # the next target lies below this one
             continue
@@ -498,9 +500,14 @@ def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
     )
 
 
-def _mark_replanned(plan: Plan, budget: int, planned_under: int, first_scheduled: int, attempt: int) -> None:
+def _as_replanned(plan: Plan, budget: int, planned_under: int) -> None:
+    """A re-plan keeps the user's budget (``feasible`` against it) and says what it was made under."""
     plan.budget_bytes = budget
     plan.planned_budget_bytes = planned_under
     plan.feasible = plan.predicted_peak_bytes <= budget
+
+
+def _mark_replanned(plan: Plan, budget: int, planned_under: int, first_scheduled: int, attempt: int) -> None:
+    _as_replanned(plan, budget, planned_under)
     plan.notes.append(f"re-planned under {format_bytes(planned_under)} (re-plan {attempt}): the first plan's "
                       f"scheduled peak {format_bytes(first_scheduled)} exceeded the budget {format_bytes(budget)}")
