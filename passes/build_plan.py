@@ -50,6 +50,9 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     transfers = solution.chosen.transfers
     exposed = transfers.exposed_seconds if transfers else 0.0
     notes = [f"offload: {len(solution.chosen.offloaded)} tensors, {exposed * 1e3:.3f} ms of copies not hidden"] if transfers else []
+    if solution.lowered_steps:
+        notes.append(f"lowered: {solution.lowered_steps} step{'s' * (solution.lowered_steps != 1)} below the "
+                     "greedy's lowest plan (passes/lower_peak.py)")
     order = a.position.__getitem__
     timeline = solution.chosen.timeline
     return Plan(

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from .analyze import JointAnalysis
 from .progress import Progress
-from .refine import _Estimates, _undos
+from .neighbours import Estimates, undos
 from .solve import Candidate, Seconds, Solution, _explain
 from .solve_offload import Evaluator, OffloadOptions, Prefix
 
@@ -60,7 +60,7 @@ def prune(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], eval
     """``plan`` after the undos that dominate it (see the module doc); ``plan`` itself when
     none does. ``progress``: once out of time, nothing more is evaluated."""
     base_saved = frozenset(base_saved)
-    estimate = _Estimates(a, evaluate.seconds)
+    estimate = Estimates(a, evaluate.seconds)
     current = evaluate(Prefix(plan.saved, plan.offloaded, plan.moves), keep_timeline=True)
     evaluated = steps = 0
     # The storages of each undo evaluated: one that did not dominate is not tried again in a
@@ -70,7 +70,7 @@ def prune(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], eval
     while steps < MAX_STEPS:
         step = None
         held_at_peak = _held_at_peak(a, current)
-        for option in _undos(a, current, base_saved, estimate):
+        for _, option in undos(a, current, base_saved, estimate):
             key = _undone(a, option, current)
             if key in tried or held_at_peak(option, current) or _saves_nothing(a, option, current, estimate):
                 continue
@@ -139,7 +139,7 @@ def _held_at_peak(a: JointAnalysis, plan: Candidate):
     return held
 
 
-def _saves_nothing(a: JointAnalysis, option: Prefix, current: Candidate, estimate: _Estimates) -> bool:
+def _saves_nothing(a: JointAnalysis, option: Prefix, current: Candidate, estimate: Estimates) -> bool:
     """Is ``option`` a recompute undo whose storage costs no time to recompute (a dtype
     cast of a weight fused into its reader, a view)? Saving it again cannot be faster, and
     on a GPT-style stack there is one per weight: evaluating them all would spend the

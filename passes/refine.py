@@ -11,7 +11,7 @@ at the same peak.
 one storage, or save again one storage of the unconstrained plan that the plan recomputes
 (dropping what was saved only to recompute it). In a round where no undo can be taken it
 tries *swaps* (save one storage again while recomputing another one the plan saves), then
-undoes again. A step is taken only when its plan, evaluated exactly (the solver's own
+undoes again (the steps: ``passes.neighbours``). A step is taken only when its plan, evaluated exactly (the solver's own
 evaluator), fits the budget, is strictly faster and peaks no lower than the plan it
 replaces. Each round tries the options in a fixed order, the largest estimated saving
 first (the recompute time of the storage saved again, the stalls of the copies undone;
@@ -24,15 +24,15 @@ the same budget, is never slower, and the planner's choice stays monotone in the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis, tensor_value
-from .memory import recomputed_nodes
+from .analyze import JointAnalysis
+from . import neighbours
 from .progress import Progress
-from .solve import Candidate, Group, Seconds, Solution, _explain, storage_group
+from .solve import Candidate, Seconds, Solution, _explain
 from .solve_offload import Evaluator, OffloadOptions, Prefix
 
 # Bounds on the added planning time: candidate plans evaluated per refinement (undos and
@@ -62,18 +62,18 @@ def refine(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node], bud
         return Refinement(plan)
     base_saved = frozenset(base_saved)
     search = _Search(evaluate, budget_bytes, max_evaluations, progress)
-    estimate = _Estimates(a, evaluate.seconds)
+    estimate = neighbours.Estimates(a, evaluate.seconds)
     # Compared against the same evaluator's figures (the solver's may be summed in
     # another order); the peak a step may not go below is the solver's plan's.
     current = evaluate(Prefix(plan.saved, plan.offloaded, plan.moves))
     floor = plan.peak_bytes
     undos = swaps = 0
     for _ in range(MAX_ROUNDS):
-        step = search.first(current, floor, _undos(a, current, base_saved, estimate))
+        step = search.first(current, floor, _plans(neighbours.undos(a, current, base_saved, estimate)))
         if step is not None:
             undos += 1
         else:
-            step = search.first(current, floor, _swaps(a, current, base_saved, estimate))
+            step = search.first(current, floor, _plans(neighbours.swaps(a, current, base_saved, estimate)))
             swaps += step is not None
         if step is None:
             break
@@ -106,6 +106,10 @@ def refine_solution(a: JointAnalysis, solution: Solution, base_saved: Iterable[f
     return refined, refinement
 
 
+def _plans(options: Iterable[tuple[float, Prefix]]) -> Iterable[Prefix]:
+    return (plan for _, plan in options)  # the estimates ordered them
+
+
 class _Search:
     """Evaluates candidate steps, at most ``max_evaluations`` in all."""
 
@@ -134,100 +138,6 @@ class _Search:
                     and candidate.extra_seconds < current.extra_seconds):
                 return candidate
         return None
-
-
-class _Estimates:
-    """Cheap estimates of what a step saves, to order the options (never to decide)."""
-
-    def __init__(self, a: JointAnalysis, seconds: Callable[[fx.Node], float]) -> None:
-        self.a, self.seconds = a, seconds
-        self.groups: dict[frozenset[fx.Node], Group | None] = {}
-
-    def group(self, members: Iterable[fx.Node]) -> Group | None:
-        members = frozenset(members)
-        if members not in self.groups:
-            self.groups[members] = storage_group(self.a, members)
-        return self.groups[members]
-
-    def recompute_seconds(self, members: Iterable[fx.Node]) -> float:
-        """The time of recomputing these tensors' storage from what it reads."""
-        group = self.group(members)
-        return 0.0 if group is None else sum(self.seconds(n) for n in group.closure if n.op == "call_function")
-
-
-def _undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], estimate: _Estimates) -> Iterator[Prefix]:
-    """Plans one undo away from ``plan`` (one offload less, or one storage of the
-    unconstrained plan saved again), the largest estimated saving first."""
-    stalls: dict[fx.Node, float] = {}
-    for copy in plan.transfers.copies if plan.transfers else ():
-        stalls[copy.tensor] = stalls.get(copy.tensor, 0.0) + copy.stall
-    options: list[tuple[float, int, fx.Node, set[fx.Node] | None]] = []
-    for tensor in plan.offloaded:
-        options.append((-stalls.get(tensor, 0.0), a.position[tensor], tensor, None))
-    for root, members in _unsaved_base_storages(a, plan, base_saved):
-        options.append((-estimate.recompute_seconds(members), a.position[root], root, members))
-    for _, _, tensor, members in sorted(options, key=lambda o: o[:2]):
-        if members is None:
-            yield Prefix(plan.saved, plan.offloaded - {tensor}, plan.moves)
-        else:
-            saved = _unread_dropped(a, set(plan.saved) | members, base_saved)
-            yield Prefix(frozenset(saved), plan.offloaded & saved, plan.moves)
-
-
-def _swaps(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], estimate: _Estimates) -> Iterator[Prefix]:
-    """Plans that save one storage of the unconstrained plan again while recomputing one
-    other storage ``plan`` keeps on the device (recomputable without a banned node), the
-    largest estimated net saving first."""
-    resaved = list(_unsaved_base_storages(a, plan, base_saved))
-    saved_roots: dict[fx.Node, set[fx.Node]] = {}
-    for tensor in plan.saved:
-        if tensor_value(tensor) is not None and tensor not in a.steady:
-            saved_roots.setdefault(a.roots.get(tensor, tensor), set()).add(tensor)
-    others = []
-    for other, members in saved_roots.items():
-        if members & plan.offloaded or estimate.group(members) is None:
-            continue
-        others.append((estimate.recompute_seconds(members), a.position[other], other, members))
-    pairs = sorted(((-(estimate.recompute_seconds(members) - cost), a.position[root], a.position[other], root,
-                     members, other, others_members)
-                    for root, members in resaved for cost, _, other, others_members in others if other is not root),
-                   key=lambda p: p[:3])
-    for *_, root, members, other, others_members in pairs:
-        group = estimate.group(others_members)
-        swapped = (set(plan.saved) | members) - others_members
-        swapped |= {s for s in group.sources if s not in group.closure}
-        if any(n in a.ban for n in recomputed_nodes(a, swapped)):
-            continue
-        swapped = _unread_dropped(a, swapped, base_saved - others_members)
-        yield Prefix(frozenset(swapped), plan.offloaded & swapped, plan.moves)
-
-
-def _unsaved_base_storages(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node]):
-    """(root, the unconstrained plan's saved tensors of it) for each storage the
-    unconstrained plan saves and ``plan`` does not, in graph order."""
-    saved_roots = {a.roots.get(t, t) for t in plan.saved}
-    by_root: dict[fx.Node, set[fx.Node]] = {}
-    for tensor in base_saved:
-        if tensor_value(tensor) is not None and tensor not in a.steady:
-            by_root.setdefault(a.roots.get(tensor, tensor), set()).add(tensor)
-    for root in sorted(by_root, key=a.position.__getitem__):
-        if root not in saved_roots:
-            yield root, by_root[root]
-
-
-def _unread_dropped(a: JointAnalysis, saved: set[fx.Node], base_saved: frozenset[fx.Node]) -> set[fx.Node]:
-    """``saved`` without the tensors that neither the backward nor what it recomputes
-    reads any more (saved only so that something now saved could be recomputed). Tensors
-    of the unconstrained plan stay."""
-    while True:
-        recomputed = recomputed_nodes(a, saved)
-        read = {a.roots.get(arg, arg) for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
-        unread = {t for t in saved - base_saved
-                  if tensor_value(t) is not None and t not in a.steady and a.roots.get(t, t) not in read
-                  and t not in read}
-        if not unread:
-            return saved
-        saved -= unread
 
 
 __all__ = ["MAX_EVALUATIONS", "MAX_ROUNDS", "Refinement", "refine", "refine_solution"]

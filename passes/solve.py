@@ -107,6 +107,7 @@ class Solution:
     added: dict[fx.Node, str] = field(default_factory=dict)  # newly saved tensor -> reason
     candidates_evaluated: int = 0
     offloaded: dict[fx.Node, str] = field(default_factory=dict)  # offloaded tensor -> how its copies run
+    lowered_steps: int = 0  # steps below the greedy's lowest plan (``passes.lower_peak``)
 
 
 def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:

@@ -30,6 +30,8 @@ schedules derived again only as recompute time accumulates (``OffloadCosts``). T
 on the budget, and where peaks fall and then rise along every sequence the search finds
 the plan simulating every candidate would, so a smaller budget never gets a larger
 predicted peak (monotone); ``complete=True`` simulates every candidate (the reference).
+Where no candidate fits, the lowest is lowered further one step at a time, never to a
+faster plan (``passes.lower_peak``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch.fx as fx
 from .analyze import JointAnalysis, tensor_value
 from .cost import DeviceProfile
 from .memory import PlanNodes, StepBuilder, peak_bytes, plan_nodes, plan_program, recomputed_nodes, simulate
+from .lower_peak import lowered_solution
 from .node_durations import node_durations
 from .solve import (
     Candidate,
@@ -115,11 +118,15 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     progress = progress or Progress()
     seconds = node_durations(seconds)  # the same values, looked up: every saved set sums them
     if offload is None:
-        return solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete, peak_moves)
+        solution = solve_greedy(a, base_saved, seconds, budget_bytes, budget_fraction, progress, complete, peak_moves)
+        if solution.feasible or solution.budget_bytes is None:
+            return solution
+        evaluate = Evaluator(a, seconds, None, base_saved)  # recompute only: no plan has copies
+        return lowered_solution(a, solution, base_saved, evaluate, evaluate.with_timeline, progress)
     saved_sets = SavedSetCache(a, seconds)
     evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
+    with_timeline = evaluate.with_timeline
     start = Prefix(frozenset(base_saved), frozenset(), ())
-    with_timeline = lambda c: evaluate(Prefix(c.saved, c.offloaded, c.moves), keep_timeline=True)  # noqa: E731
     baseline = evaluate(start)
     budget_bytes = resolve_budget(a, baseline, budget_bytes, budget_fraction)
     if budget_bytes is None and not complete:
@@ -165,7 +172,9 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     else:
         candidates = search_sequences(sequences, evaluate, budget_bytes, progress)
     candidates += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
-    return select(a, candidates, budget_bytes, None, with_timeline, evaluate.results.values())
+    solution = select(a, candidates, budget_bytes, None, with_timeline, evaluate.results.values())
+    # Nothing fitted: the lowest plan found, lowered step by step where it can be.
+    return lowered_solution(a, solution, base_saved, evaluate, with_timeline, progress)
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, search: bool = True) -> list[Prefix]:
@@ -462,7 +471,7 @@ class Evaluator:
     recompute) beyond the unconstrained plan's, plus what its copies add (stalls and
     launches: ``TransferPlan.added_seconds``)."""
 
-    def __init__(self, a: JointAnalysis, seconds: Seconds, offload: OffloadOptions,
+    def __init__(self, a: JointAnalysis, seconds: Seconds, offload: OffloadOptions | None,
                  base_saved: Iterable[fx.Node], saved_sets: SavedSetCache | None = None) -> None:
         self.a, self.seconds, self.offload = a, seconds, offload
         self.saved_sets = saved_sets or SavedSetCache(a, seconds)
@@ -470,6 +479,10 @@ class Evaluator:
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
+
+    def with_timeline(self, plan: Candidate) -> Candidate:
+        """``plan`` simulated again, keeping its timeline (for the plans a solution reports)."""
+        return self(Prefix(plan.saved, plan.offloaded, plan.moves), keep_timeline=True)
 
     def simulated(self, plan: Prefix) -> bool:
         return (plan.saved, plan.offloaded) in self.results
