@@ -30,7 +30,27 @@ case "$PART" in
 first)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       "$PY" -c "import sys, torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(), 'Python', sys.version.split()[0])"
-      git rev-parse --short HEAD 2>/dev/null; } >"$OUT/env.txt" 2>&1
+      git rev-parse --short HEAD 2>/dev/null
+      # Which attention SDPA takes for bf16 here (torch >= 2.11 bundles cuDNN >= 9.15.1, which
+      # makes it prefer cuDNN attention on sm90/sm100), and what that backward holds above its
+      # three gradients: op_workspace.py counts FlashAttention-2's and the cutlass kernel's
+      # workspaces, not cuDNN's (GPT-8's attention shape; docs/design.md, "Not followed").
+      timeout 60 "$PY" - <<'PY'
+import torch
+import torch.nn.functional as F
+q, k, v = (torch.randn(8, 16, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+backend = torch._fused_sdp_choice(q, k, v, None, 0.0, True)
+out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+grad = torch.randn_like(out)
+torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+before = torch.cuda.memory_allocated()
+out.backward(grad)
+torch.cuda.synchronize()
+above = torch.cuda.max_memory_allocated() - before - 3 * q.numel() * q.element_size()
+print("sdpa bf16 causal 8x16x2048x128: backend", torch.nn.attention.SDPBackend(backend).name,
+      "| backward holds", above, "bytes above its three gradients")
+PY
+      } >"$OUT/env.txt" 2>&1
     cat "$OUT/env.txt" >&2
     # 120 CUDA tests took 190 s in all on an H200 with cold caches: per-test limit, hard stop.
     per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90")  # where pytest-timeout is there
