@@ -134,7 +134,6 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
     the wrapper's reuses. ``host_inputs``: placeholders that stay host tensors (an offload's
     host copy, received by the backward). ``config_patches``: Inductor config the graph
     compiles under (the backend's, for our plans). Call inside ``fake_cuda()``."""
-    from torch._inductor import memory as inductor_memory
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -148,17 +147,9 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
                   for node in gm.graph.nodes if node.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     recorder = inductor_kernels.KernelRecorder()
-    reorder = inductor_memory.reorder_for_peak_memory
-
-    def reordered(nodes, *args, **kwargs):  # the recorder's hook runs before this pass: record its order
-        nodes = reorder(nodes, *args, **kwargs)
-        recorder.graphs[-1:] = []
-        recorder.record(nodes)
-        return nodes
-
     with torch._inductor.config.patch(**(config_patches or {}), **inductor_kernels.recording_patches(recorder),
                                       fx_graph_cache=False, compile_threads=1), \
-            mock.patch.object(inductor_memory, "reorder_for_peak_memory", reordered):
+            inductor_kernels.recording_reordered(recorder):
         try:
             with mode:  # outputs named as the other graph knows them (our plans save some through aliases)
                 inductor_kernels.naming_outputs_before_passes(compile_fx_inner)(gm, inputs, is_backward=is_backward)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, logs, pinned_pool
+from . import budget_loop, config_guard, ddp, dynamic_check, graph_reports, inductor_kernels, logs, pinned_pool
 from . import settings as settings_mod
 from .device_profile import device_of
 from .passes.analyze import COLLECTIVE_NAMESPACES, is_collective
@@ -228,13 +228,15 @@ def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[
         # budget: compile that one (the same plan: planning is deterministic), past the caches.
         log.debug("%s: compiling the plan the budget loop kept (planned under %d bytes)", partitioner.graph_name,
                   replanned)
+        if budget_loop.compiled_as_unconstrained(records[-1].plan):
+            replanned = None  # the unconstrained plan, compiled as without a budget
         attempt = _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, replanned)
         logs.remember(records[-1].plan)  # the user's view of it, not the re-plan's own
         return (compiled if attempt is None else attempt.compiled), records
     if len(records) != 1:
         return compiled, records
 
-    def replan(budget_bytes: int) -> budget_loop.Attempt | None:
+    def replan(budget_bytes: int | None) -> budget_loop.Attempt | None:
         return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
 
     looped = budget_loop.acts_on(records[0].plan)
@@ -259,11 +261,14 @@ def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[
 
 
 def _replan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings, graph_name: str,
-            inductor_patches: dict, budget_bytes: int) -> budget_loop.Attempt | None:
+            inductor_patches: dict, budget_bytes: int | None) -> budget_loop.Attempt | None:
     """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
-    place of the user's), its kernels recorded. Past Inductor's caches: a cached compile
-    would skip the partitioner and the scheduler hook, and so give no plan and no scheduled
-    peak (its partitioner's settings differ, so the first compile's code is never served)."""
+    place of the user's), its kernels recorded; ``None``: the unconstrained plan compiled as
+    ``torch.compile`` compiles it without a budget (Inductor's peak-memory reordering and
+    buffer pool on, its kernels recorded in the order that reordering leaves them). Past
+    Inductor's caches: a cached compile would skip the partitioner and the scheduler hook,
+    and so give no plan and no scheduled peak (its partitioner's settings differ, so the
+    first compile's code is never served)."""
     # A lowered budget may be below the planner's minimum: then its minimum-memory plan is what
     # the loop asked for, not a failure to warn about (nor, under strict_budget, to raise).
     lowered = dataclasses.replace(settings, budget_bytes=budget_bytes, budget_fraction=None, strict_budget=False)
@@ -271,7 +276,7 @@ def _replan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: S
     partitioner = OffloadRematPartitioner(lowered, graph_name=graph_name, on_result=found.append)
     recorder = budget_loop.KernelRecorder()
     with budget_loop.recording(recorder, inductor_config_patches(lowered, partitioner, inductor_patches, gm)) as patches, \
-            warnings.catch_warnings():
+            inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
         compiled = _compile_past_caches(gm, example_inputs, patches)
     if not found:
@@ -297,6 +302,11 @@ def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence
         return compiled, planned_records()
     key = graph_reports.record_key(gm, example_inputs, settings)
     compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(), config_patches=patches)
+    if results and inductor_kernels.served_from_cache(recorder, patches):
+        # Planned again (AOTAutograd's cache passed this graph by) but Inductor's FX graph cache
+        # served the code of the first compile's first plan: what that compile kept, and what
+        # runs, is the record's (a re-plan the budget loop kept is compiled again), not this plan.
+        results.clear()
     if results:
         records = planned_records()
         graph_reports.store(key, records)

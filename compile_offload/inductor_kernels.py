@@ -107,12 +107,15 @@ class KernelRecorder:
 
     def __init__(self) -> None:
         self.graphs: list[GraphKernels] = []
+        self.hooked = False  # the scheduler hook recorded the graph being scheduled (``recording_reordered``)
 
     def record(self, nodes: list) -> None:
         try:
             self.graphs.append(_graph_kernels(nodes))
         except Exception as error:  # a scheduler we cannot read: no record, never a failed compile
             log.debug("compile_offload: could not read Inductor's kernels (%s: %s)", type(error).__name__, error)
+            return
+        self.hooked = True
 
     def read_reuses(self) -> None:
         """Read, for every recorded graph, the memory decisions of the code Inductor generated
@@ -177,6 +180,43 @@ class _RecordingPass(_scheduler_pass_base()):  # type: ignore[misc]
 def recording_patches(recorder: KernelRecorder) -> dict:
     """Inductor config patches that install ``recorder`` (for ``compile_fx``'s config_patches)."""
     return {"_post_fusion_custom_pass": _RecordingPass(recorder)}
+
+
+def served_from_cache(recorder: KernelRecorder | None, patches: dict) -> bool:
+    """Whether a compile under ``patches`` with ``recorder`` installed in them saw no kernels
+    of its forward or its backward: Inductor's FX graph cache served the code, and the
+    scheduler (where the recorder sits) never ran. False where nothing was installed."""
+    installed = patches.get("_post_fusion_custom_pass")
+    if recorder is None or not isinstance(installed, _RecordingPass) or installed.recorder is not recorder:
+        return False
+    return recorder.forward() is None or recorder.backward() is None
+
+
+@contextlib.contextmanager
+def recording_reordered(recorder: KernelRecorder) -> Iterator[None]:
+    """While it lasts, a graph ``recorder`` records is recorded again in the order Inductor's
+    peak-memory reordering leaves its kernels. That pass (``reorder_for_peak_memory``, on by
+    default: a budget turns it off, ``backend.inductor_config_patches``) runs after the
+    post-fusion hook the recorder sits on, so without this the record of a graph compiled
+    with it on is in the order before it. Wrapped where the scheduler imports it from,
+    ``torch._inductor.memory`` (torch 2.11 to 2.14)."""
+    from unittest import mock
+
+    from torch._inductor import memory as inductor_memory
+
+    reorder = inductor_memory.reorder_for_peak_memory
+
+    def reordered(nodes, *args, **kwargs):
+        hooked, recorder.hooked = recorder.hooked, False
+        nodes = reorder(nodes, *args, **kwargs)
+        if hooked:  # this graph's record, taken before the pass: taken again
+            recorder.graphs.pop()
+            recorder.record(nodes)
+            recorder.hooked = False
+        return nodes
+
+    with mock.patch.object(inductor_memory, "reorder_for_peak_memory", reordered):
+        yield
 
 
 # The output names of the graph the innermost ``naming_outputs_before_passes`` compile was

@@ -434,7 +434,7 @@ def _recomputing():
 
 def test_the_loop_on_hand_made_attempts():
     """``keep_within_budget`` alone: the re-plan budgets it asks for, and where it stops.
-    Where no plan fits, the unconstrained plan (asked for under its own peak, 2000 here) is
+    Where no plan fits, the unconstrained plan (asked for as without a budget: None) is
     compiled to compare: given no outcome here (None), nothing changes."""
     from compile_offload.passes.plan import Plan
 
@@ -463,19 +463,20 @@ def test_the_loop_on_hand_made_attempts():
     with pytest.warns(UserWarning, match="scheduled peak") as caught:
         kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(950, 1500)), replan([(600, 1150)]))
     assert len([w for w in caught if "scheduled peak" in str(w.message)]) == 1
-    assert asked == [450, 2000] and kept.compiled == "compiled 1" and kept.plan.planned_budget_bytes == 450
+    assert asked == [450, None] and kept.compiled == "compiled 1" and kept.plan.planned_budget_bytes == 450
     # At most MAX_REPLANS re-plans, each under the last prediction less its excess.
     asked.clear()
     with pytest.warns(UserWarning, match="scheduled peak"):
         kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(950, 1100)),
                                               replan([(840, 1050), (780, 1020), (750, 1010)]))
-    assert budget_loop.MAX_REPLANS == 3 and asked == [850, 790, 760, 2000]
+    assert budget_loop.MAX_REPLANS == 3 and asked == [850, 790, 760, None]
     assert kept.compiled == "compiled 3" and kept.plan.planned_budget_bytes == 760
 
 
 def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_attempts():
     """Every budgeted plan's code over the budget: the unconstrained plan is compiled once
-    (asked for under its own predicted peak) and kept where its code peaks lower, or fits."""
+    (asked for as without a budget: ``replan(None)``) and kept where its code peaks lower, or
+    fits; it keeps the user's budget and names, as planned under, the unconstrained peak."""
     from compile_offload.passes.plan import Decision, Plan
 
     def plan(predicted, scheduled, seconds=1.0, feasible=True, decisions=None):
@@ -492,11 +493,13 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
     with pytest.warns(UserWarning, match="scheduled peak") as caught:
         kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(950, 1500)),
                                               replan([(800, 1400), (2000, 1300, 0.5)]))
-    assert asked == [450, 2000] and kept.compiled == "compiled 2"
+    assert asked == [450, None] and kept.compiled == "compiled 2"
     assert len([w for w in caught if "scheduled peak" in str(w.message)]) == 1
     assert kept.plan.budget_bytes == 1000 and kept.plan.planned_budget_bytes == 2000
     assert kept.plan.min_peak_bytes == 800  # the lowest the search reached, not the unconstrained plan's own
     assert any(note.startswith(budget_loop.UNCONSTRAINED_NOTE) for note in kept.plan.notes)
+    assert budget_loop.compiled_as_unconstrained(kept.plan)  # a warm cache compiles it again so
+    assert not budget_loop.compiled_as_unconstrained(plan(800, 1400))
     # Its code fits the budget: kept, nothing warned.
     asked.clear()
     with warnings.catch_warnings():
@@ -625,14 +628,17 @@ def test_a_model_the_planner_over_predicts_keeps_a_budget_below_its_minimum_with
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
-@pytest.mark.parametrize("fraction", [0.8, 0.5])
-def test_where_no_plan_fits_the_unconstrained_plan_is_kept_when_its_code_peaks_lower(fraction):
+@pytest.mark.parametrize("family, fraction", [("inplace_residual", 0.8), ("inplace_residual", 0.5),
+                                              ("custom_function", 0.5)])
+def test_where_no_plan_fits_the_step_is_no_higher_than_without_a_budget(family, fraction):
     """Found on a residual MLP with in-place ``relu_`` (2026-11-27): every plan made under
     the budget recomputes pointwise gradients that Inductor inlines into later kernels, so
     their code held more (1.88 MiB) than the unconstrained step (1.75 MiB measured). Where
-    no plan's code fits, the unconstrained plan is compared, and here the step is then no
-    higher than without a budget; one warning says the budget is missed."""
-    budget, unconstrained, measured, kept, caught = _family_at(fraction, "inplace_residual")
+    no plan's code fits, the unconstrained plan is compared, and the step is then no higher
+    than without a budget; one warning says the budget is missed. On the custom autograd
+    function it is the unconstrained plan that is kept, and it must be compiled as without
+    a budget, with Inductor's peak-memory reordering (353.51 KiB without it, 320.51 with)."""
+    budget, unconstrained, measured, kept, caught = _family_at(fraction, family)
     assert measured <= unconstrained
     assert kept.scheduled_peak_bytes == measured  # the loop saw the program it kept
     warned = [w for w in caught if "below the minimum" in str(w.message) or "over the memory budget" in str(w.message)]
@@ -710,6 +716,61 @@ def test_a_warm_cache_runs_the_re_planned_plan_not_the_cached_first_one(tmp_path
     """Two fresh processes sharing Inductor's cache. The first re-plans (forced) and keeps the
     re-plan; the second is served the first plan's code from the cache, reads in the graph
     record that a re-plan was kept, and compiles that plan (the same budget, the same plan)."""
+    cold, warm = _two_processes(tmp_path, WARM_REPLAN_SCRIPT)
+    assert cold["planned_under"] is not None and cold["asked"] == [cold["planned_under"]]
+    assert warm["asked"] == cold["asked"]  # the kept plan compiled, not the cached first plan
+    assert (warm["kept"], warm["planned_under"], warm["saved"]) == (cold["kept"], cold["planned_under"], cold["saved"])
+    assert warm["grads"] == pytest.approx(cold["grads"], rel=1e-4)
+
+
+WARM_UNCONSTRAINED_SCRIPT = """
+import json, warnings
+import torch
+import compile_offload
+from compile_offload import backend, budget_loop, measure_peak
+from compile_offload.benchmarks import families
+from compile_offload.logs import latest_plans
+
+asked = []
+replan = backend._replan
+def counted(*args):
+    asked.append(args[-1])
+    return replan(*args)
+backend._replan = counted
+model, inputs, loss_of = families.build("custom_function")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    step = torch.compile(lambda *args: loss_of(model(*args)),
+                         backend=compile_offload.offload_remat(memory_budget="160KiB", device_profile="cpu"))
+    step(*inputs).backward()
+    model.zero_grad(set_to_none=True)
+    with measure_peak("cpu") as peak:
+        step(*inputs).backward()
+plan = latest_plans()[-1]
+print(json.dumps({"asked": asked, "kept": plan.summary(), "unconstrained": budget_loop.compiled_as_unconstrained(plan),
+                  "peak": peak.peak_bytes}))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_a_warm_cache_runs_the_unconstrained_plan_the_loop_kept_as_compiled_without_a_budget(tmp_path):
+    """Where the loop kept the unconstrained plan compiled as without a budget (the custom
+    autograd function below its minimum), a second process compiles that plan again the
+    same way: the same step, the same peak. The custom function makes AOTAutograd's cache
+    pass the graph by, so the second process plans again while Inductor's FX graph cache
+    serves the first compile's first plan (no kernels recorded): the record decides."""
+    runs = _two_processes(tmp_path, WARM_UNCONSTRAINED_SCRIPT)
+    cold, warm = runs
+    assert cold["unconstrained"] and None in cold["asked"]
+    assert warm["asked"] == [None]  # the kept plan compiled as without a budget, not the cached first plan
+    assert warm["unconstrained"] and warm["kept"] == cold["kept"]
+    assert warm["peak"] == cold["peak"]
+
+
+def _two_processes(tmp_path, script):
+    """``script``'s last line of JSON from two fresh processes sharing Inductor's cache."""
     import json
     import os
     import subprocess
@@ -721,15 +782,11 @@ def test_a_warm_cache_runs_the_re_planned_plan_not_the_cached_first_one(tmp_path
     environment.pop("TORCH_LOGS", None)
     runs = []
     for _ in range(2):
-        result = subprocess.run([sys.executable, "-c", WARM_REPLAN_SCRIPT], capture_output=True, text=True,
-                                timeout=600, env=environment)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                                env=environment)
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    assert cold["planned_under"] is not None and cold["asked"] == [cold["planned_under"]]
-    assert warm["asked"] == cold["asked"]  # the kept plan compiled, not the cached first plan
-    assert (warm["kept"], warm["planned_under"], warm["saved"]) == (cold["kept"], cold["planned_under"], cold["saved"])
-    assert warm["grads"] == pytest.approx(cold["grads"], rel=1e-4)
+    return runs
 
 
 @pytest.mark.inductor
