@@ -370,11 +370,17 @@ class _Cycle(Exception):
 
 def _run_apart(kernel_of: dict, kernel: tuple[fx.Node, ...], waiting: frozenset[fx.Node], split: bool) -> None:
     """Take ``kernel`` out of ``kernel_of``; with ``split``, its members not ``waiting`` on
-    the cycle stay one kernel."""
-    for member in kernel:
-        kernel_of.pop(member, None)
+    the cycle stay one kernel, where that kernel is smaller than each of theirs was.
+
+    Otherwise the whole kernel runs apart: a "rest" no smaller than its members' kernels
+    changes nothing (or grows one back), so the walk would meet the same cycle again, for
+    ever. Met on an unrolled GRU planned for Triton's kernels (``allow_rnn``): a kernel the
+    cycle was kept for had been split already, nothing of it waited on the cycle, and the
+    planner hung."""
+    before = {member: kernel_of.pop(member, None) for member in kernel}
     rest = tuple(member for member in kernel if member not in waiting) if split else ()
-    if len(rest) > 1:
+    if len(rest) > 1 and all(before[member] is not None and len(before[member]) > len(rest)
+                             and set(rest) <= set(before[member]) for member in rest):
         for member in rest:
             kernel_of[member] = rest
 

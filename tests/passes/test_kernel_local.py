@@ -243,3 +243,35 @@ def test_on_triton_a_kernel_a_cycle_breaks_keeps_what_does_not_wait_on_it():
     kernels = [frozenset({nodes["n"], nodes["x"], nodes["g"]})]
     assert [n.name for n in fused_kernel_order(order, kernels, _inputs)] == ["n", "m", "d", "x", "g"]
     assert [n.name for n in fused_kernel_order(order, kernels, _inputs, split=True)] == ["n", "x", "m", "d", "g"]
+
+
+def _nodes(count: int) -> list[fx.Node]:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    return [graph.call_function(torch.neg, (x,)) for _ in range(count)]
+
+
+def test_a_kernel_split_around_a_cycle_only_shrinks():
+    """``_run_apart`` under Triton's split keeps the members a cycle does not wait on as one
+    kernel only where that kernel is smaller than the one each was in: a "rest" equal to its
+    members' kernel (a cycle kept for a kernel split already, nothing of it waiting) changed
+    nothing, and the walk met the same cycle for ever (an unrolled GRU planned for an H100
+    hung in planning; ``tests/test_explain.py``)."""
+    from compile_offload.passes.kernel_local import _run_apart
+
+    a, b, c, d = _nodes(4)
+    kernel = (a, b, c, d)
+    kernel_of = {n: kernel for n in kernel}
+    _run_apart(kernel_of, kernel, frozenset({d}), split=True)  # d waits on the cycle: the rest stays one kernel
+    assert kernel_of == {a: (a, b, c), b: (a, b, c), c: (a, b, c)}
+    # The same cycle met again, kept for the kernel as it was, nothing waiting: splitting would
+    # give (a, b, c, d) or (a, b, c) back; it runs apart whole.
+    _run_apart(kernel_of, kernel, frozenset(), split=True)
+    assert kernel_of == {}
+    kernel_of = {n: (a, b, c) for n in (a, b, c)}
+    _run_apart(kernel_of, (a, b, c), frozenset(), split=True)
+    assert kernel_of == {}
+    # Without the split (the C++ backend's kernels) a cycle runs its kernel apart whole.
+    kernel_of = {n: kernel for n in kernel}
+    _run_apart(kernel_of, kernel, frozenset({d}), split=False)
+    assert kernel_of == {}
