@@ -245,14 +245,35 @@ def explain_all(
             compiled(*inputs)
     else:
         compiled(*inputs)
+    recurrence = _eager_recurrence(module)
     if not plans:
         raise ValueError(
-            "compile_offload.explain: no training graph was produced; the model's outputs must require grad "
-            "(parameters with requires_grad=True or inputs with requires_grad=True)"
-        )
+            "compile_offload.explain: no training graph was produced; "
+            + (recurrence if recurrence else "the model's outputs must require grad "
+               "(parameters with requires_grad=True or inputs with requires_grad=True)"))
     for plan in plans:
         _note_pinned_memory(plan)
+        if recurrence:
+            plan.notes.append(recurrence)
+    if recurrence:
+        warnings.warn(f"compile_offload.explain: {recurrence}", stacklevel=2)
     return plans
+
+
+def _eager_recurrence(module: torch.nn.Module | None) -> str | None:
+    """What to say where the model has recurrent modules Dynamo runs eagerly (``nn.RNN``,
+    ``nn.GRU``, ``nn.LSTM`` are not traced unless ``torch._dynamo.config.allow_rnn``): their
+    activations are in no graph, so no plan covers them, and the backend cannot tell (its
+    graphs are what is left around them, often nothing: the frame that calls one runs
+    eagerly whole). None where there is none, or they are traced."""
+    if module is None or torch._dynamo.config.allow_rnn:
+        return None
+    recurrent = [f"{name or 'the model'} ({type(m).__name__})" for name, m in module.named_modules()
+                 if isinstance(m, torch.nn.RNNBase)]
+    if not recurrent:
+        return None
+    return (f"{', '.join(recurrent)} run eagerly outside the compiled graphs (torch._dynamo.config.allow_rnn is "
+            "False): their activations are not planned under the budget; set allow_rnn = True to trace them")
 
 
 def _note_pinned_memory(plan: Plan) -> None:

@@ -373,3 +373,29 @@ def test_explain_that_runs_the_generated_forward_leaves_the_model_as_it_was():
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, before[name]), name
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+class _RecurrentHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(16, 16, batch_first=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.gru(x)[0]).pow(2).mean()
+
+
+def test_explain_says_where_recurrent_modules_run_eagerly_outside_the_budget():
+    """Dynamo runs ``nn.GRU`` eagerly unless ``allow_rnn`` (here the whole forward that calls
+    it): its activations are in no graph and no plan covers them, which the backend cannot
+    see (docs/guide.md, "Graph breaks"). explain sees the model and says why it found no
+    graph to plan; traced (``allow_rnn = True``) the GRU is planned, and nothing is said."""
+    model, x = _RecurrentHead(), torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match=r"no training graph was produced; gru \(GRU\) run eagerly outside"):
+        compile_offload.explain_all(model, x, memory_budget=0.5, device_profile="h100")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True), warnings.catch_warnings(record=True) as traced:
+        warnings.simplefilter("always")
+        plans = compile_offload.explain_all(model, x, memory_budget=0.5, device_profile="h100")
+    assert plans and not [w for w in traced if "run eagerly" in str(w.message)]
+    assert not any("allow_rnn" in note for plan in plans for note in plan.notes)
