@@ -681,6 +681,16 @@ def _family_at(fraction, name):
     return budget, unconstrained.peak_bytes, measured.peak_bytes, kept, caught
 
 
+# In a script run by ``_two_processes``: each budget the backend re-plans under, in ``asked``.
+COUNTING_REPLANS = """
+asked = []
+replan = backend._replan
+def counted(*args):
+    asked.append(args[-1])
+    return replan(*args)
+backend._replan = counted
+"""
+
 WARM_REPLAN_SCRIPT = """
 import json, sys, warnings
 import torch
@@ -691,13 +701,7 @@ from tests.test_budget_loop import _deep_mlp, _inflating
 
 inflated, seen = _inflating([64 * 1024])  # this process's first plan "exceeds" its budget
 budget_loop.note_scheduled_peak = inflated
-asked = []
-replan = backend._replan
-def counted(*args):
-    asked.append(args[-1])
-    return replan(*args)
-backend._replan = counted
-model = _deep_mlp()
+""" + COUNTING_REPLANS + """model = _deep_mlp()
 x = torch.randn(512, 256)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -730,14 +734,7 @@ import compile_offload
 from compile_offload import backend, budget_loop, measure_peak
 from compile_offload.benchmarks import families
 from compile_offload.logs import latest_plans
-
-asked = []
-replan = backend._replan
-def counted(*args):
-    asked.append(args[-1])
-    return replan(*args)
-backend._replan = counted
-model, inputs, loss_of = families.build("custom_function")
+""" + COUNTING_REPLANS + """model, inputs, loss_of = families.build("custom_function")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     step = torch.compile(lambda *args: loss_of(model(*args)),
