@@ -379,8 +379,10 @@ def _run_apart(kernel_of: dict, kernel: tuple[fx.Node, ...], waiting: frozenset[
     planner hung."""
     before = {member: kernel_of.pop(member, None) for member in kernel}
     rest = tuple(member for member in kernel if member not in waiting) if split else ()
-    if len(rest) > 1 and all(before[member] is not None and len(before[member]) > len(rest)
-                             and set(rest) <= set(before[member]) for member in rest):
+    if len(rest) < 2:
+        return
+    kernels_before = {before[member] for member in rest}  # each distinct kernel once
+    if None not in kernels_before and all(len(k) > len(rest) and set(rest) <= set(k) for k in kernels_before):
         for member in rest:
             kernel_of[member] = rest
 

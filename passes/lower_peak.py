@@ -68,21 +68,28 @@ def lower_peak(a: JointAnalysis, plan: Candidate, base_saved: Iterable[fx.Node],
     estimate = Estimates(a, evaluate.seconds)
     current = evaluate(Prefix(plan.saved, plan.offloaded, plan.moves))
     steps = evaluated = 0
+
+    def may_evaluate() -> bool:
+        return evaluated < max_evaluations and (progress is None or progress.step())
+
+    def first_lower(options) -> Candidate | None:
+        nonlocal evaluated
+        for _, option in options:
+            if not evaluate.simulated(option):
+                if not may_evaluate():
+                    return None
+                evaluated += 1
+            candidate = evaluate(option)
+            if (candidate.peak_bytes < current.peak_bytes
+                    and candidate.extra_seconds >= current.extra_seconds - SAME_SECONDS):
+                return candidate
+        return None
+
     while current.peak_bytes > budget_bytes and steps < MAX_STEPS:
-        step = None
-        for neighbours in (undos, swaps):
-            for _, option in neighbours(a, current, base_saved, estimate, least_change_first):
-                if not evaluate.simulated(option):
-                    if evaluated >= max_evaluations or (progress is not None and not progress.step()):
-                        break
-                    evaluated += 1
-                candidate = evaluate(option)
-                if (candidate.peak_bytes < current.peak_bytes
-                        and candidate.extra_seconds >= current.extra_seconds - SAME_SECONDS):
-                    step = candidate
-                    break
-            if step is not None:
-                break
+        step = first_lower(undos(a, current, base_saved, estimate, least_change_first))
+        out = evaluated >= max_evaluations or (progress is not None and progress.out_of_time)
+        if step is None and not out:  # swaps list every pair: not built once out of plans or time
+            step = first_lower(swaps(a, current, base_saved, estimate, least_change_first))
         if step is None:
             break
         current, steps = step, steps + 1

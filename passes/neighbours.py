@@ -40,6 +40,7 @@ class Estimates:
     def __init__(self, a: JointAnalysis, seconds: Callable[[fx.Node], float]) -> None:
         self.a, self.seconds = a, seconds
         self.groups: dict[frozenset[fx.Node], Group | None] = {}
+        self.recompute: dict[frozenset[fx.Node], float] = {}
 
     def group(self, members: Iterable[fx.Node]) -> Group | None:
         members = frozenset(members)
@@ -48,9 +49,14 @@ class Estimates:
         return self.groups[members]
 
     def recompute_seconds(self, members: Iterable[fx.Node]) -> float:
-        """The time of recomputing these tensors' storage from what it reads."""
-        group = self.group(members)
-        return 0.0 if group is None else sum(self.seconds(n) for n in group.closure if n.op == "call_function")
+        """The time of recomputing these tensors' storage from what it reads (kept: ``swaps``
+        asks it of each storage once per pair)."""
+        members = frozenset(members)
+        if members not in self.recompute:
+            group = self.group(members)
+            self.recompute[members] = (0.0 if group is None else
+                                       sum(self.seconds(n) for n in group.closure if n.op == "call_function"))
+        return self.recompute[members]
 
 
 def undos(a: JointAnalysis, plan: Candidate, base_saved: frozenset[fx.Node], estimate: Estimates,

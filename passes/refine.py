@@ -11,8 +11,8 @@ at the same peak.
 one storage, or save again one storage of the unconstrained plan that the plan recomputes
 (dropping what was saved only to recompute it). In a round where no undo can be taken it
 tries *swaps* (save one storage again while recomputing another one the plan saves), then
-undoes again (the steps: ``passes.neighbours``). A step is taken only when its plan, evaluated exactly (the solver's own
-evaluator), fits the budget, is strictly faster and peaks no lower than the plan it
+undoes again (the steps: ``passes.neighbours``). A step is taken only when its plan,
+evaluated exactly (the solver's own evaluator), fits the budget, is strictly faster and peaks no lower than the plan it
 replaces. Each round tries the options in a fixed order, the largest estimated saving
 first (the recompute time of the storage saved again, the stalls of the copies undone;
 for a swap, less the recompute time it adds), and takes the first that qualifies. Every
