@@ -484,8 +484,10 @@ class PlanNodes:
     backward: list[fx.Node]  # ``backward_order``: recomputation just in time
 
 
-def plan_nodes(a: JointAnalysis, saved: set[fx.Node]) -> PlanNodes:
-    recomputed = recomputed_nodes(a, saved)
+def plan_nodes(a: JointAnalysis, saved: set[fx.Node], recomputed: set[fx.Node] | None = None) -> PlanNodes:
+    """The nodes the step runs when the forward saves ``saved``; ``recomputed``:
+    ``recomputed_nodes(a, saved)``, when the caller has it."""
+    recomputed = recomputed_nodes(a, saved) if recomputed is None else recomputed
     return PlanNodes(forward_nodes_needed(a, saved), recomputed, backward_order(a, recomputed))
 
 

@@ -9,8 +9,9 @@ pass over the whole graph, and a sequence holds a few plans per layer, so simula
 plan makes planning quadratic in depth.
 
 The searches probe ``fanout`` evenly spaced plans of a range, then search the window
-that must hold the answer the same way, until the window is small enough to scan: about
-``fanout * log(n)`` simulations instead of ``n``.
+that must hold the answer (``lowest``: the same way, until the window is small enough to
+scan; ``first_where``: by bisection): about ``fanout * log(n)`` simulations at most
+instead of ``n``.
 
 - ``first_where(holds, n)``: the first index where ``holds``, when some probe holds. Exact
   when ``holds`` does not flip back from true to false before that probe, which peaks that
@@ -32,7 +33,10 @@ passed over; the solver then chooses among the plans it found, a slower plan, ne
 over the budget (what a search returns was simulated and fits).
 
 Indices are probed through ``peak``/``holds`` only, so the caller's memo decides what a
-probe costs (the solver's ``Evaluator`` simulates each plan once).
+probe costs (the solver's ``Evaluator`` simulates each plan once). The fitting searches
+take an optional ``bound``: a lower bound of ``peak`` that costs far less (the solver's:
+the saved bytes the backward starts with). Where the bound does not fit, the peak does
+not either, and the plan is not simulated; the answer is the same.
 """
 
 from __future__ import annotations
@@ -53,91 +57,127 @@ def _probes(lo: int, hi: int, fanout: int) -> list[int]:
 
 
 def first_where(holds: Callable[[int], bool], n: int, fanout: int = FANOUT) -> int | None:
-    """The first index of ``range(n)`` where ``holds``, or None when no probe holds."""
+    """The first index of ``range(n)`` where ``holds``, or None when no probe holds. After
+    the first probe that holds, the window since the probe before it is bisected: there,
+    under the rule above, ``holds`` is false and then true."""
     if fanout < 2:
         raise ValueError(f"fanout={fanout}: at least 2")
-    lo, hi = 0, n
-    while hi - lo > fanout:
-        previous = lo - 1
-        for probe in _probes(lo, hi, fanout):
-            if holds(probe):
-                lo, hi = previous + 1, probe + 1  # the answer is after the last probe that did not hold
-                break
-            previous = probe
+    if n <= fanout:
+        return next((i for i in range(n) if holds(i)), None)
+    previous = -1
+    for probe in _probes(0, n, fanout):
+        if holds(probe):
+            break
+        previous = probe
+    else:
+        return None
+    lo, hi = previous + 1, probe  # the answer is in [lo, hi], and ``hi`` holds
+    while lo < hi:
+        middle = (lo + hi) // 2
+        if holds(middle):
+            hi = middle
         else:
-            return None
-        if hi - lo == 1:
-            return lo
-    return next((i for i in range(lo, hi) if holds(i)), None)
+            lo = middle + 1
+    return lo
 
 
-def lowest(peak: Callable[[int], int | float], n: int, fanout: int = FANOUT, patience: int = PATIENCE) -> int:
+def lowest(peak: Callable[[int], int | float], n: int, fanout: int = FANOUT, patience: int = PATIENCE,
+           bound: Callable[[int], int | float] | None = None) -> int:
     """The index of the lowest ``peak`` in ``range(n)`` (the first of equals). ``n`` >= 1.
     After the search, the values following the lowest found are read until ``patience``
     of them in a row are no lower: a bump narrower than that next to the lowest value
-    (measured on a 16-layer GPT's recompute sequence: 4 plans) does not hide it."""
+    (measured on a 16-layer GPT's recompute sequence: 4 plans) does not hide it.
+    ``bound``: a lower bound of ``peak``; an index whose bound is above a value already
+    read cannot hold the lowest one, and its peak is not asked for."""
     if n < 1:
         raise ValueError("lowest of an empty range")
     if fanout < 3:
         raise ValueError(f"fanout={fanout}: at least 3")
-    if n >= 2 and peak(n - 1) < peak(n - 2):
+    bound = bound or peak
+    if n >= 2 and bound(n - 1) < peak(n - 2) and peak(n - 1) < peak(n - 2):
         # Still falling at the end (a range cut short by price, ``count_within``): on values
         # that fall then rise, the last is the lowest, and the first of its value.
         return n - 1
     lo, hi = 0, n
     while hi - lo > fanout:
         probes = sorted({lo, *_probes(lo, hi, fanout)})
-        values = [peak(i) for i in probes]
-        low = min(values)
-        first, last = values.index(low), len(values) - 1 - values[::-1].index(low)
+        at = _least(peak, bound, probes)
+        first, last = probes.index(at[0]), probes.index(at[-1])
         # Values fall then rise, so the lowest lies strictly between the probes on either
         # side of the probes holding the lowest probed value.
         window = (probes[first - 1] + 1 if first > 0 else lo, probes[last + 1] if last + 1 < len(probes) else hi)
         if window == (lo, hi):  # every probe on one plateau: only a scan can tell
             break
         lo, hi = window
-    best = min(range(lo, hi), key=lambda i: (peak(i), i))
+    best = _least(peak, bound, range(lo, hi))[0]
     i = best + 1
     while i < n and i - best <= patience:
-        if peak(i) < peak(best):
+        if bound(i) < peak(best) and peak(i) < peak(best):
             best = i
         i += 1
     return best
 
 
+def _least(peak: Callable[[int], int | float], bound: Callable[[int], int | float], indices) -> list[int]:
+    """The indices of ``indices`` holding their least ``peak``, in order. Peaks are read in
+    the order of their bounds, until the next bound is above the least peak read: every
+    index left holds more."""
+    least, at = None, []
+    for i in sorted(indices, key=lambda i: (bound(i), i)):
+        if least is not None and bound(i) > least:
+            break
+        value = peak(i)
+        if least is None or value < least:
+            least, at = value, [i]
+        elif value == least:
+            at.append(i)
+    return sorted(at)
+
+
 def first_fitting(peak: Callable[[int], int | float], n: int, fits: Callable[[int | float], bool],
-                  fanout: int = FANOUT) -> int | None:
+                  fanout: int = FANOUT, bound: Callable[[int], int | float] | None = None) -> int | None:
     """The first index of ``range(n)`` whose ``peak`` ``fits`` (``fits`` holds for every
     value below one that fits), or None. On values that fall then rise this is exact: where
     no probe of ``first_where`` fits, the fitting stretch, if any, lies around the lowest
     value, and the values fall up to it (``fitting_around_lowest``)."""
-    found = probed_fit(peak, n, fits, fanout)
+    found = probed_fit(peak, n, fits, fanout, bound)
     if found is None:
-        found = fitting_around_lowest(peak, n, fits, fanout)
+        found = fitting_around_lowest(peak, n, fits, fanout, bound)
     return found
 
 
 def probed_fit(peak: Callable[[int], int | float], n: int, fits: Callable[[int | float], bool],
-               fanout: int = FANOUT) -> int | None:
+               fanout: int = FANOUT, bound: Callable[[int], int | float] | None = None) -> int | None:
     """``first_fitting``'s first half: the first index whose ``peak`` ``fits`` when a probe
     of ``first_where`` fits; None says no probe did (a narrow stretch around the lowest
     value may still fit). The first value is read first: where it fits (an unconstrained
     plan under a generous budget) nothing else is."""
-    if n > 0 and fits(peak(0)):
+    holds = _fitting(peak, fits, bound)
+    if n > 0 and holds(0):
         return 0
-    return first_where(lambda i: fits(peak(i)), n, fanout)
+    return first_where(holds, n, fanout)
 
 
 def fitting_around_lowest(peak: Callable[[int], int | float], n: int, fits: Callable[[int | float], bool],
-                          fanout: int = FANOUT) -> int | None:
+                          fanout: int = FANOUT, bound: Callable[[int], int | float] | None = None) -> int | None:
     """``first_fitting``'s second half, where no probe fitted: the lowest value of
     ``range(n)``, and when it fits, the first index that fits before it; else None."""
     if n < 1:
         return None
-    bottom = lowest(peak, n, max(3, fanout))
+    bottom = lowest(peak, n, max(3, fanout), bound=bound)
     if not fits(peak(bottom)):
         return None
-    return first_where(lambda i: fits(peak(i)), bottom + 1, fanout)
+    return first_where(_fitting(peak, fits, bound), bottom + 1, fanout)
+
+
+def _fitting(peak: Callable[[int], int | float], fits: Callable[[int | float], bool],
+             bound: Callable[[int], int | float] | None) -> Callable[[int], bool]:
+    """Whether index ``i``'s peak fits, asking the peak only where its lower ``bound`` fits
+    (``fits`` holds for every value below one that fits, so a bound that does not fit
+    rules the peak out)."""
+    if bound is None:
+        return lambda i: fits(peak(i))
+    return lambda i: fits(bound(i)) and fits(peak(i))
 
 
 def count_within(price: Callable[[int], float], n: int, limit: float) -> int:

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
 from .memory import PlanNodes, Timeline, forward_nodes_needed, peak_bytes, plan_program, recomputed_nodes, simulate
+from .peak_bound import held_when_backward_starts
 from .progress import Progress
 from .search_sequence import count_within, fitting_around_lowest, lowest, probed_fit
 from .transfer import TransferPlan
@@ -526,6 +527,9 @@ class PlanEvaluator(Protocol):
 
     def __call__(self, plan: Prefix) -> Candidate: ...
 
+    def bound(self, plan: Prefix) -> int:
+        """A lower bound of the plan's simulated peak, for much less than simulating it."""
+
 
 class RecomputeEvaluator:
     """A ``PlanEvaluator`` for recompute-only plans: priced by their moves' recompute time."""
@@ -533,6 +537,8 @@ class RecomputeEvaluator:
     def __init__(self, a: JointAnalysis) -> None:
         self.a = a
         self.results: dict[frozenset[fx.Node], Candidate] = {}
+        self.bounds: dict[frozenset[fx.Node], int] = {}
+        self.bound_holds = True
 
     def price(self, plan: Prefix) -> tuple[float, None]:
         # Summed move by move, in order: the sum the candidate reports, to the last bit.
@@ -544,7 +550,18 @@ class RecomputeEvaluator:
     def __call__(self, plan: Prefix) -> Candidate:
         if plan.saved not in self.results:
             self.results[plan.saved] = evaluate(self.a, plan.saved, self.price(plan)[0], plan.moves)
+            if self.results[plan.saved].peak_bytes < self.bound(plan):  # checked on every plan simulated
+                self.bound_holds = False
         return self.results[plan.saved]
+
+    def bound(self, plan: Prefix) -> int:
+        """``Evaluator.bound`` for recompute-only plans."""
+        if not self.bound_holds:
+            return 0
+        if plan.saved not in self.bounds:
+            recomputed = recomputed_nodes(self.a, set(plan.saved))
+            self.bounds[plan.saved] = held_when_backward_starts(self.a, plan.saved, recomputed)
+        return self.bounds[plan.saved]
 
 
 def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", budget_bytes: int | None,
@@ -581,24 +598,25 @@ def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", b
             return len(sequence)
         return count_within(lambda i: price(sequence[i]), len(sequence), cheapest)
 
-    searched: list[tuple[list[Prefix], Callable[[int], int], int | None]] = []
+    searched: list[tuple[list[Prefix], Callable[[int], int], Callable[[int], int], int | None]] = []
     for number, sequence in enumerate(sequences):
         if number and progress is not None and progress.out_of_time:
             break
         peak = (lambda seq: lambda i: evaluate(seq[i]).peak_bytes)(sequence)
-        fit = probed_fit(peak, choosable(sequence), fits) if budget_bytes is not None else None
+        bound = (lambda seq: lambda i: evaluate.bound(seq[i]))(sequence)
+        fit = probed_fit(peak, choosable(sequence), fits, bound=bound) if budget_bytes is not None else None
         if fit is not None and (cheapest is None or price(sequence[fit]) < cheapest):
             cheapest = price(sequence[fit])
-        searched.append((sequence, peak, fit))
+        searched.append((sequence, peak, bound, fit))
     found: dict[tuple[frozenset, frozenset], Prefix] = {}
-    for sequence, peak, fit in searched:
+    for sequence, peak, bound, fit in searched:
         if fit is None:
             n = choosable(sequence)
             if n == 0:
                 continue
-            fit = fitting_around_lowest(peak, n, fits)
+            fit = fitting_around_lowest(peak, n, fits, bound=bound)
             if fit is None:
-                picked = [lowest(peak, n)]  # read by the search just made
+                picked = [lowest(peak, n, bound=bound)]  # read by the search just made
             elif cheapest is None or price(sequence[fit]) < cheapest:
                 cheapest = price(sequence[fit])
         if fit is not None:

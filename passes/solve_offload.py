@@ -37,6 +37,7 @@ faster plan (``passes.lower_peak``).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from .cost import DeviceProfile
 from .memory import PlanNodes, StepBuilder, peak_bytes, plan_nodes, plan_program, recomputed_nodes, simulate
 from .lower_peak import lowered_solution
 from .node_durations import node_durations
+from .peak_bound import held_when_backward_starts
 from .solve import (
     Candidate,
     Group,
@@ -186,14 +188,19 @@ def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, se
     the whole sequence (the complete search's reference)."""
     n = len(sequence)
     peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
+    bound = lambda i: evaluate.bound(sequence[i])  # noqa: E731
     order = lambda i: (lowest_peak(evaluate(sequence[i])), i)  # noqa: E731
     first = peak(0)
     points = [sequence[0]]
     for level in range(levels - 1, 0, -1):
         below = lambda bytes_: bytes_ < level / levels * first  # noqa: E731
-        found = first_fitting(peak, n, below) if search else next((i for i in range(n) if below(peak(i))), None)
+        if search:
+            found = first_fitting(peak, n, below, bound=bound)
+        else:
+            found = next((i for i in range(n) if below(peak(i))), None)
         points.append(None if found is None else sequence[found])
-    points.append(sequence[lowest(lambda i: order(i)[0], n) if search else min(range(n), key=order)])
+    least_first = lambda i: (bound(i), -math.inf)  # noqa: E731  a lower bound of ``order(i)[0]``
+    points.append(sequence[lowest(lambda i: order(i)[0], n, bound=least_first) if search else min(range(n), key=order)])
     distinct = {id(plan): plan for plan in points if plan is not None}
     return list(distinct.values())
 
@@ -443,8 +450,12 @@ class SavedSetFacts:
         self.a, self.saved, self.seconds = a, saved, seconds
 
     @cached_property
+    def recomputed(self) -> set[fx.Node]:
+        return recomputed_nodes(self.a, set(self.saved))
+
+    @cached_property
     def nodes(self) -> PlanNodes:
-        return plan_nodes(self.a, set(self.saved))
+        return plan_nodes(self.a, set(self.saved), self.recomputed)
 
     @cached_property
     def schedules(self) -> tuple[Schedule, Schedule]:
@@ -479,10 +490,23 @@ class Evaluator:
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
+        self.bounds: dict[tuple[frozenset, frozenset], int] = {}
+        self.bound_holds = True
 
     def with_timeline(self, plan: Candidate) -> Candidate:
         """``plan`` simulated again, keeping its timeline (for the plans a solution reports)."""
         return self(Prefix(plan.saved, plan.offloaded, plan.moves), keep_timeline=True)
+
+    def bound(self, plan: Prefix) -> int:
+        """A lower bound of the plan's simulated peak (``passes.peak_bound``), or 0 once a
+        simulated plan's peak came out below its bound: then the bound is not trusted."""
+        if not self.bound_holds:
+            return 0
+        key = (plan.saved, plan.offloaded)
+        if key not in self.bounds:
+            self.bounds[key] = held_when_backward_starts(self.a, plan.saved, self.saved_sets(plan.saved).recomputed,
+                                                         plan.offloaded)
+        return self.bounds[key]
 
     def simulated(self, plan: Prefix) -> bool:
         return (plan.saved, plan.offloaded) in self.results
@@ -518,5 +542,7 @@ class Evaluator:
         timeline = simulate(program) if keep_timeline else None  # the search reads peaks only
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes if timeline else peak_bytes(program),
                               timeline, plan.moves, plan.offloaded, transfers)
+        if self.bound_holds and candidate.peak_bytes < self.bound(plan):  # checked on every plan simulated
+            self.bound_holds = False
         self.results.setdefault(key, candidate)
         return candidate

@@ -123,6 +123,7 @@ class Sequences:
                 sequence.append(plan)
             self.sequences.append(sequence)
         self.simulated = set()
+        self.bounds = {}  # plan -> a lower bound of its peak (none: 0)
 
     def price(self, plan):
         return self.values[plan.saved][1], None
@@ -131,6 +132,9 @@ class Sequences:
         self.simulated.add(plan.saved)
         peak, price = self.values[plan.saved]
         return Candidate(plan.saved, price, peak)
+
+    def bound(self, plan):
+        return self.bounds.get(plan.saved, 0)
 
 
 @st.composite
@@ -181,3 +185,27 @@ def test_a_narrow_fitting_stretch_between_probes_is_found():
     chosen, fits = pick(search_sequences(searched.sequences, searched, 25), 25)
     assert fits and chosen.extra_seconds == 109
     assert len(searched.simulated) < 100
+
+
+@settings(max_examples=300, deadline=None)
+@given(falling_then_rising(), st.integers(0, 8), st.sampled_from([2, 3, 8, 16]), st.data())
+def test_a_lower_bound_changes_no_answer_and_reads_no_more_values(values, slack, fanout, data):
+    below = data.draw(st.lists(st.integers(0, 40), min_size=len(values), max_size=len(values)))
+    bounds = [max(0, value - gap) for value, gap in zip(values, below)]
+    budget = min(values) + slack
+    plain, bounded = Probed(values), Probed(values)
+    fits = lambda v: v <= budget  # noqa: E731
+    assert (first_fitting(bounded, len(values), fits, fanout, bound=bounds.__getitem__)
+            == first_fitting(plain, len(values), fits, fanout))
+    assert len(bounded.read) <= len(plain.read)
+    plain, bounded = Probed(values), Probed(values)
+    fanout = max(3, fanout)
+    assert lowest(bounded, len(values), fanout, bound=bounds.__getitem__) == lowest(plain, len(values), fanout)
+
+
+def test_a_bound_above_the_budget_skips_the_value():
+    values = list(range(100, 0, -1))
+    probed = Probed(values)
+    # exact bounds: only the values that fit, and the one before the answer at most, are read
+    assert first_fitting(probed, len(values), lambda v: v <= 30, bound=values.__getitem__) == 70
+    assert all(values[i] <= 30 for i in probed.read)
