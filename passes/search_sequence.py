@@ -32,10 +32,11 @@ passed over; the solver then chooses among the plans it found, a slower plan, ne
 over the budget (what a search returns was simulated and fits).
 
 Indices are probed through ``peak``/``holds`` only, so the caller's memo decides what a
-probe costs (the solver's ``Evaluator`` simulates each plan once). The fitting searches
+probe costs (the solver's ``Evaluator`` simulates each plan once). The searches on peaks
 take an optional ``bound``: a lower bound of ``peak`` that costs far less (the solver's:
-the saved bytes the backward starts with). Where the bound does not fit, the peak does
-not either, and the plan is not simulated; the answer is the same.
+the saved bytes the backward starts with, ``passes.peak_bound``). Where the bound does not
+fit, the peak does not either; in ``lowest``, an index whose bound is above a peak read
+cannot hold the lowest. Its peak is then not read, and the answer is the same.
 """
 
 from __future__ import annotations
