@@ -23,7 +23,7 @@ of its peak (``docs/design.md``, *Planning time*).
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch.fx as fx
 
@@ -54,3 +54,29 @@ def _may_be_copied(a: JointAnalysis, tensor: fx.Node) -> bool:
             return True
         tensor = a.alias_parent.get(tensor)
     return False
+
+
+class PeakBound:
+    """``held_when_backward_starts`` of the plans of one solve, each worked out once, and
+    checked against every peak the solver simulates: once a bound comes out above a
+    simulated peak (a graph these rules miss), it is 0 for the rest of the solve, so it
+    rules out nothing. ``recomputed(saved)``: the plan's recomputed nodes (the caller's,
+    which it keeps for the simulation)."""
+
+    def __init__(self, a: JointAnalysis, recomputed: Callable[[frozenset[fx.Node]], Container[fx.Node]]) -> None:
+        self.a, self.recomputed = a, recomputed
+        self.bounds: dict[tuple[frozenset[fx.Node], frozenset[fx.Node]], int] = {}
+        self.holds = True
+
+    def __call__(self, saved: frozenset[fx.Node], offloaded: frozenset[fx.Node] = frozenset()) -> int:
+        if not self.holds:
+            return 0
+        key = (saved, offloaded)
+        if key not in self.bounds:
+            self.bounds[key] = held_when_backward_starts(self.a, saved, self.recomputed(saved), offloaded)
+        return self.bounds[key]
+
+    def check(self, saved: frozenset[fx.Node], offloaded: frozenset[fx.Node], peak: int) -> None:
+        """Record a simulated ``peak`` of the plan: one below its bound turns the bound off."""
+        if self.holds and peak < self(saved, offloaded):
+            self.holds = False

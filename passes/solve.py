@@ -32,8 +32,9 @@ from typing import ClassVar, Protocol
 import torch.fx as fx
 
 from .analyze import JointAnalysis, is_compute_intensive, tensor_value
-from .memory import PlanNodes, Timeline, forward_nodes_needed, peak_bytes, plan_program, recomputed_nodes, simulate
-from .peak_bound import held_when_backward_starts
+from .memory import (PlanNodes, Timeline, forward_nodes_needed, peak_bytes, plan_nodes, plan_program, recomputed_nodes,
+                     simulate)
+from .peak_bound import PeakBound
 from .progress import Progress
 from .search_sequence import count_within, fitting_around_lowest, lowest, probed_fit
 from .transfer import TransferPlan
@@ -413,10 +414,13 @@ def prefixes(a: JointAnalysis, start: Prefix, moves: Iterable[Move], granularity
         yield Prefix(frozenset(plan.saved), frozenset(plan.offloaded), start.moves + tuple(applied))
 
 
-def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(), keep_timeline=False) -> Candidate:
-    """Simulate one recompute-only plan; ``extra_seconds`` is its recompute time."""
+def evaluate(a: JointAnalysis, saved: Iterable[fx.Node], extra_seconds: float, moves=(),
+             recomputed: set[fx.Node] | None = None, keep_timeline=False) -> Candidate:
+    """Simulate one recompute-only plan; ``extra_seconds`` is its recompute time;
+    ``recomputed``: ``recomputed_nodes(a, saved)``, when the caller has it."""
     saved = frozenset(saved)
-    program = plan_program(a, set(saved), fusion=a.fusion)
+    nodes = plan_nodes(a, set(saved), recomputed) if recomputed is not None else None
+    program = plan_program(a, set(saved), fusion=a.fusion, nodes=nodes)
     timeline = simulate(program) if keep_timeline else None
     return Candidate(saved, extra_seconds, timeline.peak_bytes if timeline else peak_bytes(program), timeline,
                      tuple(moves))
@@ -537,8 +541,8 @@ class RecomputeEvaluator:
     def __init__(self, a: JointAnalysis) -> None:
         self.a = a
         self.results: dict[frozenset[fx.Node], Candidate] = {}
-        self.bounds: dict[frozenset[fx.Node], int] = {}
-        self.bound_holds = True
+        self.peak_bound = PeakBound(a, self.recomputed)
+        self._recomputed: tuple[frozenset[fx.Node], set[fx.Node]] | None = None  # the last plan's
 
     def price(self, plan: Prefix) -> tuple[float, None]:
         # Summed move by move, in order: the sum the candidate reports, to the last bit.
@@ -549,19 +553,21 @@ class RecomputeEvaluator:
 
     def __call__(self, plan: Prefix) -> Candidate:
         if plan.saved not in self.results:
-            self.results[plan.saved] = evaluate(self.a, plan.saved, self.price(plan)[0], plan.moves)
-            if self.results[plan.saved].peak_bytes < self.bound(plan):  # checked on every plan simulated
-                self.bound_holds = False
+            candidate = evaluate(self.a, plan.saved, self.price(plan)[0], plan.moves, self.recomputed(plan.saved))
+            self.results[plan.saved] = candidate
+            self.peak_bound.check(plan.saved, frozenset(), candidate.peak_bytes)
         return self.results[plan.saved]
 
     def bound(self, plan: Prefix) -> int:
         """``Evaluator.bound`` for recompute-only plans."""
-        if not self.bound_holds:
-            return 0
-        if plan.saved not in self.bounds:
-            recomputed = recomputed_nodes(self.a, set(plan.saved))
-            self.bounds[plan.saved] = held_when_backward_starts(self.a, plan.saved, recomputed)
-        return self.bounds[plan.saved]
+        return self.peak_bound(plan.saved)
+
+    def recomputed(self, saved: frozenset[fx.Node]) -> set[fx.Node]:
+        """``recomputed_nodes`` of ``saved``, kept for the last plan: a search asks a plan's
+        bound and then simulates it."""
+        if self._recomputed is None or self._recomputed[0] != saved:
+            self._recomputed = (saved, recomputed_nodes(self.a, set(saved)))
+        return self._recomputed[1]
 
 
 def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", budget_bytes: int | None,

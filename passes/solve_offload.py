@@ -50,7 +50,7 @@ from .cost import DeviceProfile
 from .memory import PlanNodes, StepBuilder, peak_bytes, plan_nodes, plan_program, recomputed_nodes, simulate
 from .lower_peak import lowered_solution
 from .node_durations import node_durations
-from .peak_bound import held_when_backward_starts
+from .peak_bound import PeakBound
 from .solve import (
     Candidate,
     Group,
@@ -490,23 +490,15 @@ class Evaluator:
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
-        self.bounds: dict[tuple[frozenset, frozenset], int] = {}
-        self.bound_holds = True
+        self.peak_bound = PeakBound(a, lambda saved: self.saved_sets(saved).recomputed)
 
     def with_timeline(self, plan: Candidate) -> Candidate:
         """``plan`` simulated again, keeping its timeline (for the plans a solution reports)."""
         return self(Prefix(plan.saved, plan.offloaded, plan.moves), keep_timeline=True)
 
     def bound(self, plan: Prefix) -> int:
-        """A lower bound of the plan's simulated peak (``passes.peak_bound``), or 0 once a
-        simulated plan's peak came out below its bound: then the bound is not trusted."""
-        if not self.bound_holds:
-            return 0
-        key = (plan.saved, plan.offloaded)
-        if key not in self.bounds:
-            self.bounds[key] = held_when_backward_starts(self.a, plan.saved, self.saved_sets(plan.saved).recomputed,
-                                                         plan.offloaded)
-        return self.bounds[key]
+        """A lower bound of the plan's simulated peak (``passes.peak_bound.PeakBound``)."""
+        return self.peak_bound(plan.saved, plan.offloaded)
 
     def simulated(self, plan: Prefix) -> bool:
         return (plan.saved, plan.offloaded) in self.results
@@ -542,7 +534,6 @@ class Evaluator:
         timeline = simulate(program) if keep_timeline else None  # the search reads peaks only
         candidate = Candidate(plan.saved, extra, timeline.peak_bytes if timeline else peak_bytes(program),
                               timeline, plan.moves, plan.offloaded, transfers)
-        if self.bound_holds and candidate.peak_bytes < self.bound(plan):  # checked on every plan simulated
-            self.bound_holds = False
+        self.peak_bound.check(plan.saved, plan.offloaded, candidate.peak_bytes)
         self.results.setdefault(key, candidate)
         return candidate

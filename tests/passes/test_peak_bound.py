@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from compile_offload.passes import solve_offload
+from compile_offload.passes import peak_bound, solve_offload
 from compile_offload.passes.cost import BUILTIN_PROFILES, DeviceProfile, node_seconds
 from compile_offload.passes.offload import eligible_for_offload
 from compile_offload.passes.solve import Prefix, greedy_moves, prefixes
@@ -53,7 +53,7 @@ def test_the_bound_is_at_most_the_simulated_peak_of_every_plan_of_the_sequences(
         bound = evaluate.bound(plan)
         assert 0 <= bound <= evaluate(plan).peak_bytes, plan
         ratios.append(bound / evaluate(plan).peak_bytes)
-    assert evaluate.bound_holds
+    assert evaluate.peak_bound.holds
     # Not vacuous: what the unconstrained plan saves is a large share of its peak.
     assert ratios[0] > 0.25
 
@@ -69,9 +69,9 @@ def test_a_bound_found_above_a_simulated_peak_is_no_longer_used(monkeypatch, fra
     the bound's rules miss) is dropped for the rest of the solve: the plan chosen is the
     one the search gives without a bound."""
     graph = "encoder, fused"
-    monkeypatch.setattr(solve_offload, "held_when_backward_starts", lambda *args: 0)
+    monkeypatch.setattr(peak_bound, "held_when_backward_starts", lambda *args: 0)
     without = _solve(graph, fraction)
-    monkeypatch.setattr(solve_offload, "held_when_backward_starts", lambda *args: 1 << 60)
+    monkeypatch.setattr(peak_bound, "held_when_backward_starts", lambda *args: 1 << 60)
     wrong = _solve(graph, fraction)
     assert (wrong.chosen.saved, wrong.chosen.offloaded) == (without.chosen.saved, without.chosen.offloaded)
     assert wrong.feasible == without.feasible and wrong.chosen.peak_bytes == without.chosen.peak_bytes
@@ -90,7 +90,7 @@ def test_the_bound_changes_no_plan_and_saves_simulations(monkeypatch):
     counts = {}
     for bounded in (True, False):
         if not bounded:
-            monkeypatch.setattr(solve_offload, "held_when_backward_starts", lambda *args: 0)
+            monkeypatch.setattr(peak_bound, "held_when_backward_starts", lambda *args: 0)
         for fraction in (0.8, 0.5, 0.2):
             simulated.clear()
             solution = solve_joint(a, base, seconds, None, fraction, options)
