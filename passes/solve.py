@@ -73,6 +73,10 @@ class Move:
         plan.recomputed.update(self.closure)
         plan.saved.update(self.added)
 
+    def touched(self) -> set[fx.Node]:
+        """The nodes whose fate ``apply`` may change (saved or recomputed)."""
+        return {*self.group.members, *self.closure, *self.added}
+
 
 @dataclass
 class OffloadMove(Move):
@@ -83,6 +87,9 @@ class OffloadMove(Move):
 
     def apply(self, plan: PlanState) -> None:
         plan.offloaded.add(self.group.root)
+
+    def touched(self) -> set[fx.Node]:
+        return set()  # what it changes is the offloaded set: ``RecomputeMoves.best``'s ``skip``
 
 
 @dataclass
@@ -225,11 +232,13 @@ def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Secon
     saved = set(base_saved)
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
+    changed = None  # the first step compares with nothing
     while True:
-        best = moves_of.best(plan.saved, plan.recomputed)
+        best = moves_of.best(plan.saved, plan.recomputed, changed=changed)
         if best is None:
             return
         best.apply(plan)
+        changed = best.touched()
         yield best
 
 
@@ -247,7 +256,9 @@ def group_moves(a: JointAnalysis, group: Group, saved: set, recomputed: set, hel
         added_roots = {a.roots.get(x, x) for x in added}
         if looked_at is not None:
             looked_at.update(group.closure, added_roots)
-        gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots - held)
+        # Not ``added_roots - held``: with ``held`` a dict's keys view (``RecomputeMoves``),
+        # that difference iterates over all of ``held``, a pass over the saved set per move.
+        gain = freed - sum(a.bytes_of.get(r, 0) for r in added_roots if r not in held)
         if gain > 0:
             moves.append(Move(group, added, _seconds_of(a, closure - recomputed, seconds), gain, closure))
     return moves
@@ -262,8 +273,9 @@ class RecomputeMoves:
 
     def __init__(self, a: JointAnalysis, seconds: Seconds) -> None:
         self.a, self.seconds = a, seconds
-        self.saved: frozenset[fx.Node] = frozenset()
-        self.recomputed: frozenset[fx.Node] = frozenset()
+        # The plan the moves are worked out for (copies: ``_move_to`` updates them).
+        self.saved: set[fx.Node] = set()
+        self.recomputed: set[fx.Node] = set()
         self.moves: dict[fx.Node, tuple[Group, list[Move]]] = {}  # storage root -> its moves
         self.watchers: dict[fx.Node, set[fx.Node]] = {}  # node -> storages whose moves read its fate
         self.groups: dict[frozenset[fx.Node], Group | None] = {}  # saved tensors -> their storage group
@@ -283,18 +295,21 @@ class RecomputeMoves:
         """The moves under the plan saving ``saved`` and recomputing ``recomputed``,
         storages in graph order, leaving out those in ``skip``: the listing ``best`` is
         checked against."""
-        self._move_to(frozenset(saved), frozenset(recomputed))
+        self._move_to(saved, recomputed)
         held = self.held_count.keys()
         for _, root in self.order:
             if root not in skip:
                 yield from self._group_moves(self.group_of_root[root], saved, recomputed, held)
 
-    def best(self, saved: set, recomputed: set, skip: set = frozenset()) -> Move | None:
+    def best(self, saved: set, recomputed: set, skip: set = frozenset(), changed: set | None = None) -> Move | None:
         """``best_move`` of the moves ``__call__`` lists, kept in a heap: each step works
         out only the moves of the storages whose moves changed, instead of comparing every
         storage's moves again. Along one sequence ``skip`` may only grow (a skipped
-        storage's moves are dropped)."""
-        self._move_to(frozenset(saved), frozenset(recomputed))
+        storage's moves are dropped). ``changed``: the nodes whose fate may differ from
+        the plan of the last call (the last move's ``Move.touched``), when the caller
+        knows them; otherwise the plans are compared whole (a pass over both sets at every
+        step of a sequence was a quadratic term)."""
+        self._move_to(saved, recomputed, changed)
         held = self.held_count.keys()
         for root in self.stale:
             group = self.group_of_root.get(root)
@@ -312,13 +327,21 @@ class RecomputeMoves:
             heapq.heappop(self.heap)
         return None
 
-    def _move_to(self, saved: frozenset[fx.Node], recomputed: frozenset[fx.Node]) -> None:
+    def _move_to(self, saved: set[fx.Node], recomputed: set[fx.Node], touched: set[fx.Node] | None = None) -> None:
         """Forget the moves that depend on a node whose fate changed (or on a storage one
-        of whose saved tensors changed), and update the storages of the saved set."""
+        of whose saved tensors changed), and update the storages of the saved set.
+        ``touched``: ``best``'s ``changed``."""
         roots = self.a.roots
-        changed_saved = saved ^ self.saved
+        if touched is None:
+            changed_saved = saved ^ self.saved
+            changed_recomputed = recomputed ^ self.recomputed
+        else:
+            changed_saved = {n for n in touched if (n in saved) != (n in self.saved)}
+            changed_recomputed = {n for n in touched if (n in recomputed) != (n in self.recomputed)}
+        self.saved ^= changed_saved
+        self.recomputed ^= changed_recomputed
         changed_roots = {roots.get(n, n) for n in changed_saved}
-        changed = changed_saved | (recomputed ^ self.recomputed) | changed_roots
+        changed = changed_saved | changed_recomputed | changed_roots
         for node in changed:
             for root in self.watchers.pop(node, ()):
                 self.moves.pop(root, None)
@@ -345,7 +368,6 @@ class RecomputeMoves:
                 self.group_of_root[root] = group
                 bisect.insort(self.order, (self.a.position[root], root))  # positions are distinct
             self.stale.add(root)  # ``best`` voids its heap entries
-        self.saved, self.recomputed = saved, recomputed
 
     def _group_of(self, members: frozenset[fx.Node]) -> Group | None:
         if members not in self.groups:

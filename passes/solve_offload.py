@@ -283,12 +283,15 @@ def mixed_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Second
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
     offload_costs = OffloadCosts(a, offload, saved_sets, plan.saved, candidates)
+    changed = None  # the first step compares with nothing
     while True:
-        recompute = moves_of.best(plan.saved, plan.recomputed, skip=plan.offloaded)
-        best = best_move(a, [move for move in (recompute, offload_costs.best(plan.saved, plan.offloaded)) if move])
+        recompute = moves_of.best(plan.saved, plan.recomputed, skip=plan.offloaded, changed=changed)
+        offload = offload_costs.best(plan.saved, plan.offloaded, changed)
+        best = best_move(a, [move for move in (recompute, offload) if move])
         if best is None:
             return
         best.apply(plan)
+        changed = best.touched()
         offload_costs.moved(best)
         yield best
 
@@ -326,7 +329,7 @@ class OffloadCosts:
         self.generation = 0
         self.kept: dict[fx.Node, OffloadMove] = {}  # this generation's moves
         # ``best``'s state: the offloadable storages now, and this generation's moves in a heap.
-        self.seen_saved: frozenset[fx.Node] = frozenset()
+        self.seen_saved: set[fx.Node] = set()  # a copy, updated by ``_track``
         self.seen_offloaded: set[fx.Node] = set()
         self.count: dict[fx.Node, int] = {}  # storage -> saved tensors on it
         self.current: set[fx.Node] = set()
@@ -345,10 +348,11 @@ class OffloadCosts:
         self._estimate(candidates, offloaded)
         return [self._move(tensor) for tensor in candidates]
 
-    def best(self, saved: set[fx.Node], offloaded: set[fx.Node]) -> OffloadMove | None:
+    def best(self, saved: set[fx.Node], offloaded: set[fx.Node], changed: set[fx.Node] | None = None
+             ) -> OffloadMove | None:
         """``best_move`` of ``moves(Offloadable(saved, offloaded), offloaded)``, with the
-        lazy re-costing described above."""
-        joined = self._track(saved, offloaded)
+        lazy re-costing described above. ``changed``: as ``RecomputeMoves.best``'s."""
+        joined = self._track(saved, offloaded, changed)
         if not self.current:
             return None
         self._estimate(joined, offloaded)
@@ -371,24 +375,27 @@ class OffloadCosts:
         heapq.heappush(self.heap, (*move_key(self.a, move, 0), self.generation, move))
         self.pushed.add(tensor)
 
-    def _track(self, saved: set[fx.Node], offloaded: set[fx.Node]) -> set[fx.Node]:
-        """Update the offloadable storages (``Offloadable``'s rule) from what changed;
-        returns the storages that became offloadable."""
+    def _track(self, saved: set[fx.Node], offloaded: set[fx.Node], touched: set[fx.Node] | None = None) -> set[fx.Node]:
+        """Update the offloadable storages (``Offloadable``'s rule) from what changed
+        (``touched``: ``best``'s ``changed``); returns the storages that became offloadable."""
         off = self.offloadable
-        saved_now = frozenset(saved)
+        if touched is None:
+            flipped = saved ^ self.seen_saved
+        else:
+            flipped = {node for node in touched if (node in saved) != (node in self.seen_saved)}
+        self.seen_saved ^= flipped
         dirty = set()
-        for node in saved_now ^ self.seen_saved:
+        for node in flipped:
             root = off.storage(node)
             if root is not None:
-                self.count[root] = self.count.get(root, 0) + (1 if node in saved_now else -1)
+                self.count[root] = self.count.get(root, 0) + (1 if node in saved else -1)
                 dirty.add(root)
         if len(offloaded) != len(self.seen_offloaded):
             dirty |= offloaded - self.seen_offloaded
             self.seen_offloaded = set(offloaded)
-        self.seen_saved = saved_now
         joined = set()
         for root in dirty:
-            if (self.count.get(root) == 1 and root in saved_now and off.storage(root) is root
+            if (self.count.get(root) == 1 and root in saved and off.storage(root) is root
                     and root not in offloaded and off.may_offload(root)):
                 if root not in self.current:
                     self.current.add(root)

@@ -157,10 +157,12 @@ def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed):
+@pytest.mark.parametrize("told", [False, True])
+def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed, told):
     """``RecomputeMoves.best`` (a heap, only changed storages worked out again) chooses
     ``best_move`` of every move listed, at each step of a sequence whose skipped storages
-    only grow, as in a mixed sequence."""
+    only grow, as in a mixed sequence; ``told``: each step is told what the last move
+    touched (``Move.touched``, as the sequences do) instead of comparing the plans whole."""
     import random
 
     from compile_offload.passes.solve import PlanState, RecomputeMoves, best_move
@@ -173,10 +175,11 @@ def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed):
     state = PlanState(saved, recomputed_nodes(analysis, saved))
     skip: set = set()
     steps = 0
+    changed = None
     while True:
         listed = list(RecomputeMoves(analysis, flops_seconds)(state.saved, state.recomputed, skip))
         expected = best_move(analysis, listed)
-        chosen = kept.best(state.saved, state.recomputed, skip)
+        chosen = kept.best(state.saved, state.recomputed, skip, changed=changed if told else None)
         assert chosen is expected or (chosen is not None and expected is not None
                                       and (chosen.group, chosen.added, chosen.closure)
                                       == (expected.group, expected.added, expected.closure))
@@ -185,8 +188,10 @@ def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed):
         steps += 1
         if rng.random() < 0.2 and len(listed) > 1:  # a storage leaves the candidates for good
             skip.add(rng.choice([m.group.root for m in listed if m.group.root != chosen.group.root]))
+            changed = set()
             continue
         chosen.apply(state)
+        changed = chosen.touched()
     assert steps > 3
 
 

@@ -226,10 +226,12 @@ def test_offload_costs_keep_schedules_across_recompute_moves(monkeypatch):
     assert derived < recompute_moves, (derived, recompute_moves)
 
 
+@pytest.mark.parametrize("told", [False, True])
 @pytest.mark.parametrize("refresh", [-1.0, 0.01])
-def test_the_best_offload_move_is_the_best_of_every_offload_move(monkeypatch, refresh):
+def test_the_best_offload_move_is_the_best_of_every_offload_move(monkeypatch, refresh, told):
     """``OffloadCosts.best`` (offloadable storages kept up to date, moves in a heap) picks
-    ``best_move`` of every offloadable storage's move at each step of a mixed sequence."""
+    ``best_move`` of every offloadable storage's move at each step of a mixed sequence;
+    ``told``: told what the last move touched, as ``mixed_moves`` tells it."""
     from compile_offload.passes.cost import BUILTIN_PROFILES
     from compile_offload.passes.solve import PlanState, best_move
     from compile_offload.passes.solve_offload import OffloadCosts, Offloadable, SavedSetCache
@@ -242,13 +244,15 @@ def test_the_best_offload_move_is_the_best_of_every_offload_move(monkeypatch, re
     listing = OffloadCosts(analysis, h100, saved_sets, state.saved)
     offloadable_now = Offloadable(analysis, h100.eligible)
     offered = 0
+    changed = None
     for move in moves:
-        chosen = heap.best(state.saved, state.offloaded)
+        chosen = heap.best(state.saved, state.offloaded, changed if told else None)
         expected = best_move(analysis, listing.moves(offloadable_now(state.saved, state.offloaded), state.offloaded))
         assert chosen is expected or (chosen.group.root is expected.group.root
                                       and chosen.extra_seconds == expected.extra_seconds)
         offered += chosen is not None
         move.apply(state)
+        changed = move.touched()
         heap.moved(move)
         listing.moved(move)
     assert offered > 3
