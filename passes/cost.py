@@ -262,6 +262,8 @@ def launches_kernel(node: fx.Node) -> bool:
 # Bytes.
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # most values; ``tree_flatten`` leaves a reference
+        return iter((value,))           # cycle per call (its recursive helper) for the collector
     leaves, _ = tree_flatten(value)
     return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
