@@ -563,8 +563,8 @@ class RecomputeEvaluator:
     def __init__(self, a: JointAnalysis) -> None:
         self.a = a
         self.results: dict[frozenset[fx.Node], Candidate] = {}
+        self.recomputed = LastRecomputed(a)
         self.peak_bound = PeakBound(a, self.recomputed)
-        self._recomputed: tuple[frozenset[fx.Node], set[fx.Node]] | None = None  # the last plan's
 
     def price(self, plan: Prefix) -> tuple[float, None]:
         # Summed move by move, in order: the sum the candidate reports, to the last bit.
@@ -584,12 +584,21 @@ class RecomputeEvaluator:
         """``Evaluator.bound`` for recompute-only plans."""
         return self.peak_bound(plan.saved)
 
-    def recomputed(self, saved: frozenset[fx.Node]) -> set[fx.Node]:
-        """``recomputed_nodes`` of ``saved``, kept for the last plan: a search asks a plan's
-        bound and then simulates it."""
-        if self._recomputed is None or self._recomputed[0] != saved:
-            self._recomputed = (saved, recomputed_nodes(self.a, set(saved)))
-        return self._recomputed[1]
+
+class LastRecomputed:
+    """``recomputed_nodes`` of a saved set, kept for the last one asked: a search asks a
+    plan's bound and then simulates it. (A bound method of the evaluator in its own
+    ``PeakBound`` was a reference cycle: the evaluator and every plan it simulated were
+    left for the cyclic collector, which then walked them all.)"""
+
+    def __init__(self, a: JointAnalysis) -> None:
+        self.a = a
+        self.last: tuple[frozenset[fx.Node], set[fx.Node]] | None = None
+
+    def __call__(self, saved: frozenset[fx.Node]) -> set[fx.Node]:
+        if self.last is None or self.last[0] != saved:
+            self.last = (saved, recomputed_nodes(self.a, set(saved)))
+        return self.last[1]
 
 
 def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", budget_bytes: int | None,

@@ -497,7 +497,10 @@ class Evaluator:
         self.base_seconds = self.saved_sets(base_saved).step_seconds
         self.results: dict[tuple[frozenset, frozenset], Candidate] = {}
         self.prices: dict[tuple[frozenset, frozenset], tuple[float, TransferPlan | None]] = {}
-        self.peak_bound = PeakBound(a, lambda saved: self.saved_sets(saved).recomputed)
+        # Not a lambda reading ``self``: a cycle through the evaluator would keep it, its
+        # cache of saved sets and every plan it simulated until a collection walks them all.
+        saved_sets = self.saved_sets
+        self.peak_bound = PeakBound(a, lambda saved: saved_sets(saved).recomputed)
 
     def with_timeline(self, plan: Candidate) -> Candidate:
         """``plan`` simulated again, keeping its timeline (for the plans a solution reports)."""

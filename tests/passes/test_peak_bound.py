@@ -100,3 +100,34 @@ def test_the_bound_changes_no_plan_and_saves_simulations(monkeypatch):
         assert counts[True, fraction][1:] == counts[False, fraction][1:]
         assert counts[True, fraction][0] <= counts[False, fraction][0]
     assert sum(counts[True, f][0] for f in (0.8, 0.5, 0.2)) < sum(counts[False, f][0] for f in (0.8, 0.5, 0.2))
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["mixed", "recompute only"])
+def test_a_solve_leaves_no_plan_of_its_own_to_the_cyclic_collector(offload):
+    """What a solve simulated (candidates, steps, copies, saved sets' schedules) is freed
+    by reference counting when the solve returns: a reference cycle through an evaluator
+    (its bound's callback reading the evaluator) kept them all for the cyclic collector,
+    whose one walk over them after planning grew faster than the graph."""
+    import gc
+    import sys
+
+    a, base = GRAPHS["encoder, fused"]()
+    planner_modules = {f"compile_offload.passes.{name}" for name in
+                       ("solve", "solve_offload", "memory", "transfer", "peak_bound", "search_sequence", "analyze")}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable goes to gc.garbage
+    try:
+        solution = solve_joint(a, base, SECONDS, None, 0.3, OPTIONS if offload else None)
+        assert solution.chosen.saved != frozenset(base)  # plans were searched and simulated
+        del solution
+        gc.collect()
+        left = sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__ in planner_modules})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    assert planner_modules <= set(sys.modules)  # the names filtered on are the planner's
+    assert left == []
