@@ -24,14 +24,31 @@ from .memory_tracker import measure_peak
 from .passes.plan import Plan
 
 
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes (``kMinBlockSize``,
+# c10/cuda/CUDACachingAllocator.cpp's ``round_size``) and counts the block in
+# ``memory_allocated``, while a snapshot's trace records the size asked for. Rounding each
+# event as the allocator does makes the replayed peak ``max_memory_allocated``'s (H200,
+# 2026-11-27: two 4-byte scalars had put it 1,016 bytes under). Not followed: a cached
+# large block handed out unsplit (the allocator splits a large block only when more than
+# 1 MiB would remain) and ``roundup_power2_divisions``; both count more than this.
+ALLOCATOR_BLOCK_BYTES = 512
+
+
+def allocator_block_bytes(size: int) -> int:
+    """The bytes the CUDA caching allocator counts for a request of ``size`` bytes (none
+    for an empty tensor, which it does not allocate)."""
+    return -(-size // ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES
+
+
 def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
-    """Bytes allocated after each allocator event of ``snapshot``, relative to the start."""
+    """Bytes allocated after each allocator event of ``snapshot``, relative to the start
+    (each request rounded to the allocator's block, ``allocator_block_bytes``)."""
     live, series = 0, []
     for event in snapshot.get("device_traces", [[]])[device]:
         if event["action"] == "alloc":
-            live += event["size"]
+            live += allocator_block_bytes(event["size"])
         elif event["action"] == "free_completed":
-            live -= event["size"]
+            live -= allocator_block_bytes(event["size"])
         else:
             continue
         series.append(live)
@@ -42,7 +59,7 @@ def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
 class LiveBlock:
     """An allocation made during a recorded step and alive at its peak."""
 
-    nbytes: int
+    nbytes: int  # as the allocator counts it: the request rounded to its block
     frames: list[str]  # innermost first: "file:line in function: source line"
 
 
@@ -58,16 +75,17 @@ def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[LiveBlock]]
     at_peak: list[dict] = []
     for event in snapshot.get("device_traces", [[]])[device]:
         if event["action"] == "alloc":
-            total += event["size"]
+            total += allocator_block_bytes(event["size"])
             live[event["addr"]] = event
         elif event["action"] == "free_completed":
-            total -= event["size"]
+            total -= allocator_block_bytes(event["size"])
             live.pop(event["addr"], None)
         else:
             continue
         if total > peak:
             peak, at_peak = total, list(live.values())
-    blocks = [LiveBlock(event["size"], [_frame(f) for f in event.get("frames", [])]) for event in at_peak]
+    blocks = [LiveBlock(allocator_block_bytes(event["size"]), [_frame(f) for f in event.get("frames", [])])
+              for event in at_peak]
     return peak, sorted(blocks, key=lambda block: -block.nbytes)
 
 

@@ -51,12 +51,14 @@ def fallback_random():
 
 @pytest.fixture
 def deterministic_inductor():
-    """Inductor's deterministic mode, for tests that compare two separately compiled programs
-    bitwise (offload on against offload off). Without it Inductor picks among Triton
-    reduction configs by timing them on the device at first call, and the configs sum in
-    different orders: under the transfer delays those tests inject, the two programs picked
-    different kernels and a forward sum differed in its last bit (H200, 2026-11-27), which is
-    rounding, not a copy race. The mode picks every such config without timing
+    """Inductor's deterministic mode, for tests that compare compiled programs bitwise.
+    Without it Inductor may pick among Triton reduction configs by timing them on the device
+    at first call, and the configs sum in different orders. It does not make two separately
+    compiled programs sum alike: the graph with offload fuses differently from the graph
+    without (each copy is a fallback reading a materialised buffer), and on an H200 one
+    forward sum of the two differed in its last bit in deterministic mode too (2026-11-27,
+    two leases). Race checks therefore compare a program with itself, undelayed
+    (``test_ops_cuda.py``), or programs whose kernels coincide
     (``torch._inductor.config.deterministic``, in every torch version we support)."""
     with torch._inductor.config.patch(deterministic=True):
         yield

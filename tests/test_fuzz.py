@@ -335,9 +335,12 @@ def test_training_step_matches_eager(program: Program, options: Options):
 @given(program=programs(dtypes=ALL_DTYPES), budget=budgets, prefetch=st.booleans())
 def test_offload_is_bitwise_neutral(program: Program, budget, prefetch: bool):
     """Offload only moves data: with the saved set held fixed, offloading every eligible
-    saved tensor must give bitwise the same step as offloading none."""
+    saved tensor must give the same step as offloading none: bitwise on CPU, to rounding
+    on a GPU."""
     # Deterministic Inductor: on a GPU, Triton reduction configs are otherwise picked by
-    # timing, and the two compiles may sum in different orders (conftest.deterministic_inductor).
+    # timing (conftest.deterministic_inductor). Even so the two compiles fuse differently
+    # and on a GPU may sum in different orders (the fixture says why): bitwise on CPU, where
+    # the C++ kernels have summed alike in every run, to the dtype's rounding on a GPU.
     with torch._inductor.config.patch(deterministic=True):
         kept = run_compiled(program, Options(budget, False, False, prefetch, "greedy").backend())
         moved = run_compiled(program, Options(budget, True, True, prefetch, "greedy").backend())
@@ -347,7 +350,8 @@ def test_offload_is_bitwise_neutral(program: Program, budget, prefetch: bool):
     event(f"offloaded tensors: {min(offloaded, 3)}{'+' if offloaded >= 3 else ''}")
     for partition in moved.partitions:
         check_partition(partition, forced_offload=True)
-    assert_same_tensors(moved.tensors, kept.tensors, assert_bitwise)
+    assert_same_tensors(moved.tensors, kept.tensors,
+                        assert_bitwise if DEVICE.type == "cpu" else assert_close_for_dtype)
     assert ops.pending_transfer_count() == 0, "a transfer was started and never waited for"
 
 

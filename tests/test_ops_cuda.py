@@ -1,8 +1,11 @@
 """The offload ops on a GPU: races under injected delays, steady-state memory, Inductor code.
 
-Oracle: the same compiled configuration with the same partition and offload turned off;
-offloading only moves data, so outputs and gradients must match it bitwise
-(reliability.md §3, §5 items 1-3, 6, 14). Skipped cleanly without a GPU.
+Oracles (reliability.md §3, §5 items 1-3, 6, 14): for races, the same compiled program run
+without the injected delays, which must match bitwise (same kernels, same summation orders;
+a read of a copy that has not landed gives another iteration's data or garbage); for what
+offloading computes, the same partition with offload turned off, bitwise where the kernels
+are the same (the eager inner compiler) and to rounding where Inductor fuses the two graphs
+differently. Skipped cleanly without a GPU.
 """
 
 import functools
@@ -103,7 +106,19 @@ def assert_bitwise(actual, expected, context):
         assert not torch.isnan(a).any(), f"{context}: NaN in result {i}"
         a_bits, b_bits = (t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
         assert torch.equal(a_bits, b_bits), \
-            f"{context}: result {i} differs; max abs difference {(a - b).abs().max().item()} (a copy race differs by far more than rounding)"
+            f"{context}: result {i} differs; max abs difference {(a - b).abs().max().item()}"
+
+
+def assert_equal_to_rounding(actual, expected, context):
+    """Equal up to summation order: each result within 1e-4 of its own largest magnitude.
+    Data from a copy that had not landed (another iteration's, or uninitialised pinned
+    memory) differs by the order of the values themselves."""
+    assert len(actual) == len(expected)
+    for i, (a, b) in enumerate(zip(actual, expected)):
+        assert not torch.isnan(a).any(), f"{context}: NaN in result {i}"
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(scale, 1.0),
+                                   msg=lambda m, i=i: f"{context}: result {i}: {m}")
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +149,15 @@ def _fresh_compile():
     ],
 )
 @pytest.mark.usefixtures("deterministic_inductor")
-def test_50_delayed_iterations_are_bitwise_equal_to_no_offload(inner, delay_offload, delay_reload, prefetch_distance, buffer_reuse):
+def test_50_delayed_iterations_are_bitwise_equal_to_the_same_program_undelayed(
+        inner, delay_offload, delay_reload, prefetch_distance, buffer_reuse):
+    """The race check compares one compiled program with itself: Inductor fuses the
+    offloaded graph differently from the graph without offload (each copy is a fallback
+    call reading a materialised buffer), and on an H200 one forward sum of the two
+    programs differed in its last bit at iteration 4 in two leases, deterministic mode on
+    or off, buffer reuse on or off: summation order, not a race. Against offload off the
+    results must agree bitwise with the eager inner compiler (the same kernels) and to
+    rounding with Inductor."""
     with torch._inductor.config.patch(allow_buffer_reuse=buffer_reuse):
         oracle = torch.compile(oracle_entry, backend=make_backend(offload=False, inner=inner))
         offloaded = torch.compile(
@@ -142,11 +165,18 @@ def test_50_delayed_iterations_are_bitwise_equal_to_no_offload(inner, delay_offl
         )
         for iteration in range(50):
             inputs = make_inputs(iteration)
-            expected = run_step(oracle, inputs)
+            # Delayed first: pinned buffers are reused across steps, so a read of a copy that
+            # has not landed finds the last iteration's data, not this iteration's.
             with ops.inject_transfer_delay(DELAY_CYCLES, offload=delay_offload, reload=delay_reload):
-                actual = run_step(offloaded, inputs)
-            assert_bitwise(actual, expected, f"iteration {iteration}")
+                delayed = run_step(offloaded, inputs)
             assert ops.pending_transfer_count() == 0
+            undelayed = run_step(offloaded, inputs)
+            assert_bitwise(delayed, undelayed, f"iteration {iteration}, delayed against undelayed")
+            without_offload = run_step(oracle, inputs)
+            if inner == "eager":
+                assert_bitwise(delayed, without_offload, f"iteration {iteration}, against offload off")
+            else:
+                assert_equal_to_rounding(delayed, without_offload, f"iteration {iteration}, against offload off")
 
 
 # --- steady state (reliability.md §5 item 6) --------------------------------------------------

@@ -4,40 +4,53 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload.profile_step import allocated_over_time, describe_live_at_peak, live_at_peak
+from compile_offload.profile_step import allocated_over_time, allocator_block_bytes, describe_live_at_peak, live_at_peak
 
 
 def test_allocated_over_time_follows_allocs_and_completed_frees():
     snapshot = {"device_traces": [[
-        {"action": "alloc", "size": 100},
-        {"action": "alloc", "size": 50},
-        {"action": "free_requested", "size": 100},
-        {"action": "free_completed", "size": 100},
+        {"action": "alloc", "size": 1024},
+        {"action": "alloc", "size": 512},
+        {"action": "free_requested", "size": 1024},
+        {"action": "free_completed", "size": 1024},
         {"action": "segment_alloc", "size": 4096},
     ]]}
-    assert allocated_over_time(snapshot) == [100, 150, 50]
+    assert allocated_over_time(snapshot) == [1024, 1536, 512]
+
+
+def test_requests_count_as_the_allocators_512_byte_blocks():
+    """The trace records what was asked for; ``memory_allocated`` counts the block."""
+    assert [allocator_block_bytes(n) for n in (0, 1, 4, 512, 513, 1_131_875)] == [0, 512, 512, 512, 1024, 1_132_032]
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 4},
+        {"action": "alloc", "addr": 2, "size": 1000},
+        {"action": "free_completed", "addr": 1, "size": 4},
+    ]]}
+    assert allocated_over_time(snapshot) == [512, 1536, 1024]
+    peak, blocks = live_at_peak(snapshot)
+    assert peak == 1536 and [b.nbytes for b in blocks] == [1024, 512]
 
 
 def test_live_at_peak_lists_the_blocks_alive_at_the_first_maximum(tmp_path):
     source = tmp_path / "program.py"
-    source.write_text("buf0 = empty(100)\nbuf1 = empty(60)\n")
+    source.write_text("buf0 = empty(1024)\nbuf1 = empty(512)\n")
     where = {"filename": str(source), "name": "call"}
     snapshot = {"device_traces": [[
-        {"action": "alloc", "addr": 1, "size": 100, "frames": [{**where, "line": 1}]},
+        {"action": "alloc", "addr": 1, "size": 1024, "frames": [{**where, "line": 1}]},
         # A free whose stream work is pending: still allocated until it completes.
-        {"action": "free_requested", "addr": 1, "size": 100},
-        {"action": "alloc", "addr": 2, "size": 60, "frames": [{**where, "line": 2}]},
-        {"action": "free_completed", "addr": 1, "size": 100},
-        {"action": "free_completed", "addr": 99, "size": 30},  # allocated before recording began
-        {"action": "alloc", "addr": 3, "size": 70, "frames": []},  # 100 again: not a new peak
+        {"action": "free_requested", "addr": 1, "size": 1024},
+        {"action": "alloc", "addr": 2, "size": 512, "frames": [{**where, "line": 2}]},
+        {"action": "free_completed", "addr": 1, "size": 1024},
+        {"action": "free_completed", "addr": 99, "size": 512},  # allocated before recording began
+        {"action": "alloc", "addr": 3, "size": 1536, "frames": []},  # 1536 again: not a new peak
         {"action": "segment_alloc", "addr": 7, "size": 4096},
     ]]}
     peak, blocks = live_at_peak(snapshot)
-    assert peak == 160
-    assert [b.nbytes for b in blocks] == [100, 60]
-    assert blocks[0].frames == [f"{source}:1 in call: buf0 = empty(100)"]
+    assert peak == 1536
+    assert [b.nbytes for b in blocks] == [1024, 512]
+    assert blocks[0].frames == [f"{source}:1 in call: buf0 = empty(1024)"]
     text = describe_live_at_peak(snapshot)
-    assert text.splitlines()[0].startswith("peak 160 bytes") and "buf1 = empty(60)" in text
+    assert text.splitlines()[0].startswith("peak 1536 bytes") and "buf1 = empty(512)" in text
 
 
 def test_the_contract_records_snapshots_on_cuda_only():
