@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from compile_offload.benchmarks.budget_contract import ConvBNNet
@@ -342,3 +343,65 @@ def test_the_compiled_step_of_an_attention_block_is_predicted(batch, seq, width,
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default in measured_ops
     predicted, measured = planned_and_measured(lambda x: model(x), x)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def _conv_net(x, w1, w2):
+    return F.conv2d(F.conv2d(x, w1, padding=1).relu(), w2, padding=1).sum()
+
+
+def _plan_conv_net(device: str, budget):
+    """``_conv_net``'s joint graph, traced on ``device`` ("cuda": on meta, then given fake
+    CUDA values), planned for ``h100`` under ``budget`` through ``plan_partition``."""
+    from compile_offload.planning import plan_partition
+    from compile_offload.settings import resolve
+
+    from .passes.joint_capture import capture
+
+    def hook(joint, joint_inputs):
+        if device == "cuda":
+            _joint_on_cuda(joint)
+        settings = resolve({"memory_budget": budget, "device_profile": "h100"})
+        return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs,
+                              accelerator=True, report=False).plan
+
+    with torch.device("meta" if device == "cuda" else device):
+        x = torch.zeros(8, 16, 32, 32)
+        w1, w2 = (torch.zeros(16, 16, 3, 3, requires_grad=True) for _ in range(2))
+    plan, _ = capture(_conv_net, x, w1, w2, hook=hook)
+    return plan
+
+
+def test_a_cuda_convolution_plan_names_the_workspace_it_does_not_count(monkeypatch):
+    """cuDNN sizes the convolution backward's workspace when it runs (1.08 MiB at the
+    contract's conv+BN peak on an H200, counted nowhere): the plan says so in its notes,
+    and under a budget one warning per process says the peak can exceed the budget by it."""
+    from compile_offload import planning
+    from compile_offload.op_workspace import uncounted_cuda_workspaces
+
+    monkeypatch.setattr(planning, "_warned_uncounted", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _plan_conv_net("cuda", 2**20)
+        second = _plan_conv_net("cuda", 2**20)
+        unbudgeted = _plan_conv_net("cuda", None)
+    for plan in (first, second, unbudgeted):
+        notes = [n for n in plan.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)]
+        assert len(notes) == 1 and "convolution backward" in notes[0], plan.notes
+    warned = [str(w.message) for w in caught if "does not count the workspace" in str(w.message)]
+    assert len(warned) == 1 and "convolution backward" in warned[0] and "verify_budget" in warned[0], warned
+    assert uncounted_cuda_workspaces([_flash_backward_graph(2, 2, 128, 64)]) == []
+
+
+def test_a_convolution_planned_for_a_gpu_on_meta_names_it_too_and_on_the_cpu_not(monkeypatch):
+    """``explain`` plans for a GPU on meta tensors: the same note. On the CPU the convolution
+    backward's workspace is measured (above): nothing to name, nothing to warn about."""
+    from compile_offload import planning
+
+    monkeypatch.setattr(planning, "_warned_uncounted", set())
+    meta = _plan_conv_net("meta", None)
+    assert [n for n in meta.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)], meta.notes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu = _plan_conv_net("cpu", 2**20)
+    assert not [n for n in cpu.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)], cpu.notes
+    assert not [w for w in caught if "does not count the workspace" in str(w.message)]
