@@ -39,8 +39,8 @@ source the same way (``efficient_attention_backward_workspace``): an fp32 worksp
 block dq accumulators (and for head dims over 128 in fp16/bf16, dk and dv ones per key
 split), and the fp32 ``delta`` row sums. On the contract's GPT-2 (fp32, batch 4, seq 128, 2
 heads of 32) that is 266,496 bytes per attention backward, the size of the constant 0.25 MiB
-the H200 measured above the plan, but not that gap: the measured peaks hold both the
-workspace and an attention bias of that size, which the plan leaves out (design.md).
+the H200 measured above the plan, but not that gap: it is counted, and the plan is still
+that far under the measured peaks (design.md).
 Elsewhere no workspace is counted. Not cuDNN attention's backward, which SDPA prefers for
 fp16/bf16 on sm90/sm100 with a bundled cuDNN of 9.15.1 or newer (torch 2.11's CUDA 13.0
 wheels and later): its workspace is sized by the plan cuDNN builds at run time (design.md,
