@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from .op_workspace import CUDA_WORKSPACES, MEASURED_OPS, cuda_workspace, measured_workspace
+from .op_workspace import (CUDA_WORKSPACES, MEASURED_CUDA_OPS, MEASURED_OPS, cuda_workspace, measured_cuda_workspace,
+                           measured_workspace)
 
 log = logging.getLogger("compile_offload")
 
@@ -359,19 +360,26 @@ def _workspaces(node, device: str) -> list[Buffer]:
     from the op's source (``op_workspace.CUDA_WORKSPACES``: FlashAttention's and the
     memory-efficient attention's backward); on the CPU those of ``op_workspace.MEASURED_OPS``
     (mkldnn's ``convolution_backward``, the CPU attention backward), measured by running the
-    op in the layouts Inductor gives its arguments, as the plan measures them. Read off the
+    op in the layouts Inductor gives its arguments, as the plan measures them; on a GPU
+    the convolution backward's, measured there (``op_workspace.measured_cuda_workspace``;
+    nothing where it cannot be, as on fake CUDA tensors without a GPU). Read off the
     FX node the op was lowered from: the tuple-returning op itself, not the ``MultiOutput``
     nodes naming its parts (they share its origins)."""
     ir_node = getattr(node, "node", None)
     op = getattr(ir_node, "op_overload", None)
     measured_here = op in MEASURED_OPS and device == "cpu"
-    if op not in CUDA_WORKSPACES and not measured_here:
+    measured_on_gpu = op in MEASURED_CUDA_OPS and device == "cuda"
+    if op not in CUDA_WORKSPACES and not measured_here and not measured_on_gpu:
         return []
     origin = next((o for o in _origins(node) if o.target is op), None)
     if origin is None:
         return []
-    nbytes = (measured_workspace(origin, strides=_argument_strides(origin, ir_node)) if measured_here
-              else cuda_workspace(origin))
+    if measured_here:
+        nbytes = measured_workspace(origin, strides=_argument_strides(origin, ir_node))
+    elif measured_on_gpu:
+        nbytes = measured_cuda_workspace(origin, strides=_argument_strides(origin, ir_node)) or 0
+    else:
+        nbytes = cuda_workspace(origin)
     return [Buffer(f"{node.get_name()}_workspace", nbytes, None)] if nbytes else []
 
 

@@ -106,6 +106,23 @@ class AllocationLedger:
                 self.current_bytes -= self._live.pop(ptr, 0)
 
 
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes (``kMinBlockSize``,
+# c10/cuda/CUDACachingAllocator.cpp's ``round_size``) and counts the block in
+# ``memory_allocated``, while a snapshot's trace records the size asked for. Rounding each
+# event as the allocator does makes a replayed snapshot's peak (``profile_step``)
+# ``max_memory_allocated``'s (H200, 2026-11-27: two 4-byte scalars had put it 1,016 bytes
+# under). Not followed: a cached
+# large block handed out unsplit (the allocator splits a large block only when more than
+# 1 MiB would remain) and ``roundup_power2_divisions``; both count more than this.
+ALLOCATOR_BLOCK_BYTES = 512
+
+
+def allocator_block_bytes(size: int) -> int:
+    """The bytes the CUDA caching allocator counts for a request of ``size`` bytes (none
+    for an empty tensor, which it does not allocate)."""
+    return -(-size // ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES
+
+
 def cpu_allocation_events(prof) -> list[tuple[int, int]]:
     """``(address, bytes)`` of every CPU allocation (bytes > 0) and free (bytes < 0) in a
     finished ``torch.profiler.profile(profile_memory=True)``, in time order.

@@ -16,10 +16,14 @@ is the workspace. Measured once per signature per process, for the plan
 traced layouts): it holds per-thread fp32 buffers for the scores and their gradient, which
 made an attention block with seq 512 predicted 33% low (to a few bytes with it).
 
-Only on the CPU, only for static shapes, and only where the op's inputs are small enough to
-copy (``MAX_INPUT_BYTES``): running a GPU kernel at planning time could fail for lack of
-memory on a GPU that is nearly full, which is exactly where a budget is used, and cuDNN's
-workspace depends on the algorithm it picks at run time.
+Only for static shapes, and on the CPU only where the op's inputs are small enough to copy
+(``MAX_INPUT_BYTES``). On a GPU the convolution backward is measured the same way
+(``measured_cuda_workspace``): cuDNN's workspace depends on the algorithm it picks when the
+op runs, which for the same shapes and settings is the same at planning time and in the
+step; only where the op's tensors take at most a quarter of the free memory (a GPU that
+is nearly full is where a budget is used, and a measurement must not run it out of
+memory), and read from the allocator's running total, so no peak statistic is reset.
+Other GPU ops are not run.
 
 On CUDA one workspace is known from the kernel's source instead of measured: FlashAttention-2's
 backward (``mha_bwd``, which ``_scaled_dot_product_flash_attention_backward`` calls) allocates
@@ -52,7 +56,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .memory_tracker import measure_peak
+from .memory_tracker import allocator_block_bytes, measure_peak
 from .passes.analyze import tensor_value
 from .passes.compat import inductor_channels_last_convolutions
 
@@ -79,7 +83,7 @@ def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = T
     CPU kernels' workspace says nothing of the GPU's)."""
     found = {}
     for node in nodes:
-        nbytes = cuda_workspace(node)
+        nbytes = cuda_workspace(node) or (measure and measured_cuda_workspace(node)) or 0
         if nbytes:
             found[node] = nbytes
     measured = [n for n in nodes if measure and n.op == "call_function" and n.target in MEASURED_OPS]
@@ -124,17 +128,17 @@ def _constants(node: fx.Node) -> list:
     return [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, fx.Node)]
 
 
-def _tensor_args(node: fx.Node) -> list[torch.Tensor] | None:
-    """The fake values of the op's tensor arguments, when all are static CPU tensors small
-    enough to run the op on."""
+def _tensor_args(node: fx.Node, device: str = "cpu", max_bytes: int | None = MAX_INPUT_BYTES) -> list[torch.Tensor] | None:
+    """The fake values of the op's tensor arguments, when all are static tensors on
+    ``device`` (a device type) small enough to run the op on (``max_bytes``; None: any)."""
     nodes = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
     values = [tensor_value(arg) for arg in nodes]
-    if not values or any(v is None or v.device.type != "cpu" for v in values):
+    if not values or any(v is None or v.device.type != device for v in values):
         return None
     if any(isinstance(s, torch.SymInt) for v in values for s in (*v.shape, *v.stride())):
         return None  # dynamic shapes: reading a size would guard on it
     total = sum(v.dtype.itemsize * v.numel() for v in values)
-    return values if total <= MAX_INPUT_BYTES else None
+    return values if max_bytes is None or total <= max_bytes else None
 
 
 def _signature(value: torch.Tensor) -> tuple:
@@ -277,20 +281,95 @@ CUDA_WORKSPACES = {
 }
 
 
-# CUDA ops whose workspace the library sizes at run time, with nothing to read it from
-# before: cuDNN picks a convolution's algorithm (and with it the workspace) per call, by its
+# CUDA ops whose workspace the library sizes at run time, with no rule to read it from:
+# cuDNN picks a convolution's algorithm (and with it the workspace) per call, by its
 # heuristics or by benchmarking, and cuDNN attention's backward builds its execution plan
-# then. Running the op while planning could fail on a nearly full GPU, which is where a
-# budget is used, and would reset the allocator's peak statistics under the user. So they
-# are not counted; the plan names them (``uncounted_cuda_workspaces``, design.md). Measured:
-# one cuDNN convolution backward (16 channels, 3x3, batch 8 at 32x32, fp32) held a
-# 1,131,875-byte workspace at the step's peak on an H200 (2026-11-27), the budget contract's
-# conv+BN gap. Without cuDNN the native kernels' im2col buffers take its place.
+# then. Measured: one cuDNN convolution backward (16 channels, 3x3, batch 8 at 32x32, fp32)
+# held a 1,131,875-byte workspace at the step's peak on an H200 (2026-11-27), the budget
+# contract's conv+BN gap; without cuDNN the native kernels' im2col buffers take its place.
+# A convolution backward is measured on the GPU where it can be (``MEASURED_CUDA_OPS``);
+# what is not measured or counted, the plan names (``uncounted_cuda_workspaces``, design.md).
 UNCOUNTED_CUDA_WORKSPACES = {
     torch.ops.aten.convolution_backward.default: "convolution backward",
     **({torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: "cuDNN attention backward"}
        if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward") else {}),
 }
+
+
+# Measured on the GPU instead, where one is here (``measured_cuda_workspace``): the same shapes
+# and cuDNN settings give the same algorithm at planning time and in the step (cuDNN's
+# heuristics, or with ``torch.backends.cudnn.benchmark`` the timed choice it caches).
+MEASURED_CUDA_OPS = frozenset({torch.ops.aten.convolution_backward.default})
+# The op's tensors, inputs and outputs, may take at most this share of the GPU's free memory
+# while it is measured: planning runs before the step's activations exist, and a measurement
+# must never be what runs a GPU out of memory.
+CUDA_PROBE_FREE_SHARE = 0.25
+_measured_cuda: dict[tuple, int | None] = {}  # signature -> workspace bytes (None: not measurable)
+
+
+def measured_cuda_workspace(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]] | None = None) -> int | None:
+    """What a CUDA ``convolution_backward`` holds while it runs beyond its outputs, measured
+    by running it on this GPU (once per signature and cuDNN settings per process), in the
+    traced layouts or those ``strides`` gives (as ``measured_workspace``). None where it
+    cannot be measured here: no GPU (fake CUDA tensors on a CPU machine), values that are
+    not static CUDA tensors, tensors over ``CUDA_PROBE_FREE_SHARE`` of the free memory, or
+    an op that fails to run; ``uncounted_cuda_workspaces`` then names it."""
+    if node.op != "call_function" or node.target not in MEASURED_CUDA_OPS or not torch.cuda.is_available():
+        return None
+    args = _tensor_args(node, device="cuda", max_bytes=None)
+    if args is None or len(node.args) != 11 or node.kwargs:
+        return None
+    strides = strides or {}
+    backends = torch.backends.cudnn
+    key = (node.target, str(args[0].device), *(_signature(t) for t in args), *(repr(a) for a in _constants(node)),
+           tuple(sorted((arg.name, stride) for arg, stride in strides.items())),
+           backends.enabled, backends.benchmark, backends.deterministic, backends.allow_tf32)
+    if key not in _measured_cuda:
+        _measured_cuda[key] = _measure_cuda(node, strides)
+    return _measured_cuda[key]
+
+
+def _measure_cuda(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]]) -> int | None:
+    """Run the convolution backward once per gradient it computes (the input's, then the
+    weight's: ATen computes them one after the other, each with its own workspace), after a
+    warm-up call, and read what the allocator handed out beyond that gradient's block
+    (``allocated_bytes.all.allocated``, the running total: no peak statistic is reset under
+    the user). The op holds the larger of the two."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    arguments = [arg for arg in node.args if isinstance(arg, fx.Node)]
+    outputs = node.meta.get("val")
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    needed = sum(t.dtype.itemsize * t.numel() for t in (*map(tensor_value, arguments), *outputs)
+                 if isinstance(t, torch.Tensor))
+    mask = list(node.args[10])
+    held = 0
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            device = tensor_value(arguments[0]).device
+            if needed > CUDA_PROBE_FREE_SHARE * torch.cuda.mem_get_info(device)[0]:
+                return None
+            made = {arg: torch.empty_strided(tensor_value(arg).shape, strides.get(arg, tensor_value(arg).stride()),
+                                             dtype=tensor_value(arg).dtype, device=device).zero_() for arg in arguments}
+            args = [made.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
+            for index in (0, 1):
+                if not mask[index]:
+                    continue
+                one = args[:10] + [[i == index for i in range(3)]]
+                node.target(*one)  # cuDNN builds (or with benchmark times) its plan once
+                torch.cuda.synchronize(device)
+                before = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"]
+                results = node.target(*one)
+                torch.cuda.synchronize(device)
+                allocated = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"] - before
+                blocks = sum(allocator_block_bytes(t.untyped_storage().nbytes()) for t in results
+                             if isinstance(t, torch.Tensor))
+                held = max(held, allocated - blocks)
+                del results
+            del made, args
+    except Exception:  # noqa: BLE001  an op that cannot run here counts as not measured
+        return None
+    return held
 
 
 def uncounted_cuda_workspaces(nodes) -> list[str]:
@@ -300,7 +379,7 @@ def uncounted_cuda_workspaces(nodes) -> list[str]:
     found = []
     for node in nodes:
         kind = UNCOUNTED_CUDA_WORKSPACES.get(node.target) if node.op == "call_function" else None
-        if kind is None or kind in found:
+        if kind is None or kind in found or measured_cuda_workspace(node) is not None:
             continue
         args = (arg for arg in node.args if isinstance(arg, fx.Node))
         if any(getattr(tensor_value(arg), "device", None) is not None

@@ -362,28 +362,31 @@ def _plan_conv_net(device: str, budget):
             _joint_on_cuda(joint)
         settings = resolve({"memory_budget": budget, "device_profile": "h100"})
         return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs,
-                              accelerator=True, report=False).plan
+                              accelerator=True, report=False)
 
     with torch.device("meta" if device == "cuda" else device):
         x = torch.zeros(8, 16, 32, 32)
         w1, w2 = (torch.zeros(16, 16, 3, 3, requires_grad=True) for _ in range(2))
-    plan, _ = capture(_conv_net, x, w1, w2, hook=hook)
-    return plan
+    result, _ = capture(_conv_net, x, w1, w2, hook=hook)
+    return result
 
 
-def test_a_cuda_convolution_plan_names_the_workspace_it_does_not_count(monkeypatch):
+def test_a_cuda_convolution_plan_names_the_workspace_it_could_not_measure(monkeypatch):
     """cuDNN sizes the convolution backward's workspace when it runs (1.08 MiB at the
-    contract's conv+BN peak on an H200, counted nowhere): the plan says so in its notes,
-    and under a budget one warning per process says the peak can exceed the budget by it."""
-    from compile_offload import planning
+    contract's conv+BN peak on an H200). Where it cannot be measured (here: no GPU to run
+    it on, as when CUDA is faked), the plan says so in its notes, and under a budget one
+    warning per process says the peak can exceed the budget by it."""
+    from compile_offload import op_workspace, planning
     from compile_offload.op_workspace import uncounted_cuda_workspaces
 
     monkeypatch.setattr(planning, "_warned_uncounted", set())
+    monkeypatch.setattr(op_workspace, "_measured_cuda", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = _plan_conv_net("cuda", 2**20)
-        second = _plan_conv_net("cuda", 2**20)
-        unbudgeted = _plan_conv_net("cuda", None)
+        first = _plan_conv_net("cuda", 2**20).plan
+        second = _plan_conv_net("cuda", 2**20).plan
+        unbudgeted = _plan_conv_net("cuda", None).plan
     for plan in (first, second, unbudgeted):
         notes = [n for n in plan.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)]
         assert len(notes) == 1 and "convolution backward" in notes[0], plan.notes
@@ -398,10 +401,38 @@ def test_a_convolution_planned_for_a_gpu_on_meta_names_it_too_and_on_the_cpu_not
     from compile_offload import planning
 
     monkeypatch.setattr(planning, "_warned_uncounted", set())
-    meta = _plan_conv_net("meta", None)
+    meta = _plan_conv_net("meta", None).plan
     assert [n for n in meta.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)], meta.notes
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cpu = _plan_conv_net("cpu", 2**20)
+        cpu = _plan_conv_net("cpu", 2**20).plan
     assert not [n for n in cpu.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)], cpu.notes
     assert not [w for w in caught if "does not count the workspace" in str(w.message)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_convolution_backward_workspace_is_measured_and_planned(monkeypatch):
+    """On a GPU the planner runs each convolution backward once per gradient and counts the
+    larger workspace: the plan holds it at the op (no note names it), and it is what the op
+    holds above its outputs when it runs both gradients, at the allocator (512-byte blocks
+    and an unsplit cached block: 1% + 64 KiB of slack)."""
+    from compile_offload import op_workspace, planning
+    from compile_offload.memory_tracker import measure_peak
+
+    monkeypatch.setattr(op_workspace, "_measured_cuda", {})
+    result = _plan_conv_net("cuda", 2**20)
+    convolutions = [n for n in result.analysis.bw_nodes if n.target is torch.ops.aten.convolution_backward.default]
+    assert len(convolutions) == 2
+    assert not [n for n in result.plan.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)], result.plan.notes
+    for node in convolutions:
+        measured = op_workspace.measured_cuda_workspace(node)
+        assert measured is not None and result.analysis.workspace_bytes.get(node, 0) == measured
+        values = [op_workspace.tensor_value(a) for a in node.args if isinstance(a, fx.Node)]
+        real = [torch.zeros(v.shape, dtype=v.dtype, device="cuda") for v in values]
+        args = [real.pop(0) if isinstance(a, fx.Node) else a for a in node.args]
+        node.target(*args)  # warm-up
+        with measure_peak("cuda") as peak:
+            outputs = node.target(*args)
+        held = peak.peak_bytes - sum(t.untyped_storage().nbytes() for t in outputs if isinstance(t, torch.Tensor))
+        assert abs(held - measured) <= 0.01 * measured + 64 * 1024, (held, measured)
