@@ -17,13 +17,13 @@ traced layouts): it holds per-thread fp32 buffers for the scores and their gradi
 made an attention block with seq 512 predicted 33% low (to a few bytes with it).
 
 Only for static shapes, and on the CPU only where the op's inputs are small enough to copy
-(``MAX_INPUT_BYTES``). On a GPU the convolution backward is measured the same way
-(``measured_cuda_workspace``): cuDNN's workspace depends on the algorithm it picks when the
-op runs, which for the same shapes and settings is the same at planning time and in the
-step; only where the op's tensors take at most a quarter of the free memory (a GPU that
-is nearly full is where a budget is used, and a measurement must not run it out of
-memory), and read from the allocator's running total, so no peak statistic is reset.
-Other GPU ops are not run.
+(``MAX_INPUT_BYTES``). On a GPU the convolution backward and cuDNN attention's backward are
+measured the same way (``measured_cuda_workspace``): cuDNN's workspace depends on the
+algorithm or plan it picks when the op runs, which for the same shapes and settings is the
+same at planning time and in the step; only where the op's tensors take at most a quarter
+of the free memory (a GPU that is nearly full is where a budget is used, and a measurement
+must not run it out of memory), and read from the allocator's running total, so no peak
+statistic is reset. Other GPU ops are not run.
 
 On CUDA one workspace is known from the kernel's source instead of measured: FlashAttention-2's
 backward (``mha_bwd``, which ``_scaled_dot_product_flash_attention_backward`` calls) allocates
@@ -45,10 +45,11 @@ split), and the fp32 ``delta`` row sums. On the contract's GPT-2 (fp32, batch 4,
 heads of 32) that is 266,496 bytes per attention backward, the size of the constant 0.25 MiB
 the H200 measured above the plan, but not that gap: it is counted, and the plan is still
 that far under the measured peaks (design.md).
-Elsewhere no workspace is counted. Not cuDNN attention's backward, which SDPA prefers for
-fp16/bf16 on sm90/sm100 with a bundled cuDNN of 9.15.1 or newer (torch 2.11's CUDA 13.0
-wheels and later): its workspace is sized by the plan cuDNN builds at run time (design.md,
-"cuDNN attention's backward").
+No rule for cuDNN attention's backward, which SDPA prefers for fp16/bf16 on sm90/sm100 with
+a bundled cuDNN of 9.15.1 or newer (torch 2.11's CUDA 13.0 wheels and later): its workspace
+is sized by the plan cuDNN builds at run time, so it is measured on the GPU like the
+convolution backward (``MEASURED_CUDA_OPS``; design.md, "cuDNN attention's backward").
+Elsewhere no workspace is counted.
 """
 
 from __future__ import annotations
@@ -283,23 +284,22 @@ CUDA_WORKSPACES = {
 
 # CUDA ops whose workspace the library sizes at run time, with no rule to read it from:
 # cuDNN picks a convolution's algorithm (and with it the workspace) per call, by its
-# heuristics or by benchmarking, and cuDNN attention's backward builds its execution plan
-# then. Measured: one cuDNN convolution backward (16 channels, 3x3, batch 8 at 32x32, fp32)
-# held a 1,131,875-byte workspace at the step's peak on an H200 (2026-11-27), the budget
-# contract's conv+BN gap; without cuDNN the native kernels' im2col buffers take its place.
-# A convolution backward is measured on the GPU where it can be (``MEASURED_CUDA_OPS``);
-# what is not measured or counted, the plan names (``uncounted_cuda_workspaces``, design.md).
-UNCOUNTED_CUDA_WORKSPACES = {
-    torch.ops.aten.convolution_backward.default: "convolution backward",
-    **({torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: "cuDNN attention backward"}
-       if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward") else {}),
-}
+# heuristics or by benchmarking (``torch.backends.cudnn.benchmark``, the timed choice then
+# cached), and cuDNN attention's backward builds its execution plan then; without cuDNN the
+# native convolution kernels' im2col buffers take its place. Measured on an H200
+# (2026-11-27): one cuDNN convolution backward (16 channels, 3x3, batch 8 at 32x32, fp32)
+# held a 1,131,875-byte workspace at the step's peak, the budget contract's conv+BN gap;
+# cuDNN attention's backward at GPT-8's shape 130 MiB above its gradients. The same shapes
+# and settings give the same choice at planning time and in the step, so where the plan is
+# made on the GPU they are measured there (``measured_cuda_workspace``); where not, the plan
+# names them (``uncounted_cuda_workspaces``, design.md).
+CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
+CUDNN_ATTENTION_BACKWARD = (torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+                            if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward") else None)
+MEASURED_CUDA_OPS = frozenset(op for op in (CONVOLUTION_BACKWARD, CUDNN_ATTENTION_BACKWARD) if op is not None)
+UNCOUNTED_CUDA_WORKSPACES = {CONVOLUTION_BACKWARD: "convolution backward",
+                             **({CUDNN_ATTENTION_BACKWARD: "cuDNN attention backward"} if CUDNN_ATTENTION_BACKWARD else {})}
 
-
-# Measured on the GPU instead, where one is here (``measured_cuda_workspace``): the same shapes
-# and cuDNN settings give the same algorithm at planning time and in the step (cuDNN's
-# heuristics, or with ``torch.backends.cudnn.benchmark`` the timed choice it caches).
-MEASURED_CUDA_OPS = frozenset({torch.ops.aten.convolution_backward.default})
 # The op's tensors, inputs and outputs, may take at most this share of the GPU's free memory
 # while it is measured: planning runs before the step's activations exist, and a measurement
 # must never be what runs a GPU out of memory.
@@ -308,74 +308,93 @@ _measured_cuda: dict[tuple, int | None] = {}  # signature -> workspace bytes (No
 
 
 def measured_cuda_workspace(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]] | None = None) -> int | None:
-    """What a CUDA ``convolution_backward`` holds while it runs beyond its outputs, measured
-    by running it on this GPU (once per signature and cuDNN settings per process), in the
-    traced layouts or those ``strides`` gives (as ``measured_workspace``). None where it
-    cannot be measured here: no GPU (fake CUDA tensors on a CPU machine), values that are
-    not static CUDA tensors, tensors over ``CUDA_PROBE_FREE_SHARE`` of the free memory, or
-    an op that fails to run; ``uncounted_cuda_workspaces`` then names it."""
+    """What a CUDA op of ``MEASURED_CUDA_OPS`` (the convolution backward, cuDNN attention's
+    backward) holds while it runs beyond its outputs, measured by running it on this GPU
+    (once per signature and cuDNN settings per process), in the traced layouts or those
+    ``strides`` gives (as ``measured_workspace``). None where it cannot be measured here: no
+    GPU (fake CUDA tensors on a CPU machine), tensors that are not static CUDA (or host)
+    tensors, tensors over ``CUDA_PROBE_FREE_SHARE`` of the free memory, or an op that fails
+    to run; ``uncounted_cuda_workspaces`` then names it."""
     if node.op != "call_function" or node.target not in MEASURED_CUDA_OPS or not torch.cuda.is_available():
         return None
-    args = _tensor_args(node, device="cuda", max_bytes=None)
-    if args is None or len(node.args) != 11 or node.kwargs:
+    values = [tensor_value(a) for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    if (not values or any(v is None or v.device.type not in ("cuda", "cpu") for v in values)
+            or not any(v.device.type == "cuda" for v in values)
+            or any(isinstance(x, torch.SymInt) for v in values for x in (*v.shape, *v.stride()))):
+        return None  # dynamic shapes: reading a size would guard on it
+    if node.target is CONVOLUTION_BACKWARD and (len(node.args) != 11 or node.kwargs):
         return None
     strides = strides or {}
     backends = torch.backends.cudnn
-    key = (node.target, str(args[0].device), *(_signature(t) for t in args), *(repr(a) for a in _constants(node)),
-           tuple(sorted((arg.name, stride) for arg, stride in strides.items())),
+    key = (node.target, *(str(v.device) for v in values), *(_signature(v) for v in values),
+           *(repr(a) for a in _constants(node)), tuple(sorted((arg.name, stride) for arg, stride in strides.items())),
            backends.enabled, backends.benchmark, backends.deterministic, backends.allow_tf32)
     if key not in _measured_cuda:
         _measured_cuda[key] = _measure_cuda(node, strides)
     return _measured_cuda[key]
 
 
+def _probe_calls(node: fx.Node, args: list, kwargs: dict) -> list[tuple[list, dict]]:
+    """The calls whose workspaces the op holds one at a time: the convolution backward's per
+    gradient (ATen computes the input's gradient, then the weight's, each with its own
+    workspace), any other op's as traced."""
+    if node.target is CONVOLUTION_BACKWARD:
+        mask = list(args[10])
+        return [(args[:10] + [[i == index for i in range(3)]], kwargs) for index in (0, 1) if mask[index]]
+    return [(args, kwargs)]
+
+
 def _measure_cuda(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]]) -> int | None:
-    """Run the convolution backward once per gradient it computes (the input's, then the
-    weight's: ATen computes them one after the other, each with its own workspace), after a
-    warm-up call, and read what the allocator handed out beyond that gradient's block
-    (``allocated_bytes.all.allocated``, the running total: no peak statistic is reset under
-    the user). The op holds the larger of the two."""
+    """Run each of ``_probe_calls`` once to warm it up (cuDNN builds, or times, its plan) and
+    once to read what the allocator handed out beyond the call's outputs: the difference of
+    its running total (``allocated_bytes.all.allocated``), so no peak statistic is reset
+    under the user. The op holds the largest."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    arguments = [arg for arg in node.args if isinstance(arg, fx.Node)]
+    arguments = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
     outputs = node.meta.get("val")
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     needed = sum(t.dtype.itemsize * t.numel() for t in (*map(tensor_value, arguments), *outputs)
                  if isinstance(t, torch.Tensor))
-    mask = list(node.args[10])
     held = 0
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            device = tensor_value(arguments[0]).device
+            device = next(v.device for v in map(tensor_value, arguments) if v.device.type == "cuda")
             if needed > CUDA_PROBE_FREE_SHARE * torch.cuda.mem_get_info(device)[0]:
                 return None
-            made = {arg: torch.empty_strided(tensor_value(arg).shape, strides.get(arg, tensor_value(arg).stride()),
-                                             dtype=tensor_value(arg).dtype, device=device).zero_() for arg in arguments}
+
+            def zeros(arg: fx.Node) -> torch.Tensor:
+                value = tensor_value(arg)
+                where = device if value.device.type == "cuda" else value.device
+                return torch.empty_strided(value.shape, strides.get(arg, value.stride()), dtype=value.dtype,
+                                           device=where).zero_()
+
+            made = {arg: zeros(arg) for arg in arguments}
             args = [made.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
-            for index in (0, 1):
-                if not mask[index]:
-                    continue
-                one = args[:10] + [[i == index for i in range(3)]]
-                node.target(*one)  # cuDNN builds (or with benchmark times) its plan once
+            kwargs = {k: made.get(v, v) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+            for call_args, call_kwargs in _probe_calls(node, args, kwargs):
+                node.target(*call_args, **call_kwargs)
                 torch.cuda.synchronize(device)
                 before = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"]
-                results = node.target(*one)
+                results = node.target(*call_args, **call_kwargs)
                 torch.cuda.synchronize(device)
                 allocated = torch.cuda.memory_stats(device)["allocated_bytes.all.allocated"] - before
+                results = results if isinstance(results, (tuple, list)) else (results,)
                 blocks = sum(allocator_block_bytes(t.untyped_storage().nbytes()) for t in results
-                             if isinstance(t, torch.Tensor))
+                             if isinstance(t, torch.Tensor) and t.device.type == "cuda")
                 held = max(held, allocated - blocks)
                 del results
-            del made, args
+            del made, args, kwargs
     except Exception:  # noqa: BLE001  an op that cannot run here counts as not measured
         return None
     return held
 
 
 def uncounted_cuda_workspaces(nodes) -> list[str]:
-    """The kinds of CUDA op among ``nodes`` whose workspace no rule counts
-    (``UNCOUNTED_CUDA_WORKSPACES``), each named once, in graph order. Meta tensors count as
-    CUDA: a graph is traced on meta only to be planned for a GPU (``explain``)."""
+    """The kinds of CUDA op among ``nodes`` whose workspace no rule counts and that could not
+    be measured here (``UNCOUNTED_CUDA_WORKSPACES``, ``measured_cuda_workspace``), each named
+    once, in graph order. Meta tensors count as CUDA: a graph is traced on meta only to be
+    planned for a GPU (``explain``)."""
     found = []
     for node in nodes:
         kind = UNCOUNTED_CUDA_WORKSPACES.get(node.target) if node.op == "call_function" else None

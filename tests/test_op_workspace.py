@@ -410,15 +410,33 @@ def test_a_convolution_planned_for_a_gpu_on_meta_names_it_too_and_on_the_cpu_not
     assert not [w for w in caught if "does not count the workspace" in str(w.message)]
 
 
+def _assert_the_op_holds_what_was_measured(node: fx.Node, measured: int) -> None:
+    """``node`` run on zero-filled CUDA tensors of its shapes, every output at once: what it
+    holds above its outputs at the allocator is ``measured`` (512-byte blocks and an unsplit
+    cached block: 1% + 64 KiB of slack)."""
+    from compile_offload.memory_tracker import measure_peak
+    from compile_offload.op_workspace import tensor_value
+
+    def real(value):
+        return torch.zeros(value.shape, dtype=value.dtype, device="cuda" if value.device.type == "cuda" else "cpu")
+
+    args = [real(tensor_value(a)) if isinstance(a, fx.Node) else a for a in node.args]
+    kwargs = {k: real(tensor_value(v)) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+    node.target(*args, **kwargs)  # warm-up
+    with measure_peak("cuda") as peak:
+        outputs = node.target(*args, **kwargs)
+    held = peak.peak_bytes - sum(t.untyped_storage().nbytes() for t in outputs
+                                 if isinstance(t, torch.Tensor) and t.is_cuda)
+    assert abs(held - measured) <= 0.01 * measured + 64 * 1024, (node.target, held, measured)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_convolution_backward_workspace_is_measured_and_planned(monkeypatch):
     """On a GPU the planner runs each convolution backward once per gradient and counts the
     larger workspace: the plan holds it at the op (no note names it), and it is what the op
-    holds above its outputs when it runs both gradients, at the allocator (512-byte blocks
-    and an unsplit cached block: 1% + 64 KiB of slack)."""
+    holds above its outputs when it computes both gradients."""
     from compile_offload import op_workspace, planning
-    from compile_offload.memory_tracker import measure_peak
 
     monkeypatch.setattr(op_workspace, "_measured_cuda", {})
     result = _plan_conv_net("cuda", 2**20)
@@ -428,11 +446,30 @@ def test_a_cuda_convolution_backward_workspace_is_measured_and_planned(monkeypat
     for node in convolutions:
         measured = op_workspace.measured_cuda_workspace(node)
         assert measured is not None and result.analysis.workspace_bytes.get(node, 0) == measured
-        values = [op_workspace.tensor_value(a) for a in node.args if isinstance(a, fx.Node)]
-        real = [torch.zeros(v.shape, dtype=v.dtype, device="cuda") for v in values]
-        args = [real.pop(0) if isinstance(a, fx.Node) else a for a in node.args]
-        node.target(*args)  # warm-up
-        with measure_peak("cuda") as peak:
-            outputs = node.target(*args)
-        held = peak.peak_bytes - sum(t.untyped_storage().nbytes() for t in outputs if isinstance(t, torch.Tensor))
-        assert abs(held - measured) <= 0.01 * measured + 64 * 1024, (held, measured)
+        _assert_the_op_holds_what_was_measured(node, measured)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_attention_backward_workspace_is_measured(monkeypatch):
+    """cuDNN attention (what SDPA takes for bf16 on H100/H200 under torch >= 2.11): its
+    backward's workspace, measured by the planner, is what the op holds. GPT-8's attention
+    shape held 136,314,880 bytes above its gradients on an H200 (2026-11-27)."""
+    from compile_offload import op_workspace
+
+    from .passes.joint_capture import capture_analysis
+
+    if op_workspace.CUDNN_ATTENTION_BACKWARD is None:
+        pytest.skip("this torch has no cuDNN attention op")
+    monkeypatch.setattr(op_workspace, "_measured_cuda", {})
+
+    def attention(q, k, v):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True)[0].float().sum()
+
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    analysis, _ = capture_analysis(attention, q, k, v)
+    (node,) = [n for n in analysis.bw_nodes if n.target is op_workspace.CUDNN_ATTENTION_BACKWARD]
+    measured = op_workspace.measured_cuda_workspace(node)
+    assert measured is not None and measured > 0
+    assert op_workspaces([node]) == {node: measured}
+    _assert_the_op_holds_what_was_measured(node, measured)
