@@ -177,6 +177,29 @@ def recorded(path: str | None, label: str):
         out.write(f"## {label}\n{describe_live_at_peak(snapshot, torch.cuda.current_device())}\n\n")
 
 
+def describe_plan_peak(result, top: int = 25) -> str:
+    """The plan's side of a snapshot: what the planner's program of ``result`` (a
+    ``PartitionResult``) holds at its peak, largest first, each storage with the step that
+    allocated it, to read beside the allocator's blocks."""
+    from compile_offload.passes.memory import live_at, plan_program, simulate
+
+    if result is None or result.analysis is None or result.solution is None:
+        return "plan: its program is not available (torch's partition, or a cached plan)"
+    chosen, analysis = result.solution.chosen, result.analysis
+    transfers = chosen.transfers
+    program = plan_program(analysis, set(chosen.saved), set(chosen.offloaded), fusion=analysis.fusion,
+                           reload_distance=transfers.reload_distance if transfers else None,
+                           offload_wait_after=transfers.offload_wait_after if transfers else None)
+    timeline = simulate(program)
+    alive = sorted(live_at(program, timeline.peak_index).items(), key=lambda item: -item[1][0])
+    lines = [f"plan: peak {timeline.peak_bytes} bytes at step {timeline.peak_label} (predicted "
+             f"{result.plan.predicted_peak_bytes}); {len(alive)} storages alive then"]
+    lines += [f"  {nbytes:>12} bytes  {getattr(key, 'name', key)} (allocated at {label})" for key, (nbytes, label) in alive[:top]]
+    if len(alive) > top:
+        lines.append(f"  ... {len(alive) - top} smaller, {sum(n for _, (n, _) in alive[top:])} bytes")
+    return "\n".join(lines)
+
+
 def measure_point(name: str, budget_bytes: int | None, fraction: float | None = None,
                   inner_compiler: str = "inductor", solver: str | None = None, device: str = "cpu",
                   snapshot: str | None = None) -> Point:
@@ -192,12 +215,12 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
     model, inputs, loss_of = build(name)
     model, inputs = _on(device, model, inputs)
     model.train()
-    plans = []
+    results = []
     plan_partition = partitioner.plan_partition
 
     def plan_and_capture(*args, **kwargs):
         result = plan_partition(*args, **kwargs)
-        plans.append(result.plan)
+        results.append(result)
         return result
 
     torch._dynamo.reset()
@@ -218,11 +241,15 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
                 compiled(*inputs).backward()
     finally:
         partitioner.plan_partition = plan_partition
+    plans = [result.plan for result in results]
     graphs = {plan.graph_name for plan in plans}
     if len(graphs) != 1:
         raise RuntimeError(f"{name}: {len(graphs)} graphs were planned; the contract is stated for one graph")
     # The plan the backend kept: with a re-plan (the budget loop), not the last one made.
     plan = next(p for p in logs.latest_plans() if p.graph_name in graphs)
+    if snapshot is not None:
+        with open(snapshot, "a") as out:
+            out.write(f"{describe_plan_peak(next((r for r in results if r.plan is plan), None))}\n\n")
     warned = sum("below the minimum" in str(w.message) or "over the memory budget" in str(w.message)
                  for w in caught)
     return Point(name, fraction, budget_bytes, plan.predicted_peak_bytes, plan.min_peak_bytes,

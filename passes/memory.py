@@ -95,6 +95,21 @@ def simulate(program: Program) -> Timeline:
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
 
 
+def live_at(program: Program, index: int) -> dict[Hashable, tuple[int, str]]:
+    """The storages alive while step ``index`` of ``program`` runs -> (their bytes, the label
+    of the step that allocated them): the terms ``simulate`` sums there (``live_bytes[index]``).
+    For reading a peak against a measurement, not for the solver's loops."""
+    frees_after, storage_of = _frees_after(program)
+    alive: dict[Hashable, tuple[int, str]] = {}
+    for position, step in enumerate(program.steps[: index + 1]):
+        for key, nbytes in step.allocates:
+            alive.setdefault(storage_of.get(key, key), (nbytes, step.label))
+        if position < index:
+            for key in frees_after.get(position, ()):
+                alive.pop(key, None)
+    return alive
+
+
 def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hashable, Hashable]]:
     """Step index -> the storages freed right after it: each after its last reader (or its
     first allocation when nothing reads it), except those that outlive the step; and the

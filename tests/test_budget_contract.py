@@ -60,3 +60,27 @@ def test_every_extra_family_builds_and_trains_eagerly():
         loss_of(model(*inputs)).backward()
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), name
         assert any(p.requires_grad for p in model.parameters()), name
+
+
+def test_the_plan_side_of_a_snapshot_is_what_the_plan_holds_at_its_peak():
+    """``--snapshot`` writes, beside the allocator's blocks, the planner's program at its
+    peak: the program rebuilt from the chosen plan peaks where the plan says, and the
+    storages listed sum to that peak."""
+    from compile_offload.planning import plan_partition
+    from compile_offload.settings import resolve
+
+    from .passes.joint_capture import capture
+
+    model, inputs, loss_of = contract.build("transformer")
+
+    def hook(joint, joint_inputs):
+        settings = resolve({"memory_budget": 0.6, "device_profile": "cpu"})
+        return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs, report=False)
+
+    result, _ = capture(lambda x: loss_of(model(x)), *inputs, hook=hook)
+    text = contract.describe_plan_peak(result, top=10_000)
+    first, *rows = text.splitlines()
+    peak = result.plan.predicted_peak_bytes
+    assert first.startswith(f"plan: peak {peak} bytes at step ") and f"(predicted {peak})" in first, first
+    assert sum(int(row.split()[0]) for row in rows) == peak and len(rows) > 1
+    assert contract.describe_plan_peak(None).startswith("plan: its program is not available")

@@ -16,7 +16,7 @@ from compile_offload.memory_tracker import measure_peak
 from compile_offload.planning import plan_partition
 from compile_offload.settings import resolve
 from compile_offload.passes import compat
-from compile_offload.passes.memory import Program, Step, graphs_program, peak_bytes, simulate
+from compile_offload.passes.memory import Program, Step, graphs_program, live_at, peak_bytes, simulate
 
 N = 1000  # float32 elements: 4000 bytes
 
@@ -102,6 +102,22 @@ def test_peak_bytes_is_the_simulated_peak(steps, outlives):
     # allocated again after its last read, never read, outliving the step, written in place.
     program = Program(steps, backward_start=len(steps) // 2, outlives=outlives)
     assert peak_bytes(program) == simulate(program).peak_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(_STEPS, st.sets(_KEYS))
+def test_live_at_lists_what_simulate_sums_at_every_step(steps, outlives):
+    program = Program(steps, backward_start=len(steps) // 2, outlives=outlives)
+    timeline = simulate(program)
+    for index, total in enumerate(timeline.live_bytes):
+        assert sum(nbytes for nbytes, _ in live_at(program, index).values()) == total
+
+
+def test_live_at_names_the_step_that_allocated_each_storage():
+    program = Program([Step("a", [("a", 100)]), Step("b", [("b", 50)], ["a"]), Step("c", [("c", 10)], ["b"])],
+                      backward_start=3, outlives={"c"})
+    assert live_at(program, 1) == {"a": (100, "a"), "b": (50, "b")}
+    assert live_at(program, 2) == {"b": (50, "b"), "c": (10, "c")}
 
 
 class MLP(nn.Module):
