@@ -9,8 +9,8 @@
 # "first" writes 7 files (env.txt, cuda_tests.log, bench.log, gpt.md, gpt.jsonl, deep.md,
 # deep.jsonl; the plots are dropped to stay under 8), "second" 3 (contract_cuda.md, its
 # stderr, and live_at_peak.txt: the allocations alive at each measured peak and the lines
-# that made them, and the storages the plan holds at its own peak). Each step has a hard limit, and what finished is written even when a
-# later step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
+# that made them, and the storages the plan holds at its own peak). Each step has a hard
+# limit, and what finished is written even when a later step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
 # full call of its own). PYTHON=... picks the interpreter.
 set -uo pipefail
 
