@@ -129,17 +129,17 @@ def _constants(node: fx.Node) -> list:
     return [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, fx.Node)]
 
 
-def _tensor_args(node: fx.Node, device: str = "cpu", max_bytes: int | None = MAX_INPUT_BYTES) -> list[torch.Tensor] | None:
-    """The fake values of the op's tensor arguments, when all are static tensors on
-    ``device`` (a device type) small enough to run the op on (``max_bytes``; None: any)."""
+def _tensor_args(node: fx.Node) -> list[torch.Tensor] | None:
+    """The fake values of the op's tensor arguments, when all are static CPU tensors small
+    enough to run the op on."""
     nodes = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
     values = [tensor_value(arg) for arg in nodes]
-    if not values or any(v is None or v.device.type != device for v in values):
+    if not values or any(v is None or v.device.type != "cpu" for v in values):
         return None
     if any(isinstance(s, torch.SymInt) for v in values for s in (*v.shape, *v.stride())):
         return None  # dynamic shapes: reading a size would guard on it
     total = sum(v.dtype.itemsize * v.numel() for v in values)
-    return values if max_bytes is None or total <= max_bytes else None
+    return values if total <= MAX_INPUT_BYTES else None
 
 
 def _signature(value: torch.Tensor) -> tuple:
@@ -318,9 +318,10 @@ def measured_cuda_workspace(node: fx.Node, strides: dict[fx.Node, tuple[int, ...
     if node.op != "call_function" or node.target not in MEASURED_CUDA_OPS or not torch.cuda.is_available():
         return None
     values = [tensor_value(a) for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
-    if (not values or any(v is None or v.device.type not in ("cuda", "cpu") for v in values)
-            or not any(v.device.type == "cuda" for v in values)
-            or any(isinstance(x, torch.SymInt) for v in values for x in (*v.shape, *v.stride()))):
+    devices = {v.device.type if v is not None else None for v in values}
+    if "cuda" not in devices or not devices <= {"cuda", "cpu"}:  # host scalars (RNG state) may come along
+        return None
+    if any(isinstance(x, torch.SymInt) for v in values for x in (*v.shape, *v.stride())):
         return None  # dynamic shapes: reading a size would guard on it
     if node.target is CONVOLUTION_BACKWARD and (len(node.args) != 11 or node.kwargs):
         return None

@@ -98,20 +98,22 @@ _warned_uncounted: set[tuple[str, ...]] = set()
 
 
 def note_uncounted_workspaces(plan: Plan, nodes) -> None:
-    """Name in ``plan.notes`` the CUDA ops whose workspace the plan does not count
-    (``op_workspace.UNCOUNTED_CUDA_WORKSPACES``), and under a budget warn once per process
-    for each set of them: the step's peak can exceed the budget by those workspaces."""
+    """Name in ``plan.notes`` the CUDA ops whose workspace the plan does not count, as it was
+    not measured on the GPU (``op_workspace.uncounted_cuda_workspaces``), and under a budget
+    warn once per process for each set of them: the step's peak can exceed the budget by
+    those workspaces."""
     kinds = tuple(uncounted_cuda_workspaces(nodes))
     if not kinds:
         return
-    plan.notes.append(f"{UNCOUNTED_WORKSPACE_NOTE} {', '.join(kinds)} (sized by the library when it runs; "
-                      "one cuDNN convolution backward held 1.08 MiB at 16 channels, batch 8, 32x32, on an H200)")
+    plan.notes.append(f"{UNCOUNTED_WORKSPACE_NOTE} {', '.join(kinds)} (sized by the library when it runs, and "
+                      "not measured on the GPU while planning; one cuDNN convolution backward held 1.08 MiB at "
+                      "16 channels, batch 8, 32x32, on an H200)")
     if plan.budget_bytes is not None and kinds not in _warned_uncounted:
         _warned_uncounted.add(kinds)
         warnings.warn(f"compile_offload: {plan.graph_name}: the plan does not count the workspace of each CUDA "
-                      f"{', '.join(kinds)}, which the library sizes when it runs; the step's peak can exceed the "
-                      "memory budget by it (config.verify_budget measures the first step against the budget)",
-                      stacklevel=4)
+                      f"{', '.join(kinds)}, which the library sizes when it runs and which could not be measured "
+                      "on the GPU while planning; the step's peak can exceed the memory budget by it "
+                      "(config.verify_budget measures the first step against the budget)", stacklevel=4)
 
 
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
