@@ -111,9 +111,9 @@ class AllocationLedger:
 # ``memory_allocated``, while a snapshot's trace records the size asked for. Rounding each
 # event as the allocator does makes a replayed snapshot's peak (``profile_step``)
 # ``max_memory_allocated``'s (H200, 2026-11-27: two 4-byte scalars had put it 1,016 bytes
-# under). Not followed: a cached
-# large block handed out unsplit (the allocator splits a large block only when more than
-# 1 MiB would remain) and ``roundup_power2_divisions``; both count more than this.
+# under). Not followed: a cached large block handed out unsplit (the allocator splits a
+# large block only when more than 1 MiB would remain) and ``roundup_power2_divisions``; both
+# count more than this.
 ALLOCATOR_BLOCK_BYTES = 512
 
 

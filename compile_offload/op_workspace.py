@@ -75,13 +75,14 @@ MEASURED_OPS = frozenset({
 
 
 def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = True) -> dict[fx.Node, int]:
-    """Each CPU ``convolution_backward`` and attention backward, and each CUDA FlashAttention
-    and memory-efficient attention backward, of ``nodes`` (a joint graph's) -> the bytes it
+    """Each CPU ``convolution_backward`` and attention backward, each CUDA FlashAttention and
+    memory-efficient attention backward, and on a GPU each convolution backward and cuDNN
+    attention backward (``MEASURED_CUDA_OPS``), of ``nodes`` (a joint graph's) -> the bytes it
     holds while it runs beyond its outputs (omitted where nothing, or where it is not known).
     ``inductor``: the graphs are compiled by Inductor, whose layout optimization decides the
     layouts the op gets; otherwise they run as written, in the traced layouts.
-    ``measure=False``: none of the CPU ops is run (host tensors standing in for a GPU's: the
-    CPU kernels' workspace says nothing of the GPU's)."""
+    ``measure=False``: no op is run (host tensors standing in for a GPU's: the CPU kernels'
+    workspace says nothing of the GPU's)."""
     found = {}
     for node in nodes:
         nbytes = cuda_workspace(node) or (measure and measured_cuda_workspace(node)) or 0
@@ -294,11 +295,9 @@ CUDA_WORKSPACES = {
 # made on the GPU they are measured there (``measured_cuda_workspace``); where not, the plan
 # names them (``uncounted_cuda_workspaces``, design.md).
 CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
-CUDNN_ATTENTION_BACKWARD = (torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
-                            if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward") else None)
-MEASURED_CUDA_OPS = frozenset(op for op in (CONVOLUTION_BACKWARD, CUDNN_ATTENTION_BACKWARD) if op is not None)
-UNCOUNTED_CUDA_WORKSPACES = {CONVOLUTION_BACKWARD: "convolution backward",
-                             **({CUDNN_ATTENTION_BACKWARD: "cuDNN attention backward"} if CUDNN_ATTENTION_BACKWARD else {})}
+CUDNN_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+# op -> what the plan's notes call it where it is not measured
+MEASURED_CUDA_OPS = {CONVOLUTION_BACKWARD: "convolution backward", CUDNN_ATTENTION_BACKWARD: "cuDNN attention backward"}
 
 # The op's tensors, inputs and outputs, may take at most this share of the GPU's free memory
 # while it is measured: planning runs before the step's activations exist, and a measurement
@@ -393,12 +392,12 @@ def _measure_cuda(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]]) -> int
 
 def uncounted_cuda_workspaces(nodes) -> list[str]:
     """The kinds of CUDA op among ``nodes`` whose workspace no rule counts and that could not
-    be measured here (``UNCOUNTED_CUDA_WORKSPACES``, ``measured_cuda_workspace``), each named
-    once, in graph order. Meta tensors count as CUDA: a graph is traced on meta only to be
-    planned for a GPU (``explain``)."""
+    be measured here (``MEASURED_CUDA_OPS``, ``measured_cuda_workspace``), each named once, in
+    graph order. Meta tensors count as CUDA: a graph is traced on meta only to be planned for
+    a GPU (``explain``)."""
     found = []
     for node in nodes:
-        kind = UNCOUNTED_CUDA_WORKSPACES.get(node.target) if node.op == "call_function" else None
+        kind = MEASURED_CUDA_OPS.get(node.target) if node.op == "call_function" else None
         if kind is None or kind in found or measured_cuda_workspace(node) is not None:
             continue
         args = (arg for arg in node.args if isinstance(arg, fx.Node))
