@@ -361,8 +361,10 @@ def _plan_conv_net(device: str, budget):
         if device == "cuda":
             _joint_on_cuda(joint)
         settings = resolve({"memory_budget": budget, "device_profile": "h100"})
+        # On CUDA values the graph's device says, as in the backend (and the planner measures
+        # what it can on a GPU); elsewhere host tensors stand in for a GPU's, as in ``explain``.
         return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs,
-                              accelerator=True, report=False)
+                              accelerator=None if device == "cuda" else True, report=False)
 
     with torch.device("meta" if device == "cuda" else device):
         x = torch.zeros(8, 16, 32, 32)
