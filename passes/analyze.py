@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import compat
+from .attention_bias_copies import attention_bias_copies
 from .kernel_local import KernelGroups, kernel_groups
 from .loop_ranges import cpu_graph
 from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value  # noqa: F401  (imported from here too)
@@ -458,6 +459,10 @@ class JointAnalysis:
     # ... and the bytes an extern op holds while it runs beyond its outputs (a CPU
     # convolution's backward: ``compile_offload.op_workspace``, measured by the caller).
     workspace_bytes: dict[fx.Node, int] = field(default_factory=dict)
+    # ... and, under Inductor, the CUDA attention kernels that copy their broadcast bias
+    # whole when their graph computes it (``attention_bias_copies``): kernel -> (the bias
+    # view, the copy's bytes). Each plan decides where the bias is computed.
+    bias_copies: dict[fx.Node, tuple[fx.Node, int]] = field(default_factory=dict)
 
     def is_forward(self, node: fx.Node) -> bool:
         """Forward side: needed by the forward, or needed by neither side yet (torch's
@@ -586,6 +591,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},
         workspace_bytes=workspaces(nodes) if workspaces is not None else {},
+        bias_copies=attention_bias_copies(nodes) if fusion else {},
         fw_inputs=fw_inputs,
         bw_reads=bw_reads,
         bw_readers={node: tuple(indices) for node, indices in bw_readers.items()},

@@ -622,6 +622,8 @@ class StepBuilder:
         allocates = [(key(node), nbytes)] if nbytes else []
         if node in a.workspace_bytes:
             allocates.append((workspace_key(node), a.workspace_bytes[node]))
+        if self._copies_bias(node, key):
+            allocates.append((bias_copy_key(node), a.bias_copies[node][1]))
         reads = self._op_reads(node, key)
         parent = _tuple_op(node)
         if parent is not None:
@@ -632,11 +634,29 @@ class StepBuilder:
             reads += self._op_reads(parent, key)
             if parent in a.workspace_bytes:
                 reads.append(workspace_key(parent))
+            if self._copies_bias(parent, key):
+                reads.append(bias_copy_key(parent))
         in_place = ()
         if nbytes and self.fusion and key == self._backward_key:
             in_place = in_place_candidates(node, nbytes, key, self.fused, a.steady.__contains__,
                                            a.inputs.__getitem__, self.memo, a.storage_bytes)
         return Step(node.name, allocates, reads, kind=kind, in_place=in_place)
+
+    def _copies_bias(self, node: fx.Node, key) -> bool:
+        """Whether Inductor copies ``node``'s broadcast attention bias whole
+        (``analyze.bias_copies``): where the graph running ``node`` computes the bias's
+        base, rather than receiving it (a primal input; in the backward, a saved tensor or
+        a view of one)."""
+        if node not in self.a.bias_copies:
+            return False
+        current = self.a.bias_copies[node][0]
+        while True:
+            if key == self._backward_key and current in self.saved:
+                return False
+            parent = self.a.alias_parent[current]
+            if parent is None:
+                return current not in self.a.steady
+            current = parent
 
     def _op_reads(self, node: fx.Node, key) -> list[Hashable]:
         """The storages ``node``'s step reads: its inputs' (through what is fused), and a
@@ -673,6 +693,13 @@ def workspace_key(node: fx.Node) -> Hashable:
     allocated by its step and read by its outputs' steps, so it lives until the last of
     them (the measured peak of the op is its outputs and this, together)."""
     return ("workspace", node.name)
+
+
+def bias_copy_key(node: fx.Node) -> Hashable:
+    """The storage of Inductor's whole copy of attention kernel ``node``'s broadcast bias
+    (``analyze.bias_copies``): allocated by its step and read by its outputs' steps, as a
+    workspace is."""
+    return ("bias copy", node.name)
 
 
 def _views_of_copies(a: JointAnalysis) -> dict[fx.Node, fx.Node]:
