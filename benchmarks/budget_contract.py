@@ -174,10 +174,12 @@ def recorded(path: str | None, label: str):
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     with open(path, "a") as out:
-        out.write(f"## {label}\n{describe_live_at_peak(snapshot, torch.cuda.current_device())}\n\n")
+        # Every block, each with the generated line that made it and the caller's: the small
+        # ones are where plan and measurement were last told apart (GPT-2, fifth lease).
+        out.write(f"## {label}\n{describe_live_at_peak(snapshot, torch.cuda.current_device(), frames=2, top=80)}\n\n")
 
 
-def describe_plan_peak(result, top: int = 25) -> str:
+def describe_plan_peak(result, top: int = 80) -> str:
     """The plan's side of a snapshot: what the planner's program of ``result`` (a
     ``PartitionResult``) holds at its peak, largest first, each storage with the step that
     allocated it, to read beside the allocator's blocks."""
