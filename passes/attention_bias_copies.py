@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+from .compat import size_hint
 from .node_kinds import is_view, tensor_value
 
 _aten = torch.ops.aten
@@ -59,7 +60,24 @@ def attention_bias_copies(nodes: Iterable[fx.Node]) -> dict[fx.Node, tuple[fx.No
             continue
         bias = _bias_argument(node)
         value = tensor_value(bias) if isinstance(bias, fx.Node) else None
-        if value is None or not is_view(bias) or value.is_contiguous():
+        if value is None or not is_view(bias):
             continue
-        found[node] = (bias, value.numel() * value.element_size())
+        # Sizes and strides as hints (no guard on a symbolic shape): dense means contiguous.
+        sizes = [size_hint(size) for size in value.shape]
+        strides = [size_hint(stride) for stride in value.stride()]
+        if _is_contiguous(sizes, strides):
+            continue
+        numel = 1
+        for size in sizes:
+            numel *= size
+        found[node] = (bias, numel * value.element_size())
     return found
+
+
+def _is_contiguous(sizes: list[int], strides: list[int]) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(sizes, strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True

@@ -143,3 +143,15 @@ def _view_chain(analysis, view) -> set:
         chain.add(view)
         view = analysis.alias_parent[view]
     return chain
+
+
+def test_a_symbolic_shape_sizes_the_copy_from_its_hints():
+    """Dynamic shapes: the bias's sizes and strides are read as hints (no guard is added)."""
+    with torch.device("meta"):
+        q, k, v = (torch.empty(BATCH, SEQ, HEADS, HEAD_DIM, requires_grad=True).transpose(1, 2) for _ in range(3))
+        mask = torch.empty(BATCH, 1, SEQ, SEQ, dtype=torch.bool)
+    analysis, _ = capture(_masked_attention, q, k, v, mask, dynamic=True,
+                          hook=lambda joint, _: analyze_joint(joint, fusion=True, accelerator=True))
+    assert any(isinstance(s, torch.SymInt) for n in analysis.position if (val := n.meta.get("val")) is not None
+               and isinstance(val, torch.Tensor) for s in val.shape)
+    assert [nbytes for _, nbytes in analysis.bias_copies.values()] == [WHOLE_BIAS]
