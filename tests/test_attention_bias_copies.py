@@ -43,7 +43,7 @@ def _bias_copies(program: memory.Program) -> list[int]:
 
 
 def test_the_efficient_attention_backward_copies_the_mask_it_recomputes_and_not_the_one_it_receives():
-    joint, analysis, min_cut = _analysis()
+    _, analysis, min_cut = _analysis()
     ((kernel, (view, nbytes)),) = analysis.bias_copies.items()
     assert kernel.target in COPYING_OPS and nbytes == WHOLE_BIAS
     base = view.args[0]
