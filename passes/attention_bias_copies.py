@@ -23,6 +23,7 @@ flash kernels take the mask unexpanded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -67,10 +68,7 @@ def attention_bias_copies(nodes: Iterable[fx.Node]) -> dict[fx.Node, tuple[fx.No
         strides = [size_hint(stride) for stride in value.stride()]
         if _is_contiguous(sizes, strides):
             continue
-        numel = 1
-        for size in sizes:
-            numel *= size
-        found[node] = (bias, numel * value.element_size())
+        found[node] = (bias, math.prod(sizes) * value.element_size())
     return found
 
 

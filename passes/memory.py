@@ -620,27 +620,33 @@ class StepBuilder:
         else:
             nbytes = 0 if node in self.fused else a.bytes_of.get(node, 0)
         allocates = [(key(node), nbytes)] if nbytes else []
-        if node in a.workspace_bytes:
-            allocates.append((workspace_key(node), a.workspace_bytes[node]))
-        if self._copies_bias(node, key):
-            allocates.append((bias_copy_key(node), a.bias_copies[node][1]))
+        allocates += self._held_while_running(node, key)
         reads = self._op_reads(node, key)
         parent = _tuple_op(node)
         if parent is not None:
             # A tuple-returning op allocates every output (its getitems' steps) while its
-            # inputs, and its workspace, are held: those steps read them too. Else an input
-            # whose last use is the op was freed before the outputs appeared (an attention
-            # backward's three gradients, 0.375 MiB of a Llama's 3.63 MiB peak on CUDA).
+            # inputs, and what it holds while it runs, are held: those steps read them too.
+            # Else an input whose last use is the op was freed before the outputs appeared
+            # (an attention backward's three gradients, 0.375 MiB of a Llama's 3.63 MiB peak
+            # on CUDA).
             reads += self._op_reads(parent, key)
-            if parent in a.workspace_bytes:
-                reads.append(workspace_key(parent))
-            if self._copies_bias(parent, key):
-                reads.append(bias_copy_key(parent))
+            reads += [held for held, _ in self._held_while_running(parent, key)]
         in_place = ()
         if nbytes and self.fusion and key == self._backward_key:
             in_place = in_place_candidates(node, nbytes, key, self.fused, a.steady.__contains__,
                                            a.inputs.__getitem__, self.memo, a.storage_bytes)
         return Step(node.name, allocates, reads, kind=kind, in_place=in_place)
+
+    def _held_while_running(self, node: fx.Node, key) -> list[tuple[Hashable, int]]:
+        """The storages ``node``'s op holds while it runs beyond its outputs, with their
+        bytes: its workspace (``workspace_key``) and, where this plan has the graph compute
+        its broadcast attention bias, Inductor's whole copy of it (``bias_copy_key``)."""
+        held = []
+        if node in self.a.workspace_bytes:
+            held.append((workspace_key(node), self.a.workspace_bytes[node]))
+        if self._copies_bias(node, key):
+            held.append((bias_copy_key(node), self.a.bias_copies[node][1]))
+        return held
 
     def _copies_bias(self, node: fx.Node, key) -> bool:
         """Whether Inductor copies ``node``'s broadcast attention bias whole
