@@ -438,6 +438,13 @@ class JointAnalysis:
     # Whether the kernels are Triton's (an accelerator's graph) rather than the C++ backend's:
     # their loops need not line up, and a kernel a cycle breaks keeps what does not wait on it.
     triton_kernels: bool = False
+    # Whether a horizontal fusion may run a kernel ahead of its place, as Inductor's scheduler
+    # does by default; False under ``compile_offload.plan_order_fusion`` (a memory budget):
+    # then a kernel's parts joined by a shared read (``kernel_parts``; ``kernel_inlined``:
+    # what stores no buffer) stay apart where joining them would pull one ahead.
+    fusion_pulls: bool = True
+    kernel_parts: dict = field(default_factory=dict, repr=False, compare=False)
+    kernel_inlined: frozenset[fx.Node] = frozenset()
     # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
     # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
     copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -517,13 +524,14 @@ def unsupported_nodes(graph: fx.Graph) -> list[str]:
 
 def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
                   workspaces: Callable[[list[fx.Node]], dict[fx.Node, int]] | None = None,
-                  accelerator: bool | None = None) -> JointAnalysis:
+                  accelerator: bool | None = None, fusion_pulls: bool = True) -> JointAnalysis:
     """The analysis every plan of ``joint`` reads. ``fusion``: model Inductor's fusion
     (else the graphs run as written). ``workspaces(nodes)``: node -> the bytes it holds
     while it runs beyond its outputs (``JointAnalysis.workspace_bytes``). ``accelerator``:
     whether Inductor generates an accelerator's (Triton) kernels for the graph rather than
     C++ ones; None: as its tensors' device says (``model_check`` traces the anchors' graphs
-    on the CPU for an H100, and says True)."""
+    on the CPU for an H100, and says True). ``fusion_pulls``: whether Inductor's horizontal
+    fusion may run a kernel ahead of its place (``JointAnalysis.fusion_pulls``)."""
     graph = joint.gm.graph
     unsupported = unsupported_nodes(graph)
     if unsupported:
@@ -587,6 +595,9 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         kernels=groups.kernels,
         kernel_local=groups.local,
         triton_kernels=fusion and not cpu,
+        fusion_pulls=fusion_pulls,
+        kernel_parts=groups.parts,
+        kernel_inlined=groups.inlined,
         copy_candidates=candidates,
         copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},

@@ -45,6 +45,11 @@ softmax backward's kernel. When ``fused_kernel_order`` finds a cycle, the kernel
 is the one the cycle is joined around (in at one member, out at another it does not lead to
 inside the kernel), not one it merely passes through.
 
+Under a memory budget Inductor's horizontal fusion may not run a kernel ahead of its place
+(``compile_offload.plan_order_fusion``): ``kernel_groups`` names the parts of each kernel
+(what its consumer-with-producer merges joined) and ``fused_kernel_order`` joins them only
+where the later part waits for nothing placed after the earlier ones end.
+
 Approximations: Inductor fuses pairs in the order of its scores, round after round; here
 merges are tried in graph order, and a one-range node that Inductor first fuses with a
 pointwise node of more ranges (and so re-shapes to them) is still kept out of a reduction's
@@ -61,7 +66,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -178,6 +183,12 @@ class KernelGroups:
 
     kernels: tuple[frozenset[fx.Node], ...]  # each with the inlined values its members read through
     local: frozenset[fx.Node]  # realized values whose every reader is in their kernel: no buffer
+    # Kernel -> its parts, where it joins more than one: each part put together from
+    # producers and their consumers (vertical fusion), the parts joined only by the buffers
+    # they read (horizontal fusion; ``without_pulls``), each with its inlined values.
+    parts: dict[frozenset[fx.Node], tuple[frozenset[fx.Node], ...]] = field(default_factory=dict)
+    # The values no kernel stores (``inlined``, views): what waits on one waits on its inputs.
+    inlined: frozenset[fx.Node] = frozenset()
 
 
 def _size(node: fx.Node) -> int | None:
@@ -243,6 +254,7 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
         for arg in loads[node]:
             if arg in is_realized:
                 merge(arg, node)
+    vertical = dict(kernel_of)  # the parts: what the merges of nodes sharing a read join
     readers: dict[fx.Node, list[fx.Node]] = {}
     for node in realized:  # nodes reading one buffer
         for arg in loads[node]:
@@ -259,6 +271,11 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
             merge(one, other)
     kernels = {id(k): k for k in kernel_of.values() if len(k) > 1}
     with_chains = [kernel | _own_chains(kernel, through) for kernel in kernels.values()]
+    parts = {}
+    for kernel, whole in zip(kernels.values(), with_chains):
+        joined = {id(vertical[member]): vertical[member] for member in kernel}
+        if len(joined) > 1:
+            parts[whole] = _parts_with_chains(list(joined.values()), whole, through, position)
     local = set()
     for value in realized:
         if not (is_pointwise(value) or is_random_draw(value)):
@@ -266,7 +283,23 @@ def kernel_groups(nodes: Iterable[fx.Node], inlined: frozenset[fx.Node], positio
         grouped = _group(value, inlined)
         if grouped is not None and grouped[1] <= kernel_of[value] and len(kernel_of[value]) > 1:
             local.add(value)
-    return KernelGroups(tuple(with_chains), frozenset(local))
+    return KernelGroups(tuple(with_chains), frozenset(local), parts,
+                        frozenset(inlined).union(n for n in nodes if is_view(n) or _names_output(n)))
+
+
+def _parts_with_chains(parts: list[frozenset[fx.Node]], kernel: frozenset[fx.Node],
+                       through: dict[fx.Node, set[fx.Node]], position: dict[fx.Node, int]) -> tuple[frozenset[fx.Node], ...]:
+    """``parts`` (realized members), each with the inlined values of ``kernel`` its members
+    read through; one that several parts read goes with the first part (it runs with the
+    first of the kernels that compute it)."""
+    parts = sorted(parts, key=lambda part: min(map(position.__getitem__, part)))
+    taken: set[fx.Node] = set()
+    result = []
+    for part in parts:
+        chains = {value for member in part for value in through[member] if value in kernel} - taken
+        taken |= chains
+        result.append(part | chains)
+    return tuple(result)
 
 
 def _own_chains(kernel: frozenset[fx.Node], through: dict[fx.Node, set[fx.Node]]) -> set[fx.Node]:
@@ -293,7 +326,8 @@ MAX_KEPT_RUNS = 100_000
 
 def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]],
                        inputs: Callable[[fx.Node], Iterable[fx.Node]], cycles: dict | None = None,
-                       runs: dict | None = None, split: bool = False) -> list[fx.Node]:
+                       runs: dict | None = None, split: bool = False,
+                       parts: dict | None = None, inlined: frozenset[fx.Node] = frozenset()) -> list[fx.Node]:
     """``order`` with each group's nodes run together, as Inductor's scheduler runs a fused
     kernel: kernels are taken by their first member's place (it sorts fused nodes by their
     first member, ``min_order``), and what a kernel waits for is run just before it
@@ -320,20 +354,30 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     layer norm and the backward's fp32 normalized input run as one kernel at the start of
     the backward, the norm's gradient reductions later, and the H100 peaks follow. Without
     it (the C++ backend's kernels, measured on the CPU contract) the whole kernel runs
-    apart: the split predicts a transformer's minimum plan at 2.52 MiB where it measures 1.95."""
+    apart: the split predicts a transformer's minimum plan at 2.52 MiB where it measures 1.95.
+
+    ``parts`` (``KernelGroups.parts``; ``inlined``: ``KernelGroups.inlined``): Inductor's
+    horizontal fusion refuses to run a kernel ahead of its place
+    (``compile_offload.plan_order_fusion``, under a memory budget), so the parts of a kernel
+    that only share a read stay apart where joining them would (``_without_pulls``)."""
     groups = list(groups)
     if not groups:
         return order
     position = dict(zip(order, range(len(order))))
     kernels = []
+    with_parts: list[tuple[int, tuple[frozenset[fx.Node], ...]]] = []  # (index in kernels, its parts)
     taken: set[fx.Node] = set()  # a value inlined into two kernels' nodes runs with the first
     present_in_order, at = position.__contains__, position.__getitem__  # C callables: a frame per node was most of it
     for group in groups:
         members = group if taken.isdisjoint(group) else [n for n in group if n not in taken]
         present = tuple(sorted(filter(present_in_order, members), key=at))
         if len(present) > 1:
+            if parts and group in parts:
+                with_parts.append((len(kernels), parts[group]))
             kernels.append(present)
             taken.update(present)
+    if with_parts:
+        kernels = _without_pulls(kernels, with_parts, position, inputs, inlined)
     cycles = {} if cycles is None else cycles
     if runs is None:
         return _as_kernels(order, kernels, inputs, position, cycles, split)
@@ -361,6 +405,63 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
         copied, first = end + 1, last
     result.extend(order[copied:])
     return result
+
+
+def _without_pulls(kernels: list[tuple[fx.Node, ...]], with_parts: list[tuple[int, tuple[frozenset[fx.Node], ...]]],
+                   position: dict[fx.Node, int], inputs: Callable[[fx.Node], Iterable[fx.Node]],
+                   inlined: frozenset[fx.Node]) -> list[tuple[fx.Node, ...]]:
+    """``kernels`` with each of ``with_parts`` (index, parts) joined as Inductor's scheduler
+    joins the parts when a horizontal fusion may not pull a kernel ahead
+    (``compile_offload.plan_order_fusion``): in the order of their first members, each part
+    joins the first kernel made so far that it would not pull, else starts one. A part
+    pulls when it waits, outside itself, for a node the order has after that kernel's last
+    member that is neither inlined nor in a kernel starting by then (the scheduler orders a
+    fused kernel by its first member, ``min_order``, and runs what it waits for before it)."""
+    start: dict[fx.Node, int] = {}
+    for kernel in kernels:
+        first = position[kernel[0]]
+        for member in kernel:
+            start[member] = first
+    result = list(kernels)
+    for index, parts in with_parts:
+        present = set(kernels[index])
+        ordered = sorted((p for p in (tuple(sorted((n for n in part if n in present), key=position.__getitem__))
+                                      for part in parts) if p), key=lambda part: position[part[0]])
+        joined: list[list[fx.Node]] = []
+        for part in ordered:
+            for kernel in joined:
+                if not _pulls(part, position[kernel[-1]], position, inputs, inlined, start):
+                    kernel.extend(part)
+                    kernel.sort(key=position.__getitem__)
+                    break
+            else:
+                joined.append(list(part))
+        if len(joined) > 1:
+            result[index] = ()
+            result.extend(tuple(kernel) for kernel in joined if len(kernel) > 1)
+    return [kernel for kernel in result if kernel]
+
+
+def _pulls(part: tuple[fx.Node, ...], end: int, position: dict[fx.Node, int],
+           inputs: Callable[[fx.Node], Iterable[fx.Node]], inlined: frozenset[fx.Node],
+           start: dict[fx.Node, int]) -> bool:
+    """Whether ``part`` waits for a node placed after ``end`` that would have to run ahead
+    (``_without_pulls``). Walks up from its inputs through nodes after ``end`` only (the
+    order is topological: nothing before ``end`` depends on one after it)."""
+    own = set(part)
+    stack = [arg for member in part for arg in inputs(member) if arg not in own]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        at = position.get(node)
+        if at is None or at <= end or node in seen or node in own:
+            continue
+        seen.add(node)
+        if node in inlined or start.get(node, end + 1) <= end:
+            stack.extend(inputs(node))  # no kernel of its own, or one placed by then: what it waits for
+            continue
+        return True
+    return False
 
 
 class _Cycle(Exception):

@@ -485,7 +485,8 @@ def backward_order(a: JointAnalysis, recomputed: set[fx.Node]) -> list[fx.Node]:
 def _as_kernels(a: JointAnalysis, order: list[fx.Node]) -> list[fx.Node]:
     """``order`` with the nodes Inductor fuses into one kernel run as one (``a.kernels``)."""
     return (fused_kernel_order(order, a.kernels, a.inputs.__getitem__, a.kernel_cycles, a.kernel_runs,
-                               split=a.triton_kernels)
+                               split=a.triton_kernels, parts=None if a.fusion_pulls else a.kernel_parts,
+                               inlined=a.kernel_inlined)
             if a.kernels else order)
 
 

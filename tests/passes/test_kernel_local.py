@@ -275,3 +275,66 @@ def test_a_kernel_split_around_a_cycle_only_shrinks():
     kernel_of = {n: kernel for n in kernel}
     _run_apart(kernel_of, kernel, frozenset({d}), split=False)
     assert kernel_of == {}
+
+
+def test_parts_joined_by_a_shared_read_stay_apart_where_joining_them_would_pull_one_ahead():
+    # a and c only share a read of x (two parts of one kernel: horizontal fusion); c also
+    # waits for b, which the order has after a. Inductor by default runs the kernel at a with
+    # b moved up; under plan_order_fusion's rule it refuses the pair, and b stays in place.
+    nodes = _chain([("x", []), ("a", ["x"]), ("other", []), ("b", ["other"]), ("c", ["x", "b"]), ("d", ["c"])])
+    order = [nodes[n] for n in ("x", "a", "other", "b", "c", "d")]
+    a, c = frozenset({nodes["a"]}), frozenset({nodes["c"]})
+    kernel = a | c
+    pulled = ["x", "other", "b", "a", "c", "d"]
+    assert [n.name for n in fused_kernel_order(order, [kernel], _inputs)] == pulled
+    assert [n.name for n in fused_kernel_order(order, [kernel], _inputs, parts={kernel: (a, c)})] == [
+        n.name for n in order]
+    # Without parts the kernel is one piece (a consumer with its producer): pulled as before.
+    assert [n.name for n in fused_kernel_order(order, [kernel], _inputs, parts={})] == pulled
+
+
+def test_parts_whose_later_one_waits_only_for_what_runs_by_then_stay_one_kernel():
+    # c waits for b, which runs before a ends (b is inlined into nothing and placed before
+    # a's last member e): joining them pulls nothing.
+    nodes = _chain([("x", []), ("other", []), ("a", ["x"]), ("b", ["other"]), ("e", ["a"]),
+                    ("c", ["x", "b"]), ("d", ["c"])])
+    order = [nodes[n] for n in ("x", "other", "a", "b", "e", "c", "d")]
+    first, second = frozenset({nodes["a"], nodes["e"]}), frozenset({nodes["c"]})
+    kernel = first | second
+    fused = fused_kernel_order(order, [kernel], _inputs, parts={kernel: (first, second)})
+    assert [n.name for n in fused] == ["x", "other", "b", "a", "e", "c", "d"]  # one kernel at a, b moved up
+
+
+def test_a_pull_through_an_inlined_value_or_an_earlier_kernel_is_seen_through():
+    # c waits for v, an inlined value placed after a, which waits for b (after a too): a pull.
+    # A node in a kernel that starts before a ends is no pull itself; what it waits for is.
+    nodes = _chain([("x", []), ("a", ["x"]), ("other", []), ("b", ["other"]), ("v", ["b"]), ("c", ["x", "v"])])
+    order = [nodes[n] for n in ("x", "a", "other", "b", "v", "c")]
+    a, c = frozenset({nodes["a"]}), frozenset({nodes["c"]})
+    kernel = a | c
+    apart = fused_kernel_order(order, [kernel], _inputs, parts={kernel: (a, c)}, inlined=frozenset({nodes["v"]}))
+    assert apart == order
+    from compile_offload.passes.kernel_local import _pulls
+
+    position = {n: i for i, n in enumerate(order)}
+    c_part = (nodes["c"],)
+    assert _pulls(c_part, position[nodes["a"]], position, _inputs, frozenset({nodes["v"]}), {})
+    # v, b and what b waits for in kernels starting at x (before a ends): nothing to pull
+    started = {nodes["v"]: 0, nodes["b"]: 0, nodes["other"]: 0}
+    assert not _pulls(c_part, position[nodes["a"]], position, _inputs, frozenset(), started)
+
+
+def test_kernel_groups_name_the_parts_a_shared_read_joins():
+    # sin and cos of a matmul's output: two kernels' worth of work only joined by reading it.
+    def two_readers(x, w):
+        y = x @ w
+        return y.sin() * 2, y.cos() * 3
+
+    gm = _traced(two_readers, torch.randn(ROWS, COLS), torch.randn(COLS, COLS))
+    groups = _groups(gm)
+    joined = [k for k in groups.kernels if k in groups.parts]
+    assert len(joined) == 1
+    parts = groups.parts[joined[0]]
+    assert len(parts) == 2 and frozenset().union(*parts) == joined[0]
+    names = [{n.target for n in part} for part in parts]
+    assert any(torch.ops.aten.sin.default in t for t in names) and any(torch.ops.aten.cos.default in t for t in names)
