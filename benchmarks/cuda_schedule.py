@@ -42,7 +42,7 @@ from unittest import mock
 import torch
 from torch import fx
 
-from compile_offload import inductor_kernels, model_check
+from compile_offload import inductor_kernels, model_check, plan_order_fusion
 from compile_offload.budget_loop import scheduled_program
 from compile_offload.passes import compat
 from compile_offload.passes.cost import BUILTIN_PROFILES
@@ -128,12 +128,13 @@ def _on_cuda(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[str] = frozenset(),
-                 config_patches: dict | None = None) -> inductor_kernels.GraphKernels:
+                 config_patches: dict | None = None, keep_plan_order: bool = False) -> inductor_kernels.GraphKernels:
     """Inductor's kernels for one partitioned graph on the (faked) CUDA device, in the order
     the generated code runs them (after its peak-memory reordering, where that is on), with
     the wrapper's reuses. ``host_inputs``: placeholders that stay host tensors (an offload's
     host copy, received by the backward). ``config_patches``: Inductor config the graph
-    compiles under (the backend's, for our plans). Call inside ``fake_cuda()``."""
+    compiles under (the backend's, for our plans); ``keep_plan_order``: with the backend's
+    fusion rule under a budget (``plan_order_fusion``). Call inside ``fake_cuda()``."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -147,12 +148,15 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
                   for node in gm.graph.nodes if node.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     recorder = inductor_kernels.KernelRecorder()
+    inner_compile = inductor_kernels.naming_outputs_before_passes(compile_fx_inner)
+    if keep_plan_order:
+        inner_compile = plan_order_fusion.keeping_plan_order(inner_compile)
     with torch._inductor.config.patch(**(config_patches or {}), **inductor_kernels.recording_patches(recorder),
                                       fx_graph_cache=False, compile_threads=1), \
             inductor_kernels.recording_reordered(recorder):
         try:
             with mode:  # outputs named as the other graph knows them (our plans save some through aliases)
-                inductor_kernels.naming_outputs_before_passes(compile_fx_inner)(gm, inputs, is_backward=is_backward)
+                inner_compile(gm, inputs, is_backward=is_backward)
         except _Stop:
             pass
         except Exception as error:  # Inductor wraps what a lowering raises
@@ -202,7 +206,8 @@ def ours_scheduled(shape: str, budget: str) -> tuple[int, int]:
     patches = {k: v for k, v in inductor_config_patches(settings, partitioner).items() if k != "custom_partitioner_fn"}
     with fake_cuda():
         kernels = [cuda_kernels(graph, is_backward, host,
-                                {**patches, **(order_keeping_patches() if has_copy_ops(graph) else {})})
+                                {**patches, **(order_keeping_patches() if has_copy_ops(graph) else {})},
+                                keep_plan_order=settings.has_budget)
                    for graph, is_backward in ((forward, False), (backward, True))]
     return results[-1].plan.predicted_peak_bytes, simulate(scheduled_program(*kernels)).peak_bytes
 

@@ -278,7 +278,7 @@ def _replan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: S
     with budget_loop.recording(recorder, inductor_config_patches(lowered, partitioner, inductor_patches, gm)) as patches, \
             inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
-        compiled = _compile_past_caches(gm, example_inputs, patches)
+        compiled = _compile_past_caches(gm, example_inputs, patches, lowered)
     if not found:
         return None
     budget_loop.note_scheduled_peak(found[-1].plan, recorder)
@@ -298,10 +298,10 @@ def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence
     if settings.dump_dir is not None or settings.verify_budget:
         # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
         # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
-        compiled = _compile_past_caches(gm, example_inputs, patches)
+        compiled = _compile_past_caches(gm, example_inputs, patches, settings)
         return compiled, planned_records()
     key = graph_reports.record_key(gm, example_inputs, settings)
-    compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(), config_patches=patches)
+    compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(settings), config_patches=patches)
     if results and inductor_kernels.served_from_cache(recorder, patches):
         # Planned again (AOTAutograd's cache passed this graph by) but Inductor's FX graph cache
         # served the code of the first compile's first plan: what that compile kept, and what
@@ -320,7 +320,7 @@ def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence
         return compiled, records
     log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
               partitioner.graph_name)
-    compiled = _compile_past_caches(gm, example_inputs, patches)
+    compiled = _compile_past_caches(gm, example_inputs, patches, settings)
     records = planned_records()
     graph_reports.store(key, records)
     return compiled, records
@@ -334,7 +334,7 @@ def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartiti
     peak-memory reordering and no buffer held for a later kernel (``graph``, Dynamo's graph,
     says whether it has collectives; see ``_no_held_buffers``)."""
     patches: dict[str, Any] = {**(inductor_patches or {}), "custom_partitioner_fn": partitioner}
-    if settings.budget_bytes is not None or settings.budget_fraction is not None:
+    if settings.has_budget:
         # Inductor's peak-memory reordering moves the plan's recomputations away from where
         # the plan put them (just before their first backward use) and so raises the peak
         # the plan budgeted: on a small Llama at a fitting budget 4.10 MiB measured against
@@ -393,24 +393,28 @@ def _is_collective_call(node: torch.fx.Node) -> bool:
     return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
 
 
-def _inner_compile():
+def _inner_compile(settings: Settings):
     """Inductor's inner compiler, with its reordering passes off for graphs that carry our
     copies, so the copies run where the plan put them (copy_order.py), and the kernels it
     records naming each graph's outputs as the graph did before Inductor's passes, as the
-    other graph of the compile knows them (inductor_kernels.py)."""
+    other graph of the compile knows them (inductor_kernels.py). With a budget, no
+    horizontal fusion runs a kernel ahead of where the plan put it (plan_order_fusion.py)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     from .copy_order import keeping_copy_order
     from .inductor_kernels import naming_outputs_before_passes
+    from .plan_order_fusion import keeping_plan_order
 
-    return keeping_copy_order(naming_outputs_before_passes(compile_fx_inner))
+    inner = keeping_copy_order(naming_outputs_before_passes(compile_fx_inner))
+    return keeping_plan_order(inner) if settings.has_budget else inner
 
 
-def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]):
+def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
+                         settings: Settings):
     from torch._inductor.compile_fx import compile_fx
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=_inner_compile(),
+        return compile_fx(gm, example_inputs, inner_compile=_inner_compile(settings),
                           config_patches={**patches, "fx_graph_cache": False})
 
 

@@ -58,7 +58,7 @@ def recorder_for(settings: Settings) -> KernelRecorder | None:
     """A recorder for a graph compiled under ``settings``: only with a budget (without one
     nothing is installed, and Inductor compiles exactly as ``torch.compile`` does) and on a
     torch that has the scheduler hook."""
-    if settings.budget_bytes is None and settings.budget_fraction is None:
+    if not settings.has_budget:
         return None
     if not inductor_kernels.available():
         return None

@@ -34,7 +34,7 @@ def budget_per_bucket(settings: Settings, bucket_graphs: int | None) -> Settings
     each graph against its share. With N unknown (``None``) every graph gets the whole
     budget, with one warning per process that the step may exceed it.
     """
-    if settings.budget_bytes is None and settings.budget_fraction is None:
+    if not settings.has_budget:
         return settings
     if bucket_graphs is None:
         _warn_budget_per_bucket(settings)

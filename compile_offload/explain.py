@@ -113,7 +113,7 @@ def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -
     plans carry (empty where the loop never runs: no budget, or the eager inner compiler)."""
     from . import inductor_kernels
 
-    if settings.budget_bytes is None and settings.budget_fraction is None:
+    if not settings.has_budget:
         return ""
     if settings.inner_compiler != "inductor":
         return ""

@@ -119,7 +119,8 @@ def note_uncounted_workspaces(plan: Plan, nodes) -> None:
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
                          graph_name: str, started: float, accelerator: bool | None = None) -> PartitionResult:
     inductor = settings.inner_compiler == "inductor"
-    analysis = analyze_joint(joint, fusion=inductor, accelerator=accelerator,
+    # Under a budget Inductor compiles with plan_order_fusion's rule: no horizontal fusion pulls.
+    analysis = analyze_joint(joint, fusion=inductor, accelerator=accelerator, fusion_pulls=not settings.has_budget,
                              workspaces=lambda nodes: op_workspaces(nodes, inductor, measure=accelerator is not True))
     policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
     memo: dict[fx.Node, float] = {}

@@ -52,6 +52,12 @@ class Settings:
     plan_time_limit: float | None = None
     verify_budget: bool = False
 
+    @property
+    def has_budget(self) -> bool:
+        """A memory budget, in bytes or as a fraction: the planner acts, and Inductor compiles
+        the graphs so that its code keeps the plan (``backend.inductor_config_patches``)."""
+        return self.budget_bytes is not None or self.budget_fraction is not None
+
     def describe_budget(self) -> str:
         if self.budget_bytes is not None:
             return format_bytes(self.budget_bytes)
