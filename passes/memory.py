@@ -58,6 +58,9 @@ class Program:
     steps: list[Step]
     backward_start: int  # index of the first backward step
     outlives: set[Hashable]  # storages alive after the step (outputs, gradients)
+    # Triton's kernels: a storage the backward allocates is written in place by its last
+    # reader even where earlier kernels read it too (``_take_in_place``).
+    last_reader_in_place: bool = False
 
 
 @dataclass
@@ -181,7 +184,8 @@ def peak_bytes(program: Program) -> int:
             for key in step.reads:
                 last_read[key] = index
     outlives = program.outlives
-    storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives)
+    storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives,
+                                backward_start if program.last_reader_in_place else None)
     if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -233,12 +237,13 @@ def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict
     for index, step in enumerate(steps):
         for key, nbytes in step.allocates:
             first_size.setdefault(key, (index, nbytes))
-    return _take_in_place(steps, writers, last_read, readers, first_size, program.outlives)
+    return _take_in_place(steps, writers, last_read, readers, first_size, program.outlives,
+                          program.backward_start if program.last_reader_in_place else None)
 
 
 def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashable, int],
                    readers: dict[Hashable, int], first_size: dict[Hashable, tuple[int, int]],
-                   outlives: Container[Hashable]) -> dict[Hashable, Hashable]:
+                   outlives: Container[Hashable], shared_from: int | None = None) -> dict[Hashable, Hashable]:
     """The in-place rule of ``_in_place_storages`` (and ``peak_bytes``, which gathers its
     inputs in its own pass): ``writers``, the steps with ``in_place`` candidates and one
     allocation, in order; ``readers``, reads per key by allocating backward steps;
@@ -248,7 +253,16 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
     than one index (a reduction and a pointwise loop of the same fused kernel: measured,
     the Llama's saved RMSNorm inputs and MLP activations, each read by several backward
     steps, are never overwritten) cannot write into it, and which of several readers
-    Inductor fuses together is not known here."""
+    Inductor fuses together is not known here. With ``shared_from`` (Triton's kernels,
+    ``Program.last_reader_in_place``), a storage first allocated at or after that step
+    (by the backward) is taken over by its last reader whatever read it before, as
+    Inductor's ``decide_inplace_update`` counts only the uses not yet run. Read from
+    Inductor's CUDA kernels on fake tensors (torch 2.11, 2026-11-28): the Llama's
+    recomputed up projection (352 KiB) is overwritten by the gate's gradient in the
+    kernel that last reads it, although the recomputed SiLU product read it first; the
+    planner put its minimum plan 11.5% over those kernels, and exactly on them with this
+    rule. The C++ kernels of the same model do not (the CPU contract's Llama measured
+    12% over a plan made with it), so the CPU keeps the one-reader rule."""
     storage_of: dict[Hashable, Hashable] = {}
     last_of_storage: dict[Hashable, int] = {}
     for index in writers:
@@ -259,7 +273,10 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
         for candidate in step.in_place:
             physical = storage_of.get(candidate, candidate)
             last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
-            if (last == index and readers.get(candidate) == 1 and physical not in outlives
+            size = first_size.get(physical)
+            if (last == index and (readers.get(candidate) == 1 or (shared_from is not None and size is not None
+                                                                    and size[0] >= shared_from))
+                    and physical not in outlives
                     and candidate not in outlives):
                 size = first_size.get(physical)  # its size as of this step: allocated by now
                 if size is not None and size[0] <= index and size[1] == nbytes:
@@ -816,7 +833,7 @@ def plan_program(
     if not reloaded:  # nothing renamed, no reload step
         steps += [step for _, step in computed.backward if step is not None]
         outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
-        return Program(steps, backward_start, outlives)
+        return Program(steps, backward_start, outlives, a.triton_kernels)
     input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
     first_use: dict[fx.Node, int] = {}
     if first_uses is not None and all(t in first_uses_of for t in reloaded):
@@ -844,7 +861,7 @@ def plan_program(
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
-    return Program(steps, backward_start, outlives)
+    return Program(steps, backward_start, outlives, a.triton_kernels)
 
 
 def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
