@@ -494,3 +494,38 @@ def test_a_tuple_op_holds_its_inputs_while_its_outputs_are_allocated():
     gradients = sum(nbytes for output in outputs for _, nbytes in steps[output.name].allocates)
     inputs_before = trace.live_bytes[index[backward.name]]
     assert trace.live_bytes[index[outputs[-1].name]] >= inputs_before + gradients - 1
+
+
+def test_plans_for_triton_kernels_take_a_backward_buffer_over_at_its_last_reader():
+    """Accelerator graphs (Triton's kernels) simulate Inductor's in-place rule for buffers
+    the backward allocates (``Program.last_reader_in_place``); the C++ kernels' plans keep
+    the one-reader rule."""
+    import dataclasses
+
+    from compile_offload.passes.analyze import analyze_joint
+    from compile_offload.passes.memory import plan_program, recomputed_nodes
+
+    from .joint_capture import capture
+
+    class SwiGLU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    (cpu, triton), _ = capture(SwiGLU(), torch.randn(64, 32, requires_grad=True), hook=lambda joint, _: (
+        analyze_joint(joint, fusion=True, accelerator=False), analyze_joint(joint, fusion=True, accelerator=True)))
+    programs = {}
+    for name, analysis in (("cpu", cpu), ("triton", triton)):
+        kept = {n for n in analysis.fw_nodes if n.op == "placeholder"}  # everything else recomputed
+        assert recomputed_nodes(analysis, kept)
+        programs[name] = plan_program(analysis, kept, fusion=True)
+    assert not programs["cpu"].last_reader_in_place and programs["triton"].last_reader_in_place
+    # The rule alone lowers the Triton program's peak: a buffer the backward recomputes and
+    # reads in more than one step is written into by its last reader.
+    one_reader = dataclasses.replace(programs["triton"], last_reader_in_place=False)
+    assert simulate(programs["triton"]).peak_bytes < simulate(one_reader).peak_bytes
+    assert peak_bytes(programs["triton"]) == simulate(programs["triton"]).peak_bytes
