@@ -563,15 +563,8 @@ def test_the_minimum_plan_for_triton_peaks_as_inductors_cuda_kernels():
         def forward(self, x):
             return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.Sequential(GatedMLP(), GatedMLP(), GatedMLP())
-
-        def forward(self, x):
-            return self.blocks(x).pow(2).mean()
-
-    (joint, count), _ = capture(Stack(), torch.randn(2048, 64, requires_grad=True),
+    blocks = nn.Sequential(GatedMLP(), GatedMLP(), GatedMLP())
+    (joint, count), _ = capture(lambda x: blocks(x).pow(2).mean(), torch.randn(2048, 64, requires_grad=True),
                                 hook=lambda joint, _: (joint, joint.num_fwd_outputs))
     settings = resolve({"memory_budget": 1, "device_profile": "h100", "offload": False})
     results = []
