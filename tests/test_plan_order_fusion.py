@@ -125,3 +125,13 @@ def test_the_backend_installs_the_rule_under_a_budget_only(monkeypatch):
                                                                                     device_profile="cpu"))
             compiled(x).sum().backward()
         assert bool(asked) == expect_asked, budget
+
+
+def test_the_speed_benchmark_compiles_the_same_plan_both_ways():
+    """``benchmarks/fusion_rule.py`` times one plan with and without the rule; the planner's
+    model is the same both ways, so the plan is (no time is asserted)."""
+    from compile_offload.benchmarks import fusion_rule
+
+    row = fusion_rule.compare("transformer", 0.8, "cpu", steps=1)
+    assert row.startswith("| transformer | 0.8 |") and row.rstrip().endswith("| same plan |"), row
+    assert plan_order_fusion.keeping_plan_order is keeping_plan_order  # put back
