@@ -370,14 +370,16 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     present_in_order, at = position.__contains__, position.__getitem__  # C callables: a frame per node was most of it
     for group in groups:
         members = group if taken.isdisjoint(group) else [n for n in group if n not in taken]
-        present = tuple(sorted(filter(present_in_order, members), key=at))
+        present = _from_first_realized(tuple(sorted(filter(present_in_order, members), key=at)), inlined)
         if len(present) > 1:
             if parts and group in parts:
                 with_parts.append((len(kernels), parts[group]))
             kernels.append(present)
             taken.update(present)
     if with_parts:
-        kernels = _without_pulls(kernels, with_parts, position, inputs, inlined)
+        kernels = [kernel for kernel in (_from_first_realized(kernel, inlined) for kernel in
+                                         _without_pulls(kernels, with_parts, position, inputs, inlined))
+                   if len(kernel) > 1]
     cycles = {} if cycles is None else cycles
     if runs is None:
         return _as_kernels(order, kernels, inputs, position, cycles, split)
@@ -407,6 +409,19 @@ def fused_kernel_order(order: list[fx.Node], groups: Iterable[Iterable[fx.Node]]
     return result
 
 
+def _from_first_realized(kernel: tuple[fx.Node, ...], inlined: frozenset[fx.Node]) -> tuple[fx.Node, ...]:
+    """``kernel`` (in order) from its first realized member on: a kernel runs where its
+    first scheduler node is (``min_order``), and an inlined value has none; placed before
+    it, the value runs where the order has it (it allocates nothing; its readers read its
+    inputs). Kept, it ran the kernel early: a recomputed SiLU's gradient kernel, whose
+    first inlined product reads the recomputed up projection, ran before two matmuls the
+    graph and Inductor put first (a gated MLP on Triton's kernels, 2026-11-28)."""
+    for index, node in enumerate(kernel):
+        if node not in inlined:
+            return kernel[index:]
+    return ()
+
+
 def _without_pulls(kernels: list[tuple[fx.Node, ...]], with_parts: list[tuple[int, tuple[frozenset[fx.Node], ...]]],
                    position: dict[fx.Node, int], inputs: Callable[[fx.Node], Iterable[fx.Node]],
                    inlined: frozenset[fx.Node]) -> list[tuple[fx.Node, ...]]:
@@ -416,27 +431,37 @@ def _without_pulls(kernels: list[tuple[fx.Node, ...]], with_parts: list[tuple[in
     joins the first kernel made so far that it would not pull, else starts one. A part
     pulls when it waits, outside itself, for a node the order has after that kernel's last
     member that is neither inlined nor in a kernel starting by then (the scheduler orders a
-    fused kernel by its first member, ``min_order``, and runs what it waits for before it)."""
+    fused kernel by its first member, ``min_order``, and runs what it waits for before it).
+    Members and ends are the scheduler's nodes: the realized ones. The inlined values a
+    kernel computes are no node of their own (a recomputed sigmoid that two gradients
+    read sits where the graph has it, after the first gradient; counted, it made the
+    first's kernel end late enough for the second to join it); a part of such values alone
+    runs with the first kernel."""
+    def realized(nodes) -> list[fx.Node]:
+        return [n for n in nodes if n not in inlined]
+
     start: dict[fx.Node, int] = {}
     for kernel in kernels:
-        first = position[kernel[0]]
+        first = position[(realized(kernel) or kernel)[0]]
         for member in kernel:
             start[member] = first
     result = list(kernels)
     for index, parts in with_parts:
         present = set(kernels[index])
-        ordered = sorted((p for p in (tuple(sorted((n for n in part if n in present), key=position.__getitem__))
-                                      for part in parts) if p), key=lambda part: position[part[0]])
+        ordered = [tuple(sorted((n for n in part if n in present), key=position.__getitem__)) for part in parts]
+        values_only = [n for part in ordered if not realized(part) for n in part]
+        ordered = sorted((part for part in ordered if realized(part)), key=lambda part: position[realized(part)[0]])
         joined: list[list[fx.Node]] = []
         for part in ordered:
             for kernel in joined:
-                if not _pulls(part, position[kernel[-1]], position, inputs, inlined, start):
+                if not _pulls(part, position[realized(kernel)[-1]], position, inputs, inlined, start):
                     kernel.extend(part)
                     kernel.sort(key=position.__getitem__)
                     break
             else:
                 joined.append(list(part))
         if len(joined) > 1:
+            joined[0] = sorted(joined[0] + values_only, key=position.__getitem__)
             result[index] = ()
             result.extend(tuple(kernel) for kernel in joined if len(kernel) > 1)
     return [kernel for kernel in result if kernel]

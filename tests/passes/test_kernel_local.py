@@ -338,3 +338,14 @@ def test_kernel_groups_name_the_parts_a_shared_read_joins():
     assert len(parts) == 2 and frozenset().union(*parts) == joined[0]
     names = [{n.target for n in part} for part in parts]
     assert any(torch.ops.aten.sin.default in t for t in names) and any(torch.ops.aten.cos.default in t for t in names)
+
+
+def test_a_kernel_runs_at_its_first_realized_member_not_at_an_inlined_value_before_it():
+    # x is an inlined value of the kernel {x, a, b}, placed before m (a matmul a waits for).
+    # The scheduler has no node for x: the kernel runs at a, after m. Counted as the
+    # kernel's first member, x ran it early and moved m up.
+    nodes = _chain([("x", []), ("m", []), ("a", ["x", "m"]), ("b", ["a"])])
+    order = [nodes[n] for n in ("x", "m", "a", "b")]
+    kernel = frozenset({nodes["x"], nodes["a"], nodes["b"]})
+    assert [n.name for n in fused_kernel_order(order, [kernel], _inputs)] == ["m", "x", "a", "b"]
+    assert fused_kernel_order(order, [kernel], _inputs, inlined=frozenset({nodes["x"]})) == order

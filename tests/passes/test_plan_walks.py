@@ -72,7 +72,8 @@ def test_the_walks_equal_their_definitions():
         assert forward_nodes_needed(a, saved) == forward_needed_by_definition(a, saved)
         order = backward_order(a, recomputed)
         just_in_time = just_in_time_order(a.bw_nodes, recomputed)
-        assert order == fused_kernel_order(just_in_time, a.kernels, lambda n: n.all_input_nodes)
+        assert order == fused_kernel_order(just_in_time, a.kernels, lambda n: n.all_input_nodes, split=a.triton_kernels,
+                                           parts=None if a.fusion_pulls else a.kernel_parts, inlined=a.kernel_inlined)
         assert set(order) == set(just_in_time) and len(order) == len(just_in_time)
         nodes = plan_nodes(a, saved)
         assert (nodes.recomputed, nodes.backward) == (recomputed, order)
