@@ -445,6 +445,10 @@ class JointAnalysis:
     fusion_pulls: bool = True
     kernel_parts: dict = field(default_factory=dict, repr=False, compare=False)
     kernel_inlined: frozenset[fx.Node] = frozenset()
+    # Each kernel member's kernel and part: (its index in ``kernels``, its part's index in
+    # ``kernel_parts``, 0 for a kernel of one part). Triton's in-place rule reads which steps
+    # share a kernel and a part (``memory.Program.kernel_of_step``).
+    kernel_index: dict[fx.Node, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
     # ... and the views Inductor may copy, each with the value it views (``copy_candidates``),
     # with the bytes of each copy: each plan decides which it copies (``copy_decisions``).
     copy_candidates: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -598,6 +602,7 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         fusion_pulls=fusion_pulls,
         kernel_parts=groups.parts,
         kernel_inlined=groups.inlined,
+        kernel_index=_kernel_index(groups),
         copy_candidates=candidates,
         copy_bytes={view: allocation_bytes(tensor_value(view)) for view in candidates},
         layout_copies=layout_copies(nodes, steady) if fusion else {},
@@ -608,6 +613,17 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         bw_readers={node: tuple(indices) for node, indices in bw_readers.items()},
         input_roots={n: tuple(dict.fromkeys(roots.get(arg, arg) for arg in args)) for n, args in inputs.items()},
     )
+
+
+def _kernel_index(groups: KernelGroups) -> dict[fx.Node, tuple[int, int]]:
+    """``JointAnalysis.kernel_index``: a node listed with two kernels (an inlined value)
+    goes with the first, as it runs there."""
+    index: dict[fx.Node, tuple[int, int]] = {}
+    for number, kernel in enumerate(groups.kernels):
+        for part_number, part in enumerate(groups.parts.get(kernel, (kernel,))):
+            for node in part:
+                index.setdefault(node, (number, part_number))
+    return index
 
 
 def is_tangent(node: fx.Node) -> bool:

@@ -219,6 +219,18 @@ def boxed_python(gm: fx.GraphModule):
     return run
 
 
+def inductor_writes_in_place() -> bool:
+    """Whether Inductor writes a kernel's output into a buffer it reads last
+    (``torch._inductor.config.inplace_buffers``): a buffer its graph computes. A saved
+    tensor the backward receives is written into only where AOTAutograd donates it too
+    (``inductor_overwrites_saved``). Read at plan time, so a patched config is followed."""
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return False
+    return bool(getattr(inductor_config, "inplace_buffers", False))
+
+
 def inductor_overwrites_saved() -> bool:
     """Whether Inductor's backward may write a kernel's output into a saved tensor it reads
     last: ``torch._inductor.config.inplace_buffers`` (in-place reuse at all) and

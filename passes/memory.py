@@ -20,7 +20,7 @@ inputs instead (which keeps those alive until the consumers run).
 from __future__ import annotations
 
 import operator
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Callable, Container, Hashable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
@@ -58,9 +58,12 @@ class Program:
     steps: list[Step]
     backward_start: int  # index of the first backward step
     outlives: set[Hashable]  # storages alive after the step (outputs, gradients)
-    # Triton's kernels: a storage the backward allocates is written in place by its last
-    # reader even where earlier kernels read it too (``_take_in_place``).
-    last_reader_in_place: bool = False
+    # Triton's kernels: the fused kernel each step runs in and its part there, (kernel,
+    # part), or None for a kernel of its own. A storage the backward allocates is then
+    # written in place by its last reader even where earlier kernels read it too, though
+    # not where another part of its own kernel does (``_take_in_place``). None: the C++
+    # kernels' rule.
+    kernel_of_step: tuple[tuple[int, int] | None, ...] | None = None
 
 
 @dataclass
@@ -162,6 +165,8 @@ def peak_bytes(program: Program) -> int:
     readers: dict[Hashable, int] = {}  # reads by allocating backward steps (``_in_place_storages``)
     allocations: list[tuple[int, Hashable, int]] = []
     writes_in_place: list[int] = []
+    kernel_of_step = program.kernel_of_step
+    kernel_readers: dict[tuple, int] = {}  # the same, per key and kernel, and per key, kernel and part
     for index, step in enumerate(steps):
         allocates = step.allocates
         if allocates:
@@ -175,6 +180,8 @@ def peak_bytes(program: Program) -> int:
                 for key in step.reads:
                     last_read[key] = index
                     readers[key] = readers.get(key, 0) + 1
+                if kernel_of_step is not None and kernel_of_step[index] is not None:
+                    _count_kernel_reads(kernel_readers, step.reads, kernel_of_step[index])
             else:
                 for key in step.reads:
                     last_read[key] = index
@@ -185,7 +192,8 @@ def peak_bytes(program: Program) -> int:
                 last_read[key] = index
     outlives = program.outlives
     storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives,
-                                backward_start if program.last_reader_in_place else None)
+                                _SharedReads(backward_start, kernel_of_step, kernel_readers)
+                                if kernel_of_step is not None else None)
     if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -229,21 +237,59 @@ def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict
     if not writers:
         return {}
     readers: dict[Hashable, int] = {}
-    for step in steps[program.backward_start:]:
+    kernel_of_step = program.kernel_of_step
+    kernel_readers: dict[tuple, int] = {}
+    for index in range(program.backward_start, len(steps)):
+        step = steps[index]
         if step.allocates:  # views and fused values: their consumers' steps read the data
             for key in step.reads:
                 readers[key] = readers.get(key, 0) + 1
+            if kernel_of_step is not None and kernel_of_step[index] is not None:
+                _count_kernel_reads(kernel_readers, step.reads, kernel_of_step[index])
     first_size: dict[Hashable, tuple[int, int]] = {}
     for index, step in enumerate(steps):
         for key, nbytes in step.allocates:
             first_size.setdefault(key, (index, nbytes))
     return _take_in_place(steps, writers, last_read, readers, first_size, program.outlives,
-                          program.backward_start if program.last_reader_in_place else None)
+                          _SharedReads(program.backward_start, kernel_of_step, kernel_readers)
+                          if kernel_of_step is not None else None)
+
+
+def _count_kernel_reads(counts: dict[tuple, int], reads: Iterable[Hashable], kernel_and_part: tuple[int, int]) -> None:
+    kernel = kernel_and_part[0]
+    for key in reads:
+        counts[key, kernel] = counts.get((key, kernel), 0) + 1
+        counts[key, kernel_and_part] = counts.get((key, kernel_and_part), 0) + 1
+
+
+@dataclass(frozen=True)
+class _SharedReads:
+    """What Triton's in-place rule reads (``Program.kernel_of_step``): where the backward
+    starts, each step's kernel and part, and the reads by allocating backward steps per
+    key and kernel and per key, kernel and part."""
+
+    backward_start: int
+    kernel_of_step: tuple[tuple[int, int] | None, ...]
+    kernel_readers: dict[tuple, int]
+
+    def allow(self, candidate: Hashable, first_allocated: int, index: int) -> bool:
+        """Whether the step at ``index``, the last reader of ``candidate`` (first allocated
+        at ``first_allocated``), may write into it though other steps read it: a storage
+        the backward allocates, read in the writer's kernel by its own part alone (a part
+        is a producer and its consumers: their reads have run when the writer runs, as
+        Inductor counts an ancestor's use; another part's have not)."""
+        if first_allocated < self.backward_start:
+            return False  # a saved tensor: one reader only, as on the CPU
+        kernel_and_part = self.kernel_of_step[index]
+        if kernel_and_part is None:
+            return True
+        readers = self.kernel_readers
+        return readers.get((candidate, kernel_and_part[0]), 0) == readers.get((candidate, kernel_and_part), 0)
 
 
 def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashable, int],
                    readers: dict[Hashable, int], first_size: dict[Hashable, tuple[int, int]],
-                   outlives: Container[Hashable], shared_from: int | None = None) -> dict[Hashable, Hashable]:
+                   outlives: Container[Hashable], shared: _SharedReads | None = None) -> dict[Hashable, Hashable]:
     """The in-place rule of ``_in_place_storages`` (and ``peak_bytes``, which gathers its
     inputs in its own pass): ``writers``, the steps with ``in_place`` candidates and one
     allocation, in order; ``readers``, reads per key by allocating backward steps;
@@ -253,16 +299,18 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
     than one index (a reduction and a pointwise loop of the same fused kernel: measured,
     the Llama's saved RMSNorm inputs and MLP activations, each read by several backward
     steps, are never overwritten) cannot write into it, and which of several readers
-    Inductor fuses together is not known here. With ``shared_from`` (Triton's kernels,
-    ``Program.last_reader_in_place``), a storage first allocated at or after that step
-    (by the backward) is taken over by its last reader whatever read it before, as
-    Inductor's ``decide_inplace_update`` counts only the uses not yet run. Read from
-    Inductor's CUDA kernels on fake tensors (torch 2.11, 2026-11-28): the Llama's
-    recomputed up projection (352 KiB) is overwritten by the gate's gradient in the
-    kernel that last reads it, although the recomputed SiLU product read it first; the
-    planner put its minimum plan 11.5% over those kernels, and exactly on them with this
-    rule. The C++ kernels of the same model do not (the CPU contract's Llama measured
-    12% over a plan made with it), so the CPU keeps the one-reader rule."""
+    Inductor fuses together is not known here. With ``shared`` (Triton's kernels,
+    ``Program.kernel_of_step``), a storage the backward allocates is taken over by its
+    last reader whatever earlier kernels read it, as Inductor's ``decide_inplace_update``
+    counts only the uses not yet run; not where another step of the reader's own kernel
+    reads it (that use has not run either: the gradient of a SiLU gate and of its up
+    projection, one kernel, both read the gradient from above and neither writes into
+    it). Read from Inductor's CUDA kernels on fake tensors (torch 2.11, 2026-11-28): the
+    Llama's recomputed up projection (352 KiB) is overwritten by the gate's gradient in
+    the kernel that last reads it, although the recomputed SiLU product read it first;
+    the planner put its minimum plan 11.5% over those kernels, and exactly on them with
+    this rule. The C++ kernels of the same model do not (the CPU contract's Llama
+    measured 12% over a plan made with it), so the CPU keeps the one-reader rule."""
     storage_of: dict[Hashable, Hashable] = {}
     last_of_storage: dict[Hashable, int] = {}
     for index in writers:
@@ -273,12 +321,10 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
         for candidate in step.in_place:
             physical = storage_of.get(candidate, candidate)
             last = max(last_read.get(candidate, -1), last_of_storage.get(physical, -1))
-            size = first_size.get(physical)
-            if (last == index and (readers.get(candidate) == 1 or (shared_from is not None and size is not None
-                                                                    and size[0] >= shared_from))
-                    and physical not in outlives
-                    and candidate not in outlives):
-                size = first_size.get(physical)  # its size as of this step: allocated by now
+            size = first_size.get(physical)  # its size as of this step: allocated by now
+            if (last == index and physical not in outlives and candidate not in outlives
+                    and (readers.get(candidate) == 1
+                         or (shared is not None and size is not None and shared.allow(candidate, size[0], index)))):
                 if size is not None and size[0] <= index and size[1] == nbytes:
                     storage_of[key] = physical
                     last_of_storage[physical] = max(last, last_read.get(key, index))
@@ -382,7 +428,7 @@ def _layout_fixed_by(user: fx.Node) -> bool:
 
 
 def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, memo: dict,
-                        storage_bytes) -> tuple[Hashable, ...]:
+                        storage_bytes, is_saved: Callable[[Hashable], bool]) -> tuple[Hashable, ...]:
     """The reads whose storage ``node``'s output may take over in place, as Inductor's
     ``Scheduler.decide_inplace_update`` does when the node is their last user: the node is a
     pointwise op Inductor generates (not an extern call), the read is a buffer of the same
@@ -391,10 +437,13 @@ def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, me
     inputs (``skip``: parameters, user inputs) are never overwritten; saved tensors are, in
     the backward (AOTAutograd donates them); the callers keep only those (reuse into other
     buffers is not modelled: design.md, "Memory simulator"). Empty when Inductor would not
-    (``compat.inductor_overwrites_saved``). A view that allocates (``nbytes``) is one
-    Inductor copies (``analyze.copy_decisions``): its copy is a pointwise kernel too."""
-    if not ((is_pointwise(node) or is_view(node)) and compat.inductor_overwrites_saved()):
+    (``compat.inductor_writes_in_place``); without saved tensors (``is_saved(key)``) where
+    AOTAutograd does not donate them (``compat.inductor_overwrites_saved``). A view that
+    allocates (``nbytes``) is one Inductor copies (``analyze.copy_decisions``): its copy is
+    a pointwise kernel too."""
+    if not ((is_pointwise(node) or is_view(node)) and compat.inductor_writes_in_place()):
         return ()
+    donated = compat.inductor_overwrites_saved()
     out = tensor_value(node)
     if out is None or any(_layout_fixed_by(user) for user in node.users):
         return ()
@@ -405,7 +454,9 @@ def in_place_candidates(node: fx.Node, nbytes: int, key, fused, skip, inputs, me
         for read in (_fused_reads(arg, fused, skip, inputs, memo) if arg in fused else (arg,)):
             val = tensor_value(read)
             if val is not None and val.dtype == out.dtype and storage_bytes(read) == nbytes:
-                found[key(read)] = None
+                read_key = key(read)
+                if donated or not is_saved(read_key):
+                    found[read_key] = None
     return tuple(found)
 
 
@@ -652,7 +703,7 @@ class StepBuilder:
         in_place = ()
         if nbytes and self.fusion and key == self._backward_key:
             in_place = in_place_candidates(node, nbytes, key, self.fused, a.steady.__contains__,
-                                           a.inputs.__getitem__, self.memo, a.storage_bytes)
+                                           a.inputs.__getitem__, self.memo, a.storage_bytes, self._is_saved_key)
         return Step(node.name, allocates, reads, kind=kind, in_place=in_place)
 
     def _held_while_running(self, node: fx.Node, key) -> list[tuple[Hashable, int]]:
@@ -696,6 +747,11 @@ class StepBuilder:
         if copy is not None and copy in self.copies:
             return copy
         return self.a.roots.get(node, node)
+
+    def _is_saved_key(self, key: Hashable) -> bool:
+        """A backward read of a forward storage (``_backward_key`` of a saved tensor); a
+        recomputed one is keyed ``("recomputed", node)``."""
+        return isinstance(key, fx.Node) and key in self.a.forward_side
 
     def _backward_key(self, node: fx.Node) -> Hashable:
         # Walk the view chain towards the storage: a saved tensor (or a view of one) reads
@@ -830,10 +886,14 @@ def plan_program(
     # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
     kept_roots = {root(s, s) for s in saved if s not in offloaded} if offloaded else ()
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
+    kernel_index = a.kernel_index if a.triton_kernels else None
     if not reloaded:  # nothing renamed, no reload step
         steps += [step for _, step in computed.backward if step is not None]
         outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
-        return Program(steps, backward_start, outlives, a.triton_kernels)
+        kernels = None if kernel_index is None else (
+            (None,) * backward_start + _kernel_runs([kernel_index.get(n) for n, step in computed.backward
+                                                     if step is not None]))
+        return Program(steps, backward_start, outlives, kernels)
     input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
     first_use: dict[fx.Node, int] = {}
     if first_uses is not None and all(t in first_uses_of for t in reloaded):
@@ -853,15 +913,47 @@ def plan_program(
         distance = (reload_distance or {}).get(node, prefetch_distance)
         reload_at.setdefault(max(0, index - distance), []).append(node)
     untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
+    kernels: list[int | None] | None = None if kernel_index is None else [None] * backward_start
     for index, (node, step) in enumerate(computed.backward):
         if index in reload_at:
             for tensor in reload_at[index]:
                 steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))],
                                   kind="reload"))
+                if kernels is not None:
+                    kernels.append(None)
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
+            if kernels is not None:
+                kernels.append(kernel_index.get(node))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
-    return Program(steps, backward_start, outlives, a.triton_kernels)
+    return Program(steps, backward_start, outlives,
+                   None if kernels is None else tuple(kernels[:backward_start]) + _kernel_runs(kernels[backward_start:]))
+
+
+def _kernel_runs(groups: list[tuple[int, int] | None]) -> tuple[tuple[int, int] | None, ...]:
+    """Each step's kernel and part (``Program.kernel_of_step``) from its kernel group and
+    part (``JointAnalysis.kernel_index``): a kernel is a run of consecutive steps of one
+    group. A kernel runs as one, its members together (``kernel_local.fused_kernel_order``);
+    members of a group the plan's order splits (a cycle, a pull refused) run apart, with
+    other steps between them."""
+    runs: list[tuple[int, int] | None] = []
+    run = -1
+    previous = None
+    for group in groups:
+        if group is None:
+            runs.append(None)
+        else:
+            if previous is None or group[0] != previous[0]:
+                run += 1
+            runs.append((run, group[1]))
+        previous = group
+    return tuple(runs)
+
+
+def _is_forward_key(key: Hashable) -> bool:
+    """A partitioned backward's read of the forward's storage (``graphs_program``'s keys):
+    a saved tensor."""
+    return isinstance(key, tuple) and key[0] in ("fw", "fw-channels-last")
 
 
 def _renamed(step: Step, keys: dict[Hashable, Hashable]) -> Step:
@@ -967,7 +1059,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if copied_placeholders and is_convolution(node):
             reads += [copied_placeholders[arg] for arg in node.all_input_nodes if arg in copied_placeholders]
         in_place = in_place_candidates(node, nbytes, bw_key, bw_fused, bw_skip, _all_input_nodes, bw_memo,
-                                       lambda x: key_bytes.get(bw_key(x), 0)) if nbytes and fusion else ()
+                                       lambda x: key_bytes.get(bw_key(x), 0), _is_forward_key) if nbytes and fusion else ()
         if nbytes:
             key_bytes[bw_key(node)] = nbytes
         steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads, in_place=in_place))

@@ -59,14 +59,16 @@ def planned_and_measured(fn, *inputs) -> tuple[int, int]:
 
 @pytest.mark.inductor
 @pytest.mark.slow
-@pytest.mark.parametrize("inplace_buffers", [True, False])
-def test_the_loss_gradient_written_into_the_saved_product_is_predicted(inplace_buffers):
+@pytest.mark.parametrize("inplace_buffers, donated_buffer", [(True, True), (False, True), (True, False)])
+def test_the_loss_gradient_written_into_the_saved_product_is_predicted(inplace_buffers, donated_buffer):
     """The backward's first kernel computes the gradient of ``mean(y ** 2)`` from the saved
-    ``y = x @ w`` (its only reader) and, with in-place reuse on, writes it into ``y``'s
-    buffer (``buf0 = mm; del mm  # reuse`` in the generated code): 1 MiB less at the peak.
-    The prediction follows Inductor's config, read at plan time."""
+    ``y = x @ w`` (its only reader) and, with in-place reuse on and the saved tensors
+    donated to the backward, writes it into ``y``'s buffer (``buf0 = mm; del mm  # reuse``
+    in the generated code): 1 MiB less at the peak. The prediction follows Inductor's and
+    AOTAutograd's config, read at plan time."""
     saved_bytes = ROWS * COLS * 4
-    with torch._inductor.config.patch(inplace_buffers=inplace_buffers):
+    with torch._inductor.config.patch(inplace_buffers=inplace_buffers), \
+            torch._functorch.config.patch(donated_buffer=donated_buffer):
         torch.manual_seed(0)
         x = torch.randn(ROWS, INNER, requires_grad=True)
         w = torch.randn(INNER, COLS, requires_grad=True)
@@ -74,4 +76,4 @@ def test_the_loss_gradient_written_into_the_saved_product_is_predicted(inplace_b
     # within a small part of what the reuse is worth: the rule decides the peak here
     assert abs(predicted - measured) < saved_bytes // 16
     # one 1 MiB buffer at the peak with the reuse, two without
-    assert (measured < 1.5 * saved_bytes) == inplace_buffers
+    assert (measured < 1.5 * saved_bytes) == (inplace_buffers and donated_buffer)
