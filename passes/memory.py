@@ -165,8 +165,6 @@ def peak_bytes(program: Program) -> int:
     readers: dict[Hashable, int] = {}  # reads by allocating backward steps (``_in_place_storages``)
     allocations: list[tuple[int, Hashable, int]] = []
     writes_in_place: list[int] = []
-    kernel_of_step = program.kernel_of_step
-    kernel_readers: dict[tuple, int] = {}  # the same, per key and kernel, and per key, kernel and part
     for index, step in enumerate(steps):
         allocates = step.allocates
         if allocates:
@@ -180,8 +178,6 @@ def peak_bytes(program: Program) -> int:
                 for key in step.reads:
                     last_read[key] = index
                     readers[key] = readers.get(key, 0) + 1
-                if kernel_of_step is not None and kernel_of_step[index] is not None:
-                    _count_kernel_reads(kernel_readers, step.reads, kernel_of_step[index])
             else:
                 for key in step.reads:
                     last_read[key] = index
@@ -192,8 +188,7 @@ def peak_bytes(program: Program) -> int:
                 last_read[key] = index
     outlives = program.outlives
     storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives,
-                                _SharedReads(backward_start, kernel_of_step, kernel_readers)
-                                if kernel_of_step is not None else None)
+                                _SharedReads(program, writes_in_place) if program.kernel_of_step is not None else None)
     if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -237,40 +232,40 @@ def _in_place_storages(program: Program, last_read: dict[Hashable, int]) -> dict
     if not writers:
         return {}
     readers: dict[Hashable, int] = {}
-    kernel_of_step = program.kernel_of_step
-    kernel_readers: dict[tuple, int] = {}
-    for index in range(program.backward_start, len(steps)):
-        step = steps[index]
+    for step in steps[program.backward_start:]:
         if step.allocates:  # views and fused values: their consumers' steps read the data
             for key in step.reads:
                 readers[key] = readers.get(key, 0) + 1
-            if kernel_of_step is not None and kernel_of_step[index] is not None:
-                _count_kernel_reads(kernel_readers, step.reads, kernel_of_step[index])
     first_size: dict[Hashable, tuple[int, int]] = {}
     for index, step in enumerate(steps):
         for key, nbytes in step.allocates:
             first_size.setdefault(key, (index, nbytes))
     return _take_in_place(steps, writers, last_read, readers, first_size, program.outlives,
-                          _SharedReads(program.backward_start, kernel_of_step, kernel_readers)
-                          if kernel_of_step is not None else None)
+                          _SharedReads(program, writers) if program.kernel_of_step is not None else None)
 
 
-def _count_kernel_reads(counts: dict[tuple, int], reads: Iterable[Hashable], kernel_and_part: tuple[int, int]) -> None:
-    kernel = kernel_and_part[0]
-    for key in reads:
-        counts[key, kernel] = counts.get((key, kernel), 0) + 1
-        counts[key, kernel_and_part] = counts.get((key, kernel_and_part), 0) + 1
-
-
-@dataclass(frozen=True)
 class _SharedReads:
-    """What Triton's in-place rule reads (``Program.kernel_of_step``): where the backward
-    starts, each step's kernel and part, and the reads by allocating backward steps per
-    key and kernel and per key, kernel and part."""
+    """What Triton's in-place rule reads (``Program.kernel_of_step``): the reads by
+    allocating backward steps of the writers' candidates, per key and kernel and per key,
+    kernel and part; counted at the first question (most programs ask none)."""
 
-    backward_start: int
-    kernel_of_step: tuple[tuple[int, int] | None, ...]
-    kernel_readers: dict[tuple, int]
+    def __init__(self, program: Program, writers: list[int]) -> None:
+        self.program, self.writers = program, writers
+        self.kernel_of_step: tuple[tuple[int, int] | None, ...] = program.kernel_of_step or ()
+        self._readers: dict[tuple, int] | None = None
+
+    def _count(self) -> dict[tuple, int]:
+        steps, kernel_of_step = self.program.steps, self.kernel_of_step
+        wanted = {key for index in self.writers for key in steps[index].in_place}
+        counts: dict[tuple, int] = {}
+        for index in range(self.program.backward_start, len(steps)):
+            kernel_and_part, step = kernel_of_step[index], steps[index]
+            if kernel_and_part is None or not step.allocates:
+                continue
+            for key in wanted.intersection(step.reads):
+                counts[key, kernel_and_part[0]] = counts.get((key, kernel_and_part[0]), 0) + 1
+                counts[key, kernel_and_part] = counts.get((key, kernel_and_part), 0) + 1
+        return counts
 
     def allow(self, candidate: Hashable, first_allocated: int, index: int) -> bool:
         """Whether the step at ``index``, the last reader of ``candidate`` (first allocated
@@ -278,12 +273,14 @@ class _SharedReads:
         the backward allocates, read in the writer's kernel by its own part alone (a part
         is a producer and its consumers: their reads have run when the writer runs, as
         Inductor counts an ancestor's use; another part's have not)."""
-        if first_allocated < self.backward_start:
+        if first_allocated < self.program.backward_start:
             return False  # a saved tensor: one reader only, as on the CPU
         kernel_and_part = self.kernel_of_step[index]
         if kernel_and_part is None:
             return True
-        readers = self.kernel_readers
+        if self._readers is None:
+            self._readers = self._count()
+        readers = self._readers
         return readers.get((candidate, kernel_and_part[0]), 0) == readers.get((candidate, kernel_and_part), 0)
 
 
