@@ -299,10 +299,10 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
     Inductor fuses together is not known here. With ``shared`` (Triton's kernels,
     ``Program.kernel_of_step``), a storage the backward allocates is taken over by its
     last reader whatever earlier kernels read it, as Inductor's ``decide_inplace_update``
-    counts only the uses not yet run; not where another step of the reader's own kernel
-    reads it (that use has not run either: the gradient of a SiLU gate and of its up
-    projection, one kernel, both read the gradient from above and neither writes into
-    it). Read from Inductor's CUDA kernels on fake tensors (torch 2.11, 2026-11-28): the
+    counts only the uses not yet run; not where a step of another part of the reader's
+    own kernel reads it (a sibling, whose use has not run either: the gradients of a SiLU
+    gate and of its up projection, one kernel, both read the gradient from above and
+    neither writes into it; ``_SharedReads.allow``). Read from Inductor's CUDA kernels on fake tensors (torch 2.11, 2026-11-28): the
     Llama's recomputed up projection (352 KiB) is overwritten by the gate's gradient in
     the kernel that last reads it, although the recomputed SiLU product read it first;
     the planner put its minimum plan 11.5% over those kernels, and exactly on them with
@@ -910,7 +910,7 @@ def plan_program(
         distance = (reload_distance or {}).get(node, prefetch_distance)
         reload_at.setdefault(max(0, index - distance), []).append(node)
     untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
-    kernels: list[int | None] | None = None if kernel_index is None else [None] * backward_start
+    kernels: list[tuple[int, int] | None] | None = None if kernel_index is None else [None] * backward_start
     for index, (node, step) in enumerate(computed.backward):
         if index in reload_at:
             for tensor in reload_at[index]:
