@@ -185,7 +185,7 @@ class KernelGroups:
     local: frozenset[fx.Node]  # realized values whose every reader is in their kernel: no buffer
     # Kernel -> its parts, where it joins more than one: each part put together from
     # producers and their consumers (vertical fusion), the parts joined only by the buffers
-    # they read (horizontal fusion; ``without_pulls``), each with its inlined values.
+    # they read (horizontal fusion; ``_without_pulls``), each with its inlined values.
     parts: dict[frozenset[fx.Node], tuple[frozenset[fx.Node], ...]] = field(default_factory=dict)
     # The values no kernel stores (``inlined``, views): what waits on one waits on its inputs.
     inlined: frozenset[fx.Node] = frozenset()
