@@ -134,7 +134,12 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
     the wrapper's reuses. ``host_inputs``: placeholders that stay host tensors (an offload's
     host copy, received by the backward). ``config_patches``: Inductor config the graph
     compiles under (the backend's, for our plans); ``keep_plan_order``: with the backend's
-    fusion rule under a budget (``plan_order_fusion``). Call inside ``fake_cuda()``."""
+    fusion rule under a budget (``plan_order_fusion``). Call inside ``fake_cuda()``.
+
+    ``compile_fx_inner`` runs here without AOTAutograd's tracing context, so no saved tensor
+    is donated to a backward: its kernels never write into one, where the backend's may
+    (``compat.inductor_overwrites_saved``). Plan with ``donated_buffer`` off to compare a
+    plan with them exactly (``tests/passes/test_memory.py``)."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp

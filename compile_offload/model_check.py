@@ -474,9 +474,10 @@ def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
     """``model``'s joint graph as our backend plans it: in its own order (a gradient's
     smaller matmuls first, ``passes.smaller_matmuls_first``) and with each matmul kept
     out of a later add (``passes.unfused_mm_add``), which torch's partitioners do not do.
-    Our plans are made and predicted on this graph, torch's on the graph as traced. Every
-    plan made on it has a budget, so Inductor's horizontal fusion pulls no kernel ahead
-    (``plan_order_fusion``)."""
+    Our plans are made and predicted on this graph, torch's on the graph as traced. It is
+    analysed as our backend compiles under a budget, where Inductor's horizontal fusion
+    pulls no kernel ahead (``plan_order_fusion``); the unconstrained plan the optimality
+    sweep starts from is predicted under the same rule."""
     joint = capture_joint(model, x)
     unfused_mm_add(smaller_matmuls_first(joint.gm))
     # planned for the H100's (Triton) kernels

@@ -236,12 +236,11 @@ def inductor_overwrites_saved() -> bool:
     last: ``torch._inductor.config.inplace_buffers`` (in-place reuse at all) and
     ``torch._functorch.config.donated_buffer`` (AOTAutograd hands the backward its saved
     tensors to overwrite; torch 2.6 on). Read at plan time, so a patched config is followed."""
-    try:
-        from torch._functorch import config as functorch_config
-        from torch._inductor import config as inductor_config
-    except ImportError:  # pragma: no cover - a torch without Inductor
+    if not inductor_writes_in_place():
         return False
-    return bool(getattr(inductor_config, "inplace_buffers", False) and getattr(functorch_config, "donated_buffer", False))
+    from torch._functorch import config as functorch_config
+
+    return bool(getattr(functorch_config, "donated_buffer", False))
 
 
 def inductor_channels_last_convolutions(conv_args) -> bool:
