@@ -19,8 +19,12 @@ that must hold the answer the same way, until the window is small enough to scan
   stretch that probes can step over.
 - ``lowest(peak, n)``: the index of the lowest value (the first of equals), exact on values
   that fall and then rise (plateaus included), and then on past bumps narrower than
-  ``PATIENCE`` plans after the lowest value found. Values still falling at the end (the
-  last below the one before) have their lowest last: two reads.
+  ``PATIENCE`` plans after the lowest value found. On any values, what it returns is no
+  higher than a value it read, nor than any of ``first_where``'s probes (its first round
+  reads them, or skips those whose bound is above a value read): a caller that falls back
+  to the lowest plan simulated gets the same plan whatever the budget was. A range
+  the caller ``cut_short`` by price whose values still fall at its end (the last below
+  the one before) has its lowest last: two reads.
 - ``first_fitting(peak, n, fits)``: ``first_where``, and where no probe fits, the search
   again up to the lowest plan when that one fits: exact on values that fall and then rise.
   Its halves, ``probed_fit`` and ``fitting_around_lowest``, let a caller searching several
@@ -81,26 +85,31 @@ def first_where(holds: Callable[[int], bool], n: int, fanout: int = FANOUT) -> i
 
 
 def lowest(peak: Callable[[int], int | float], n: int, fanout: int = FANOUT, patience: int = PATIENCE,
-           bound: Callable[[int], int | float] | None = None) -> int:
+           bound: Callable[[int], int | float] | None = None, cut_short: bool = False) -> int:
     """The index of the lowest ``peak`` in ``range(n)`` (the first of equals). ``n`` >= 1.
     After the search, the values following the lowest found are read until ``patience``
     of them in a row are no lower: a bump narrower than that next to the lowest value
     (measured on a 16-layer GPT's recompute sequence: 4 plans) does not hide it.
     ``bound``: a lower bound of ``peak``; an index whose bound is above a value already
-    read cannot hold the lowest one, and its peak is not asked for."""
+    read cannot hold the lowest one, and its peak is not asked for. ``cut_short``: the
+    caller cut the range short by price (``count_within``), so values still falling at its
+    end have their lowest last. Only there: on a whole sequence, a bump at its end is not
+    the lowest (5 plans peaking 3140, 3364, 2852, 3364, 3140: the last is not)."""
     if n < 1:
         raise ValueError("lowest of an empty range")
     if fanout < 3:
         raise ValueError(f"fanout={fanout}: at least 3")
     bound = bound or peak
-    if n >= 2 and bound(n - 1) < peak(n - 2) and peak(n - 1) < peak(n - 2):
-        # Still falling at the end (a range cut short by price, ``count_within``): on values
-        # that fall then rise, the last is the lowest, and the first of its value.
+    if cut_short and n >= 2 and bound(n - 1) < peak(n - 2) and peak(n - 1) < peak(n - 2):
+        # Still falling where the price cut the range: on values that fall then rise, the
+        # last is the lowest, and the first of its value.
         return n - 1
     lo, hi = 0, n
+    earlier: list[int] = []  # each round's lowest probe: the answer is never above them
     while hi - lo > fanout:
         probes = sorted({lo, *_probes(lo, hi, fanout)})
         at = _least(peak, bound, probes)
+        earlier.append(at[0])
         first, last = probes.index(at[0]), probes.index(at[-1])
         # Values fall then rise, so the lowest lies strictly between the probes on either
         # side of the probes holding the lowest probed value.
@@ -114,7 +123,9 @@ def lowest(peak: Callable[[int], int | float], n: int, fanout: int = FANOUT, pat
         if bound(i) < peak(best) and peak(i) < peak(best):
             best = i
         i += 1
-    return best
+    # On values that fall then rise no earlier probe is lower; elsewhere the window can
+    # leave a low probe behind, and a lower value was read than the one returned.
+    return min([best, *earlier], key=lambda i: (peak(i), i))
 
 
 def _least(peak: Callable[[int], int | float], bound: Callable[[int], int | float], indices) -> list[int]:
@@ -158,12 +169,14 @@ def probed_fit(peak: Callable[[int], int | float], n: int, fits: Callable[[int |
 
 
 def fitting_around_lowest(peak: Callable[[int], int | float], n: int, fits: Callable[[int | float], bool],
-                          fanout: int = FANOUT, bound: Callable[[int], int | float] | None = None) -> int | None:
+                          fanout: int = FANOUT, bound: Callable[[int], int | float] | None = None,
+                          cut_short: bool = False) -> int | None:
     """``first_fitting``'s second half, where no probe fitted: the lowest value of
-    ``range(n)``, and when it fits, the first index that fits before it; else None."""
+    ``range(n)``, and when it fits, the first index that fits before it; else None.
+    ``cut_short`` as for ``lowest``."""
     if n < 1:
         return None
-    bottom = lowest(peak, n, max(3, fanout), bound=bound)
+    bottom = lowest(peak, n, max(3, fanout), bound=bound, cut_short=cut_short)
     if not fits(peak(bottom)):
         return None
     return first_where(_fitting(peak, fits, bound), bottom + 1, fanout)

@@ -651,9 +651,10 @@ def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", b
             n = choosable(sequence)
             if n == 0:
                 continue
-            fit = fitting_around_lowest(peak, n, fits, bound=bound)
+            cut_short = n < len(sequence)
+            fit = fitting_around_lowest(peak, n, fits, bound=bound, cut_short=cut_short)
             if fit is None:
-                picked = [lowest(peak, n, bound=bound)]  # read by the search just made
+                picked = [lowest(peak, n, bound=bound, cut_short=cut_short)]  # read by the search just made
             elif cheapest is None or price(sequence[fit]) < cheapest:
                 cheapest = price(sequence[fit])
         if fit is not None:

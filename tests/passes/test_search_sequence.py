@@ -99,6 +99,30 @@ def test_lowest_looks_past_a_narrow_bump_after_a_plateau():
     assert lowest(wide.__getitem__, len(wide), patience=4) in (1, 22)
 
 
+def test_a_bump_at_the_end_of_a_whole_sequence_is_not_taken_for_the_lowest():
+    # The peaks of a small chain's greedy sequence (the solver's monotonicity test met
+    # them): the last is below the one before, but the middle one is the lowest.
+    values = [3140, 3364, 2852, 3364, 3140]
+    assert lowest(values.__getitem__, len(values)) == 2
+    # Where the caller cut the range short by price, values still falling at its end have
+    # their lowest last: two reads.
+    falling = list(range(1000, 0, -1))
+    probed = Probed(falling)
+    assert lowest(probed, len(falling), cut_short=True) == 999
+    assert len(probed.read) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=120), st.sampled_from([3, 8]))
+def test_lowest_is_never_above_a_probe_of_first_where(values, fanout):
+    # The solver falls back to the lowest plan it simulated when nothing fits. The plans
+    # first_where probes (when none fits) differ with the budget; lowest must not find one
+    # above any of them, or a lower budget gets a higher fallback. Any values: bumps too.
+    probed = Probed(values)
+    assert first_where(lambda i: probed(i) < 0, len(values), fanout) is None
+    assert values[lowest(values.__getitem__, len(values), fanout)] <= min(values[i] for i in probed.read)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=200), st.integers(-1, 400))
 def test_count_within_is_the_scans_count_on_rising_prices(steps, limit):
