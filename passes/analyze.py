@@ -19,7 +19,7 @@ from . import compat
 from .attention_bias_copies import attention_bias_copies
 from .kernel_local import KernelGroups, kernel_groups
 from .loop_ranges import cpu_graph
-from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value  # noqa: F401  (imported from here too)
+from .node_kinds import fuses_into, is_pointwise, is_view, loads_inputs_in_loop, tensor_value  # noqa: F401  (imported from here too)
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 _RECOMPUTABLE_NAMESPACES = ("aten", "prims")
@@ -256,7 +256,8 @@ def _consumers_fuse(node: fx.Node, copies: bool = False) -> bool:
     consumers fuse it, and, with ``copies``, the views Inductor copies
     (``_copied_view_candidate``: the copy's kernel inlines ``node``)."""
     return bool(node.users) and all(
-        fuses_into(u) or (is_view(u) and (_consumers_fuse(u) or (copies and _copied_view_candidate(u))))
+        fuses_into(u) or loads_inputs_in_loop(u)
+        or (is_view(u) and (_consumers_fuse(u) or (copies and _copied_view_candidate(u))))
         for u in node.users)
 
 

@@ -191,6 +191,31 @@ def default_partition(joint: JointGraph, joint_inputs) -> tuple[fx.GraphModule, 
     )
 
 
+@dataclass(frozen=True)
+class BmmDotRule:
+    """Where Inductor lowers an accelerator ``bmm`` of a row by a column (M = N = 1) to a
+    product and a sum: these dtypes, K at most ``max_k``."""
+
+    dtypes: tuple
+    max_k: int
+
+
+@functools.cache
+def bmm_dot_rule() -> BmmDotRule | None:
+    """torch 2.13's ``tuned_bmm`` rule for dot-shaped ``bmm`` on CUDA and XPU (its private
+    ``_BMM_DOT_DECOMPOSE_DTYPES`` and ``_BMM_DOT_K_DECOMPOSE_THRESHOLD``); None on a torch
+    without it (every such ``bmm`` is a GEMM there)."""
+    try:
+        from torch._inductor.kernel import bmm
+    except ImportError:
+        return None
+    dtypes = getattr(bmm, "_BMM_DOT_DECOMPOSE_DTYPES", None)
+    max_k = getattr(bmm, "_BMM_DOT_K_DECOMPOSE_THRESHOLD", None)
+    if dtypes is None or max_k is None:
+        return None
+    return BmmDotRule(tuple(dtypes), int(max_k))
+
+
 def size_hint(value) -> int:
     """A concrete int for a possibly symbolic size."""
     if isinstance(value, int):

@@ -28,16 +28,80 @@ _POINTWISE_LOWERINGS = frozenset({"full", "select_scatter", "slice_scatter", "em
 
 
 def is_pointwise(node: fx.Node) -> bool:
-    """A pointwise op as Inductor lowers it: tagged pointwise, or one of ``_POINTWISE_LOWERINGS``."""
+    """A pointwise op as Inductor lowers it: tagged pointwise, one of ``_POINTWISE_LOWERINGS``,
+    or an ``index`` by integer tensors (``_is_pointwise_index``)."""
     if node.op != "call_function":
         return False
     target = node.target
     if torch.Tag.pointwise in getattr(target, "tags", ()):
         return True
-    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _POINTWISE_LOWERINGS
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target.overloadpacket.__name__
+    return name in _POINTWISE_LOWERINGS or (name in ("index", "_unsafe_index") and _is_pointwise_index(node))
+
+
+def _is_pointwise_index(node: fx.Node) -> bool:
+    """``aten.index`` by integer tensors is a pointwise load at the rows the indices name
+    (``index_impl``: ``Pointwise.create``, torch 2.11-2.14); by a boolean mask it falls back
+    to ATen's kernel (its output size depends on the data). A mixture of experts' gathered
+    expert weights (``w[chosen]``) get no buffer where their consumer fuses them."""
+    indices = node.args[1] if len(node.args) > 1 else ()
+    values = [tensor_value(index) for index in indices if isinstance(index, fx.Node)]
+    return bool(values) and all(v is not None and not v.dtype.is_floating_point and v.dtype not in (torch.bool, torch.uint8)
+                                for v in values)
 
 
 def fuses_into(node: fx.Node) -> bool:
-    """Inductor fuses a pointwise producer into this consumer (pointwise or reduction)."""
+    """Inductor fuses a pointwise producer into this consumer (pointwise or reduction, or a
+    ``bmm`` it lowers as one: ``bmm_as_reduction``)."""
     tags = getattr(node.target, "tags", ())
-    return is_pointwise(node) or (node.op == "call_function" and torch.Tag.reduction in tags)
+    return is_pointwise(node) or (node.op == "call_function" and (torch.Tag.reduction in tags or bmm_as_reduction(node)))
+
+
+def loads_inputs_in_loop(node: fx.Node) -> bool:
+    """An op Inductor lowers to loops that load its tensor inputs where they are used, so a
+    pointwise input is inlined into it, though the op is neither pointwise nor a reduction:
+    ``index_put`` (``index_put_impl_``: a copy of the base, then an ``ir.Scatter`` whose
+    body loads the values and the indices; a mixture of experts' weight gradients scatter
+    their per-token products so, 4 MiB each on the family of ``benchmarks/families.py``).
+    Not where Inductor calls ATen's kernel instead: boolean indices, deterministic
+    algorithms, or an accumulation in a dtype its atomic add lacks."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target.overloadpacket.__name__ not in ("index_put", "_unsafe_index_put") or len(node.args) < 3:
+        return False
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    indices = [tensor_value(index) for index in node.args[1] if isinstance(index, fx.Node)]
+    if not indices or any(v is None or v.dtype.is_floating_point or v.dtype in (torch.bool, torch.uint8) for v in indices):
+        return False
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    base = tensor_value(node.args[0])
+    if base is None:
+        return False
+    if accumulate and (base.dtype in (torch.int64, torch.bool) or (base.dtype == torch.bfloat16 and base.device.type != "cpu")):
+        return False  # ``needs_fallback_due_to_atomic_add_limitations`` (bf16: not on every GPU)
+    return True
+
+
+def bmm_as_reduction(node: fx.Node) -> bool:
+    """A ``bmm`` Inductor lowers to a pointwise product summed over the shared dimension
+    (``tuned_bmm`` in torch/_inductor/kernel/bmm.py) instead of calling a GEMM: on CPU
+    where one side is a row or a column (``(B, 1, K) @ (B, K, N)``: each token times its
+    expert's weights), on CUDA where both are and K is small (``compat.bmm_dot_rule``;
+    torch 2.13 and later). Its inputs are then loaded inside the sum, so a pointwise input
+    (a gathered weight) is fused into it, not given a buffer."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.bmm.default or len(node.args) < 2:
+        return False
+    mat1, mat2 = (tensor_value(arg) if isinstance(arg, fx.Node) else None for arg in node.args[:2])
+    if mat1 is None or mat2 is None or mat1.dim() != 3 or mat2.dim() != 3:
+        return False
+    from . import compat  # noqa: PLC0415  (compat imports torch's partitioner: only when asked)
+
+    m, k, n = (compat.size_hint(size) for size in (mat1.shape[1], mat1.shape[2], mat2.shape[2]))
+    if mat1.device.type == "cpu" and mat2.device.type == "cpu":
+        return m == 1 or n == 1
+    rule = compat.bmm_dot_rule()
+    return (rule is not None and mat1.device.type in ("cuda", "xpu") and mat1.device.type == mat2.device.type
+            and mat1.dtype == mat2.dtype and mat1.dtype in rule.dtypes and m == 1 and n == 1 and k <= rule.max_k)
