@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from . import compat
+
 
 def tensor_value(node: fx.Node) -> torch.Tensor | None:
     val = node.meta.get("val")
@@ -97,8 +99,6 @@ def bmm_as_reduction(node: fx.Node) -> bool:
     mat1, mat2 = (tensor_value(arg) if isinstance(arg, fx.Node) else None for arg in node.args[:2])
     if mat1 is None or mat2 is None or mat1.dim() != 3 or mat2.dim() != 3:
         return False
-    from . import compat  # noqa: PLC0415  (compat imports torch's partitioner: only when asked)
-
     m, k, n = (compat.size_hint(size) for size in (mat1.shape[1], mat1.shape[2], mat2.shape[2]))
     if mat1.device.type == "cpu" and mat2.device.type == "cpu":
         return m == 1 or n == 1
