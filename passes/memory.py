@@ -31,8 +31,9 @@ from . import compat
 from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes,
                       inlined_values, is_convolution, is_pointwise, is_view, layout_copies, storage_roots,
                       tensor_value, with_view_bases)
-from .kernel_local import fused_kernel_order, kernel_groups
+from .kernel_local import fused_kernel_order, is_random_draw, kernel_groups
 from .loop_ranges import cpu_graph
+from .node_kinds import fuses_into, loads_inputs_in_loop
 
 
 @dataclass
@@ -64,6 +65,13 @@ class Program:
     # not where another part of its own kernel does (``_take_in_place``). None: the C++
     # kernels' rule.
     kernel_of_step: tuple[tuple[int, int] | None, ...] | None = None
+    # The C++ kernels' calls: each step -> the last step of the call it runs in (itself
+    # outside one). Inductor's C++ backend emits the kernels between two extern ops as one
+    # call, allocating every buffer before it and freeing after it what its kernels read
+    # last (``Scheduler._codegen`` flushes only before an extern op or a template): a
+    # storage read last inside a call lives to the call's end (``cpp_call_ends``). None:
+    # each storage is freed after its last reader (Triton's kernels, a partitioned graph).
+    call_end: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -129,6 +137,8 @@ def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hash
         for key in step.reads:
             last_read[key] = index
     storage_of = _in_place_storages(program, last_read)
+    if program.call_end is not None:
+        storage_of = _reused_in_calls(program, last_read, storage_of)
     if storage_of:
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -138,6 +148,9 @@ def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hash
         outlives = {storage_of.get(key, key) for key in program.outlives}
     else:
         outlives = program.outlives
+    if program.call_end is not None:  # after the in-place choice, which follows the kernels' order
+        call_end = program.call_end
+        last_read = {key: call_end[index] for key, index in last_read.items()}
     frees_after: dict[int, list[Hashable]] = {}
     for key, index in last_read.items():
         if key not in outlives:
@@ -189,6 +202,8 @@ def peak_bytes(program: Program) -> int:
     outlives = program.outlives
     storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives,
                                 _SharedReads(program, writes_in_place) if program.kernel_of_step is not None else None)
+    if program.call_end is not None:
+        storage_of = _reused_in_calls(program, last_read, storage_of)
     if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -196,6 +211,9 @@ def peak_bytes(program: Program) -> int:
             physical_last[physical] = max(index, physical_last.get(physical, index))
         last_read = physical_last
         outlives = {storage_of.get(key, key) for key in outlives}
+    if program.call_end is not None:  # ``_frees_after``: a storage read in a call lives to its end
+        call_end = program.call_end
+        last_read = {key: call_end[index] for key, index in last_read.items()}
     # ``simulate`` adds a storage's bytes at an allocation when it is not live and takes
     # them off after its last read when it is: so its first allocation adds them until
     # then (for good when that read came before it, or the storage outlives the step),
@@ -326,6 +344,69 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
                     storage_of[key] = physical
                     last_of_storage[physical] = max(last, last_read.get(key, index))
                     break
+    return storage_of
+
+
+def _reused_in_calls(program: Program, last_read: dict[Hashable, int],
+                     storage_of: dict[Hashable, Hashable]) -> dict[Hashable, Hashable]:
+    """``storage_of`` (the in-place choices) with the C++ calls' buffer reuse added: inside
+    a call (``Program.call_end``) a kernel's new buffer takes the storage of a buffer of the
+    same bytes that an earlier kernel of the call read last, as the wrapper's memory plan
+    does in kernel order (``AllocateLine.plan``: a freed buffer of the same reuse key),
+    though the call frees nothing until it returns. Only storages the same graph allocated
+    (not the backward's saved inputs) and that outlive nothing are reused."""
+    call_end, steps, outlives = program.call_end, program.steps, program.outlives
+    storage_of = dict(storage_of)
+    first_at: dict[Hashable, int] = {}
+    for index, step in enumerate(steps):
+        for key, _ in step.allocates:
+            first_at.setdefault(key, index)
+    # Physical storage -> the last step reading it through any key mapped to it.
+    physical_last: dict[Hashable, int] = {}
+    for key, index in last_read.items():
+        physical = storage_of.get(key, key)
+        physical_last[physical] = max(index, physical_last.get(physical, index))
+    backward_start = program.backward_start
+    start = 0
+    while start < len(steps):
+        end = call_end[start]
+        if end == start:
+            start += 1
+            continue
+        graph_start = backward_start if start >= backward_start else 0
+        pool: dict[int, list[Hashable]] = {}  # bytes -> storages free for reuse
+        entering: dict[int, list[tuple[int, Hashable]]] = {}  # step -> (bytes, storage) freed after it
+        sizes: dict[Hashable, int] = {}
+        for index in range(start, end + 1):
+            for key, nbytes in steps[index].allocates:
+                if first_at.get(key) != index or key in storage_of or key in outlives:
+                    sizes.setdefault(storage_of.get(key, key), nbytes)
+                    continue
+                free = pool.get(nbytes)
+                if free:
+                    physical = free.pop()
+                    storage_of[key] = physical
+                    last = max(physical_last.get(physical, index), last_read.get(key, index))
+                    physical_last[physical] = last
+                    if last < end:
+                        entering.setdefault(last, []).append((nbytes, physical))
+                else:
+                    sizes[key] = nbytes
+                    last = last_read.get(key, index)
+                    if last < end:
+                        entering.setdefault(last, []).append((nbytes, key))
+            # Storages allocated by this graph before the call and read last here enter the pool too.
+            for key in steps[index].reads:
+                physical = storage_of.get(key, key)
+                if (physical_last.get(physical) == index and index < end and physical not in outlives
+                        and graph_start <= first_at.get(physical, -1) < start):
+                    nbytes = next((b for k, b in steps[first_at[physical]].allocates if k == physical), None)
+                    if nbytes is not None:
+                        entering.setdefault(index, []).append((nbytes, physical))
+            for nbytes, physical in entering.pop(index, ()):
+                if physical_last.get(physical, -1) <= index:
+                    pool.setdefault(nbytes, []).append(physical)
+        start = end + 1
     return storage_of
 
 
@@ -866,31 +947,43 @@ def plan_program(
     # Inductor's channels-last copies of steady convolution inputs, made when the forward starts.
     steps: list[Step] = [Step("channels-last copies", [(layout_copy_key(n), nbytes) for n, nbytes in a.layout_copies.items()])
                          ] if a.layout_copies else []
+    forward_kinds: list[bool | None] = [False] * len(steps)  # ``in_cpp_call`` of each forward step
     if not offloaded and not waits_after:  # recompute-only plans: the steps as they are
-        steps += [step for _, step in computed.forward if step is not None]
+        for node, step in computed.forward:
+            if step is not None:
+                steps.append(step)
+                forward_kinds.append(in_cpp_call(node, step))
     else:
         copied = offloaded | waits_after.keys()  # the nodes a copy step follows
         for node, step in computed.forward:
             if step is not None:
                 steps.append(step)
+                forward_kinds.append(in_cpp_call(node, step))
             if node in copied:
                 if step is not None and node in offloaded:
                     steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
+                    forward_kinds.append(False)
                 for tensor in waits_after.get(node, ()):
                     steps.append(Step(f"wait_offload {tensor.name}", [], [root(tensor, tensor)], kind="offload"))
+                    forward_kinds.append(False)
     backward_start = len(steps)
     # What the backward reads: the kept saved tensors' storages, reloaded copies of the
     # offloaded ones (only storage-owning tensors are offloaded) and recomputed tensors.
     kept_roots = {root(s, s) for s in saved if s not in offloaded} if offloaded else ()
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
     kernel_index = a.kernel_index if a.triton_kernels else None
+    cpp_calls = a.fusion and not a.triton_kernels
     if not reloaded:  # nothing renamed, no reload step
         steps += [step for _, step in computed.backward if step is not None]
         outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
         kernels = None if kernel_index is None else (
             (None,) * backward_start + _kernel_runs([kernel_index.get(n) for n, step in computed.backward
                                                      if step is not None]))
-        return Program(steps, backward_start, outlives, kernels)
+        calls = None
+        if cpp_calls:
+            calls = cpp_call_ends(forward_kinds + [in_cpp_call(n, step) for n, step in computed.backward
+                                                   if step is not None], backward_start)
+        return Program(steps, backward_start, outlives, kernels, calls)
     input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
     first_use: dict[fx.Node, int] = {}
     if first_uses is not None and all(t in first_uses_of for t in reloaded):
@@ -911,20 +1004,59 @@ def plan_program(
         reload_at.setdefault(max(0, index - distance), []).append(node)
     untouched = reloaded.keys().isdisjoint  # ``_renamed``'s test, inline: most steps read no reloaded key
     kernels: list[tuple[int, int] | None] | None = None if kernel_index is None else [None] * backward_start
+    kinds = forward_kinds
     for index, (node, step) in enumerate(computed.backward):
         if index in reload_at:
             for tensor in reload_at[index]:
                 steps.append(Step(f"reload {tensor.name}", [(reloaded[tensor], a.bytes_of.get(tensor, 0))],
                                   kind="reload"))
+                kinds.append(False)
                 if kernels is not None:
                     kernels.append(None)
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
+            kinds.append(in_cpp_call(node, step))
             if kernels is not None:
                 kernels.append(kernel_index.get(node))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
     return Program(steps, backward_start, outlives,
-                   None if kernels is None else tuple(kernels[:backward_start]) + _kernel_runs(kernels[backward_start:]))
+                   None if kernels is None else tuple(kernels[:backward_start]) + _kernel_runs(kernels[backward_start:]),
+                   cpp_call_ends(kinds, backward_start) if cpp_calls else None)
+
+
+def in_cpp_call(node: fx.Node, step: Step) -> bool | None:
+    """Whether ``node``'s step is a kernel Inductor's C++ backend generates (True: it
+    joins the call being emitted), an extern op (False: the call ends before it), or no
+    kernel at all (None: a view, a value inlined into its consumers, a tuple op's element).
+    Ops not known to be generated count as extern: a call cut short frees earlier, as
+    before the calls were followed."""
+    generated = fuses_into(node) or loads_inputs_in_loop(node) or is_random_draw(node)
+    if not step.allocates:
+        return None if generated or is_view(node) or node.target is operator.getitem else False
+    return generated or is_view(node)  # an allocating view: the copy Inductor makes of it
+
+
+def cpp_call_ends(kinds: list[bool | None], backward_start: int) -> tuple[int, ...]:
+    """``Program.call_end`` from each step's ``in_cpp_call``: a call is the run of steps
+    from a kernel to the last kernel before the next extern op (or the graph's end; the
+    forward and backward are two graphs), steps of no kernel included."""
+    ends = list(range(len(kinds)))
+    start = None  # the first kernel of the open call
+    last = None  # its last kernel so far
+    for index, kind in enumerate(kinds):
+        if index == backward_start or kind is False:
+            if start is not None:
+                for i in range(start, last + 1):
+                    ends[i] = last
+            start = last = None
+        if kind:
+            if start is None:
+                start = index
+            last = index
+    if start is not None:
+        for i in range(start, last + 1):
+            ends[i] = last
+    return tuple(ends)
 
 
 def _kernel_runs(groups: list[tuple[int, int] | None]) -> tuple[tuple[int, int] | None, ...]:
@@ -972,6 +1104,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     backward starts; user outputs and gradients outlive the step.
     """
     steps: list[Step] = []
+    kinds: list[bool | None] = []  # ``in_cpp_call`` of each step
     fw_roots = storage_roots(fw_gm.graph)
     fw_placeholders = {n for n in fw_gm.graph.nodes if n.op == "placeholder"}
     fw_output = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output")
@@ -986,6 +1119,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     copies = layout_copies(fw_gm.graph.nodes, fw_placeholders) if fusion else {}
     if copies:  # Inductor's channels-last copies of inputs its convolutions read
         steps.append(Step("channels-last copies", [(("fw-channels-last", n.name), b) for n, b in copies.items()]))
+        kinds.append(False)
     key_bytes: dict[Hashable, int] = {}  # storage key -> bytes, for in-place reuse
 
     def fw_skip(x: fx.Node) -> bool:
@@ -1003,6 +1137,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if copies and is_convolution(node):
             reads += [("fw-channels-last", arg.name) for arg in node.all_input_nodes if arg in copies]
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
+        kinds.append(in_cpp_call(node, steps[-1]))
     backward_start = len(steps)
     bw_fused, bw_roots = _backward_fusion(bw_gm.graph) if fusion else (set(), storage_roots(bw_gm.graph))
     bw_placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
@@ -1033,6 +1168,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         else:
             key_of_placeholder[placeholder] = None  # saved symints
     steps.append(Step("tangents", tangent_allocs, []))
+    kinds.append(False)
 
     def bw_key(node: fx.Node) -> Hashable | None:
         base = bw_roots.get(node, node)
@@ -1060,7 +1196,9 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if nbytes:
             key_bytes[bw_key(node)] = nbytes
         steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads, in_place=in_place))
+        kinds.append(in_cpp_call(node, steps[-1]))
     bw_output = next(n for n in reversed(bw_gm.graph.nodes) if n.op == "output")
     outlives = {fw_key(o) for o in user_outputs if isinstance(o, fx.Node)}
     outlives |= {k for o in bw_output.args[0] if isinstance(o, fx.Node) for k in [bw_key(o)] if k is not None}
-    return Program(steps, backward_start, outlives)
+    calls = cpp_call_ends(kinds, backward_start) if fusion and cpu_graph(fw_gm.graph.nodes) else None
+    return Program(steps, backward_start, outlives, call_end=calls)

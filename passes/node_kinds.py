@@ -66,14 +66,18 @@ def loads_inputs_in_loop(node: fx.Node) -> bool:
     pointwise input is inlined into it, though the op is neither pointwise nor a reduction:
     ``index_put`` (``index_put_impl_``: a copy of the base, then an ``ir.Scatter`` whose
     body loads the values and the indices; a mixture of experts' weight gradients scatter
-    their per-token products so, 4 MiB each on the family of ``benchmarks/families.py``).
+    their per-token products so, 4 MiB each on the family of ``benchmarks/families.py``),
+    and ``scatter`` without a reduction (``_scatter_in_loop``).
     Not where Inductor calls ATen's kernel instead: boolean indices, deterministic
     algorithms, or an accumulation in a dtype its atomic add lacks."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if node.target.overloadpacket.__name__ not in ("index_put", "_unsafe_index_put") or len(node.args) < 3:
-        return False
     if torch.are_deterministic_algorithms_enabled():
+        return False
+    name = node.target.overloadpacket.__name__
+    if name == "scatter":
+        return _scatter_in_loop(node)
+    if name not in ("index_put", "_unsafe_index_put") or len(node.args) < 3:
         return False
     indices = [tensor_value(index) for index in node.args[1] if isinstance(index, fx.Node)]
     if not indices or any(v is None or v.dtype.is_floating_point or v.dtype in (torch.bool, torch.uint8) for v in indices):
@@ -85,6 +89,20 @@ def loads_inputs_in_loop(node: fx.Node) -> bool:
     if accumulate and (base.dtype in (torch.int64, torch.bool) or (base.dtype == torch.bfloat16 and base.device.type != "cpu")):
         return False  # ``needs_fallback_due_to_atomic_add_limitations`` (bf16: not on every GPU)
     return True
+
+
+def _scatter_in_loop(node: fx.Node) -> bool:
+    """``aten.scatter`` without a reduction (``.src``, ``.value``): a copy of the base, then
+    an ``ir.Scatter`` loading the source (``scatter_``), unless ``use_scatter_fallback``
+    (deterministic algorithms, checked by the caller; a bf16 source on a GPU whose atomic
+    add lacks it, taken here as any GPU)."""
+    if node.target._overloadname not in ("src", "value"):
+        return False
+    base = tensor_value(node.args[0]) if node.args else None
+    source = tensor_value(node.args[3]) if len(node.args) > 3 and isinstance(node.args[3], fx.Node) else None
+    if base is None:
+        return False
+    return not (source is not None and source.dtype == torch.bfloat16 and source.device.type != "cpu")
 
 
 def bmm_as_reduction(node: fx.Node) -> bool:

@@ -84,3 +84,14 @@ def test_the_plan_side_of_a_snapshot_is_what_the_plan_holds_at_its_peak():
     assert first.startswith(f"plan: peak {peak} bytes at step ") and f"(predicted {peak})" in first, first
     assert sum(int(row.split()[0]) for row in rows) == peak and len(rows) > 1
     assert contract.describe_plan_peak(None).startswith("plan: its program is not available")
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_the_mixture_of_experts_step_is_predicted_within_5_percent_at_the_allocator():
+    """The top-2 mixture of experts (``benchmarks/families.py``): its gathered expert weights
+    and scattered products get no buffer in Inductor's code, and its C++ backward runs as
+    one call that frees nothing until it returns (``Program.call_end``). Counting the first
+    put the prediction 33.7% high; missing the call, 9.9% low (9.17 MiB measured)."""
+    point = contract.measure_point("moe", None)
+    assert abs(point.predicted_bytes / point.measured_bytes - 1) <= 0.05, contract.table([point])

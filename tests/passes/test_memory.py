@@ -104,21 +104,33 @@ def _kernels(steps, kernel_every: int | None):
     return tuple(None if index % 4 == 3 else (index // kernel_every, index % 2) for index in range(len(steps)))
 
 
-@settings(max_examples=300, deadline=None)
-@given(_STEPS, st.sets(_KEYS), st.sampled_from([None, 1, 2, 3]))
-def test_peak_bytes_is_the_simulated_peak(steps, outlives, kernel_every):
+# Each step's ``in_cpp_call`` (a kernel, an extern op, no kernel), or no C++ calls at all.
+_CALL_KINDS = st.one_of(st.none(), st.lists(st.sampled_from([True, False, None]), min_size=12, max_size=12))
+
+
+def _calls(steps, kinds):
+    """``Program.call_end`` for ``steps`` from drawn ``in_cpp_call`` kinds (None: no calls)."""
+    from compile_offload.passes.memory import cpp_call_ends
+
+    return None if kinds is None else cpp_call_ends(kinds[:len(steps)], len(steps) // 2)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_STEPS, st.sets(_KEYS), st.sampled_from([None, 1, 2, 3]), _CALL_KINDS)
+def test_peak_bytes_is_the_simulated_peak(steps, outlives, kernel_every, call_kinds):
     # Any program, odd ones included: a key read before it is allocated, allocated twice,
-    # allocated again after its last read, never read, outliving the step, written in place.
+    # allocated again after its last read, never read, outliving the step, written in place,
+    # read last inside a C++ call, reused there.
     program = Program(steps, backward_start=len(steps) // 2, outlives=outlives,
-                      kernel_of_step=_kernels(steps, kernel_every))
+                      kernel_of_step=_kernels(steps, kernel_every), call_end=_calls(steps, call_kinds))
     assert peak_bytes(program) == simulate(program).peak_bytes
 
 
 @settings(max_examples=300, deadline=None)
-@given(_STEPS, st.sets(_KEYS), st.sampled_from([None, 1, 2, 3]))
-def test_live_at_lists_what_simulate_sums_at_every_step(steps, outlives, kernel_every):
+@given(_STEPS, st.sets(_KEYS), st.sampled_from([None, 1, 2, 3]), _CALL_KINDS)
+def test_live_at_lists_what_simulate_sums_at_every_step(steps, outlives, kernel_every, call_kinds):
     program = Program(steps, backward_start=len(steps) // 2, outlives=outlives,
-                      kernel_of_step=_kernels(steps, kernel_every))
+                      kernel_of_step=_kernels(steps, kernel_every), call_end=_calls(steps, call_kinds))
     timeline = simulate(program)
     for index, total in enumerate(timeline.live_bytes):
         assert sum(nbytes for nbytes, _ in live_at(program, index).values()) == total
@@ -602,3 +614,39 @@ def test_the_minimum_plan_for_triton_peaks_as_inductors_cuda_kernels():
     plan = results[-1].plan
     assert plan.count("recompute") > 0, plan.summary()
     assert simulate(scheduled_program(*kernels)).peak_bytes == plan.predicted_peak_bytes
+
+
+# --- the C++ kernels' calls (``Program.call_end``) ------------------------------------------
+
+
+def test_call_ends_run_from_a_kernel_to_the_last_kernel_before_an_extern_op():
+    from compile_offload.passes.memory import cpp_call_ends
+
+    # kernel, no kernel, kernel, extern | kernel, kernel, no kernel (the backward from 4)
+    kinds = [True, None, True, False, True, True, None]
+    assert cpp_call_ends(kinds, backward_start=4) == (2, 2, 2, 3, 5, 5, 6)
+    # the forward and the backward are two graphs: no call spans them
+    assert cpp_call_ends([True, True, True, True], backward_start=2) == (1, 1, 3, 3)
+
+
+def _three_kernels(last_bytes: int, call_end):
+    """Kernels k1 -> k2 -> k3 then an extern op reading k3's output; k1's 100 bytes are read
+    last by k2."""
+    return Program([Step("k1", [("x", 100)], []), Step("k2", [("y", 50)], ["x"]),
+                    Step("k3", [("z", last_bytes)], ["y"]), Step("mm", [("w", 10)], ["z"])],
+                   backward_start=4, outlives={"w"}, call_end=call_end)
+
+
+def test_a_call_frees_what_its_kernels_read_only_when_it_returns():
+    from compile_offload.passes.memory import cpp_call_ends
+
+    calls = cpp_call_ends([True, True, True, False], backward_start=4)
+    # Kernel by kernel, x is freed after k2; in one call it lives until k3 returns.
+    assert simulate(_three_kernels(70, None)).live_bytes == [100, 150, 120, 80]
+    assert simulate(_three_kernels(70, calls)).live_bytes == [100, 150, 220, 80]
+    # A later kernel's buffer of x's size takes x's storage (the wrapper's reuse, planned in
+    # kernel order), so the call holds no more than the kernels one by one.
+    assert simulate(_three_kernels(100, calls)).live_bytes == [100, 150, 150, 110]
+    for size in (70, 100):
+        program = _three_kernels(size, calls)
+        assert peak_bytes(program) == simulate(program).peak_bytes
