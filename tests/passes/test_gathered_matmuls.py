@@ -194,3 +194,18 @@ def test_the_mixture_of_experts_backward_peaks_as_inductors_cuda_kernels(budget)
     planned_backward = max(planned.live_bytes[planned.backward_start:])
     scheduled_backward = max(scheduled.live_bytes[scheduled_program_.backward_start:])
     assert abs(planned_backward / scheduled_backward - 1) <= 0.02, (planned_backward, scheduled_backward)
+
+
+def test_a_scatter_without_a_reduction_loads_its_source_in_a_loop():
+    def scatters(a, b, chosen):
+        zeros = torch.zeros(TOKENS, EXPERTS)
+        plain = zeros.scatter(1, chosen.view(TOKENS, 1), (a * b).sum(1, keepdim=True))
+        summed = zeros.scatter(1, chosen.view(TOKENS, 1), a[:, :1], reduce="add")
+        return plain.sum() + summed.sum()
+
+    a, b, chosen = torch.randn(TOKENS, D), torch.randn(TOKENS, D), torch.randint(0, EXPERTS, (TOKENS,))
+    nodes = _traced(scatters, a, b, chosen)
+    plain = [n for n in nodes if n.target is torch.ops.aten.scatter.src]
+    reduced = [n for n in nodes if n.target is torch.ops.aten.scatter.reduce]
+    assert len(plain) == 1 and loads_inputs_in_loop(plain[0])
+    assert len(reduced) == 1 and not loads_inputs_in_loop(reduced[0])
