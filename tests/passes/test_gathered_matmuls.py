@@ -156,37 +156,18 @@ def test_the_mixture_of_experts_backward_peaks_as_inductors_cuda_kernels(budget)
     2026-11-29: 8.72 against 8.69 MB and 4.69 against 4.62; counting the products it was
     12.85 and 9.08). The forward is not compared: Inductor fuses the four gathers there
     into one kernel (design.md, "Gathered weights")."""
-    import warnings
-
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    from compile_offload.backend import inductor_config_patches
-    from compile_offload.benchmarks import cuda_schedule, families
+    from compile_offload.benchmarks import families
     from compile_offload.budget_loop import scheduled_program
-    from compile_offload.partitioner import OffloadRematPartitioner
     from compile_offload.passes.memory import plan_program, simulate
     from compile_offload.settings import resolve
 
+    from .fake_cuda_plans import plan_on_fake_cuda
     from .joint_capture import capture
 
     model, inputs, loss = families.build("moe")
     (joint, count), _ = capture(lambda *x: loss(model(*x)), *inputs, hook=lambda joint, _: (joint, joint.num_fwd_outputs))
     settings = resolve({"memory_budget": budget, "device_profile": "h100", "offload": False})
-    results = []
-    with cuda_schedule.fake_cuda(), warnings.catch_warnings(), torch._functorch.config.patch(donated_buffer=False):
-        warnings.simplefilter("ignore")  # budget 1: below the minimum, the minimum plan
-        gm = cuda_schedule._on_cuda(joint.gm)
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            fake = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
-                    for n in gm.graph.nodes if n.op == "placeholder" for v in [n.meta["val"]]]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake)
-        partitioner = OffloadRematPartitioner(settings, on_result=results.append)
-        forward, backward = partitioner(gm, fake, num_fwd_outputs=count)
-        patches = {k: v for k, v in inductor_config_patches(settings, partitioner).items() if k != "custom_partitioner_fn"}
-        kernels = [cuda_schedule.cuda_kernels(graph, is_backward, config_patches=patches, keep_plan_order=budget is not None)
-                   for graph, is_backward in ((forward, False), (backward, True))]
-    result = results[-1]
+    result, kernels = plan_on_fake_cuda(joint, count, settings, keep_plan_order=budget is not None)
     saved = {n for n in result.analysis.joint.gm.graph.nodes if n.name in set(result.plan.saved)}
     planned = simulate(plan_program(result.analysis, saved, fusion=True))
     scheduled_program_ = scheduled_program(*kernels)

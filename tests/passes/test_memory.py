@@ -581,37 +581,17 @@ def test_the_minimum_plan_for_triton_peaks_as_inductors_cuda_kernels():
     context, so no saved tensor is donated to the backward: planned likewise
     (``donated_buffer`` off), or the plan writes the last block's gradient into its saved
     projection where those kernels cannot (19% under them)."""
-    import warnings
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    from compile_offload.backend import inductor_config_patches
-    from compile_offload.benchmarks import cuda_schedule
     from compile_offload.budget_loop import scheduled_program
-    from compile_offload.partitioner import OffloadRematPartitioner
 
+    from .fake_cuda_plans import plan_on_fake_cuda
     from .joint_capture import capture
 
     blocks = nn.Sequential(GatedMLP(), GatedMLP(), GatedMLP())
     (joint, count), _ = capture(lambda x: blocks(x).pow(2).mean(), torch.randn(2048, 64, requires_grad=True),
                                 hook=lambda joint, _: (joint, joint.num_fwd_outputs))
     settings = resolve({"memory_budget": 1, "device_profile": "h100", "offload": False})
-    results = []
-    with cuda_schedule.fake_cuda(), warnings.catch_warnings(), torch._functorch.config.patch(donated_buffer=False):
-        warnings.simplefilter("ignore")  # the budget is below the minimum: the minimum plan
-        gm = cuda_schedule._on_cuda(joint.gm)
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
-                      for n in gm.graph.nodes if n.op == "placeholder" for v in [n.meta["val"]]]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-        partitioner = OffloadRematPartitioner(settings, on_result=results.append)
-        forward, backward = partitioner(gm, inputs, num_fwd_outputs=count)
-        patches = {k: v for k, v in inductor_config_patches(settings, partitioner).items() if k != "custom_partitioner_fn"}
-        kernels = [cuda_schedule.cuda_kernels(graph, is_backward, config_patches=patches, keep_plan_order=True)
-                   for graph, is_backward in ((forward, False), (backward, True))]
-    plan = results[-1].plan
+    result, kernels = plan_on_fake_cuda(joint, count, settings)  # the budget is below the minimum: the minimum plan
+    plan = result.plan
     assert plan.count("recompute") > 0, plan.summary()
     assert simulate(scheduled_program(*kernels)).peak_bytes == plan.predicted_peak_bytes
 
