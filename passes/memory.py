@@ -376,12 +376,10 @@ def _reused_in_calls(program: Program, last_read: dict[Hashable, int],
         graph_start = backward_start if start >= backward_start else 0
         pool: dict[int, list[Hashable]] = {}  # bytes -> storages free for reuse
         entering: dict[int, list[tuple[int, Hashable]]] = {}  # step -> (bytes, storage) freed after it
-        sizes: dict[Hashable, int] = {}
         for index in range(start, end + 1):
             for key, nbytes in steps[index].allocates:
                 if first_at.get(key) != index or key in storage_of or key in outlives:
-                    sizes.setdefault(storage_of.get(key, key), nbytes)
-                    continue
+                    continue  # not a new buffer, or one written in place
                 free = pool.get(nbytes)
                 if free:
                     physical = free.pop()
@@ -391,7 +389,6 @@ def _reused_in_calls(program: Program, last_read: dict[Hashable, int],
                     if last < end:
                         entering.setdefault(last, []).append((nbytes, physical))
                 else:
-                    sizes[key] = nbytes
                     last = last_read.get(key, index)
                     if last < end:
                         entering.setdefault(last, []).append((nbytes, key))
