@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from . import compat
 from .attention_bias_copies import attention_bias_copies
-from .kernel_local import KernelGroups, kernel_groups
+from .kernel_local import KernelGroups, is_generated_kernel, kernel_groups
 from .loop_ranges import cpu_graph
 from .node_kinds import fuses_into, is_pointwise, is_view, loads_inputs_in_loop, tensor_value  # noqa: F401  (imported from here too)
 
@@ -499,6 +499,12 @@ class JointAnalysis:
             needed.add(node)
             stack.extend(self.fw_inputs[node])
         return frozenset(needed), tuple(n for n in self.fw_nodes if n in needed)
+
+    @cached_property
+    def generated_kernels(self) -> frozenset[fx.Node]:
+        """The nodes Inductor runs as kernels it generates (``kernel_local.is_generated_kernel``),
+        asked for every step of every plan's program on the CPU (``passes.memory.in_cpp_call``)."""
+        return frozenset(n for n in self.position if n.op == "call_function" and is_generated_kernel(n))
 
     @cached_property
     def calls(self) -> frozenset[fx.Node]:

@@ -73,7 +73,7 @@ from torch import fx
 
 from . import compat
 from .loop_ranges import fits_cpu_kernel, loop_ranges
-from .node_kinds import fuses_into, is_pointwise, is_view, tensor_value
+from .node_kinds import fuses_into, is_pointwise, is_view, loads_inputs_in_loop, tensor_value
 
 
 def is_random_draw(node: fx.Node) -> bool:
@@ -82,6 +82,13 @@ def is_random_draw(node: fx.Node) -> bool:
     random = getattr(torch.ops.prims, "inductor_random", None)  # registered by torch._inductor
     return node.op == "call_function" and random is not None and node.target is random.default
 
+
+
+def is_generated_kernel(node: fx.Node) -> bool:
+    """A node Inductor lowers to a kernel it generates (pointwise, a reduction, a random
+    draw, a scatter loading its values), not a call of an extern op (a matmul, attention,
+    a fallback): the nodes a C++ call runs (``passes.memory.in_cpp_call``)."""
+    return fuses_into(node) or loads_inputs_in_loop(node) or is_random_draw(node)
 
 def has_tensor_outputs(node: fx.Node) -> bool:
     """Whether ``node`` returns a tuple of tensors (``var_mean``: Inductor lowers both

@@ -31,9 +31,8 @@ from . import compat
 from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes,
                       inlined_values, is_convolution, is_pointwise, is_view, layout_copies, storage_roots,
                       tensor_value, with_view_bases)
-from .kernel_local import fused_kernel_order, is_random_draw, kernel_groups
+from .kernel_local import fused_kernel_order, is_generated_kernel, kernel_groups
 from .loop_ranges import cpu_graph
-from .node_kinds import fuses_into, loads_inputs_in_loop
 
 
 @dataclass
@@ -138,7 +137,11 @@ def _frees_after(program: Program) -> tuple[dict[int, list[Hashable]], dict[Hash
             last_read[key] = index
     storage_of = _in_place_storages(program, last_read)
     if program.call_end is not None:
-        storage_of = _reused_in_calls(program, last_read, storage_of)
+        first_size: dict[Hashable, tuple[int, int]] = {}
+        for index, step in enumerate(program.steps):
+            for key, nbytes in step.allocates:
+                first_size.setdefault(key, (index, nbytes))
+        storage_of = _reused_in_calls(program, last_read, storage_of, first_size)
     if storage_of:
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -203,7 +206,7 @@ def peak_bytes(program: Program) -> int:
     storage_of = _take_in_place(steps, writes_in_place, last_read, readers, first_size, outlives,
                                 _SharedReads(program, writes_in_place) if program.kernel_of_step is not None else None)
     if program.call_end is not None:
-        storage_of = _reused_in_calls(program, last_read, storage_of)
+        storage_of = _reused_in_calls(program, last_read, storage_of, first_size)
     if storage_of:  # ``_frees_after``: a storage lives until the last read of any key written into it
         physical_last: dict[Hashable, int] = {}
         for key, index in last_read.items():
@@ -347,20 +350,17 @@ def _take_in_place(steps: list[Step], writers: list[int], last_read: dict[Hashab
     return storage_of
 
 
-def _reused_in_calls(program: Program, last_read: dict[Hashable, int],
-                     storage_of: dict[Hashable, Hashable]) -> dict[Hashable, Hashable]:
+def _reused_in_calls(program: Program, last_read: dict[Hashable, int], storage_of: dict[Hashable, Hashable],
+                     first_size: dict[Hashable, tuple[int, int]]) -> dict[Hashable, Hashable]:
     """``storage_of`` (the in-place choices) with the C++ calls' buffer reuse added: inside
     a call (``Program.call_end``) a kernel's new buffer takes the storage of a buffer of the
     same bytes that an earlier kernel of the call read last, as the wrapper's memory plan
     does in kernel order (``AllocateLine.plan``: a freed buffer of the same reuse key),
     though the call frees nothing until it returns. Only storages the same graph allocated
-    (not the backward's saved inputs) and that outlive nothing are reused."""
+    (not the backward's saved inputs) and that outlive nothing are reused. ``first_size``:
+    each key's first allocation, (step, bytes)."""
     call_end, steps, outlives = program.call_end, program.steps, program.outlives
     storage_of = dict(storage_of)
-    first_at: dict[Hashable, int] = {}
-    for index, step in enumerate(steps):
-        for key, _ in step.allocates:
-            first_at.setdefault(key, index)
     # Physical storage -> the last step reading it through any key mapped to it.
     physical_last: dict[Hashable, int] = {}
     for key, index in last_read.items():
@@ -378,7 +378,7 @@ def _reused_in_calls(program: Program, last_read: dict[Hashable, int],
         entering: dict[int, list[tuple[int, Hashable]]] = {}  # step -> (bytes, storage) freed after it
         for index in range(start, end + 1):
             for key, nbytes in steps[index].allocates:
-                if first_at.get(key) != index or key in storage_of or key in outlives:
+                if first_size[key][0] != index or key in storage_of or key in outlives:
                     continue  # not a new buffer, or one written in place
                 free = pool.get(nbytes)
                 if free:
@@ -395,11 +395,10 @@ def _reused_in_calls(program: Program, last_read: dict[Hashable, int],
             # Storages allocated by this graph before the call and read last here enter the pool too.
             for key in steps[index].reads:
                 physical = storage_of.get(key, key)
-                if (physical_last.get(physical) == index and index < end and physical not in outlives
-                        and graph_start <= first_at.get(physical, -1) < start):
-                    nbytes = next((b for k, b in steps[first_at[physical]].allocates if k == physical), None)
-                    if nbytes is not None:
-                        entering.setdefault(index, []).append((nbytes, physical))
+                first = first_size.get(physical)
+                if (first is not None and graph_start <= first[0] < start and index < end
+                        and physical_last.get(physical) == index and physical not in outlives):
+                    entering.setdefault(index, []).append((first[1], physical))
             for nbytes, physical in entering.pop(index, ()):
                 if physical_last.get(physical, -1) <= index:
                     pool.setdefault(nbytes, []).append(physical)
@@ -944,18 +943,19 @@ def plan_program(
     # Inductor's channels-last copies of steady convolution inputs, made when the forward starts.
     steps: list[Step] = [Step("channels-last copies", [(layout_copy_key(n), nbytes) for n, nbytes in a.layout_copies.items()])
                          ] if a.layout_copies else []
+    cpp_calls = a.fusion and not a.triton_kernels  # C++ kernels: a call's frees wait for its end
     forward_kinds: list[bool | None] = [False] * len(steps)  # ``in_cpp_call`` of each forward step
     if not offloaded and not waits_after:  # recompute-only plans: the steps as they are
-        for node, step in computed.forward:
-            if step is not None:
-                steps.append(step)
-                forward_kinds.append(in_cpp_call(node, step))
+        steps += [step for _, step in computed.forward if step is not None]
+        if cpp_calls:
+            generated = a.generated_kernels
+            forward_kinds += [in_cpp_call(node, step, generated) for node, step in computed.forward if step is not None]
     else:
         copied = offloaded | waits_after.keys()  # the nodes a copy step follows
         for node, step in computed.forward:
             if step is not None:
                 steps.append(step)
-                forward_kinds.append(in_cpp_call(node, step))
+                forward_kinds.append(in_cpp_call(node, step, a.generated_kernels))
             if node in copied:
                 if step is not None and node in offloaded:
                     steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
@@ -969,7 +969,6 @@ def plan_program(
     kept_roots = {root(s, s) for s in saved if s not in offloaded} if offloaded else ()
     reloaded = {s: ("reload", s) for s in offloaded if s not in kept_roots}
     kernel_index = a.kernel_index if a.triton_kernels else None
-    cpp_calls = a.fusion and not a.triton_kernels
     if not reloaded:  # nothing renamed, no reload step
         steps += [step for _, step in computed.backward if step is not None]
         outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
@@ -978,7 +977,8 @@ def plan_program(
                                                      if step is not None]))
         calls = None
         if cpp_calls:
-            calls = cpp_call_ends(forward_kinds + [in_cpp_call(n, step) for n, step in computed.backward
+            generated = a.generated_kernels
+            calls = cpp_call_ends(forward_kinds + [in_cpp_call(n, step, generated) for n, step in computed.backward
                                                    if step is not None], backward_start)
         return Program(steps, backward_start, outlives, kernels, calls)
     input_roots = a.input_roots  # the roots of ``a.inputs[node]``, each once
@@ -1012,7 +1012,7 @@ def plan_program(
                     kernels.append(None)
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
-            kinds.append(in_cpp_call(node, step))
+            kinds.append(in_cpp_call(node, step, a.generated_kernels))
             if kernels is not None:
                 kernels.append(kernel_index.get(node))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
@@ -1021,13 +1021,14 @@ def plan_program(
                    cpp_call_ends(kinds, backward_start) if cpp_calls else None)
 
 
-def in_cpp_call(node: fx.Node, step: Step) -> bool | None:
+def in_cpp_call(node: fx.Node, step: Step, generated: Container[fx.Node]) -> bool | None:
     """Whether ``node``'s step is a kernel Inductor's C++ backend generates (True: it
     joins the call being emitted), an extern op (False: the call ends before it), or no
     kernel at all (None: a view, a value inlined into its consumers, a tuple op's element).
-    Ops not known to be generated count as extern: a call cut short frees earlier, as
-    before the calls were followed."""
-    generated = fuses_into(node) or loads_inputs_in_loop(node) or is_random_draw(node)
+    ``generated``: the nodes ``kernel_local.is_generated_kernel`` holds for
+    (``JointAnalysis.generated_kernels``). Ops not known to be generated count as extern: a
+    call cut short frees earlier, as before the calls were followed."""
+    generated = node in generated
     if not step.allocates:
         return None if generated or is_view(node) or node.target is operator.getitem else False
     return generated or is_view(node)  # an allocating view: the copy Inductor makes of it
@@ -1102,6 +1103,8 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
     """
     steps: list[Step] = []
     kinds: list[bool | None] = []  # ``in_cpp_call`` of each step
+    fw_generated = frozenset(n for n in fw_gm.graph.nodes if n.op == "call_function" and is_generated_kernel(n))
+    bw_generated = frozenset(n for n in bw_gm.graph.nodes if n.op == "call_function" and is_generated_kernel(n))
     fw_roots = storage_roots(fw_gm.graph)
     fw_placeholders = {n for n in fw_gm.graph.nodes if n.op == "placeholder"}
     fw_output = next(n for n in reversed(fw_gm.graph.nodes) if n.op == "output")
@@ -1134,7 +1137,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if copies and is_convolution(node):
             reads += [("fw-channels-last", arg.name) for arg in node.all_input_nodes if arg in copies]
         steps.append(Step(node.name, [(fw_key(node), nbytes)] if nbytes else [], reads))
-        kinds.append(in_cpp_call(node, steps[-1]))
+        kinds.append(in_cpp_call(node, steps[-1], fw_generated))
     backward_start = len(steps)
     bw_fused, bw_roots = _backward_fusion(bw_gm.graph) if fusion else (set(), storage_roots(bw_gm.graph))
     bw_placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
@@ -1193,7 +1196,7 @@ def graphs_program(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs
         if nbytes:
             key_bytes[bw_key(node)] = nbytes
         steps.append(Step(node.name, [(bw_key(node), nbytes)] if nbytes else [], reads, in_place=in_place))
-        kinds.append(in_cpp_call(node, steps[-1]))
+        kinds.append(in_cpp_call(node, steps[-1], bw_generated))
     bw_output = next(n for n in reversed(bw_gm.graph.nodes) if n.op == "output")
     outlives = {fw_key(o) for o in user_outputs if isinstance(o, fx.Node)}
     outlives |= {k for o in bw_output.args[0] if isinstance(o, fx.Node) for k in [bw_key(o)] if k is not None}
