@@ -83,12 +83,12 @@ def is_random_draw(node: fx.Node) -> bool:
     return node.op == "call_function" and random is not None and node.target is random.default
 
 
-
 def is_generated_kernel(node: fx.Node) -> bool:
     """A node Inductor lowers to a kernel it generates (pointwise, a reduction, a random
     draw, a scatter loading its values), not a call of an extern op (a matmul, attention,
     a fallback): the nodes a C++ call runs (``passes.memory.in_cpp_call``)."""
     return fuses_into(node) or loads_inputs_in_loop(node) or is_random_draw(node)
+
 
 def has_tensor_outputs(node: fx.Node) -> bool:
     """Whether ``node`` returns a tuple of tensors (``var_mean``: Inductor lowers both

@@ -955,7 +955,7 @@ def plan_program(
         for node, step in computed.forward:
             if step is not None:
                 steps.append(step)
-                forward_kinds.append(in_cpp_call(node, step, a.generated_kernels))
+                forward_kinds.append(cpp_calls and in_cpp_call(node, step, a.generated_kernels))
             if node in copied:
                 if step is not None and node in offloaded:
                     steps.append(Step(f"offload {node.name}", [], [root(node, node)], kind="offload"))
@@ -1012,7 +1012,7 @@ def plan_program(
                     kernels.append(None)
         if step is not None:
             steps.append(step if untouched(step.storages) else _renamed(step, reloaded))
-            kinds.append(in_cpp_call(node, step, a.generated_kernels))
+            kinds.append(cpp_calls and in_cpp_call(node, step, a.generated_kernels))
             if kernels is not None:
                 kernels.append(kernel_index.get(node))
     outlives = {root(n, n) for n in a.fw_outputs} | {root(n, n) for n in a.bw_outputs}
@@ -1028,10 +1028,10 @@ def in_cpp_call(node: fx.Node, step: Step, generated: Container[fx.Node]) -> boo
     ``generated``: the nodes ``kernel_local.is_generated_kernel`` holds for
     (``JointAnalysis.generated_kernels``). Ops not known to be generated count as extern: a
     call cut short frees earlier, as before the calls were followed."""
-    generated = node in generated
+    is_kernel = node in generated
     if not step.allocates:
-        return None if generated or is_view(node) or node.target is operator.getitem else False
-    return generated or is_view(node)  # an allocating view: the copy Inductor makes of it
+        return None if is_kernel or is_view(node) or node.target is operator.getitem else False
+    return is_kernel or is_view(node)  # an allocating view: the copy Inductor makes of it
 
 
 def cpp_call_ends(kinds: list[bool | None], backward_start: int) -> tuple[int, ...]:
@@ -1039,21 +1039,15 @@ def cpp_call_ends(kinds: list[bool | None], backward_start: int) -> tuple[int, .
     from a kernel to the last kernel before the next extern op (or the graph's end; the
     forward and backward are two graphs), steps of no kernel included."""
     ends = list(range(len(kinds)))
-    start = None  # the first kernel of the open call
-    last = None  # its last kernel so far
-    for index, kind in enumerate(kinds):
+    start = last = None  # the open call's first kernel and its last so far
+    for index, kind in enumerate([*kinds, False]):  # the graph's end closes the last call
         if index == backward_start or kind is False:
             if start is not None:
-                for i in range(start, last + 1):
-                    ends[i] = last
+                ends[start:last + 1] = [last] * (last + 1 - start)
             start = last = None
         if kind:
-            if start is None:
-                start = index
+            start = index if start is None else start
             last = index
-    if start is not None:
-        for i in range(start, last + 1):
-            ends[i] = last
     return tuple(ends)
 
 

@@ -48,7 +48,12 @@ def _is_pointwise_index(node: fx.Node) -> bool:
     (``index_impl``: ``Pointwise.create``, torch 2.11-2.14); by a boolean mask it falls back
     to ATen's kernel (its output size depends on the data). A mixture of experts' gathered
     expert weights (``w[chosen]``) get no buffer where their consumer fuses them."""
-    indices = node.args[1] if len(node.args) > 1 else ()
+    return len(node.args) > 1 and _integer_indices(node.args[1])
+
+
+def _integer_indices(indices) -> bool:
+    """An ``index``/``index_put`` index list holding at least one tensor, all of them
+    integer tensors: Inductor's indexed load or store; a boolean mask sends the op to ATen."""
     values = [tensor_value(index) for index in indices if isinstance(index, fx.Node)]
     return bool(values) and all(v is not None and not v.dtype.is_floating_point and v.dtype not in (torch.bool, torch.uint8)
                                 for v in values)
@@ -72,15 +77,12 @@ def loads_inputs_in_loop(node: fx.Node) -> bool:
     algorithms, or an accumulation in a dtype its atomic add lacks."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if torch.are_deterministic_algorithms_enabled():
-        return False
     name = node.target.overloadpacket.__name__
+    if name not in ("scatter", "index_put", "_unsafe_index_put") or torch.are_deterministic_algorithms_enabled():
+        return False
     if name == "scatter":
         return _scatter_in_loop(node)
-    if name not in ("index_put", "_unsafe_index_put") or len(node.args) < 3:
-        return False
-    indices = [tensor_value(index) for index in node.args[1] if isinstance(index, fx.Node)]
-    if not indices or any(v is None or v.dtype.is_floating_point or v.dtype in (torch.bool, torch.uint8) for v in indices):
+    if len(node.args) < 3 or not _integer_indices(node.args[1]):
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
     base = tensor_value(node.args[0])
