@@ -1,16 +1,18 @@
 """Planning time against depth: torch's partitioners and ours on the same joint graphs.
 
-For each depth a GPT-style decoder stack is built on the meta device and traced once;
-its joint forward+backward graph is then partitioned, each partitioner on its own copy,
-in one process, by torch's default min-cut partitioner, torch's min-cut partitioner with
-``activation_memory_budget=0.5``, and ours (``device_profile="h100"``, offload on) with
-no budget, a budget of 0.5 and one of 2 GiB. Times are seconds of the partition call
-alone (our planner's analysis, solve and graph building included), made as torch.compile
-makes it: with lazy graph modules, whose Python code is generated when first needed. The
-last row gives the growth factor per doubling of depth (the time at each depth over that
-at half of it, when both were run). ``--clock cpu`` (the default) counts the process's CPU
-seconds, which other jobs on a shared machine do not inflate; ``--clock wall`` counts
-wall-clock seconds.
+For each depth a GPT-style decoder stack is built on the meta device and traced once; its
+joint forward+backward graph is then partitioned, each partitioner on its own copy, in one
+process, by torch's default min-cut partitioner, torch's min-cut partitioner with
+``activation_memory_budget=0.5``, and ours (``device_profile="h100"``, offload on) with no
+budget, a budget of 0.5 and one of 2 GiB, planned for the GPU's (Triton) kernels as
+``compile_offload.explain`` plans for a GPU profile on tensors that are not on one (the
+step is traced on empty CPU tensors, so the graph's values say CPU). Times are seconds of
+the partition call alone (our planner's analysis, solve and graph building included), made
+as torch.compile makes it: with lazy graph modules, whose Python code is generated when
+first needed. The last row gives the growth factor per doubling of depth (the time at each
+depth over that at half of it, when both were run). ``--clock cpu`` (the default) counts
+the process's CPU seconds, which other jobs on a shared machine do not inflate; ``--clock
+wall`` counts wall-clock seconds.
 
     python -m compile_offload.benchmarks.planning_time --depths 2,4,8,16
     python -m compile_offload.benchmarks.planning_time --shape deep --depths 24,48,96 --only ours-0.5,torch-0.5
@@ -100,7 +102,9 @@ def partitioners() -> dict[str, Callable]:
         settings = settings_mod.resolve({"memory_budget": budget, "device_profile": "h100"})
 
         def partition(joint, inputs, num_fwd_outputs):
-            return OffloadRematPartitioner(settings)(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+            # The h100 profile plans a GPU's step: Triton's kernels, not the C++ backend's
+            # calls (the traced values say CPU).
+            return OffloadRematPartitioner(settings, accelerator=True)(joint, inputs, num_fwd_outputs=num_fwd_outputs)
         return partition
 
     return {

@@ -53,3 +53,25 @@ def test_repeated_runs_take_turns_over_the_depths(monkeypatch):
     assert [line.split(",")[:2] for line in lines] == [["run 1/2", " 1 layers"], ["run 1/2", " 2 layers"],
                                                       ["run 2/2", " 1 layers"], ["run 2/2", " 2 layers"]]
     assert len(order) == 4 and set(results) == {1, 2}
+
+
+def test_our_columns_plan_for_the_gpus_kernels(monkeypatch):
+    """The graphs are traced on CPU tensors (their values say CPU), but the h100 profile
+    plans a GPU's step: ours is told the kernels are an accelerator's (Triton's), as
+    ``explain`` tells it for a GPU profile on host tensors; torch's columns are untouched."""
+    from compile_offload import partitioner
+
+    made = []
+
+    class Recording:
+        def __init__(self, settings, **kwargs):
+            made.append((settings.device_profile, kwargs.get("accelerator")))
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    monkeypatch.setattr(partitioner, "OffloadRematPartitioner", Recording)
+    table = planning_time.partitioners()
+    for column in ("ours-none", "ours-0.5", "ours-2GiB"):
+        table[column](None, [], 1)
+    assert made == [("h100", True)] * 3
