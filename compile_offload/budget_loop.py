@@ -414,7 +414,9 @@ def _unconstrained(over: Attempt, replan: Callable[[int | None], Attempt | None]
     _as_replanned(found.plan, budget, target)
     found.plan.min_peak_bytes = min(found.plan.min_peak_bytes, plan.min_peak_bytes)  # what the search reached
     found.plan.notes.append(f"{UNCONSTRAINED_NOTE}: its generated code was compared with that of the plans made "
-                            f"under the budget {format_bytes(budget)}, which all exceeded it")
+                            f"under the budget {format_bytes(budget)}, which all exceeded it (the lowest scheduled "
+                            f"at {format_bytes(plan.scheduled_peak_bytes)}, predicted "
+                            f"{format_bytes(plan.predicted_peak_bytes)})")
     return found
 
 

@@ -236,19 +236,26 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         return  # asks for the minimum plan: nothing to warn about
     if kept_over_budget_note(plan) is not None:
         return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
-    message = (
-        f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
-        f"this planner can reach ({format_bytes(plan.min_peak_bytes)}; predicted peak "
-        f"{format_bytes(plan.predicted_peak_bytes)}"
-        + ("" if plan.scheduled_peak_bytes is None else
-           f"; the code Inductor generated for it is scheduled at {format_bytes(plan.scheduled_peak_bytes)}")
-        + ")"
-    )
+    unconstrained = any(note.startswith(UNCONSTRAINED_NOTE) for note in plan.notes)
+    if unconstrained and plan.scheduled_peak_bytes is not None:
+        # The plans made to lower memory peaked higher in Inductor's code than this one:
+        # what the step can reach is this plan's scheduled peak, not the search's minimum.
+        message = (
+            f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
+            f"this planner can reach ({format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated, the "
+            f"unconstrained plan's; the plans it made to lower memory, predicted down to "
+            f"{format_bytes(plan.min_peak_bytes)}, peaked higher there)"
+        )
+    else:
+        message = (
+            f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
+            f"this planner can reach ({format_bytes(plan.min_peak_bytes)}; predicted peak "
+            f"{format_bytes(plan.predicted_peak_bytes)}"
+            + ("" if plan.scheduled_peak_bytes is None else
+               f"; the code Inductor generated for it is scheduled at {format_bytes(plan.scheduled_peak_bytes)}")
+            + ")"
+        )
     if settings.strict_budget:
         raise BudgetError(message + "; strict_budget=True")
-    if any(note.startswith(UNCONSTRAINED_NOTE) for note in plan.notes):
-        message += ("; using the unconstrained plan, whose generated code peaks lower than the minimum-memory "
-                    "plan's")
-    else:
-        message += "; using the minimum-memory plan"
+    message += "; using the unconstrained plan" if unconstrained else "; using the minimum-memory plan"
     warnings.warn(message, stacklevel=4)

@@ -608,6 +608,53 @@ def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits
         report_budget(over, settings)
 
 
+def test_the_unconstrained_plan_kept_below_the_minimum_is_reported_at_its_scheduled_peak():
+    """Where the plans made to lower memory peaked higher in Inductor's code than the
+    unconstrained plan, the loop keeps that plan, and the minimum the step can reach is its
+    scheduled peak, not the search's (found on the custom autograd function of the extra
+    families: warned at 289.50 KiB, measured 320.51 KiB, the unconstrained plan's)."""
+    from compile_offload.passes.plan import Plan
+    from compile_offload.planning import report_budget
+    from compile_offload.result import BudgetError
+    from compile_offload.settings import resolve
+
+    def plan(predicted, scheduled):
+        return Plan(feasible=False, budget_bytes=1000, predicted_peak_bytes=predicted, predicted_step_seconds=1.0,
+                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=1200,
+                    decisions=_recomputing(), scheduled_peak_bytes=scheduled)
+
+    asked = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the report comes after the loop, as in the backend
+        kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(1200, 1500)),
+                                              _replans(asked, plan)([(2000, 1300)]))
+    assert asked == [None] and kept.compiled == "compiled 1"
+    note = next(n for n in kept.plan.notes if n.startswith(budget_loop.UNCONSTRAINED_NOTE))
+    assert f"the lowest scheduled at {format_bytes(1500)}, predicted {format_bytes(1200)}" in note
+    settings = resolve({"memory_budget": 1000})
+    with pytest.warns(UserWarning) as caught:
+        report_budget(kept.plan, settings)
+    message = str(caught[0].message)
+    assert f"below the minimum this planner can reach ({format_bytes(1300)} in the code Inductor generated" in message
+    assert f"predicted down to {format_bytes(1200)}" in message and message.endswith("using the unconstrained plan")
+    with pytest.raises(BudgetError, match=format_bytes(1300)):
+        report_budget(kept.plan, resolve({"memory_budget": 1000, "strict_budget": True}))
+
+
+def test_the_contract_holds_the_step_to_the_figure_its_warning_names():
+    """A point kept below the minimum is held to its warning's figure: the predicted minimum,
+    or the scheduled peak where the warning names that (kept over the budget, or the
+    unconstrained plan kept)."""
+    from compile_offload.benchmarks.budget_contract import Point
+
+    point = Point("m", 0.4, 1000, predicted_bytes=1300, min_peak_bytes=1200, measured_bytes=1300, fits=False,
+                  warned=1, scheduled_bytes=1300)
+    assert point.violations() and "predicted minimum" in point.violations()[0]
+    named = Point(**{**point.__dict__, "names_scheduled_peak": True})
+    assert named.violations() == []
+    assert Point(**{**named.__dict__, "measured_bytes": 1400}).violations()
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
