@@ -190,3 +190,30 @@ def test_a_scatter_without_a_reduction_loads_its_source_in_a_loop():
     reduced = [n for n in nodes if n.target is torch.ops.aten.scatter.reduce]
     assert len(plain) == 1 and loads_inputs_in_loop(plain[0])
     assert len(reduced) == 1 and not loads_inputs_in_loop(reduced[0])
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_buffer_an_index_put_scatters_into_is_not_written_in_place(scattered):
+    """Read from Inductor's code for the mixture of experts' backward (torch 2.13): the sum of
+    two scattered weight gradients gets a buffer of its own, where the sum of two products
+    is written into one of them (``memory.in_place_candidates``)."""
+    from compile_offload.passes.memory import in_place_candidates
+
+    def grads(values, chosen):
+        base = torch.zeros(EXPERTS, D, dtype=values.dtype)
+        if scattered:
+            one = base.index_put((chosen,), values, accumulate=True)
+            two = base.index_put((chosen,), values * 2, accumulate=True)
+        else:
+            one, two = values[:EXPERTS] * 3, values[:EXPERTS] * 2
+        return one + two
+
+    nodes = _traced(grads, torch.randn(TOKENS, D), torch.randint(0, EXPERTS, (TOKENS,)))
+    total = _of(nodes, torch.ops.aten.add.Tensor)[-1]
+    producers = [arg for arg in total.all_input_nodes]
+    assert all(loads_inputs_in_loop(arg) == scattered for arg in producers)
+    if not compat.inductor_writes_in_place():
+        pytest.skip("this torch writes nothing in place")
+    found = in_place_candidates(total, 4 * EXPERTS * D, lambda n: n, set(), lambda n: n.op == "placeholder",
+                                lambda n: n.all_input_nodes, {}, lambda n: 4 * EXPERTS * D, lambda key: False)
+    assert (found == ()) == scattered, found

@@ -90,9 +90,11 @@ def test_simulate_frees_after_last_read_and_keeps_outlivers():
 
 _KEYS = st.sampled_from("abcdefgh")
 # Few sizes, so that in-place candidates often match the allocation they could take over.
-_STEPS = st.lists(st.builds(lambda allocates, reads, in_place: Step("s", allocates, reads, in_place=tuple(in_place)),
+_STEPS = st.lists(st.builds(lambda allocates, reads, in_place, scattered: Step("s", allocates, reads,
+                                                                               in_place=tuple(in_place),
+                                                                               scattered=scattered),
                             st.lists(st.tuples(_KEYS, st.sampled_from([0, 256, 512, 1000])), max_size=2),
-                            st.lists(_KEYS, max_size=3), st.lists(_KEYS, max_size=2)), max_size=12)
+                            st.lists(_KEYS, max_size=3), st.lists(_KEYS, max_size=2), st.booleans()), max_size=12)
 
 
 def _kernels(steps, kernel_every: int | None):
@@ -629,4 +631,45 @@ def test_a_call_frees_what_its_kernels_read_only_when_it_returns():
     assert simulate(_three_kernels(100, calls)).live_bytes == [100, 150, 150, 110]
     for size in (70, 100):
         program = _three_kernels(size, calls)
+        assert peak_bytes(program) == simulate(program).peak_bytes
+
+
+def test_a_buffer_a_scatter_writes_is_handed_to_no_later_buffer_in_a_call():
+    """Read from Inductor's code for a mixture of experts' backward (torch 2.13): the buffers
+    its ``index_put`` scatters into are never taken by a later buffer of the same size, nor
+    written in place (``Step.scattered``)."""
+    from compile_offload.passes.memory import cpp_call_ends
+
+    calls = cpp_call_ends([True, True, True, False], backward_start=4)
+    program = _three_kernels(100, calls)
+    program.steps[0] = Step("k1", [("x", 100)], [], scattered=True)
+    assert simulate(program).live_bytes == [100, 150, 250, 110]
+    assert peak_bytes(program) == 250
+
+
+def _four_kernels(third_reads_second: bool):
+    """One call of kernels k1-k4, then an extern op: k1's 100 bytes are read last by k2, and
+    k4 allocates 100 bytes; k3 reads k2's 300 bytes or nothing."""
+    from compile_offload.passes.memory import cpp_call_ends
+
+    steps = [Step("k1", [("x", 100)]), Step("k2", [("a", 300)], ["x"]),
+             Step("k3", [("b", 10)], ["a"] if third_reads_second else []),
+             Step("k4", [("z", 100)], ["b"]), Step("mm", [("w", 10)], ["z"])]
+    return Program(steps, backward_start=5, outlives={"w"},
+                   call_end=cpp_call_ends([True, True, True, True, False], backward_start=5))
+
+
+def test_a_later_kernel_takes_a_freed_buffer_only_under_the_wrappers_estimated_peak():
+    """``AllocateLine.should_reuse_buffer``: a buffer freed before the kernel just before
+    the allocation is reused only if the bytes the wrapper's estimate has live in between,
+    plus the buffer, stay within its peak (the estimate frees each buffer after its last
+    reader: 100, 400, then 10 or 310, 110)."""
+    # In between, 10 bytes: 110 <= 400, z takes x's storage; the call holds x, a, b.
+    program = _four_kernels(third_reads_second=False)
+    assert simulate(program).live_bytes == [100, 400, 410, 410, 110]
+    # In between, 310 bytes: 410 > 400, z gets a buffer of its own.
+    program = _four_kernels(third_reads_second=True)
+    assert simulate(program).live_bytes == [100, 400, 410, 510, 110]
+    for third_reads_second in (False, True):
+        program = _four_kernels(third_reads_second)
         assert peak_bytes(program) == simulate(program).peak_bytes
