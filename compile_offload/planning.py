@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from . import plan_cache
-from .budget_loop import UNCONSTRAINED_NOTE, kept_over_budget_note
+from .budget_loop import compiled_as_unconstrained, kept_over_budget_note
 from .collection_paused import collection_paused
 from .device_profile import device_of, resolve_profile
 from .op_workspace import op_workspaces, uncounted_cuda_workspaces
@@ -236,7 +236,7 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         return  # asks for the minimum plan: nothing to warn about
     if kept_over_budget_note(plan) is not None:
         return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
-    unconstrained = any(note.startswith(UNCONSTRAINED_NOTE) for note in plan.notes)
+    unconstrained = compiled_as_unconstrained(plan)
     if unconstrained and plan.scheduled_peak_bytes is not None:
         # The plans made to lower memory peaked higher in Inductor's code than this one:
         # what the step can reach is this plan's scheduled peak, not the search's minimum.

@@ -401,7 +401,7 @@ def _reused_in_calls(program: Program, last_read: dict[Hashable, int], storage_o
                 physical = _reusable(free, index, nbytes, steps, estimate, peak_of[index >= backward_start],
                                      physical_last) if free else None
                 if physical is not None:
-                    free.remove(physical)
+                    free.pop()
                     storage_of[key] = physical
                     last = max(physical_last.get(physical, index), last_read.get(key, index))
                     physical_last[physical] = last
@@ -447,9 +447,9 @@ def _wrapper_estimate(program: Program, physical_last: dict[Hashable, int], stor
 
 def _reusable(free: list[Hashable], index: int, nbytes: int, steps: list[Step], estimate: list[int], peak: int,
               physical_last: dict[Hashable, int]) -> Hashable | None:
-    """Of the freed storages ``free`` (the latest last), the one the wrapper hands to the
-    buffer allocated at step ``index`` (``_reused_in_calls``), counting it live in between
-    in ``estimate``; None where it takes none."""
+    """The latest of the freed storages ``free`` (the wrapper's pool is a stack), where the
+    wrapper hands it to the buffer allocated at step ``index`` (``_reused_in_calls``),
+    counting it live in between in ``estimate``; None where it keeps it for later."""
     physical = free[-1]
     last = physical_last.get(physical, index)
     between = range(last + 1, index)
