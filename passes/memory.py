@@ -22,7 +22,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Container, Hashable, Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import accumulate
 
 import torch.fx as fx
@@ -36,7 +35,7 @@ from .loop_ranges import cpu_graph
 from .node_kinds import loads_inputs_in_loop
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     label: str
     allocates: list[tuple[Hashable, int]] = field(default_factory=list)
@@ -49,13 +48,17 @@ class Step:
     # ``node_kinds.loads_inputs_in_loop``): Inductor's wrapper hands it on to no later buffer
     # inside a C++ call (``_reused_in_calls``), nor does a reader write into it in place.
     scattered: bool = False
+    _storages: frozenset[Hashable] | None = field(default=None, init=False, repr=False, compare=False)
 
-    @cached_property
+    @property
     def storages(self) -> frozenset[Hashable]:
         """Every key the step reads or allocates. Steps are kept across the plans a solve
         simulates (``StepBuilder``) and never edited, so this is worked out once per step,
         not once per plan (``_renamed`` asks it of every backward step of a plan)."""
-        return frozenset(self.reads).union(key for key, _ in self.allocates)
+        storages = self._storages
+        if storages is None:
+            storages = self._storages = frozenset(self.reads).union(key for key, _ in self.allocates)
+        return storages
 
 
 @dataclass
