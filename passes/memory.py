@@ -35,6 +35,9 @@ from .loop_ranges import cpu_graph
 from .node_kinds import loads_inputs_in_loop
 
 
+# Slots, no instance dict: the solver's passes read every step of each plan it simulates, and
+# at 48 deep layers a program's steps with their dicts no longer stayed in the CPU cache
+# between two simulations (design.md, "Planning time").
 @dataclass(slots=True)
 class Step:
     label: str
