@@ -240,21 +240,15 @@ def report_budget(plan: Plan, settings: Settings) -> None:
     if unconstrained and plan.scheduled_peak_bytes is not None:
         # The plans made to lower memory peaked higher in Inductor's code than this one:
         # what the step can reach is this plan's scheduled peak, not the search's minimum.
-        message = (
-            f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
-            f"this planner can reach ({format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated, the "
-            f"unconstrained plan's; the plans it made to lower memory, predicted down to "
-            f"{format_bytes(plan.min_peak_bytes)}, peaked higher there)"
-        )
+        reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated, the unconstrained "
+                   f"plan's; the plans it made to lower memory, predicted down to "
+                   f"{format_bytes(plan.min_peak_bytes)}, peaked higher there")
     else:
-        message = (
-            f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the minimum "
-            f"this planner can reach ({format_bytes(plan.min_peak_bytes)}; predicted peak "
-            f"{format_bytes(plan.predicted_peak_bytes)}"
-            + ("" if plan.scheduled_peak_bytes is None else
-               f"; the code Inductor generated for it is scheduled at {format_bytes(plan.scheduled_peak_bytes)}")
-            + ")"
-        )
+        reached = f"{format_bytes(plan.min_peak_bytes)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}"
+        if plan.scheduled_peak_bytes is not None:
+            reached += f"; the code Inductor generated for it is scheduled at {format_bytes(plan.scheduled_peak_bytes)}"
+    message = (f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the "
+               f"minimum this planner can reach ({reached})")
     if settings.strict_budget:
         raise BudgetError(message + "; strict_budget=True")
     message += "; using the unconstrained plan" if unconstrained else "; using the minimum-memory plan"
