@@ -17,6 +17,11 @@ and the docs use::
   during the region above the total before it (the allocator's "Total Allocated" less its
   value before the first event).
 
+Profilers do not nest: a second one opened inside a recording one ends the first's session
+and leaves it empty. So ``measure_peak("cpu")`` raises where a profiler already records on
+the thread (``profiler_recording``), and the backend's own CPU measurements skip, saying so,
+rather than disturb a profiler the user has open.
+
 Either way it is the quantity the memory budget bounds: the peak above what was allocated
 when the region started (saved activations, transient buffers, gradients; not parameters
 or inputs that already existed). On CPU the figures are exact tensor bytes (the CPU
@@ -28,6 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def profiler_recording() -> bool:
+    """Whether a ``torch.profiler`` (or ``torch.autograd.profiler``) records on this thread."""
+    return bool(torch._C._autograd._profiler_enabled())
 
 
 @dataclass
@@ -63,6 +73,11 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
         else:
             from torch.profiler import ProfilerActivity, profile
 
+            if profiler_recording():
+                raise RuntimeError(
+                    "compile_offload.measure_peak('cpu'): a torch.profiler is already recording on this thread; "
+                    "the CPU peak is read through a profiler of its own, and profilers do not nest (opening one "
+                    "would end yours): measure outside your profiler, or read its memory events")
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profiler.__enter__()
         return self.result

@@ -54,10 +54,12 @@ Elsewhere no workspace is counted.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 
-from .memory_tracker import allocator_block_bytes, measure_peak
+from .memory_tracker import allocator_block_bytes, measure_peak, profiler_recording
 from .passes.analyze import tensor_value
 from .passes.compat import inductor_channels_last_convolutions
 
@@ -122,8 +124,24 @@ def measured_workspace(node: fx.Node, channels_last: bool = False,
            channels_last, tuple(sorted((arg.name, stride) for arg, stride in strides.items())),
            torch.get_num_threads())
     if key not in _measured:
+        if profiler_recording():  # measuring would end the user's profiler session: not measured, said once
+            _warn_not_measured(node)
+            return 0
         _measured[key] = _measure(node, channels_last, strides)
     return _measured[key]
+
+
+_warned_not_measured: set = set()
+
+
+def _warn_not_measured(node: fx.Node) -> None:
+    if node.target in _warned_not_measured:
+        return
+    _warned_not_measured.add(node.target)
+    warnings.warn(f"compile_offload: a torch.profiler was recording while the step compiled, so the workspace of "
+                  f"{node.target} was not measured (a profiler of our own would end yours) and the plan does not "
+                  "count it; compile outside the profiler (a first step before it) to have it counted",
+                  stacklevel=2)
 
 
 def _constants(node: fx.Node) -> list:

@@ -25,7 +25,6 @@ import torch.fx as fx
 
 from .fingerprint import source_hash
 from .passes.analyze import JointAnalysis
-from .passes.build_plan import inputs_for_their_views
 from .passes.memory import recomputed_nodes
 from .passes.offload import eligible_for_offload
 from .passes.plan import Plan
@@ -74,7 +73,7 @@ def lookup(joint_gm: fx.GraphModule, settings: Settings, profile: dict,
         warnings.warn(f"compile_offload: ignoring corrupt plan cache entry {path} ({error}); planning again",
                       stacklevel=2)
         return None
-    problem = _unknown_names(plan, joint_gm)
+    problem = _unknown_names(plan, joint_gm) or _other_budget(plan, settings)
     if problem is None:
         problem = _unchecked_empty(plan) if analysis is None else _illegal(plan, analysis, settings)
     if problem is not None:
@@ -88,6 +87,19 @@ def _unknown_names(plan: Plan, joint_gm: fx.GraphModule) -> str | None:
     names = {node.name for node in joint_gm.graph.nodes}
     missing = sorted((set(plan.saved) | set(plan.offloaded)) - names)
     return f"tensors not in this graph: {missing[:5]}" if missing else None
+
+
+def _other_budget(plan: Plan, settings: Settings) -> str | None:
+    """An entry made for another byte budget (or for a budget where none is set now, or none
+    where one is): its decisions answer another question. A fraction's bytes follow from
+    the plan's own baseline, so only its presence is checked."""
+    if settings.budget_fraction is not None:
+        return None if plan.budget_bytes is not None else "made without a budget"
+    if plan.budget_bytes != settings.budget_bytes:
+        made = "no budget" if plan.budget_bytes is None else f"a budget of {plan.budget_bytes} bytes"
+        wanted = "no budget" if settings.budget_bytes is None else f"{settings.budget_bytes} bytes"
+        return f"made for {made}, not {wanted}"
+    return None
 
 
 def _unchecked_empty(plan: Plan) -> str | None:
@@ -154,7 +166,7 @@ def rebuild(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: i
     by_name = {node.name: node for node in a.joint.gm.graph.nodes}
     saved = {by_name[name] for name in plan.saved}
     offloaded = {by_name[name] for name in plan.offloaded}
-    fw_gm, bw_gm = build_graphs(a, inputs_for_their_views(a, saved))
+    fw_gm, bw_gm = build_graphs(a, saved, offloaded=offloaded)
     transfers = plan_transfers(a, saved, offloaded, seconds, profile, settings.prefetch) if offloaded else None
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, offloaded, transfers, num_fwd_outputs)
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,

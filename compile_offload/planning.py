@@ -20,7 +20,7 @@ from .device_profile import device_of, resolve_profile
 from .op_workspace import op_workspaces, uncounted_cuda_workspaces
 from .passes import compat, user_policy
 from .passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
-from .passes.build_plan import build_plan, inputs_for_their_views
+from .passes.build_plan import build_plan
 from .passes.cost import node_seconds
 from .passes.memory import fused_nodes
 from .passes.offload import eligible_for_offload
@@ -178,8 +178,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
                                                   base_saved, graph_name)
     chosen = solution.chosen
     # Placing the planned copies recompiles the backward: once is enough.
-    fw_gm, bw_gm = build_graphs(analysis, inputs_for_their_views(analysis, chosen.saved),
-                                recompile=not chosen.offloaded)
+    fw_gm, bw_gm = build_graphs(analysis, chosen.saved, recompile=not chosen.offloaded, offloaded=chosen.offloaded)
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
@@ -243,10 +242,11 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated, the unconstrained "
                    f"plan's; the plans it made to lower memory, predicted down to "
                    f"{format_bytes(plan.min_peak_bytes)}, peaked higher there")
+    elif plan.scheduled_peak_bytes is not None:  # what the step holds, first; the planner's figure after
+        reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated for its minimum-memory "
+                   f"plan; predicted {format_bytes(plan.min_peak_bytes)}")
     else:
         reached = f"{format_bytes(plan.min_peak_bytes)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}"
-        if plan.scheduled_peak_bytes is not None:
-            reached += f"; the code Inductor generated for it is scheduled at {format_bytes(plan.scheduled_peak_bytes)}"
     message = (f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the "
                f"minimum this planner can reach ({reached})")
     if settings.strict_budget:

@@ -6,7 +6,9 @@ Inductor's, whose fusions can stretch buffer lifetimes beyond the plan (docs/des
 call of each compiled graph is measured at the allocator, from the forward call to the end
 of that graph's backward (hooks on the compiled autograd node), and one warning gives the
 measured peak, the budget and the predicted peak when the measurement exceeds the budget
-by more than ``TOLERANCE``.
+by more than ``TOLERANCE``. On the CPU the measure is a profiler of its own, and profilers
+do not nest: a step run while another profiler records is not measured (one warning says
+so), and the first step run outside one is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .memory_tracker import AllocationLedger, measure_peak
+from .memory_tracker import AllocationLedger, measure_peak, profiler_recording
 from .passes.plan import Plan, format_bytes
 
 TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact bytes
@@ -34,6 +36,13 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
         plan = plan_of()
         if state["done"] or plan is None or plan.budget_bytes is None or not torch.is_grad_enabled():
             return compiled(*args)
+        if device.type != "cuda" and profiler_recording():
+            if not state.get("warned"):
+                state["warned"] = True
+                warnings.warn(f"compile_offload: {graph_name}: verify_budget did not measure this step: a "
+                              "torch.profiler is recording, and the CPU measure is a profiler of its own, which "
+                              "would end yours; the first step run outside a profiler is measured", stacklevel=2)
+            return compiled(*args)
         state["done"] = True
         step = _StepMeasure(device)
         outputs = step.forward(compiled, args)
@@ -45,6 +54,8 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
 
         def backward_done(*_):
             step.end_backward()
+            if step.interrupted:  # a profiler opened between the forward and this backward
+                return
             warn_if_over_budget(plan_of(), step.peak_bytes(), graph_name)
 
         node.register_hook(backward_done)
@@ -67,6 +78,7 @@ class _StepMeasure:
         self.ledger = AllocationLedger()
         self._region = None
         self._cuda_peak = None
+        self.interrupted = False  # a profiler of someone else's recorded when the backward started
 
     def forward(self, compiled: Callable[..., Any], args) -> Any:
         if self.cuda:
@@ -83,6 +95,9 @@ class _StepMeasure:
 
     def start_backward(self) -> None:
         if not self.cuda:
+            if profiler_recording():
+                self.interrupted = True
+                return
             self._region = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                   profile_memory=True)
             self._region.__enter__()

@@ -1,9 +1,5 @@
 """A solved joint graph -> the printable ``Plan``: one decision per saved tensor, with its
-reason and cost, and the predicted figures.
-
-Also ``inputs_for_their_views``: the saved set as the rewrite should save it (a saved view
-of a graph input becomes the input itself).
-"""
+reason and cost, and the predicted figures."""
 
 from __future__ import annotations
 
@@ -90,20 +86,3 @@ def keep_reason(a: JointAnalysis, tensor: fx.Node, solution: Solution) -> str:
         return "fits the budget"
     return "recomputing it would not lower the peak"
 
-
-def inputs_for_their_views(a: JointAnalysis, saved) -> set[fx.Node]:
-    """``saved``, with each saved view of a graph input replaced by the input itself (the
-    view is recomputed in the backward: free, and the same storage).
-
-    Inductor returns a saved view of an input as ``reinterpret_tensor(input, ...)``, a new
-    tensor without the input's version counter, so a user who mutates the input between
-    forward and backward gets gradients of values the forward never saw, where eager raises
-    (pytorch#197887). The input itself is returned as the very tensor the user passed, and
-    autograd's saved-tensor check sees the mutation."""
-    result = set()
-    for node in saved:
-        root, step = a.roots.get(node, node), node
-        while step is not root and step not in a.ban and a.alias_parent.get(step) is not None:
-            step = a.alias_parent[step]
-        result.add(root if step is root and root is not node and root in a.steady else node)
-    return result

@@ -467,3 +467,62 @@ def program_from_source(source: str, dtype: torch.dtype, inputs: list[InputSpec]
     outputs = tuple(n.strip() for n in ret.strip()[len("return ("):-1].split(",") if n.strip())
     return Program(dtype, tuple(inputs), tuple(ModuleSpec(n, c) for n, c in (modules or {}).items()),
                    tuple(line.strip() for line in body), outputs)
+
+
+# Ops whose backward reads their input: a tensor and a view of it read by two of these are
+# both needed by the backward.
+READS_INPUT = ("torch.sin({0})", "F.gelu({0})", "({0} * {0})", "F.gelu({0}, approximate='tanh')")
+
+
+def _view_read(b: _Builder, a: Value) -> Value:
+    """A view of ``a`` (transposed, reshaped, or a slice) read by an op whose backward reads
+    its input, so the backward needs the view as well as what else reads ``a``."""
+    rows, cols = a.shape
+    kinds = ["t", "reshape"] + ["rows"] * (rows >= 2) + ["columns", "split"] * (cols >= 2)
+    kind = b.draw(st.sampled_from(kinds))
+    if kind == "t":
+        view, shape = f"{a.name}.t()", (cols, rows)
+    elif kind == "reshape":
+        view, shape = f"{a.name}.reshape({cols}, {rows})", (cols, rows)
+    elif kind == "rows":
+        view, shape = f"{a.name}[1:]", (rows - 1, cols)
+    elif kind == "columns":
+        view, shape = f"{a.name}[:, ::2]", (rows, (cols + 1) // 2)
+    else:
+        view, shape = f"{a.name}.split([1, {cols - 1}], dim=1)[1]", (rows, cols - 1)
+    return b.emit(b.draw(st.sampled_from(READS_INPUT)).format(view), shape, a.requires_grad)
+
+
+@st.composite
+def aliased_programs(draw, dtypes=(torch.float64,), max_layers: int = 3) -> Program:
+    """Programs whose backward needs tensors and views of them: layers of a Linear (an
+    ``addmm``) whose output is read, in a random order, through views by ops whose backward
+    reads their input, directly by such an op, and by a residual add, then any op of
+    ``OPS``."""
+    b = _Builder(draw)
+    rows = draw(st.sampled_from((2, 4, *BATCH)))
+    x0 = InputSpec("x0", (rows, b.size()), True, draw(st.booleans()))
+    b.values.append(Value(x0.name, x0.shape, True))
+    for _ in range(draw(st.integers(1, max_layers))):
+        a = b.pick()
+        residual = draw(st.booleans())
+        width = a.shape[1] if residual else draw(st.one_of(st.integers(2, MAX_SIZE), st.sampled_from(WIDE)))
+        name = b.add_module("lin", f"nn.Linear({a.shape[1]}, {width})")
+        h = b.emit(f"self.{name}({a.name})", (a.shape[0], width), True)
+        readers = draw(st.lists(st.sampled_from(("view", "view", "direct", "residual")), min_size=2, max_size=4))
+        for reader in readers:
+            if reader == "view":
+                _view_read(b, h)
+            elif reader == "direct" or not residual:
+                b.emit(draw(st.sampled_from(READS_INPUT)).format(h.name), h.shape, True)
+            else:
+                b.emit(draw(st.sampled_from(READS_INPUT)).format(f"({a.name} + {h.name})"), h.shape, True)
+        if draw(st.booleans()):
+            OPS[draw(st.sampled_from(list(OPS)))](b) or _unary(b)
+    return Program(
+        dtype=draw(st.sampled_from(dtypes)),
+        inputs=(x0,),
+        modules=tuple(b.modules),
+        body=tuple(b.body),
+        outputs=tuple(v.name for v in b.sinks(1)),
+    )

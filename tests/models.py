@@ -154,6 +154,31 @@ class GraphBreakMLP(nn.Module):
         return self.fc2(torch.tanh(h))
 
 
+class ResidualLM(nn.Module):
+    """Embedding -> Linear -> two residual blocks (Linear -> GELU -> Linear -> LayerNorm) ->
+    tanh -> Linear -> a vocabulary head, returning the cross-entropy of predicting its own
+    tokens. Linears on a sequence save an ``addmm`` and views of it: the model of issue 49,
+    whose plan once saved both and got wrong gradients from Inductor's in-place backward."""
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.f = nn.Sequential(nn.Linear(d, 128), nn.GELU(), nn.Linear(128, d), nn.LayerNorm(d))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.f(x)
+
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.emb, self.pre = nn.Embedding(vocab, d), nn.Linear(d, d)
+        self.blocks = nn.Sequential(self.Block(d), self.Block(d))
+        self.post, self.head = nn.Linear(d, d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks(self.pre(self.emb(tokens))))
+        return F.cross_entropy(self.head(self.post(h)).flatten(0, 1), tokens.flatten())
+
+
 # Input builders matching the default sizes above.
 
 
@@ -163,6 +188,10 @@ def mlp_inputs() -> tuple[torch.Tensor]:
 
 def sequence_inputs() -> tuple[torch.Tensor]:
     return (torch.randn(2, 6, 16),)
+
+
+def token_inputs() -> tuple[torch.Tensor]:
+    return (torch.randint(0, 64, (8, 16)),)
 
 
 def image_inputs() -> tuple[torch.Tensor]:

@@ -52,7 +52,7 @@ from compile_offload.passes.memory import graphs_program, simulate
 from compile_offload.passes.plan import Plan
 
 from .partition_results import Partition, partitions
-from .fuzz_programs import InputSpec, Program, program_from_source, programs
+from .fuzz_programs import InputSpec, Program, aliased_programs, program_from_source, programs
 
 # --------------------------------------------------------------------------- profiles
 
@@ -233,6 +233,25 @@ def is_random(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def assert_one_saved_tensor_per_storage(p: Partition) -> None:
+    """No two tensors the forward saves for the backward share an intermediate storage:
+    AOTAutograd would donate each to the backward, which may overwrite one in place while
+    the other is still read (issue 49). Views of inputs are not donated."""
+    from compile_offload.passes.analyze import storage_roots
+
+    roots = storage_roots(p.fw.graph)
+    output = next(n for n in p.fw.graph.nodes if n.op == "output")
+    saved = [n for n in output.args[0][p.num_fwd_outputs:]
+             if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    by_root: dict[torch.fx.Node, list[str]] = {}
+    for node in saved:
+        root = roots.get(node, node)
+        if root.op != "placeholder":
+            by_root.setdefault(root, []).append(node.name)
+    shared = {root.name: names for root, names in by_root.items() if len(names) > 1}
+    assert not shared, f"saved tensors sharing one storage: {shared}\n{p.fw.code}"
+
+
 def check_partition(p: Partition, forced_offload: bool) -> None:
     """Properties every partition must have, whatever the budget. ``forced_offload``: the
     graphs were built with ``debug_force_offload`` (offloads the plan does not describe)."""
@@ -242,6 +261,7 @@ def check_partition(p: Partition, forced_offload: bool) -> None:
     assert not [n for n in plan.notes if n.startswith("fallback")], plan.notes
     p.fw.graph.lint()
     p.bw.graph.lint()
+    assert_one_saved_tensor_per_storage(p)
     # The forward draws each random number once; a backward that drew again would
     # differentiate a different mask than the forward applied.
     assert not [n.name for n in p.bw.graph.nodes if is_random(n)], p.bw.code
@@ -430,6 +450,53 @@ def test_plan_is_monotone_in_budget(program: Program, fractions: list[float], of
         assert plan.predicted_step_seconds >= previous.predicted_step_seconds * (1 - 1e-9)
         previous = plan
     event(f"distinct plans: {len({(tuple(p.saved), tuple(p.offloaded)) for _, p in plans})}")
+
+
+@contextlib.contextmanager
+def saving_views_too(draw) -> Iterator[None]:
+    """Plans start from torch's min-cut saved set plus views of forward intermediates and the
+    tensors they view, as ``draw`` picks them (with no budget the plan saves exactly that
+    set): every saved set with aliases reaches the rewrite and Inductor, not only those a
+    budget happens to make."""
+    from compile_offload.passes import compat
+    from compile_offload.passes.analyze import storage_roots
+
+    original = compat.min_cut_saved_values
+
+    def with_views(joint):
+        saved = original(joint)
+        roots = storage_roots(joint.gm.graph)
+        views = [n for n in joint.gm.graph.nodes
+                 if joint.node_info.is_required_fw(n) and roots.get(n, n) is not n
+                 and roots[n].op == "call_function" and joint.node_info.is_required_fw(roots[n])
+                 and isinstance(n.meta.get("val"), torch.Tensor)]
+        if not views:
+            return saved
+        chosen = draw(st.lists(st.sampled_from(views), unique=True, min_size=1, max_size=4), label="saved views")
+        return list(dict.fromkeys([*saved, *chosen, *(roots[n] for n in chosen)]))
+
+    with mock.patch.object(compat, "min_cut_saved_values", with_views):
+        yield
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@fuzz_settings(examples=12)
+@given(program=aliased_programs(), budget=st.sampled_from((None, None, 0.5, 0.0)), data=st.data())
+def test_saved_tensors_and_their_views_match_eager_under_inductor(program: Program, budget, data):
+    """Programs whose backward needs tensors and views of them, planned from saved sets that
+    hold views and the tensors they view, compiled by Inductor with donated buffers on
+    (AOTAutograd hands the backward its saved tensors to overwrite in place): the step
+    matches eager in fp64 (issue 49)."""
+    expected = run_eager(program)
+    with torch._functorch.config.patch(donated_buffer=True, enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False, inplace_buffers=True), saving_views_too(data.draw):
+        run = run_compiled(program, compile_offload.offload_remat(memory_budget=budget))
+    assert not [m for m in run.warnings if FALLBACK in m], run.warnings
+    for partition in run.partitions:
+        assert_one_saved_tensor_per_storage(partition)
+    event(describe_decisions(run.partitions))
+    assert_same_tensors(run.tensors, expected, assert_close_for_dtype)
 
 
 # --------------------------------------------------------------------------- regressions

@@ -219,3 +219,18 @@ def test_an_entry_the_solver_would_not_write_is_rejected(tmp_path, monkeypatch, 
 def test_store_leaves_no_temporary_files(tmp_path, monkeypatch):
     _store_and_lookup(monkeypatch, tmp_path, MLP(), mlp_inputs())
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+
+
+def test_an_entry_made_for_another_budget_is_ignored_with_a_warning(tmp_path, plans):
+    """An entry whose ``budget_bytes`` is not the budget asked for (a file copied or edited
+    by hand under this graph's key) answers another question: planned again."""
+    _train_once_at("8KiB", tmp_path)
+    (entry,) = tmp_path.glob("*.json")
+    other = Plan.load(entry)
+    assert other.budget_bytes == 8 * 1024
+    other.budget_bytes = 4 * 1024
+    other.save(entry)
+    with pytest.warns(UserWarning, match="made for a budget of 4096 bytes, not 8192 bytes"):
+        _train_once_at("8KiB", tmp_path)
+    assert "reused from the plan cache" not in plans[-1].notes
+    assert Plan.load(entry).budget_bytes == 8 * 1024  # rewritten
