@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 import compile_offload
-from compile_offload import budget_loop, inductor_kernels, logs
-from compile_offload.budget_loop import scheduled_peak, scheduled_program
-from compile_offload.inductor_kernels import Buffer, GraphKernels, Kernel
+from compile_offload.pipeline import budget_loop
+from compile_offload.inductor import kernels as inductor_kernels
+from compile_offload.reporting import logs
+from compile_offload.pipeline.budget_loop import scheduled_peak, scheduled_program
+from compile_offload.inductor.kernels import Buffer, GraphKernels, Kernel
 from compile_offload.passes.memory import simulate
 from compile_offload.passes.plan import format_bytes
 
@@ -153,7 +155,7 @@ def _compile_and_step(model, x, budget, recorders=None, quiet=True, **options):
             warnings.simplefilter("ignore")
         if recorders is not None:
             patch.setattr(budget_loop, "note_scheduled_peak", keep)
-        from compile_offload import partitioner
+        from compile_offload.pipeline import partitioner
 
         plan_partition = partitioner.plan_partition
 
@@ -586,8 +588,8 @@ def test_a_plan_predicted_over_the_budget_whose_code_fits_is_made_faster_on_hand
 
 def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits_it():
     from compile_offload.passes.plan import Plan
-    from compile_offload.planning import report_budget
-    from compile_offload.result import BudgetError
+    from compile_offload.pipeline.planning import report_budget
+    from compile_offload.pipeline.result import BudgetError
     from compile_offload.settings import resolve
 
     over = Plan(feasible=False, budget_bytes=1000, predicted_peak_bytes=1300, predicted_step_seconds=1.0,
@@ -605,8 +607,9 @@ def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits
     over.scheduled_peak_bytes = 1100
     with pytest.raises(BudgetError):
         report_budget(over, resolve({"memory_budget": 1000, "strict_budget": True}))
-    # Over in code too: the warning names the figure the step will come near, not only the plan's.
-    with pytest.warns(UserWarning, match=r"below the minimum .*scheduled at 1\.07 KiB"):
+    # Over in code too: the warning leads with the figure the step will come near, then the plan's.
+    with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(1\.07 KiB in the code Inductor "
+                                         r"generated for its minimum-memory plan; predicted"):
         report_budget(over, settings)
 
 
@@ -616,8 +619,8 @@ def test_the_unconstrained_plan_kept_below_the_minimum_is_reported_at_its_schedu
     scheduled peak, not the search's (found on the custom autograd function of the extra
     families: warned at 289.50 KiB, measured 320.51 KiB, the unconstrained plan's)."""
     from compile_offload.passes.plan import Plan
-    from compile_offload.planning import report_budget
-    from compile_offload.result import BudgetError
+    from compile_offload.pipeline.planning import report_budget
+    from compile_offload.pipeline.result import BudgetError
     from compile_offload.settings import resolve
 
     def plan(predicted, scheduled):
@@ -765,7 +768,7 @@ import json, sys, warnings
 import torch
 import compile_offload
 from compile_offload import backend, budget_loop
-from compile_offload.logs import latest_plans
+from compile_offload.reporting.logs import latest_plans
 from tests.test_budget_loop import _deep_mlp, _inflating
 
 inflated, seen = _inflating([64 * 1024])  # this process's first plan "exceeds" its budget
@@ -802,7 +805,7 @@ import torch
 import compile_offload
 from compile_offload import backend, budget_loop, measure_peak
 from compile_offload.benchmarks import families
-from compile_offload.logs import latest_plans
+from compile_offload.reporting.logs import latest_plans
 """ + COUNTING_REPLANS + """model, inputs, loss_of = families.build("custom_function")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -890,7 +893,7 @@ def test_the_loop_on_gpt2_at_0_8_keeps_the_budget_at_the_allocator():
 
 def test_a_replayed_record_of_a_plan_kept_over_its_budget_warns_again():
     """A warm cache replays the loop's warning, as ``graph_reports.replay`` does the others."""
-    from compile_offload import graph_reports
+    from compile_offload.pipeline import graph_reports
     from compile_offload.passes.plan import Plan
     from compile_offload.settings import resolve
 
