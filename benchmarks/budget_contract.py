@@ -260,7 +260,7 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
     return Point(name, fraction, budget_bytes, plan.predicted_peak_bytes, plan.min_peak_bytes,
                  measured.peak_bytes, plan.meets_budget(), warned,
                  plan.scheduled_peak_bytes, len(plans) - 1,
-                 budget_loop.kept_over_budget_note(plan) is not None or budget_loop.compiled_as_unconstrained(plan))
+                 plan.budget_outcome == "over_budget" or plan.unconstrained)
 
 
 def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor",

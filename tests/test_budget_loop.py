@@ -502,8 +502,9 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
     assert kept.plan.budget_bytes == 1000 and kept.plan.planned_budget_bytes == 2000
     assert kept.plan.min_peak_bytes == 800  # the lowest the search reached, not the unconstrained plan's own
     assert any(note.startswith(budget_loop.UNCONSTRAINED_NOTE) for note in kept.plan.notes)
-    assert budget_loop.compiled_as_unconstrained(kept.plan)  # a warm cache compiles it again so
-    assert not budget_loop.compiled_as_unconstrained(plan(800, 1400))
+    assert kept.plan.unconstrained  # a warm cache compiles it again so
+    assert (kept.plan.budget_outcome, kept.plan.replans) == ("over_budget", 2)  # over by scheduled less budget
+    assert not plan(800, 1400).unconstrained
     # Its code fits the budget: kept, nothing warned.
     asked.clear()
     with warnings.catch_warnings():
@@ -767,7 +768,7 @@ WARM_REPLAN_SCRIPT = """
 import json, sys, warnings
 import torch
 import compile_offload
-from compile_offload import backend, budget_loop
+from compile_offload.pipeline import backend, budget_loop
 from compile_offload.reporting.logs import latest_plans
 from tests.test_budget_loop import _deep_mlp, _inflating
 
@@ -803,7 +804,8 @@ WARM_UNCONSTRAINED_SCRIPT = """
 import json, warnings
 import torch
 import compile_offload
-from compile_offload import backend, budget_loop, measure_peak
+from compile_offload import measure_peak
+from compile_offload.pipeline import backend, budget_loop
 from compile_offload.benchmarks import families
 from compile_offload.reporting.logs import latest_plans
 """ + COUNTING_REPLANS + """model, inputs, loss_of = families.build("custom_function")
@@ -816,7 +818,7 @@ with warnings.catch_warnings():
     with measure_peak("cpu") as peak:
         step(*inputs).backward()
 plan = latest_plans()[-1]
-print(json.dumps({"asked": asked, "kept": plan.summary(), "unconstrained": budget_loop.compiled_as_unconstrained(plan),
+print(json.dumps({"asked": asked, "kept": plan.summary(), "unconstrained": plan.unconstrained,
                   "peak": peak.peak_bytes}))
 """
 
@@ -897,15 +899,16 @@ def test_a_replayed_record_of_a_plan_kept_over_its_budget_warns_again():
     from compile_offload.passes.plan import Plan
     from compile_offload.settings import resolve
 
-    def plan(notes):
+    def plan(outcome, replans=0):
         return Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=900, predicted_step_seconds=1.0,
-                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=900, notes=notes,
-                    scheduled_peak_bytes=1200)
+                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=900, budget_outcome=outcome,
+                    replans=replans, scheduled_peak_bytes=1200)
 
     settings = resolve({"memory_budget": 1000})
+    # The record's typed outcome says so (no note is read back); a saved record round-trips it.
+    over = Plan.from_dict(plan("over_budget", 2).to_json())
     with pytest.warns(UserWarning, match=r"predicted to peak at 1\.17 KiB \(scheduled peak\).*2 re-plans tried"):
-        graph_reports.replay([graph_reports.GraphRecord(plan(["scheduled peak 1.17 KiB over the budget after "
-                                                              "2 re-plans"]), None)], settings, "graph_0_0")
+        graph_reports.replay([graph_reports.GraphRecord(over, None)], settings, "graph_0_0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        graph_reports.replay([graph_reports.GraphRecord(plan([]), None)], settings, "graph_0_0")
+        graph_reports.replay([graph_reports.GraphRecord(plan("replanned", 1), None)], settings, "graph_0_0")

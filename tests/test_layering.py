@@ -172,3 +172,35 @@ def test_the_runtime_package_ships_no_test_only_module():
     assert "compile_offload.passes.solve_bound" not in modules
     assert not [name for name in modules if name.startswith("compile_offload.passes.")
                 and name.rsplit(".", 1)[-1] in ("calibrate", "solve_exhaustive")]
+
+
+def _notes_read_back(source: str) -> list[int]:
+    """Lines where a loop or comprehension over some ``.notes`` tests the notes' text
+    (``startswith``, ``in``...): a free-text note parsed back instead of a typed field."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        loops = ([g for g in node.generators] if isinstance(node, (ast.GeneratorExp, ast.ListComp, ast.SetComp))
+                 else [node] if isinstance(node, ast.For) else [])
+        if not any(isinstance(loop.iter, ast.Attribute) and loop.iter.attr == "notes" for loop in loops):
+            continue
+        for inner in ast.walk(node):
+            tests_text = (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                          and inner.func.attr in ("startswith", "endswith", "removeprefix", "split", "rsplit"))
+            if tests_text or (isinstance(inner, ast.Compare) and any(isinstance(op, (ast.In, ast.Eq)) for op in inner.ops)):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def test_the_notes_check_finds_a_parsed_note():
+    assert _notes_read_back("x = next(n for n in plan.notes if n.startswith('fallback: '))") == [1]
+    assert _notes_read_back("text = '; '.join(plan.notes)") == []
+
+
+def test_no_note_is_parsed_back():
+    """What the budget loop did, and why a graph fell back, travel as typed ``Plan`` fields
+    (``budget_outcome``, ``replans``, ``unconstrained``, ``fallback``); ``notes`` are for
+    people, written and shown, never read back by the package."""
+    parsed = {str(path.relative_to(REPO)): lines for path in package_modules().values()
+              if (lines := _notes_read_back(path.read_text()))}
+    assert parsed == {}

@@ -232,7 +232,7 @@ def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[
         # budget: compile that one (the same plan: planning is deterministic), past the caches.
         log.debug("%s: compiling the plan the budget loop kept (planned under %d bytes)", partitioner.graph_name,
                   replanned)
-        if budget_loop.compiled_as_unconstrained(records[-1].plan):
+        if records[-1].plan.unconstrained:
             replanned = None  # the unconstrained plan, compiled as without a budget
         attempt = _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, replanned)
         logs.remember(records[-1].plan)  # the user's view of it, not the re-plan's own

@@ -322,10 +322,10 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
     plan = first.plan
     if fits_below_the_minimum(plan):
         return _faster_within_budget(first, replan)
-    if below_the_minimum_in_code_too(plan):
-        return _lower_of(first, _unconstrained(first, replan))
+    if below_the_minimum_in_code_too(plan):  # reported as below the minimum (planning.report_budget)
+        return _outcome(_lower_of(first, _unconstrained(first, replan)), "kept")
     if not over_budget(plan):
-        return first
+        return _outcome(first, "kept")
     budget = plan.budget_bytes
     attempts = [first]
     current = first
@@ -349,7 +349,7 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
         if found.plan.scheduled_peak_bytes <= budget:
             log.info("%s: re-planned under %s: scheduled peak %s within the budget %s", plan.graph_name,
                      format_bytes(target), format_bytes(found.plan.scheduled_peak_bytes), format_bytes(budget))
-            return found
+            return _outcome(found, "replanned", attempt)
         if found.plan.predicted_peak_bytes > target or found.plan.predicted_peak_bytes >= last.predicted_peak_bytes:
             break  # the planner's minimum-memory plan (it could not fit the target): nothing lower to ask for
     lowest = min(attempts, key=lambda a: a.plan.scheduled_peak_bytes)
@@ -359,13 +359,21 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
         if unconstrained.plan.scheduled_peak_bytes <= budget:
             log.info("%s: the unconstrained plan's scheduled peak %s is within the budget %s", plan.graph_name,
                      format_bytes(unconstrained.plan.scheduled_peak_bytes), format_bytes(budget))
-            return unconstrained
+            return _outcome(unconstrained, "unconstrained", len(attempts) - 1)
     best = _lower_of(*attempts)
     tried = len(attempts) - 1
-    best.plan.notes.append(f"{OVER_BUDGET_NOTE} {format_bytes(best.plan.scheduled_peak_bytes)} over the budget after "
+    best.plan.notes.append(f"scheduled peak {format_bytes(best.plan.scheduled_peak_bytes)} over the budget after "
                            f"{tried} re-plan{'s' * (tried != 1)}")
+    _outcome(best, "over_budget", tried)
     warn_over_budget(best.plan, stacklevel=6)
     return best
+
+
+def _outcome(attempt: Attempt, outcome: str, replans: int = 0) -> Attempt:
+    """``attempt``, its plan marked with what the loop did (``Plan.budget_outcome``)."""
+    attempt.plan.budget_outcome = outcome
+    attempt.plan.replans = replans
+    return attempt
 
 
 def below_the_minimum_in_code_too(plan: Plan) -> bool:
@@ -412,6 +420,7 @@ def _unconstrained(over: Attempt, replan: Callable[[int | None], Attempt | None]
     if found is None or found.plan.scheduled_peak_bytes is None:
         return None
     _as_replanned(found.plan, budget, target)
+    found.plan.unconstrained = True
     found.plan.min_peak_bytes = min(found.plan.min_peak_bytes, plan.min_peak_bytes)  # what the search reached
     found.plan.notes.append(f"{UNCONSTRAINED_NOTE}: its generated code was compared with that of the plans made "
                             f"under the budget {format_bytes(budget)}, which all exceeded it (the lowest scheduled "
@@ -421,12 +430,6 @@ def _unconstrained(over: Attempt, replan: Callable[[int | None], Attempt | None]
 
 
 UNCONSTRAINED_NOTE = "the unconstrained plan, re-planned"
-
-
-def compiled_as_unconstrained(plan: Plan) -> bool:
-    """Whether the loop kept ``plan`` as the unconstrained plan compiled without a budget
-    (``_unconstrained``): a warm cache compiles it again so (``backend._replan(..., None)``)."""
-    return any(note.startswith(UNCONSTRAINED_NOTE) for note in plan.notes)
 
 
 def _lower_of(*attempts: Attempt | None) -> Attempt:
@@ -451,6 +454,7 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int | None], Attempt
     best = first
     tried: set[int] = set()
     aim = first
+    replans = 0
     for attempt in range(1, MAX_REPLANS + 1):
         target = aim.plan.predicted_peak_bytes - (aim.plan.scheduled_peak_bytes - budget)
         floor = best.plan.planned_budget_bytes or best.plan.budget_bytes
@@ -464,6 +468,7 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int | None], Attempt
         found = replan(target)
         if found is None or found.plan.scheduled_peak_bytes is None:
             break
+        replans = attempt
         _as_replanned(found.plan, budget, target)
         if found.plan.scheduled_peak_bytes > budget:
             aim = found  # the next target lies below this one
@@ -483,26 +488,16 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int | None], Attempt
                  first.plan.predicted_step_seconds * 1e3)
     if not best.plan.feasible:
         best.plan.notes.append(SCHEDULED_FITS_NOTE)
-    return best
+    return _outcome(best, "kept") if best is first else _outcome(best, "replanned", replans)
 
 
 # The note of a plan the planner predicted over its budget whose generated code fits it.
 SCHEDULED_FITS_NOTE = "predicted over the budget, but the scheduled peak (Inductor's code) fits it"
 
-OVER_BUDGET_NOTE = "scheduled peak"  # how the note of a kept plan still over its budget starts
-
-
-def kept_over_budget_note(plan: Plan) -> str | None:
-    """The note ``keep_within_budget`` leaves on a plan it kept over its budget (None: none),
-    which a warm cache's record carries (``graph_reports.replay`` warns again on it)."""
-    return next((n for n in plan.notes if n.startswith(OVER_BUDGET_NOTE) and "over the budget after" in n), None)
-
-
 def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
     """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
     (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
-    note = kept_over_budget_note(plan)
-    tried = "" if note is None else note.rsplit("after ", 1)[-1]
+    tried = f"{plan.replans} re-plan{'s' * (plan.replans != 1)}"
     warnings.warn(
         f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
         f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "

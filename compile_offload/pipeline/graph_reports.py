@@ -115,15 +115,14 @@ def replay(records: list[GraphRecord], settings: Settings, graph_name: str) -> N
     for record in records:
         plan = record.plan
         plan.graph_name = graph_name
-        fallback = next((note for note in plan.notes if note.startswith("fallback: ")), None)
-        if fallback is not None:
+        if plan.fallback is not None:
             warnings.warn(
-                f"compile_offload: {graph_name}: the planner could not handle this graph ({fallback.removeprefix('fallback: ')}); "
+                f"compile_offload: {graph_name}: the planner could not handle this graph ({plan.fallback}); "
                 "falling back to torch's default min-cut partition (correct, but the memory budget is not applied to "
                 "this graph)",
                 stacklevel=4,
             )
         emit_cached(plan)
         report_budget(plan, settings)
-        if plan.scheduled_peak_bytes is not None and budget_loop.kept_over_budget_note(plan) is not None:
+        if plan.scheduled_peak_bytes is not None and plan.budget_outcome == "over_budget":
             budget_loop.warn_over_budget(plan, stacklevel=4)  # the budget loop's warning, as when it was made

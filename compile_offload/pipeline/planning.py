@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from . import plan_cache
-from .budget_loop import compiled_as_unconstrained, kept_over_budget_note
 from .collection_paused import collection_paused
 from .device_profile import device_of, resolve_profile
 from ..inductor.op_workspace import op_workspaces, uncounted_cuda_workspaces
@@ -217,7 +216,8 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
     plan = Plan.unplanned(feasible=False, budget_bytes=settings.budget_bytes, device_profile=profile.name,
-                          solver=settings.solver, graph_name=graph_name, why=f"fallback: {error}")
+                          solver=settings.solver, graph_name=graph_name, why=f"fallback: {error}",
+                          fallback=f"{type(error).__name__}: {error}")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     return PartitionResult(plan, fw_gm, bw_gm, None, None)
 
@@ -233,9 +233,9 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
     if settings.budget_fraction == 0.0:
         return  # asks for the minimum plan: nothing to warn about
-    if kept_over_budget_note(plan) is not None:
+    if plan.budget_outcome == "over_budget":
         return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
-    unconstrained = compiled_as_unconstrained(plan)
+    unconstrained = plan.unconstrained
     if unconstrained and plan.scheduled_peak_bytes is not None:
         # The plans made to lower memory peaked higher in Inductor's code than this one:
         # what the step can reach is this plan's scheduled peak, not the search's minimum.
