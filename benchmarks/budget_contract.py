@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 import compile_offload
-from compile_offload import budget_loop
-from compile_offload.memory_tracker import measure_peak
+from compile_offload.pipeline import budget_loop
+from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes.plan import format_bytes
 
 from . import families
@@ -166,7 +166,7 @@ def recorded(path: str | None, label: str):
     if path is None:
         yield
         return
-    from compile_offload.profile_step import describe_live_at_peak
+    from compile_offload.tools.profile_step import describe_live_at_peak
 
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000, clear_history=True)
     try:
@@ -214,7 +214,8 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
     only): a file the measured step's live allocations at its peak are appended to."""
     if snapshot is not None and device != "cuda":
         raise ValueError("snapshot: the allocator's history is recorded on CUDA only")
-    from compile_offload import logs, partitioner
+    from compile_offload.reporting import logs
+    from compile_offload.pipeline import partitioner
 
     model, inputs, loss_of = build(name)
     model, inputs = _on(device, model, inputs)
@@ -259,7 +260,7 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
     return Point(name, fraction, budget_bytes, plan.predicted_peak_bytes, plan.min_peak_bytes,
                  measured.peak_bytes, plan.meets_budget(), warned,
                  plan.scheduled_peak_bytes, len(plans) - 1,
-                 budget_loop.kept_over_budget_note(plan) is not None or budget_loop.compiled_as_unconstrained(plan))
+                 plan.budget_outcome == "over_budget" or plan.unconstrained)
 
 
 def measure_model(name: str, fractions=FRACTIONS, inner_compiler: str = "inductor",

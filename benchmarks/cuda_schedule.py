@@ -7,7 +7,7 @@ Inductor do exactly that for each compiled anchor plan on fake CUDA tensors (a C
 torch runs on a CPU-only machine; no kernel is launched): torch's partition of the
 meta-device joint graph (``model_check.torch_plans``), each graph moved to the ``cuda``
 device and compiled by ``compile_fx_inner`` with the kernel recorder
-(``compile_offload.inductor_kernels``) until the generated module would be loaded (Triton
+(``compile_offload.inductor.kernels``) until the generated module would be loaded (Triton
 would need a driver there). The recorded kernels become a program
 (``budget_loop.scheduled_program``) and its peak gets the same terms as ``model-check``'s
 predictions: the eager loss on top of the forward's end, the input's gradient under the
@@ -42,8 +42,9 @@ from unittest import mock
 import torch
 from torch import fx
 
-from compile_offload import inductor_kernels, model_check, plan_order_fusion
-from compile_offload.budget_loop import scheduled_program
+from compile_offload.inductor import kernels as inductor_kernels, plan_order_fusion
+from compile_offload.tools import model_check
+from compile_offload.pipeline.budget_loop import scheduled_program
 from compile_offload.passes import compat
 from compile_offload.passes.cost import BUILTIN_PROFILES
 from compile_offload.passes.memory import simulate
@@ -190,11 +191,11 @@ def ours_scheduled(shape: str, budget: str) -> tuple[int, int]:
     the graphs it builds, compiled under the backend's Inductor config). Graph peaks only: no
     loss, no input gradient (the plan's own figure)."""
     from compile_offload import settings as settings_mod
-    from compile_offload.backend import inductor_config_patches
+    from compile_offload.pipeline.backend import inductor_config_patches
     from compile_offload.benchmarks import planning_time
-    from compile_offload.copy_order import has_copy_ops, order_keeping_patches
-    from compile_offload.ops import NAMESPACE
-    from compile_offload.partitioner import OffloadRematPartitioner
+    from compile_offload.inductor.copy_order import has_copy_ops, order_keeping_patches
+    from compile_offload.runtime.ops import NAMESPACE
+    from compile_offload.pipeline.partitioner import OffloadRematPartitioner
 
     _needs_cuda_build()
     args = model_check.load_anchors(shapes=[shape])[0].args

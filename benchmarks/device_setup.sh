@@ -10,7 +10,7 @@ export TORCHINDUCTOR_CACHE_DIR="$CACHE"
 bench() {  # bench LOG HARD_LIMIT_S ARGS...: one `compile_offload bench` run, its output appended to LOG
     local log=$1 limit=$2
     shift 2
-    timeout --signal=INT --kill-after=20 "$limit" "$PY" -c "from compile_offload.bench import main; main()" "$@" \
+    timeout --signal=INT --kill-after=20 "$limit" "$PY" -c "from compile_offload.tools.bench import main; main()" "$@" \
         >>"$log" 2>&1
     echo "bench $*: exit $?" >&2
 }

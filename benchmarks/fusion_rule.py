@@ -1,6 +1,6 @@
 """The step time of one budgeted plan with and without the horizontal-fusion rule.
 
-Under a budget the backend compiles with ``compile_offload.plan_order_fusion``: Inductor
+Under a budget the backend compiles with ``compile_offload.inductor.plan_order_fusion``: Inductor
 may not join two kernels that only share a read where the later one waits for work placed
 after the earlier one. A refused pair reads its shared buffer twice. This compiles each
 model of the budget contract (``budget_contract.build``) twice under the same byte budget,
@@ -25,7 +25,8 @@ import time
 import torch
 
 import compile_offload
-from compile_offload import logs, plan_order_fusion
+from compile_offload.reporting import logs
+from compile_offload.inductor import plan_order_fusion
 
 from .budget_contract import MODELS, _on, available, build, measure_point
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from compile_offload import inductor_kernels
+from compile_offload.inductor import kernels as inductor_kernels
 from compile_offload.passes.analyze import fusable_nodes, inlined_values
-from compile_offload.passes.kernel_local import kernel_groups, realized_nodes
-from compile_offload.passes.loop_ranges import cpu_graph
+from compile_offload.passes.inductor.kernel_local import kernel_groups, realized_nodes
+from compile_offload.passes.inductor.loop_ranges import cpu_graph
 
 from . import budget_contract
 

@@ -62,7 +62,7 @@ def capture_joint(layers: int, shape: str):
     def shape_only(gm, inputs):
         # The captured step then runs on fake tensors (explain's shapes-only "compiler"):
         # running the forward for real would spend minutes of CPU matmuls on every depth.
-        from compile_offload.explain import _shape_only
+        from compile_offload.tools.explain import _shape_only
 
         return _shape_only(gm, inputs)
 
@@ -89,7 +89,7 @@ def partitioners() -> dict[str, Callable]:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from compile_offload import settings as settings_mod
-    from compile_offload.partitioner import OffloadRematPartitioner
+    from compile_offload.pipeline.partitioner import OffloadRematPartitioner
 
     def torch_min_cut(budget: float):
         def partition(joint, inputs, num_fwd_outputs):

@@ -162,7 +162,7 @@ def cpu_peak_above_steady(step: Callable[[], None]) -> int | None:
     CPU allocator's events through ``torch.profiler`` (Inductor's generated code allocates
     through the same allocator, so compiled steps are covered), as
     ``compile_offload.measure_peak`` reads them, the one memory measure of the project."""
-    from compile_offload.memory_tracker import measure_peak
+    from compile_offload.runtime.memory_tracker import measure_peak
 
     with measure_peak("cpu") as measured:
         step()
@@ -485,7 +485,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 def pareto_plot(rows: list[dict], path: Path, title: str = "") -> None:
     """Median step time against peak memory, one point per strategy; hollow markers are
     our planner's predictions, joined to what was measured."""
-    from compile_offload.plotting import new_figure
+    from compile_offload.reporting.plotting import new_figure
 
     measured = [r for r in rows if r.get("status") == "ok" and r.get("peak_bytes") is not None]
     fig, ax = new_figure((9, 6))

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_offload import model_check
-from compile_offload.memory_tracker import measure_peak
+from compile_offload.tools import model_check
+from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.plan import format_bytes

@@ -6,15 +6,16 @@ offloaded to pinned host memory and prefetched back, choosing the fastest plan w
 memory stays under ``compile_offload.config.memory_budget``.
 """
 
-from . import config, ops  # noqa: F401  ops: registers the offload ops before any compiled graph that uses them runs
-from .backend import BACKEND_NAME, offload_remat, offload_remat_backend
-from .explain import explain, explain_all
-from .max_batch import MaxBatch, max_batch
-from .memory_tracker import measure_peak
+from . import config
+from .runtime import ops  # noqa: F401  ops: registers the offload ops before any compiled graph that uses them runs
+from .pipeline.backend import BACKEND_NAME, offload_remat, offload_remat_backend
+from .tools.explain import explain, explain_all
+from .tools.max_batch import MaxBatch, max_batch
+from .runtime.memory_tracker import measure_peak
 from .passes.plan import Decision, Plan
-from .profile_step import profile_step
-from .result import BudgetError
-from .sweep import sweep
+from .tools.profile_step import profile_step
+from .pipeline.result import BudgetError
+from .tools.sweep import sweep
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,7 @@ def _register() -> None:
 
 _register()
 
-from .logs import register_with_torch_logging  # noqa: E402
+from .reporting.logs import register_with_torch_logging  # noqa: E402
 
 register_with_torch_logging()
 

@@ -10,10 +10,10 @@ import sys
 # verb -> (module, help); each module has add_<name>_arguments(parser) and run_<name>(args),
 # imported only when the command line is built (the verbs' imports are heavy).
 VERBS = {
-    "demo": ("demo", "plan and train a small GPT-style model, printing the plan and the loss"),
-    "explain": ("cli_explain", "print the plan for MODULE:FACTORY and write its dump"),
-    "bench": ("bench", "benchmark our backend against the alternatives, side by side"),
-    "model-check": ("model_check", "predicted against measured H100 anchors, and greedy against exact plans"),
+    "demo": ("tools.demo", "plan and train a small GPT-style model, printing the plan and the loss"),
+    "explain": ("tools.cli_explain", "print the plan for MODULE:FACTORY and write its dump"),
+    "bench": ("tools.bench", "benchmark our backend against the alternatives, side by side"),
+    "model-check": ("tools.model_check", "predicted against measured H100 anchors, and greedy against exact plans"),
 }
 
 

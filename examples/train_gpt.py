@@ -10,7 +10,7 @@ predicted peak, keep / recompute / offload counts) and the loss of each step. Wi
 ``--check`` it also trains a copy of the model without our backend, from the same weights
 on the same batches, and prints the largest difference between the two runs' losses.
 
-The model is ``compile_offload.demo.TinyGPT``: token embedding, pre-LN decoder blocks
+The model is ``compile_offload.tools.demo.TinyGPT``: token embedding, pre-LN decoder blocks
 (causal attention, GELU MLP), a linear head and the cross-entropy loss, all inside the
 compiled forward. On the CPU the partitioned graphs run as Python (``--inner-compiler
 eager``, the default there): Inductor's CPU code generation takes minutes on a small machine.
@@ -27,7 +27,7 @@ import time
 import torch
 
 import compile_offload
-from compile_offload.demo import TinyGPT
+from compile_offload.tools.demo import TinyGPT
 
 VOCAB = 256
 

@@ -16,10 +16,10 @@ import torch
 import torch.fx as fx
 
 from . import compat
-from .attention_bias_copies import attention_bias_copies
-from .kernel_local import KernelGroups, is_generated_kernel, kernel_groups
-from .loop_ranges import cpu_graph
-from .node_kinds import fuses_into, is_pointwise, is_view, loads_inputs_in_loop, tensor_value  # noqa: F401  (imported from here too)
+from .inductor.attention_bias_copies import attention_bias_copies
+from .inductor.kernel_local import KernelGroups, is_generated_kernel, kernel_groups
+from .inductor.loop_ranges import cpu_graph
+from .inductor.node_kinds import fuses_into, is_pointwise, is_view, loads_inputs_in_loop, tensor_value  # noqa: F401  (imported from here too)
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
 _RECOMPUTABLE_NAMESPACES = ("aten", "prims")
@@ -440,7 +440,7 @@ class JointAnalysis:
     # their loops need not line up, and a kernel a cycle breaks keeps what does not wait on it.
     triton_kernels: bool = False
     # Whether a horizontal fusion may run a kernel ahead of its place, as Inductor's scheduler
-    # does by default; False under ``compile_offload.plan_order_fusion`` (a memory budget):
+    # does by default; False under ``compile_offload.inductor.plan_order_fusion`` (a memory budget):
     # then a kernel's parts joined by a shared read (``kernel_parts``; ``kernel_inlined``:
     # what stores no buffer) stay apart where joining them would pull one ahead.
     fusion_pulls: bool = True
@@ -469,7 +469,7 @@ class JointAnalysis:
     # the copy's bytes.
     layout_copies: dict[fx.Node, int] = field(default_factory=dict)
     # ... and the bytes an extern op holds while it runs beyond its outputs (a CPU
-    # convolution's backward: ``compile_offload.op_workspace``, measured by the caller).
+    # convolution's backward: ``compile_offload.inductor.op_workspace``, measured by the caller).
     workspace_bytes: dict[fx.Node, int] = field(default_factory=dict)
     # ... and, under Inductor, the CUDA attention kernels that copy their broadcast bias
     # whole when their graph computes it (``attention_bias_copies``): kernel -> (the bias

@@ -8,7 +8,7 @@ import torch.fx as fx
 from . import compat
 from .analyze import JointAnalysis, collective_source, tensor_value
 from .plan import Decision, Plan
-from .solve import Seconds, Solution, compute_node, step_seconds
+from .solve.recompute import Seconds, Solution, compute_node, step_seconds
 
 
 def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver: str, profile_name: str,

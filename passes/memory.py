@@ -30,9 +30,9 @@ from . import compat
 from .analyze import (JointAnalysis, allocated_bytes, copy_candidates, copy_decisions, fusable_nodes,
                       inlined_values, is_convolution, is_pointwise, is_view, layout_copies, storage_roots,
                       tensor_value, with_view_bases)
-from .kernel_local import fused_kernel_order, is_generated_kernel, kernel_groups
-from .loop_ranges import cpu_graph
-from .node_kinds import loads_inputs_in_loop
+from .inductor.kernel_local import fused_kernel_order, is_generated_kernel, kernel_groups
+from .inductor.loop_ranges import cpu_graph
+from .inductor.node_kinds import loads_inputs_in_loop
 
 
 # Slots, no instance dict: the solver's passes read every step of each plan it simulates, and

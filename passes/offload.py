@@ -20,7 +20,7 @@ For each offloaded saved tensor ``x`` the pass builds::
                x2   = wait_reload(dev, x)                  ... x's first backward use
                uses of x -> x2
 
-The op overloads are injected through ``OffloadOps`` (``compile_offload.ops.OFFLOAD_OPS``):
+The op overloads are injected through ``OffloadOps`` (``compile_offload.runtime.ops.OFFLOAD_OPS``):
 this package never imports ``compile_offload``. The forward-side wait sits where ``x``
 would be freed anyway (its last forward use), so offloading never extends ``x``'s device
 lifetime; a scheduling pass may move the waits and reloads later, within the data edges.
@@ -70,7 +70,7 @@ ROLE_WAIT_RELOAD = "wait_reload"
 
 @dataclass(frozen=True)
 class OffloadOps:
-    """The op overloads the pass inserts (``compile_offload.ops.OFFLOAD_OPS``).
+    """The op overloads the pass inserts (``compile_offload.runtime.ops.OFFLOAD_OPS``).
 
     Signatures: ``offload(src, contiguous_host: bool) -> host``,
     ``wait_offload(host, source) -> host``, ``reload(host, device, stride | None) -> dev``,

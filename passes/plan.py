@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
+# What the budget loop did with a graph's plan (``Plan.budget_outcome``).
+BudgetOutcome = Literal["kept", "replanned", "unconstrained", "over_budget"]
 PLAN_SCHEMA = "compile_offload.plan/1"
 
 
@@ -74,16 +76,30 @@ class Plan:
     # scheduled peak of the first plan exceeded ``budget_bytes`` (the user's budget, which
     # ``budget_bytes`` and ``feasible`` still refer to); None when planned under ``budget_bytes``.
     planned_budget_bytes: int | None = None
+    # What the budget loop did (Inductor compiling under a budget; None where no loop ran):
+    # "kept" the plan first made (its scheduled peak fits, or the planner's minimum-memory
+    # plan was the least it could do), "replanned" to the plan kept (``replans`` re-plans),
+    # kept "unconstrained" (torch.compile's saved set, which fit where every plan made for
+    # the budget peaked higher in Inductor's code), or kept the lowest "over_budget" after
+    # ``replans`` re-plans: over by ``scheduled_peak_bytes - budget_bytes``.
+    budget_outcome: BudgetOutcome | None = None
+    replans: int = 0
+    # The plan is the unconstrained plan compiled as without a budget (Inductor's peak-memory
+    # reordering on): a compile served from a cache compiles it so again.
+    unconstrained: bool = False
+    # Why torch's own partition was used for the graph instead of a plan; None when planned.
+    fallback: str | None = None
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
-                  graph_name: str, why: str) -> "Plan":
-        """The plan of a graph torch partitioned instead (no backward, or a fallback): no
-        decisions and no predictions, ``why`` as its note. ``feasible`` says whether the
-        budget holds anyway (a graph without a backward saves nothing)."""
+                  graph_name: str, why: str, fallback: str | None = None) -> "Plan":
+        """The plan of a graph torch partitioned instead (no backward, or a ``fallback``, the
+        reason): no decisions and no predictions, ``why`` as its note. ``feasible`` says
+        whether the budget holds anyway (a graph without a backward saves nothing)."""
         return cls(feasible=feasible, budget_bytes=budget_bytes, predicted_peak_bytes=0,
                    predicted_step_seconds=0.0, baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0,
-                   device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why])
+                   device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why],
+                   fallback=fallback)
 
     def meets_budget(self) -> bool:
         """Whether the budget is met (always without one): by the scheduled peak where

@@ -199,8 +199,8 @@ def offload_tagged(a: JointAnalysis, policy: UserPolicy, solution, seconds, offl
 def _resimulate(a: JointAnalysis, solution, offloaded, seconds, offload, base_saved):
     """``solution`` with its chosen plan offloading ``offloaded``, simulated again under the
     unbiased ``seconds`` (copies placed as a cached plan's would be)."""
-    from .solve import Prefix, offload_reasons
-    from .solve_offload import Evaluator
+    from .solve.recompute import Prefix, offload_reasons
+    from .solve.joint import Evaluator
 
     chosen = solution.chosen
     evaluate = Evaluator(a, seconds, offload, base_saved)
@@ -224,7 +224,7 @@ def follow_preferences(a: JointAnalysis, policy: UserPolicy, plain, preferring, 
     The solver builds its candidate plans greedily, so a bias changes which plans it looks
     at, not only which it picks; comparing both results keeps a preference from costing a
     plan that fits (or the lower minimum peak). Ties go to the faster plan (unbiased)."""
-    from .solve import step_seconds
+    from .solve.recompute import step_seconds
 
     if preferring is None:
         return plain

@@ -17,9 +17,10 @@ import torch
 import torch.fx as fx
 
 import compile_offload
-from compile_offload import partitioner, settings as settings_mod
+from compile_offload.pipeline import partitioner
+from compile_offload import settings as settings_mod
 from compile_offload.passes.plan import Plan
-from compile_offload.result import PartitionResult
+from compile_offload.pipeline.result import PartitionResult
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import torch
 
 from compile_offload.passes import compat, memory
 from compile_offload.passes.analyze import analyze_joint
-from compile_offload.passes.attention_bias_copies import COPYING_OPS
+from compile_offload.passes.inductor.attention_bias_copies import COPYING_OPS
 
 from .passes.joint_capture import capture
 from .test_op_workspace import _joint_on_cuda

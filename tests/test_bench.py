@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is a folder of the checkout, not an
 
 import compile_offload  # noqa: E402
 from compile_offload.benchmarks import runner, strategies, workloads  # noqa: E402
-from compile_offload.max_batch import largest_fitting, max_batch  # noqa: E402
+from compile_offload.tools.max_batch import largest_fitting, max_batch  # noqa: E402
 from compile_offload.passes.plan import Plan  # noqa: E402
 
 
@@ -243,7 +243,7 @@ def test_max_batch_measures_the_compiled_step_at_the_batch_it_found(monkeypatch)
 
 def _run_bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-c", "from compile_offload.bench import main; main()", "--out", str(out), *extra]
+    command = [sys.executable, "-c", "from compile_offload.tools.bench import main; main()", "--out", str(out), *extra]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -268,7 +268,7 @@ def test_bench_eager_strategies_write_well_formed_output(tmp_path):
 
 
 def test_bench_find_max_batch_writes_a_row_per_byte_budget(tmp_path, monkeypatch, capsys):
-    from compile_offload.bench import main
+    from compile_offload.tools.bench import main
 
     monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
     with pytest.raises(SystemExit) as exit_info:
@@ -309,7 +309,7 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
         "        raise ImportError('no matplotlib here')\n"
         "    return real_import(name, *args, **kwargs)\n"
         "builtins.__import__ = no_matplotlib\n"
-        "from compile_offload.bench import main\n"
+        "from compile_offload.tools.bench import main\n"
         "main()\n"
     )
     command = [sys.executable, "-c", code, "--out", str(tmp_path), "--smoke", "--strategies", "eager"]
@@ -336,7 +336,7 @@ def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message
     "ok" row on empty tensors or a StatisticsError in the table."""
     import re
 
-    from compile_offload import bench
+    from compile_offload.tools import bench
 
     monkeypatch.setattr(bench, "_benchmarks", lambda: pytest.fail("work started before the flags were checked"))
     with pytest.raises(SystemExit) as exit_info:

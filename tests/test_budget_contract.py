@@ -66,7 +66,7 @@ def test_the_plan_side_of_a_snapshot_is_what_the_plan_holds_at_its_peak():
     """``--snapshot`` writes, beside the allocator's blocks, the planner's program at its
     peak: the program rebuilt from the chosen plan peaks where the plan says, and the
     storages listed sum to that peak."""
-    from compile_offload.planning import plan_partition
+    from compile_offload.pipeline.planning import plan_partition
     from compile_offload.settings import resolve
 
     from .passes.joint_capture import capture

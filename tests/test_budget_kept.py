@@ -257,7 +257,7 @@ def test_a_dynamic_size_over_the_budget_warns_once(eager_inner, captured_plans):
 def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, captured_plans):
     """The symbolic program evaluated at a size gives the peak a static compile at that
     size predicts for the same plan (here: no budget, so the same saved set)."""
-    from compile_offload import dynamic_check
+    from compile_offload.pipeline import dynamic_check
 
     programs = []
     original = dynamic_check.check_sizes
@@ -266,7 +266,7 @@ def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, cap
         programs.extend(found)
         return original(compiled, example_inputs, found, budget_bytes, graph_name)
 
-    import compile_offload.backend as backend
+    import compile_offload.pipeline.backend as backend
 
     backend.dynamic_check.check_sizes = keep
     try:
@@ -291,7 +291,7 @@ import json, logging, sys, warnings
 import torch
 import compile_offload
 from compile_offload import config, pinned_pool
-from compile_offload.logs import latest_plans
+from compile_offload.reporting.logs import latest_plans
 from tests.models import MLP
 
 lines = []

@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 import compile_offload
-from compile_offload import budget_loop, inductor_kernels, logs
-from compile_offload.budget_loop import scheduled_peak, scheduled_program
-from compile_offload.inductor_kernels import Buffer, GraphKernels, Kernel
+from compile_offload.pipeline import budget_loop
+from compile_offload.inductor import kernels as inductor_kernels
+from compile_offload.reporting import logs
+from compile_offload.pipeline.budget_loop import scheduled_peak, scheduled_program
+from compile_offload.inductor.kernels import Buffer, GraphKernels, Kernel
 from compile_offload.passes.memory import simulate
 from compile_offload.passes.plan import format_bytes
 
@@ -153,7 +155,7 @@ def _compile_and_step(model, x, budget, recorders=None, quiet=True, **options):
             warnings.simplefilter("ignore")
         if recorders is not None:
             patch.setattr(budget_loop, "note_scheduled_peak", keep)
-        from compile_offload import partitioner
+        from compile_offload.pipeline import partitioner
 
         plan_partition = partitioner.plan_partition
 
@@ -500,8 +502,9 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
     assert kept.plan.budget_bytes == 1000 and kept.plan.planned_budget_bytes == 2000
     assert kept.plan.min_peak_bytes == 800  # the lowest the search reached, not the unconstrained plan's own
     assert any(note.startswith(budget_loop.UNCONSTRAINED_NOTE) for note in kept.plan.notes)
-    assert budget_loop.compiled_as_unconstrained(kept.plan)  # a warm cache compiles it again so
-    assert not budget_loop.compiled_as_unconstrained(plan(800, 1400))
+    assert kept.plan.unconstrained  # a warm cache compiles it again so
+    assert (kept.plan.budget_outcome, kept.plan.replans) == ("over_budget", 2)  # over by scheduled less budget
+    assert not plan(800, 1400).unconstrained
     # Its code fits the budget: kept, nothing warned.
     asked.clear()
     with warnings.catch_warnings():
@@ -586,8 +589,8 @@ def test_a_plan_predicted_over_the_budget_whose_code_fits_is_made_faster_on_hand
 
 def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits_it():
     from compile_offload.passes.plan import Plan
-    from compile_offload.planning import report_budget
-    from compile_offload.result import BudgetError
+    from compile_offload.pipeline.planning import report_budget
+    from compile_offload.pipeline.result import BudgetError
     from compile_offload.settings import resolve
 
     over = Plan(feasible=False, budget_bytes=1000, predicted_peak_bytes=1300, predicted_step_seconds=1.0,
@@ -617,8 +620,8 @@ def test_the_unconstrained_plan_kept_below_the_minimum_is_reported_at_its_schedu
     scheduled peak, not the search's (found on the custom autograd function of the extra
     families: warned at 289.50 KiB, measured 320.51 KiB, the unconstrained plan's)."""
     from compile_offload.passes.plan import Plan
-    from compile_offload.planning import report_budget
-    from compile_offload.result import BudgetError
+    from compile_offload.pipeline.planning import report_budget
+    from compile_offload.pipeline.result import BudgetError
     from compile_offload.settings import resolve
 
     def plan(predicted, scheduled):
@@ -765,8 +768,8 @@ WARM_REPLAN_SCRIPT = """
 import json, sys, warnings
 import torch
 import compile_offload
-from compile_offload import backend, budget_loop
-from compile_offload.logs import latest_plans
+from compile_offload.pipeline import backend, budget_loop
+from compile_offload.reporting.logs import latest_plans
 from tests.test_budget_loop import _deep_mlp, _inflating
 
 inflated, seen = _inflating([64 * 1024])  # this process's first plan "exceeds" its budget
@@ -801,9 +804,10 @@ WARM_UNCONSTRAINED_SCRIPT = """
 import json, warnings
 import torch
 import compile_offload
-from compile_offload import backend, budget_loop, measure_peak
+from compile_offload import measure_peak
+from compile_offload.pipeline import backend, budget_loop
 from compile_offload.benchmarks import families
-from compile_offload.logs import latest_plans
+from compile_offload.reporting.logs import latest_plans
 """ + COUNTING_REPLANS + """model, inputs, loss_of = families.build("custom_function")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -814,7 +818,7 @@ with warnings.catch_warnings():
     with measure_peak("cpu") as peak:
         step(*inputs).backward()
 plan = latest_plans()[-1]
-print(json.dumps({"asked": asked, "kept": plan.summary(), "unconstrained": budget_loop.compiled_as_unconstrained(plan),
+print(json.dumps({"asked": asked, "kept": plan.summary(), "unconstrained": plan.unconstrained,
                   "peak": peak.peak_bytes}))
 """
 
@@ -891,19 +895,20 @@ def test_the_loop_on_gpt2_at_0_8_keeps_the_budget_at_the_allocator():
 
 def test_a_replayed_record_of_a_plan_kept_over_its_budget_warns_again():
     """A warm cache replays the loop's warning, as ``graph_reports.replay`` does the others."""
-    from compile_offload import graph_reports
+    from compile_offload.pipeline import graph_reports
     from compile_offload.passes.plan import Plan
     from compile_offload.settings import resolve
 
-    def plan(notes):
+    def plan(outcome, replans=0):
         return Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=900, predicted_step_seconds=1.0,
-                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=900, notes=notes,
-                    scheduled_peak_bytes=1200)
+                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=900, budget_outcome=outcome,
+                    replans=replans, scheduled_peak_bytes=1200)
 
     settings = resolve({"memory_budget": 1000})
+    # The record's typed outcome says so (no note is read back); a saved record round-trips it.
+    over = Plan.from_dict(plan("over_budget", 2).to_json())
     with pytest.warns(UserWarning, match=r"predicted to peak at 1\.17 KiB \(scheduled peak\).*2 re-plans tried"):
-        graph_reports.replay([graph_reports.GraphRecord(plan(["scheduled peak 1.17 KiB over the budget after "
-                                                              "2 re-plans"]), None)], settings, "graph_0_0")
+        graph_reports.replay([graph_reports.GraphRecord(over, None)], settings, "graph_0_0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        graph_reports.replay([graph_reports.GraphRecord(plan([]), None)], settings, "graph_0_0")
+        graph_reports.replay([graph_reports.GraphRecord(plan("replanned", 1), None)], settings, "graph_0_0")

@@ -1,4 +1,4 @@
-"""python -m compile_offload explain MODULE:FACTORY (compile_offload.cli_explain)."""
+"""python -m compile_offload explain MODULE:FACTORY (compile_offload.tools.cli_explain)."""
 
 import json
 import re

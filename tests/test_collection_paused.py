@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from compile_offload.collection_paused import collection_paused
+from compile_offload.pipeline.collection_paused import collection_paused
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_plan_partition_restores_the_collector(collector_state):
     import torch
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    from compile_offload.planning import plan_partition
+    from compile_offload.pipeline.planning import plan_partition
     from compile_offload.settings import resolve
 
     seen = []

@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.utils import run_and_get_code
 
 import compile_offload
-from compile_offload import copy_order
+from compile_offload.inductor import copy_order
 from compile_offload.passes.offload import ROLE_OFFLOAD, ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD
 
 from .partition_results import partitions

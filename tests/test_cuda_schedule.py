@@ -6,7 +6,7 @@ its refusal is checked. Checked here with torch 2.11.0+cu130 (docs/benchmarks.md
 import pytest
 import torch
 
-from compile_offload import model_check
+from compile_offload.tools import model_check
 from compile_offload.benchmarks import cuda_schedule
 
 needs_cuda_build = pytest.mark.skipif(torch.version.cuda is None,
@@ -51,8 +51,8 @@ def test_a_flash_attention_backward_kernel_holds_its_workspace_in_the_record():
     program holds it with the three gradients."""
     import torch.fx as fx
 
-    from compile_offload.budget_loop import scheduled_program
-    from compile_offload.op_workspace import op_workspaces
+    from compile_offload.pipeline.budget_loop import scheduled_program
+    from compile_offload.inductor.op_workspace import op_workspaces
     from compile_offload.passes.memory import simulate
 
     from .test_op_workspace import _flash_backward_graph

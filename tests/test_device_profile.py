@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile_offload import device_profile as dp
+from compile_offload.pipeline import device_profile as dp
 from compile_offload.passes.cost import BUILTIN_PROFILES, DeviceProfile
 
 FAKE_GPU = "Fake GPU 80GB"

@@ -20,7 +20,7 @@ several tests:
 * **Collectives inside a graph** (functional all-gathers, as a hand-written FSDP does):
   never recomputed, the all-gathered parameters never offloaded, gradients equal eager.
 
-Memory is measured with ``compile_offload.memory_tracker.measure_peak`` (the CPU allocator) on rank 0
+Memory is measured with ``compile_offload.runtime.memory_tracker.measure_peak`` (the CPU allocator) on rank 0
 (exact tensor bytes of the compiled code's allocations).
 
 Also here: the ``examples/train_ddp.py`` example run under ``torchrun`` on 2 CPU ranks, and
@@ -113,7 +113,7 @@ class _Capture:
     collectives and the forward and backward graphs' collectives and offloaded tensors."""
 
     def __enter__(self) -> _Capture:
-        from compile_offload import partitioner
+        from compile_offload.pipeline import partitioner
 
         self.graphs: list[dict] = []
         self._original = plan_partition = partitioner.plan_partition
@@ -134,7 +134,7 @@ class _Capture:
         return self
 
     def __exit__(self, *exc) -> None:
-        from compile_offload import partitioner
+        from compile_offload.pipeline import partitioner
 
         partitioner.plan_partition = self._original
 
@@ -227,7 +227,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def ddp_scenario(rank: int, capture: _Capture) -> dict:
     import compile_offload
-    from compile_offload.memory_tracker import measure_peak
+    from compile_offload.runtime.memory_tracker import measure_peak
 
     model = Net()
     bucket = _bytes(model.blocks[0])  # a block per bucket: 3 graphs (the head joins the last block)
@@ -248,7 +248,7 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     # Memory: one step of a larger batch, measured after two warm-up steps (DDP rebuilds its
     # buckets on the second), gradients set to None first as the plans assume. Also kept:
     # the gradients of that step, the warnings and the compile_offload INFO lines.
-    import compile_offload.ddp as ddp_support
+    import compile_offload.pipeline.ddp as ddp_support
 
     x = _batch(rank, 0, tokens=512)
 
@@ -473,7 +473,7 @@ def test_ddp_bucket_graph_count_is_the_number_of_submodules_ddp_optimizer_compil
     ``bucket_graph_count`` finds 3; outside DDPOptimizer it finds nothing."""
     from torch._dynamo.backends.distributed import DDPOptimizer
 
-    from compile_offload.ddp import bucket_graph_count
+    from compile_offload.pipeline.ddp import bucket_graph_count
 
     model = Net(blocks=3)
     gm = torch.fx.symbolic_trace(model)
@@ -497,7 +497,7 @@ def test_ddp_bucket_graph_count_is_the_number_of_submodules_ddp_optimizer_compil
 
 
 def test_budget_per_ddp_bucket_splits_bytes_keeps_fractions_and_falls_back_with_one_warning(monkeypatch, caplog):
-    import compile_offload.ddp as ddp_module
+    import compile_offload.pipeline.ddp as ddp_module
     from compile_offload import settings as settings_mod
 
     monkeypatch.setattr(ddp_module, "_warned_ddp_split", False)

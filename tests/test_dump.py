@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload.dump import dump_result
+from compile_offload.reporting.dump import dump_result
 from compile_offload.passes.plan import PLAN_SCHEMA
-from compile_offload.logs import emit
+from compile_offload.reporting.logs import emit
 from compile_offload.passes.plan import Plan
 
 from .models import MLP, mlp_inputs

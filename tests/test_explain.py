@@ -1,4 +1,4 @@
-"""compile_offload.explain: plans without running, on meta models and named GPU profiles."""
+"""compile_offload.tools.explain: plans without running, on meta models and named GPU profiles."""
 
 import warnings
 
@@ -173,7 +173,7 @@ def _plan_facts(plan):
 def _kept_plans(captured):
     """The plan the backend kept for each graph it planned (``captured``: every plan made,
     re-plans of the budget loop included), in order."""
-    from compile_offload import logs
+    from compile_offload.reporting import logs
 
     latest = {plan.graph_name: plan for plan in logs.latest_plans()}
     names = list(dict.fromkeys(plan.graph_name for plan in captured))
@@ -215,7 +215,8 @@ def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):
     """Where the first plan's scheduled peak exceeds the budget (forced: every first plan's
     scheduled peak is raised over it), the backend re-plans; explain on CPU tensors lowers
     the graph as the backend does and keeps the same re-planned plan."""
-    from compile_offload import budget_loop, inductor_kernels
+    from compile_offload.pipeline import budget_loop
+    from compile_offload.inductor import kernels as inductor_kernels
 
     from .test_budget_loop import _deep_mlp, _inflating
 
@@ -262,7 +263,7 @@ def test_a_gpu_profile_on_cpu_tensors_is_not_checked_against_cpu_code(monkeypatc
     the GPU's, so explain does not lower it (nor run the generated forward), and says so."""
     import importlib
 
-    explain_module = importlib.import_module("compile_offload.explain")  # the module, not the function
+    explain_module = importlib.import_module("compile_offload.tools.explain")  # the module, not the function
     monkeypatch.setattr(explain_module, "compile_with_the_budget_loop",
                         lambda *args, **kwargs: pytest.fail("lowered CPU code for a GPU plan"))
     torch.manual_seed(0)
@@ -281,7 +282,7 @@ def test_a_gpu_profile_on_host_tensors_groups_kernels_as_the_gpu_would(monkeypat
     here; a real compile, whose C++ kernels are what runs)."""
     import importlib
 
-    planning = importlib.import_module("compile_offload.planning")
+    planning = importlib.import_module("compile_offload.pipeline.planning")
     analyze_joint = planning.analyze_joint
     asked: list = []
 

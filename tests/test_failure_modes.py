@@ -29,9 +29,10 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import compile_offload
-from compile_offload import copy_order, logs
-from compile_offload import ops
-from compile_offload.pinned_pool import get_pool
+from compile_offload.inductor import copy_order
+from compile_offload.reporting import logs
+from compile_offload.runtime import ops
+from compile_offload.runtime.pinned_pool import get_pool
 from compile_offload.passes.analyze import storage_roots
 from compile_offload.passes.plan import Plan
 
@@ -452,7 +453,7 @@ def test_measured_peak_stays_within_a_feasible_budget():
     """§5.5 on CPU: the allocations of a compiled step (the CPU allocator's, through
     ``measure_peak``) under a budget between the minimum and the unconstrained peak stay
     within 10% of the budget, and below the unconstrained step's."""
-    from compile_offload.memory_tracker import measure_peak
+    from compile_offload.runtime.memory_tracker import measure_peak
 
     def measured(budget) -> tuple[int, Plan]:
         torch._dynamo.reset()
@@ -814,7 +815,7 @@ def test_inductor_cudagraphs_turn_offload_off_and_train_like_no_offload():
 def test_a_graph_the_planner_cannot_handle_falls_back_with_one_warning(monkeypatch):
     """A graph analysis says is unsupported: one warning naming the reason, then torch's
     min-cut partition, which trains like eager."""
-    import compile_offload.planning as planning
+    import compile_offload.pipeline.planning as planning
     from compile_offload.passes.analyze import UnsupportedGraph
 
     def unsupported(*args, **kwargs):
@@ -830,7 +831,7 @@ def test_a_graph_the_planner_cannot_handle_falls_back_with_one_warning(monkeypat
 def test_a_planner_bug_raises_unless_suppress_errors(monkeypatch):
     """Any other error is a bug of ours: it raises (a fallback would quietly drop the
     budget); ``suppress_errors=True`` turns it into the fallback and its one warning."""
-    import compile_offload.planning as planning
+    import compile_offload.pipeline.planning as planning
 
     def broken(*args, **kwargs):
         raise KeyError("a bug")

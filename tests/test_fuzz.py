@@ -45,9 +45,9 @@ from hypothesis import HealthCheck, currently_in_test_context, event, example, g
 from hypothesis import strategies as st
 
 import compile_offload
-from compile_offload import ops
-from compile_offload import partitioner as partitioner_module
-from compile_offload.planning import plan_partition
+from compile_offload.runtime import ops
+from compile_offload.pipeline import partitioner as partitioner_module
+from compile_offload.pipeline.planning import plan_partition
 from compile_offload.passes.memory import graphs_program, simulate
 from compile_offload.passes.plan import Plan
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload import backend
+from compile_offload.pipeline import backend
 from compile_offload.benchmarks import budget_contract
 from compile_offload.settings import resolve
 

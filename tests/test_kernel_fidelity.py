@@ -10,7 +10,7 @@ import torch._inductor.lowering  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table
 
 from compile_offload.benchmarks.kernel_fidelity import compared_pairs
-from compile_offload.inductor_kernels import GraphKernels, Kernel
+from compile_offload.inductor.kernels import GraphKernels, Kernel
 
 
 def _two_readers(x, y):

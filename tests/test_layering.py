@@ -28,8 +28,9 @@ PACKAGES = {
 def package_modules() -> dict[str, Path]:
     modules = {}
     for package, folder in PACKAGES.items():
-        for path in sorted(folder.glob("*.py")):
-            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted(folder.rglob("*.py")):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
 
@@ -147,7 +148,59 @@ def test_import_works_beside_a_passes_package_of_the_users(tmp_path):
     (tmp_path / "passes" / "__init__.py").write_text("")
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "__init__.py").write_text("")
-    code = "import compile_offload, compile_offload.passes.solve, compile_offload.benchmarks.runner; print('ok')"
+    code = "import compile_offload, compile_offload.passes.solve.recompute, compile_offload.benchmarks.runner; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_no_folder_holds_more_than_sixteen_modules():
+    """The folders show the architecture (docs/design.md, "The code's map"): a folder that
+    grows past 16 modules is split by role, as compile_offload/ and passes/ were."""
+    folders: dict[Path, list[str]] = {}
+    for path in package_modules().values():
+        if path.stem != "__init__":
+            folders.setdefault(path.parent, []).append(path.stem)
+    crowded = {str(folder.relative_to(REPO)): len(names) for folder, names in folders.items() if len(names) > 16}
+    assert crowded == {}
+
+
+def test_the_runtime_package_ships_no_test_only_module():
+    """Code only tests use lives under tests/ (the branch-and-bound optimum), code only the
+    studies use under compile_offload/tools (calibration, the exhaustive optimum)."""
+    modules = package_modules()
+    assert "compile_offload.passes.solve_bound" not in modules
+    assert not [name for name in modules if name.startswith("compile_offload.passes.")
+                and name.rsplit(".", 1)[-1] in ("calibrate", "solve_exhaustive")]
+
+
+def _notes_read_back(source: str) -> list[int]:
+    """Lines where a loop or comprehension over some ``.notes`` tests the notes' text
+    (``startswith``, ``in``...): a free-text note parsed back instead of a typed field."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        loops = ([g for g in node.generators] if isinstance(node, (ast.GeneratorExp, ast.ListComp, ast.SetComp))
+                 else [node] if isinstance(node, ast.For) else [])
+        if not any(isinstance(loop.iter, ast.Attribute) and loop.iter.attr == "notes" for loop in loops):
+            continue
+        for inner in ast.walk(node):
+            tests_text = (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                          and inner.func.attr in ("startswith", "endswith", "removeprefix", "split", "rsplit"))
+            if tests_text or (isinstance(inner, ast.Compare) and any(isinstance(op, (ast.In, ast.Eq)) for op in inner.ops)):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def test_the_notes_check_finds_a_parsed_note():
+    assert _notes_read_back("x = next(n for n in plan.notes if n.startswith('fallback: '))") == [1]
+    assert _notes_read_back("text = '; '.join(plan.notes)") == []
+
+
+def test_no_note_is_parsed_back():
+    """What the budget loop did, and why a graph fell back, travel as typed ``Plan`` fields
+    (``budget_outcome``, ``replans``, ``unconstrained``, ``fallback``); ``notes`` are for
+    people, written and shown, never read back by the package."""
+    parsed = {str(path.relative_to(REPO)): lines for path in package_modules().values()
+              if (lines := _notes_read_back(path.read_text()))}
+    assert parsed == {}

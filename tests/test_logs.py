@@ -1,4 +1,4 @@
-"""One INFO line per graph, through logging, TORCH_LOGS and TORCH_TRACE (compile_offload.logs)."""
+"""One INFO line per graph, through logging, TORCH_LOGS and TORCH_TRACE (compile_offload.reporting.logs)."""
 
 import dataclasses
 import json
@@ -13,7 +13,7 @@ import torch
 from torch._logging import _internal as torch_logging_internal  # private: the TORCH_TRACE logger
 
 import compile_offload
-from compile_offload.logs import emit, info_line
+from compile_offload.reporting.logs import emit, info_line
 from compile_offload.passes.plan import PLAN_SCHEMA, Plan
 
 from .models import MLP, mlp_inputs

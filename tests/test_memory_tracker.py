@@ -1,4 +1,4 @@
-"""``compile_offload.memory_tracker.measure_peak``: the allocator's figures, Inductor included."""
+"""``compile_offload.runtime.memory_tracker.measure_peak``: the allocator's figures, Inductor included."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import compile_offload
-from compile_offload.memory_tracker import measure_peak
+from compile_offload.runtime.memory_tracker import measure_peak
 
 FLOAT = 4  # bytes per float32
 

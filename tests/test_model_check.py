@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from compile_offload.__main__ import main
-from compile_offload.model_check import (
+from compile_offload.tools.model_check import (
     CheckpointedDecoder,
     autograd_saved,
     capture_joint,
@@ -130,7 +130,7 @@ def test_the_builtin_h100_constants_are_what_the_fit_gives_on_the_shipped_anchor
     gives the built-in constants. Fails when the cost model or the simulator changes what
     the compile plans predict: then refit (model-check --fit) and update passes/cost.py and
     docs/benchmarks.md."""
-    from compile_offload.model_check import fit_h100, torch_plans
+    from compile_offload.tools.model_check import fit_h100, torch_plans
     from compile_offload.passes.cost import H100_CALIBRATION
 
     fit = fit_h100([torch_plans(shape, fit_only=True) for shape in load_anchors()])
@@ -156,7 +156,7 @@ def test_the_anchor_step_of_torchs_default_plan_is_predicted_at_the_cpu_allocato
 def test_the_eager_loss_measured_small_and_extended_is_its_peak_at_full_size(dtype):
     """The loss's peak is linear in its size: measured on two small outputs and extended,
     it is what the allocator shows for the whole output."""
-    from compile_offload.model_check import LOSS_PROBE_ELEMENTS, _loss_peak_measured, loss_peak_bytes
+    from compile_offload.tools.model_check import LOSS_PROBE_ELEMENTS, _loss_peak_measured, loss_peak_bytes
 
     args = {"batch": 2, "seq": 8, "d": LOSS_PROBE_ELEMENTS // 4, "dtype": dtype}  # 4x the probe's size
     assert loss_peak_bytes(args) == _loss_peak_measured(2 * 8 * LOSS_PROBE_ELEMENTS // 4, getattr(torch, dtype))

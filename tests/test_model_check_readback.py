@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compile_offload.benchmarks.workloads import Decoder
-from compile_offload.model_check import capture_joint, decoder_on_meta
+from compile_offload.tools.model_check import capture_joint, decoder_on_meta
 from compile_offload.passes import compat
 
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]

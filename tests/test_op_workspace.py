@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compile_offload.benchmarks.budget_contract import ConvBNNet
-from compile_offload.op_workspace import op_workspaces
+from compile_offload.inductor.op_workspace import op_workspaces
 
 from .passes.joint_capture import capture_analysis
 from .passes.test_in_place import planned_and_measured
@@ -58,7 +58,7 @@ def test_nothing_is_measured_for_a_gpu_plan_on_host_tensors(monkeypatch):
     analysis, _ = capture_analysis(lambda x: model(x).pow(2).mean(), x)
     assert op_workspaces(list(analysis.position))  # measured on the CPU ...
     assert op_workspaces(list(analysis.position), measure=False) == {}  # ... unless told not to
-    op_workspace = importlib.import_module("compile_offload.op_workspace")
+    op_workspace = importlib.import_module("compile_offload.inductor.op_workspace")
     measured = []
     run = op_workspace._measure
     monkeypatch.setattr(op_workspace, "_measure", lambda *args: measured.append(args) or run(*args))
@@ -90,7 +90,7 @@ def _flash_backward_graph(batch, heads, seq, head_dim, heads_k=None, device="cud
     (batch, seq, heads, head_dim) buffers seen through a transpose."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_offload.op_workspace import FLASH_BACKWARD
+    from compile_offload.inductor.op_workspace import FLASH_BACKWARD
 
     heads_k = heads if heads_k is None else heads_k
     with FakeTensorMode():
@@ -144,7 +144,7 @@ def test_flash_attention_backward_allocates_what_the_rule_says():
     """On a GPU: what the op holds above its three gradients, at the allocator, is the rule's
     figure (the caching allocator rounds each block; 1 MiB of slack). If torch's SDPA takes
     another kernel for these shapes (FlashAttention-3, cuDNN), this is where it shows."""
-    from compile_offload.op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
+    from compile_offload.inductor.op_workspace import FLASH_BACKWARD, flash_attention_backward_workspace
 
     batch, heads, seq, head_dim = 4, 8, 1000, 72
     node = _flash_backward_graph(batch, heads, seq, head_dim)
@@ -173,7 +173,7 @@ def _efficient_backward_graph(batch, heads, seq_q, head_dim, seq_k=None, head_di
     ``device``, laid out as SDPA's callers give them (as ``_flash_backward_graph``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_offload.op_workspace import EFFICIENT_BACKWARD
+    from compile_offload.inductor.op_workspace import EFFICIENT_BACKWARD
 
     seq_k = seq_q if seq_k is None else seq_k
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -197,7 +197,7 @@ def test_efficient_attention_backward_on_cuda_holds_its_fp32_workspace():
     fp32) per block of block_i queries and block_j columns of the head dim; fp16/bf16 above
     head dim 128 add dk and dv accumulators per key split; and the fp32 ``delta`` row sums
     (batch x heads x seq_q)."""
-    from compile_offload.op_workspace import efficient_attention_backward_workspace
+    from compile_offload.inductor.op_workspace import efficient_attention_backward_workspace
 
     # The contract's GPT-2 (fp32, batch 4, 2 heads, seq 128, head dim 32): the 64x64 kernel
     # (kMaxK 32), 2 query blocks x 1 column block of (16 + 64*64*4) bytes per (batch, head):
@@ -254,7 +254,7 @@ def test_a_cuda_plan_holds_the_efficient_attention_backward_workspace():
     """A traced joint graph with the memory-efficient attention on CUDA: the analysis the
     planner builds (``planning``: ``op_workspaces`` with ``measure=False`` for a GPU) counts
     the workspace, and the plan's simulated peak holds it while the backward runs."""
-    from compile_offload.op_workspace import EFFICIENT_BACKWARD
+    from compile_offload.inductor.op_workspace import EFFICIENT_BACKWARD
     from compile_offload.passes import compat, memory
     from compile_offload.passes.analyze import analyze_joint
 
@@ -300,7 +300,7 @@ def test_efficient_attention_backward_allocates_what_the_rule_says(dtype, head_d
     (the caching allocator rounds each block up to 512 bytes: 4 KiB of slack). The first case
     is the contract's GPT-2 attention, measured 0.25 MiB above the plan on an H200. Where it
     fails, the kernel picked (tiles, key splits) is not the one the rule reads for this GPU."""
-    from compile_offload.op_workspace import EFFICIENT_BACKWARD, efficient_attention_backward_workspace
+    from compile_offload.inductor.op_workspace import EFFICIENT_BACKWARD, efficient_attention_backward_workspace
 
     batch, heads, seq = (4, 2, 128) if head_dim == 32 else (2, 4, 300)
     node = _efficient_backward_graph(batch, heads, seq, head_dim, dtype=dtype)
@@ -352,7 +352,7 @@ def _conv_net(x, w1, w2):
 def _plan_conv_net(device: str, budget):
     """``_conv_net``'s joint graph, traced on ``device`` ("cuda": on meta, then given fake
     CUDA values), planned for ``h100`` under ``budget`` through ``plan_partition``."""
-    from compile_offload.planning import plan_partition
+    from compile_offload.pipeline.planning import plan_partition
     from compile_offload.settings import resolve
 
     from .passes.joint_capture import capture
@@ -378,8 +378,9 @@ def test_a_cuda_convolution_plan_names_the_workspace_it_could_not_measure(monkey
     contract's conv+BN peak on an H200). Where it cannot be measured (here: no GPU to run
     it on, as when CUDA is faked), the plan says so in its notes, and under a budget one
     warning per process says the peak can exceed the budget by it."""
-    from compile_offload import op_workspace, planning
-    from compile_offload.op_workspace import uncounted_cuda_workspaces
+    from compile_offload.inductor import op_workspace
+    from compile_offload.pipeline import planning
+    from compile_offload.inductor.op_workspace import uncounted_cuda_workspaces
 
     monkeypatch.setattr(planning, "_warned_uncounted", set())
     monkeypatch.setattr(op_workspace, "_measured_cuda", {})
@@ -400,7 +401,7 @@ def test_a_cuda_convolution_plan_names_the_workspace_it_could_not_measure(monkey
 def test_a_convolution_planned_for_a_gpu_on_meta_names_it_too_and_on_the_cpu_not(monkeypatch):
     """``explain`` plans for a GPU on meta tensors: the same note. On the CPU the convolution
     backward's workspace is measured (above): nothing to name, nothing to warn about."""
-    from compile_offload import planning
+    from compile_offload.pipeline import planning
 
     monkeypatch.setattr(planning, "_warned_uncounted", set())
     meta = _plan_conv_net("meta", None).plan
@@ -416,8 +417,8 @@ def _assert_the_op_holds_what_was_measured(node: fx.Node, measured: int) -> None
     """``node`` run on zero-filled CUDA tensors of its shapes, every output at once: what it
     holds above its outputs at the allocator is ``measured`` (512-byte blocks and an unsplit
     cached block: 1% + 64 KiB of slack)."""
-    from compile_offload.memory_tracker import measure_peak
-    from compile_offload.op_workspace import tensor_value
+    from compile_offload.runtime.memory_tracker import measure_peak
+    from compile_offload.inductor.op_workspace import tensor_value
 
     def real(value):
         return torch.zeros(value.shape, dtype=value.dtype, device="cuda" if value.device.type == "cuda" else "cpu")
@@ -438,7 +439,8 @@ def test_a_cuda_convolution_backward_workspace_is_measured_and_planned(monkeypat
     """On a GPU the planner runs each convolution backward once per gradient and counts the
     larger workspace: the plan holds it at the op (no note names it), and it is what the op
     holds above its outputs when it computes both gradients."""
-    from compile_offload import op_workspace, planning
+    from compile_offload.inductor import op_workspace
+    from compile_offload.pipeline import planning
 
     monkeypatch.setattr(op_workspace, "_measured_cuda", {})
     result = _plan_conv_net("cuda", 2**20)
@@ -458,7 +460,7 @@ def test_cudnn_attention_backward_workspace_is_measured(monkeypatch):
     """cuDNN attention (what SDPA takes for bf16 on H100/H200 under torch >= 2.11): its
     backward's workspace, measured by the planner, is what the op holds. GPT-8's attention
     shape held 136,314,880 bytes above its gradients on an H200 (2026-11-27)."""
-    from compile_offload import op_workspace
+    from compile_offload.inductor import op_workspace
 
     from .passes.joint_capture import capture_analysis
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compile_offload import ops
-from compile_offload.ops import OFFLOAD_OPS
-from compile_offload.pinned_pool import get_pool
+from compile_offload.runtime import ops
+from compile_offload.runtime.ops import OFFLOAD_OPS
+from compile_offload.runtime.pinned_pool import get_pool
 from compile_offload.passes.offload import host_layout
 
 

@@ -20,9 +20,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import compile_offload
-from compile_offload import ops, pinned_pool
-from compile_offload.ops import OFFLOAD_OPS
-from compile_offload.pinned_pool import get_pool
+from compile_offload.runtime import ops, pinned_pool
+from compile_offload.runtime.ops import OFFLOAD_OPS
+from compile_offload.runtime.pinned_pool import get_pool
 from compile_offload.passes.offload import eligible_saved_tensors, insert_offloads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

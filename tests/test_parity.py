@@ -82,7 +82,7 @@ def check_budget_reached_planner(result: ParityResult, plans: list, budget, grap
     graph under the budget asked for. ``plans``: every plan made; the budget loop may make
     more than one per graph (a re-plan, or the unconstrained plan compared where no plan's
     code fits), and what is checked is the plan each graph kept (its latest plan)."""
-    from compile_offload import logs
+    from compile_offload.reporting import logs
 
     messages = result.warning_messages()
     assert result.graphs_compiled == graphs
@@ -139,7 +139,7 @@ def test_parity_with_planned_offload(name, prefetch, captured_plans, monkeypatch
     them from the byte-ordered greedy's mixed sequences: the peak-ordered sequence
     (passes/solve_peak.py) reaches lower peaks on graphs this small by recomputing alone,
     so it is off here (what is tested is the runtime of a planned offload)."""
-    from compile_offload.passes import solve_peak
+    from compile_offload.passes.solve import peak as solve_peak
 
     monkeypatch.setattr(solve_peak, "MAX_MOVES", 0)
     case = CASES[name]

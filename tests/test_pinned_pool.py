@@ -5,8 +5,8 @@ import gc
 import pytest
 import torch
 
-from compile_offload import pinned_pool
-from compile_offload.pinned_pool import (
+from compile_offload.runtime import pinned_pool
+from compile_offload.runtime.pinned_pool import (
     CLASS_STEPS,
     MIN_CLASS_BYTES,
     PAGE_BYTES,

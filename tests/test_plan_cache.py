@@ -1,4 +1,4 @@
-"""Plan.save / Plan.load and config.plan_cache_dir (compile_offload.plan_cache)."""
+"""Plan.save / Plan.load and config.plan_cache_dir (compile_offload.pipeline.plan_cache)."""
 
 import json
 import warnings
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload import plan_cache
-from compile_offload.device_profile import resolve_profile
+from compile_offload.pipeline import plan_cache
+from compile_offload.pipeline.device_profile import resolve_profile
 from compile_offload.passes.plan import Plan
 
 from .models import MLP, ReadsMutatedBuffer, TransformerBlock, mlp_inputs, sequence_inputs

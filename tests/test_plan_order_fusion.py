@@ -1,4 +1,4 @@
-"""``compile_offload.plan_order_fusion``: under a budget Inductor refuses a horizontal fusion
+"""``compile_offload.inductor.plan_order_fusion``: under a budget Inductor refuses a horizontal fusion
 that would run a kernel ahead of its place; without one it fuses as ``torch.compile`` does."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import compile_offload
-from compile_offload import plan_order_fusion
-from compile_offload.plan_order_fusion import keeping_plan_order, plan_order_choices, pulls_ahead
+from compile_offload.inductor import plan_order_fusion
+from compile_offload.inductor.plan_order_fusion import keeping_plan_order, plan_order_choices, pulls_ahead
 
 
 def _node(name: str, order: int, ancestors: tuple[str, ...] = (), members: tuple[str, ...] = ()):

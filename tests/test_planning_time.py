@@ -59,7 +59,7 @@ def test_our_columns_plan_for_the_gpus_kernels(monkeypatch):
     """The graphs are traced on CPU tensors (their values say CPU), but the h100 profile
     plans a GPU's step: ours is told the kernels are an accelerator's (Triton's), as
     ``explain`` tells it for a GPU profile on host tensors; torch's columns are untouched."""
-    from compile_offload import partitioner
+    from compile_offload.pipeline import partitioner
 
     made = []
 

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload.profile_step import allocated_over_time, allocator_block_bytes, describe_live_at_peak, live_at_peak
+from compile_offload.tools.profile_step import (
+    allocated_over_time,
+    allocator_block_bytes,
+    describe_live_at_peak,
+    live_at_peak,
+)
 
 
 def test_allocated_over_time_follows_allocs_and_completed_frees():
@@ -101,7 +106,7 @@ def test_profile_step_records_a_step(tmp_path):
 
 def test_the_drawing_overlays_measured_and_predicted_timelines(tmp_path):
     pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
-    from compile_offload.profile_step import _draw
+    from compile_offload.tools.profile_step import _draw
     from tests.models import MLP, mlp_inputs
 
     plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
@@ -115,7 +120,7 @@ def test_the_drawing_overlays_measured_and_predicted_timelines(tmp_path):
 def test_the_plans_drawn_by_default_are_the_latest_of_each_graph(tmp_path):
     """profile_step's default ``plans``: what the backend just partitioned, one per graph,
     the newest replacing an older plan of the same graph."""
-    from compile_offload.logs import latest_plans
+    from compile_offload.reporting.logs import latest_plans
     from tests.models import MLP, mlp_inputs
 
     torch._dynamo.reset()
@@ -132,7 +137,7 @@ def test_drawing_leaves_the_users_matplotlib_backend_and_figures_alone(tmp_path)
     matplotlib = pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from compile_offload.profile_step import _draw
+    from compile_offload.tools.profile_step import _draw
 
     before = matplotlib.get_backend()
     plt.switch_backend("svg")  # a user's backend other than the Agg our PNGs render with

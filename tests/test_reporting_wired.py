@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from compile_offload import planning
+from compile_offload.pipeline import planning
 from compile_offload.passes.analyze import UnsupportedGraph
 from compile_offload.passes.plan import Plan
 

@@ -25,11 +25,13 @@ import warnings
 import pytest
 import torch
 import compile_offload
-from compile_offload import budget_loop, inductor_kernels, logs
+from compile_offload.pipeline import budget_loop
+from compile_offload.inductor import kernels as inductor_kernels
+from compile_offload.reporting import logs
 from compile_offload.benchmarks import families
 from compile_offload.benchmarks.budget_contract import ConvBNNet
-from compile_offload.budget_loop import scheduled_program
-from compile_offload.inductor_kernels import Buffer, GraphKernels, Kernel
+from compile_offload.pipeline.budget_loop import scheduled_program
+from compile_offload.inductor.kernels import Buffer, GraphKernels, Kernel
 from compile_offload.passes.memory import simulate
 
 needs_hook = pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")

@@ -1,4 +1,4 @@
-"""compile_offload.sweep: one plan per budget and the predicted Pareto plot."""
+"""compile_offload.tools.sweep: one plan per budget and the predicted Pareto plot."""
 
 import pytest
 

@@ -33,7 +33,7 @@ def _recorded(prof) -> int:
 
 @pytest.fixture
 def fresh_compiles():
-    from compile_offload import op_workspace
+    from compile_offload.inductor import op_workspace
 
     op_workspace._measured.clear()
     op_workspace._warned_not_measured.clear()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import compile_offload
-from compile_offload.memory_tracker import measure_peak
+from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes.plan import Plan, format_bytes
-from compile_offload.verify_budget import warn_if_over_budget
+from compile_offload.runtime.verify_budget import warn_if_over_budget
 
 
 def _plan(budget: int, predicted: int) -> Plan:

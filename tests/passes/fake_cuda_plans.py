@@ -16,9 +16,9 @@ def plan_on_fake_cuda(joint, num_fwd_outputs: int, settings, keep_plan_order: bo
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from compile_offload.backend import inductor_config_patches
+    from compile_offload.pipeline.backend import inductor_config_patches
     from compile_offload.benchmarks import cuda_schedule
-    from compile_offload.partitioner import OffloadRematPartitioner
+    from compile_offload.pipeline.partitioner import OffloadRematPartitioner
 
     results = []
     with cuda_schedule.fake_cuda(), warnings.catch_warnings(), torch._functorch.config.patch(donated_buffer=False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compile_offload.passes.calibrate import COMPUTE_GRID, FitRow, KernelTerms, fit_constants, predicted_seconds
+from compile_offload.tools.calibrate import COMPUTE_GRID, FitRow, KernelTerms, fit_constants, predicted_seconds
 from compile_offload.passes.cost import H100_DATASHEET
 
 

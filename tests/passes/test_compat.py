@@ -393,7 +393,7 @@ def test_boxed_python_runs_with_the_boxed_convention_and_frees_its_arguments():
 
 
 def test_backend_graph_name_reads_dynamos_compile_id():
-    from compile_offload import backend, ddp
+    from compile_offload.pipeline import backend, ddp
 
     assert backend._graph_name() == "graph"  # outside Dynamo
     assert ddp.bucket_index() is None
@@ -414,7 +414,7 @@ def test_inductor_config_has_the_partitioner_hook_the_backend_patches():
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
     import inspect
 
-    from compile_offload.partitioner import OffloadRematPartitioner
+    from compile_offload.pipeline.partitioner import OffloadRematPartitioner
 
     assert hasattr(inductor_config, "custom_partitioner_fn")
     assert "config_patches" in inspect.signature(compile_fx).parameters
@@ -425,7 +425,7 @@ def test_inductor_config_has_the_partitioner_hook_the_backend_patches():
 
 
 def test_ops_private_helpers():
-    from compile_offload import ops
+    from compile_offload.runtime import ops
 
     assert ops._is_dense(torch.randn(4, 5))
     assert ops._is_dense(torch.randn(4, 5).t())  # a permutation of a contiguous layout
@@ -440,7 +440,7 @@ def test_ops_private_helpers():
 
 
 def test_ops_custom_ops_carry_the_cudagraph_unsafe_tag_where_torch_has_it():
-    from compile_offload import ops
+    from compile_offload.runtime import ops
 
     for name in ("offload", "reload"):
         op = getattr(torch.ops.compile_offload, name).default

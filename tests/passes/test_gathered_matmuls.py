@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import fusable_nodes
-from compile_offload.passes.node_kinds import bmm_as_reduction, is_pointwise, loads_inputs_in_loop
+from compile_offload.passes.inductor.node_kinds import bmm_as_reduction, is_pointwise, loads_inputs_in_loop
 
 TOKENS, EXPERTS, D, H = 16, 4, 8, 12
 
@@ -157,7 +157,7 @@ def test_the_mixture_of_experts_backward_peaks_as_inductors_cuda_kernels(budget)
     12.85 and 9.08). The forward is not compared: Inductor fuses the four gathers there
     into one kernel (design.md, "Gathered weights")."""
     from compile_offload.benchmarks import families
-    from compile_offload.budget_loop import scheduled_program
+    from compile_offload.pipeline.budget_loop import scheduled_program
     from compile_offload.passes.memory import plan_program, simulate
     from compile_offload.settings import resolve
 

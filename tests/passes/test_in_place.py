@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import compile_offload
-from compile_offload.memory_tracker import measure_peak
+from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes.memory import Program, Step, simulate
 
 from ..partition_results import partitions

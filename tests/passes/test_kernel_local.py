@@ -15,7 +15,7 @@ import torch._inductor.lowering  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table
 
 from compile_offload.passes.analyze import fusable_nodes, inlined_values
-from compile_offload.passes.kernel_local import fused_kernel_order, kernel_groups
+from compile_offload.passes.inductor.kernel_local import fused_kernel_order, kernel_groups
 
 from .test_memory import simulated_and_compiled_peaks
 
@@ -257,7 +257,7 @@ def test_a_kernel_split_around_a_cycle_only_shrinks():
     members' kernel (a cycle kept for a kernel split already, nothing of it waiting) changed
     nothing, and the walk met the same cycle for ever (an unrolled GRU planned for an H100
     hung in planning; ``tests/test_explain.py``)."""
-    from compile_offload.passes.kernel_local import _run_apart
+    from compile_offload.passes.inductor.kernel_local import _run_apart
 
     a, b, c, d = _nodes(4)
     kernel = (a, b, c, d)
@@ -314,7 +314,7 @@ def test_a_pull_through_an_inlined_value_or_an_earlier_kernel_is_seen_through():
     kernel = a | c
     apart = fused_kernel_order(order, [kernel], _inputs, parts={kernel: (a, c)}, inlined=frozenset({nodes["v"]}))
     assert apart == order
-    from compile_offload.passes.kernel_local import _pulls
+    from compile_offload.passes.inductor.kernel_local import _pulls
 
     position = {n: i for i, n in enumerate(order)}
     c_part = (nodes["c"],)

@@ -12,8 +12,8 @@ import torch._inductor.lowering  # noqa: F401  (registers prims.inductor_random)
 from torch._inductor.decomposition import select_decomp_table
 
 from compile_offload.passes.analyze import fusable_nodes, inlined_values
-from compile_offload.passes.kernel_local import kernel_groups, is_random_draw
-from compile_offload.passes.loop_ranges import cpu_graph, fits_cpu_kernel, loop_ranges
+from compile_offload.passes.inductor.kernel_local import kernel_groups, is_random_draw
+from compile_offload.passes.inductor.loop_ranges import cpu_graph, fits_cpu_kernel, loop_ranges
 
 ROWS, COLS = 6, 10
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from compile_offload.passes import solve_offload
+from compile_offload.passes.solve import joint as solve_offload
 from compile_offload.passes.build_plan import build_plan
-from compile_offload.passes.lower_peak import SAME_SECONDS, lower_peak, lowered_solution
+from compile_offload.passes.solve.lower_peak import SAME_SECONDS, lower_peak, lowered_solution
 from compile_offload.passes.progress import Progress
-from compile_offload.passes.solve_offload import Evaluator, Prefix, solve_joint
+from compile_offload.passes.solve.joint import Evaluator, Prefix, solve_joint
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +17,12 @@ def gpt2_block():
     meta device), h100 profile: the greedy's lowest plan recomputes bf16 casts of the
     first layer norm that cost no time, and saving them again lowers the backward's peak
     (docs/benchmarks.md, "Optimality"). (analysis, starting saved set, seconds, offload)."""
-    from compile_offload.model_check import _gpt2_block, backend_analysis, seconds_function
+    from compile_offload.tools.model_check import _gpt2_block, backend_analysis, seconds_function
     from compile_offload.passes import compat
     from compile_offload.passes.cost import BUILTIN_PROFILES
     from compile_offload.passes.offload import eligible_for_offload
-    from compile_offload.passes.solve import without_banned_recompute
-    from compile_offload.passes.solve_offload import OffloadOptions
+    from compile_offload.passes.solve.recompute import without_banned_recompute
+    from compile_offload.passes.solve.joint import OffloadOptions
 
     profile = BUILTIN_PROFILES["h100"]
     model, x = _gpt2_block()

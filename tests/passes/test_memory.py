@@ -12,8 +12,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor.lowering  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table
 
-from compile_offload.memory_tracker import measure_peak
-from compile_offload.planning import plan_partition
+from compile_offload.runtime.memory_tracker import measure_peak
+from compile_offload.pipeline.planning import plan_partition
 from compile_offload.settings import resolve
 from compile_offload.passes import compat
 from compile_offload.passes.memory import Program, Step, graphs_program, live_at, peak_bytes, simulate
@@ -224,7 +224,7 @@ def test_predicted_peak_within_10_percent_of_measured(model_name, budget):
     """The plan's predicted peak against the allocations of the partitioned graphs, run
     as Python (the eager inner compiler), measured at the CPU allocator (``measure_peak``).
     The minimum-memory ConvBN step was 32% above its prediction until the convolution
-    backward's workspace was measured (``compile_offload.op_workspace``)."""
+    backward's workspace was measured (``compile_offload.inductor.op_workspace``)."""
     make_model, make_input = MODELS[model_name]
     torch.manual_seed(0)
     model, x = make_model(), make_input()
@@ -583,7 +583,7 @@ def test_the_minimum_plan_for_triton_peaks_as_inductors_cuda_kernels():
     context, so no saved tensor is donated to the backward: planned likewise
     (``donated_buffer`` off), or the plan writes the last block's gradient into its saved
     projection where those kernels cannot (19% under them)."""
-    from compile_offload.budget_loop import scheduled_program
+    from compile_offload.pipeline.budget_loop import scheduled_program
 
     from .fake_cuda_plans import plan_on_fake_cuda
     from .joint_capture import capture

@@ -8,8 +8,8 @@ from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compile_offload import ops
-from compile_offload.ops import OFFLOAD_OPS
+from compile_offload.runtime import ops
+from compile_offload.runtime.ops import OFFLOAD_OPS
 from compile_offload.passes.offload import (
     ROLE_OFFLOAD,
     ROLE_RELOAD,

@@ -6,11 +6,11 @@ import functools
 import pytest
 import torch
 
-from compile_offload.passes import peak_bound, solve_offload
+from compile_offload.passes.solve import peak_bound, joint as solve_offload
 from compile_offload.passes.cost import BUILTIN_PROFILES, DeviceProfile, node_seconds
 from compile_offload.passes.offload import eligible_for_offload
-from compile_offload.passes.solve import Prefix, greedy_moves, prefixes
-from compile_offload.passes.solve_offload import Evaluator, OffloadOptions, mixed_moves, solve_joint
+from compile_offload.passes.solve.recompute import Prefix, greedy_moves, prefixes
+from compile_offload.passes.solve.joint import Evaluator, OffloadOptions, mixed_moves, solve_joint
 
 from .joint_capture import Tower, capture_analysis, chain_model, encoder_stack
 
@@ -113,7 +113,8 @@ def test_a_solve_leaves_no_plan_of_its_own_to_the_cyclic_collector(offload):
 
     a, base = GRAPHS["encoder, fused"]()
     planner_modules = {f"compile_offload.passes.{name}" for name in
-                       ("solve", "solve_offload", "memory", "transfer", "peak_bound", "search_sequence", "analyze")}
+                       ("solve.recompute", "solve.joint", "memory", "transfer", "solve.peak_bound",
+                        "solve.search_sequence", "analyze")}
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from compile_offload.passes.kernel_local import fused_kernel_order
+from compile_offload.passes.inductor.kernel_local import fused_kernel_order
 from compile_offload.passes.memory import backward_order, forward_nodes_needed, plan_nodes, recomputed_nodes
 from compile_offload.passes.schedule import just_in_time_order
 
@@ -99,7 +99,7 @@ def test_the_analysis_tables_match_the_graph(table):
 
 def test_offloadable_per_step_equals_its_definition():
     from compile_offload.passes.offload import eligible_for_offload
-    from compile_offload.passes.solve_offload import Offloadable, offloadable
+    from compile_offload.passes.solve.joint import Offloadable, offloadable
 
     a, base = transformer()
     eligible = lambda node: eligible_for_offload(node)[0]  # noqa: E731

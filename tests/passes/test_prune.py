@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from compile_offload.passes.prune import MAX_EVALUATIONS, prune_solution
-from compile_offload.passes.solve import pick
-from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
-from compile_offload.passes.solve_offload import solve_joint
+from compile_offload.passes.solve.prune import MAX_EVALUATIONS, prune_solution
+from compile_offload.passes.solve.recompute import pick
+from compile_offload.tools.solve_exhaustive import exhaustive_candidates, greedy_pool
+from compile_offload.passes.solve.joint import solve_joint
 
 SWEEP = 12
 
@@ -21,11 +21,11 @@ def narrow_block():
     below the unconstrained peak, and pruning makes some of them faster. A size
     the exhaustive search finishes in about a minute on a loaded 2-core machine.
     (analysis, starting saved set, seconds, exhaustive candidates)."""
-    from compile_offload.model_check import capture_joint, decoder_on_meta, seconds_function
+    from compile_offload.tools.model_check import capture_joint, decoder_on_meta, seconds_function
     from compile_offload.passes import compat
     from compile_offload.passes.analyze import analyze_joint
     from compile_offload.passes.cost import BUILTIN_PROFILES
-    from compile_offload.passes.solve import without_banned_recompute
+    from compile_offload.passes.solve.recompute import without_banned_recompute
 
     model, x = decoder_on_meta({"layers": 1, "d": 64, "heads": 2, "seq": 256, "batch": 2, "dtype": "bfloat16"})
     a = analyze_joint(capture_joint(model, x), fusion=True)
@@ -39,7 +39,7 @@ def byte_ordered_greedy(monkeypatch):
     """The plans pruning starts from are the byte-ordered greedy's: on a graph this small the
     sequence that simulates every move (passes/solve_peak.py, part of the default solve)
     reaches these optima by itself, and would leave pruning nothing to show."""
-    from compile_offload.passes import solve_peak
+    from compile_offload.passes.solve import peak as solve_peak
 
     monkeypatch.setattr(solve_peak, "MAX_MOVES", 0)
 

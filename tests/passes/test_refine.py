@@ -7,10 +7,10 @@ import torch
 
 from compile_offload.passes.memory import recomputed_nodes
 from compile_offload.passes.progress import Progress
-from compile_offload.passes.refine import refine, refine_solution
-from compile_offload.passes.solve import pick
-from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
-from compile_offload.passes.solve_offload import Evaluator, solve_joint
+from compile_offload.passes.solve.refine import refine, refine_solution
+from compile_offload.passes.solve.recompute import pick
+from compile_offload.tools.solve_exhaustive import exhaustive_candidates, greedy_pool
+from compile_offload.passes.solve.joint import Evaluator, solve_joint
 
 from .test_solve_exhaustive import _planned_for_h100
 
@@ -34,7 +34,7 @@ def byte_ordered_greedy(monkeypatch):
     the sequence that simulates every move, with the plans it simulates on the way
     (passes/solve_peak.py, part of the default solve), reaches the optimum at every budget
     of the sweep by itself, and would leave refinement nothing to show."""
-    from compile_offload.passes import solve_peak
+    from compile_offload.passes.solve import peak as solve_peak
 
     monkeypatch.setattr(solve_peak, "MAX_MOVES", 0)
 
@@ -46,11 +46,11 @@ def gpt2_like_block():
     freed per second and recomputes the MLP's activations, which free bytes away from the
     peak, so it overpays at most budgets (the case of docs/benchmarks.md, at a size the
     exhaustive search finishes in seconds). (analysis, starting saved set, seconds)."""
-    from compile_offload.model_check import capture_joint, decoder_on_meta, seconds_function
+    from compile_offload.tools.model_check import capture_joint, decoder_on_meta, seconds_function
     from compile_offload.passes import compat
     from compile_offload.passes.analyze import analyze_joint
     from compile_offload.passes.cost import BUILTIN_PROFILES
-    from compile_offload.passes.solve import without_banned_recompute
+    from compile_offload.passes.solve.recompute import without_banned_recompute
 
     model, x = decoder_on_meta({"layers": 1, "d": 128, "heads": 4, "seq": 128, "batch": 2, "dtype": "bfloat16"})
     a = analyze_joint(capture_joint(model, x), fusion=True)

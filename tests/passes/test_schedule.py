@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor.decomposition import select_decomp_table
 
-from compile_offload.ops import OFFLOAD_OPS
+from compile_offload.runtime.ops import OFFLOAD_OPS
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.cost import DeviceProfile, node_seconds
@@ -18,8 +18,8 @@ from compile_offload.passes.memory import graphs_program, simulate
 from compile_offload.passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eligible_for_offload, insert_offloads
 from compile_offload.passes.rewrite import build_graphs
 from compile_offload.passes.schedule import emit_after_inputs, place_offload_waits, place_reloads
-from compile_offload.passes.solve import without_banned_recompute
-from compile_offload.passes.solve_offload import OffloadOptions, solve_joint
+from compile_offload.passes.solve.recompute import without_banned_recompute
+from compile_offload.passes.solve.joint import OffloadOptions, solve_joint
 
 from .joint_capture import Tower
 
@@ -36,7 +36,7 @@ LINK = 3e7
 
 def offloading_backend(record: dict, fraction: float, prefetch: bool = True, place: bool = True, link=LINK):
     """Plan with ``solve_joint``, build the graphs, insert the chosen copies and place them
-    where the transfer model said (the wiring ``compile_offload.planning`` does)."""
+    where the transfer model said (the wiring ``compile_offload.pipeline.planning`` does)."""
 
     def partition(joint_gm, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **_):
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_offload.passes.search_sequence import count_within, first_fitting, first_where, lowest
-from compile_offload.passes.solve import Candidate, Prefix, pick, search_sequences
+from compile_offload.passes.solve.search_sequence import count_within, first_fitting, first_where, lowest
+from compile_offload.passes.solve.recompute import Candidate, Prefix, pick, search_sequences
 
 
 @st.composite

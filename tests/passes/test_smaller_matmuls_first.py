@@ -9,11 +9,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_offload.benchmarks import budget_contract
-from compile_offload.model_check import backend_analysis, capture_joint
+from compile_offload.tools.model_check import backend_analysis, capture_joint
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.memory import plan_program, simulate
-from compile_offload.passes.smaller_matmuls_first import smaller_matmuls_first
+from compile_offload.passes.inductor.smaller_matmuls_first import smaller_matmuls_first
 
 aten = torch.ops.aten
 ROWS, COLS, INNER = 512, 256, 64

@@ -6,7 +6,7 @@ import torch.nn as nn
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from compile_offload.passes.memory import recomputed_nodes
-from compile_offload.passes.solve import SolverError, solve_exact, solve_greedy, step_seconds
+from compile_offload.passes.solve.recompute import SolverError, solve_exact, solve_greedy, step_seconds
 
 from .joint_capture import CHAIN_OPS, capture_analysis, chain_model
 
@@ -122,7 +122,7 @@ def test_a_fraction_is_that_share_of_the_saved_activations_on_top_of_the_rest():
     """The backward of ``sin(x @ w)`` needs ``x``, ``w`` (inputs: steady state) and the
     product (16 x 32 fp32 = 2048 bytes): the unconstrained plan saves 2048 bytes, so
     ``f`` keeps ``f`` of them on top of the rest of its peak."""
-    from compile_offload.passes.solve import budget_of_fraction
+    from compile_offload.passes.solve.recompute import budget_of_fraction
 
     x, w = torch.randn(16, 32), torch.randn(32, 32, requires_grad=True)
     analysis, base = capture_analysis(_matmul_then_sine, x, w)
@@ -140,7 +140,7 @@ def test_recompute_moves_kept_across_plans_match_fresh_ones(seed):
     start) yields exactly the moves a fresh one yields for each plan, skips included."""
     import random
 
-    from compile_offload.passes.solve import PlanState, RecomputeMoves
+    from compile_offload.passes.solve.recompute import PlanState, RecomputeMoves
 
     rng = random.Random(seed)
     blocks = nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)))
@@ -168,7 +168,7 @@ def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed, told):
     touched (``Move.touched``, as the sequences do) instead of comparing the plans whole."""
     import random
 
-    from compile_offload.passes.solve import PlanState, RecomputeMoves, best_move
+    from compile_offload.passes.solve.recompute import PlanState, RecomputeMoves, best_move
 
     rng = random.Random(seed)
     blocks = nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)))
@@ -201,7 +201,7 @@ def test_the_heap_of_moves_picks_what_comparing_them_all_picks(seed, told):
 def test_with_no_plan_fitting_the_lowest_plan_simulated_is_chosen():
     """A search may read a plan lower than every candidate (a bump hid it from ``lowest``):
     below the minimum, that plan is the one chosen, and ``minimum`` reports it."""
-    from compile_offload.passes.solve import Candidate, select
+    from compile_offload.passes.solve.recompute import Candidate, select
 
     torch.manual_seed(0)
     analysis, base = capture_analysis(chain_model(["sin", "linear", "relu"], 16), torch.randn(8, 16, requires_grad=True))

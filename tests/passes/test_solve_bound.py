@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from compile_offload.passes.solve import pick
-from compile_offload.passes.solve_bound import branch_and_bound
-from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
+from compile_offload.passes.solve.recompute import pick
+from tests.passes.solve_bound import branch_and_bound
+from compile_offload.tools.solve_exhaustive import exhaustive_candidates, greedy_pool
 
 from .joint_capture import Tower, capture_analysis
 from .test_solve_exhaustive import _planned_for_h100, tanh_seconds, two_tanh

@@ -6,10 +6,10 @@ import torch
 
 from compile_offload.passes.cost import BUILTIN_PROFILES, node_seconds
 from compile_offload.passes.offload import eligible_for_offload
-from compile_offload.passes.solve import step_seconds, without_banned_recompute
-from compile_offload.passes.solve import pick
-from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool, solve_exhaustive
-from compile_offload.passes.solve_offload import OffloadOptions, solve_joint
+from compile_offload.passes.solve.recompute import step_seconds, without_banned_recompute
+from compile_offload.passes.solve.recompute import pick
+from compile_offload.tools.solve_exhaustive import exhaustive_candidates, greedy_pool, solve_exhaustive
+from compile_offload.passes.solve.joint import OffloadOptions, solve_joint
 
 from .joint_capture import Tower, capture_analysis
 

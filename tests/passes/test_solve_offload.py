@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from compile_offload.passes.cost import DeviceProfile, node_seconds
 from compile_offload.passes.memory import plan_program, recomputed_nodes, simulate
 from compile_offload.passes.offload import eligible_for_offload
-from compile_offload.passes.solve import solve_greedy, step_seconds
+from compile_offload.passes.solve.recompute import solve_greedy, step_seconds
 from compile_offload.passes import progress
-from compile_offload.passes.solve_offload import OffloadOptions, offloadable, solve_joint
-from compile_offload.passes.solve_peak import peak_moves
+from compile_offload.passes.solve.joint import OffloadOptions, offloadable, solve_joint
+from compile_offload.passes.solve.peak import peak_moves
 
 from .joint_capture import CHAIN_OPS, Tower, capture_analysis, chain_model, encoder_stack
 
@@ -174,9 +174,9 @@ def _mixed_sequence(monkeypatch, refresh):
     """A mixed sequence on a two-layer transformer with ``LINK_REFRESH`` set to
     ``refresh``: (analysis, base saved set, seconds, its moves, how many saved sets'
     facts the offload costs read)."""
-    from compile_offload.passes import solve_offload
+    from compile_offload.passes.solve import joint as solve_offload
     from compile_offload.passes.cost import BUILTIN_PROFILES
-    from compile_offload.passes.solve_offload import SavedSetCache, mixed_moves
+    from compile_offload.passes.solve.joint import SavedSetCache, mixed_moves
 
     monkeypatch.setattr(solve_offload, "LINK_REFRESH", refresh)
     analysis, base = encoder_stack(layers=2, width=32, heads=2, ff=64, batch=4, seq=32)
@@ -198,8 +198,8 @@ def test_offload_costs_on_fresh_schedules_are_the_link_estimate(monkeypatch):
     """Schedules derived again at every step: each chosen offload move costs what
     ``LinkEstimate`` says on the schedules of the plan it was chosen in."""
     from compile_offload.passes.cost import BUILTIN_PROFILES
-    from compile_offload.passes.solve import PlanState
-    from compile_offload.passes.solve_offload import SavedSetFacts
+    from compile_offload.passes.solve.recompute import PlanState
+    from compile_offload.passes.solve.joint import SavedSetFacts
     from compile_offload.passes.transfer import LinkEstimate
 
     analysis, base, seconds, moves, _ = _mixed_sequence(monkeypatch, refresh=-1.0)
@@ -233,8 +233,8 @@ def test_the_best_offload_move_is_the_best_of_every_offload_move(monkeypatch, re
     ``best_move`` of every offloadable storage's move at each step of a mixed sequence;
     ``told``: told what the last move touched, as ``mixed_moves`` tells it."""
     from compile_offload.passes.cost import BUILTIN_PROFILES
-    from compile_offload.passes.solve import PlanState, best_move
-    from compile_offload.passes.solve_offload import OffloadCosts, Offloadable, SavedSetCache
+    from compile_offload.passes.solve.recompute import PlanState, best_move
+    from compile_offload.passes.solve.joint import OffloadCosts, Offloadable, SavedSetCache
 
     analysis, base, seconds, moves, _ = _mixed_sequence(monkeypatch, refresh)
     h100 = options(BUILTIN_PROFILES["h100"])

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import functools
 
-from compile_offload import model_check
+from compile_offload.tools import model_check
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.cost import BUILTIN_PROFILES
 from compile_offload.passes.memory import recomputed_nodes
-from compile_offload.passes.solve import (Prefix, RecomputeEvaluator, RecomputeMoves, pick, prefixes, solve_greedy,
+from compile_offload.passes.solve.recompute import (Prefix, RecomputeEvaluator, RecomputeMoves, pick, prefixes, solve_greedy,
                                           without_banned_recompute)
-from compile_offload.passes.solve_exhaustive import exhaustive_candidates, greedy_pool
-from compile_offload.passes.solve_offload import solve_joint
-from compile_offload.passes.solve_peak import peak_moves
+from compile_offload.tools.solve_exhaustive import exhaustive_candidates, greedy_pool
+from compile_offload.passes.solve.joint import solve_joint
+from compile_offload.passes.solve.peak import peak_moves
 
 H100 = BUILTIN_PROFILES["h100"]
 

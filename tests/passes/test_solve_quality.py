@@ -13,7 +13,7 @@ import pytest
 
 from compile_offload.passes.cost import BUILTIN_PROFILES, node_seconds
 from compile_offload.passes.offload import eligible_for_offload
-from compile_offload.passes.solve_offload import OffloadOptions, solve_joint
+from compile_offload.passes.solve.joint import OffloadOptions, solve_joint
 
 from .joint_capture import encoder_stack
 

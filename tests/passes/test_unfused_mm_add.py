@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compile_offload.passes.unfused_mm_add import unfused_mm_add
+from compile_offload.passes.inductor.unfused_mm_add import unfused_mm_add
 
 aten = torch.ops.aten
 

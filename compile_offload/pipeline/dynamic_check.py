@@ -1,0 +1,211 @@
+"""Dynamic shapes: check the plan's predicted peak at each new size against the budget.
+
+With ``torch.compile(dynamic=True)`` (or a dimension Dynamo made dynamic after a
+recompile) one graph serves every size, and its plan is made once, for the sizes of the
+call that compiled it. A byte budget met at batch 512 can then be exceeded several times
+over at batch 4096. The plan's memory program (the steps of the forward and backward and
+what each allocates) is kept with every allocation as an expression in the graph's size
+symbols; at the first call with new sizes the program is simulated again at those sizes
+(``passes.memory.simulate``) and, when the predicted peak exceeds the budget, one warning
+says so. Nothing is re-planned: the plan stays correct, only its peak moved.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..passes.analyze import JointAnalysis, tensor_value
+from ..passes.compat import size_hint
+from ..passes.memory import Program, Step, plan_program, simulate
+from ..passes.plan import format_bytes
+
+log = logging.getLogger("compile_offload")
+
+
+@dataclass
+class SymbolicProgram:
+    """A plan's memory program with sizes as expressions (strings, ``sympy`` syntax) in
+    the graph's size symbols; JSON-able, so a cache hit can check sizes too."""
+
+    # per step: (allocations, reads, in-place candidates), storages by index
+    steps: list[tuple[list[tuple[int, str]], list[int], list[int]]]
+    outlives: list[int]
+    backward_start: int
+    symbols: list[str]  # the size symbols the expressions use
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "outlives": self.outlives, "backward_start": self.backward_start,
+                "symbols": self.symbols}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SymbolicProgram":
+        steps = [([(int(k), str(e)) for k, e in step[0]], [int(r) for r in step[1]],
+                  [int(c) for c in (step[2] if len(step) > 2 else ())]) for step in data["steps"]]
+        return cls(steps, [int(k) for k in data["outlives"]], int(data["backward_start"]), list(data["symbols"]))
+
+    def peak_bytes(self, sizes: dict[str, int]) -> int:
+        """The predicted peak with each symbol at ``sizes[name]``."""
+        import sympy
+
+        from torch.utils._sympy import functions as size_functions  # FloorDiv, Mod, ... as torch prints them
+
+        names = {name: getattr(size_functions, name) for name in dir(size_functions)
+                 if isinstance(getattr(size_functions, name), type)}
+        names.update({name: sympy.Symbol(name, integer=True) for name in sizes})
+        values = {names[name]: value for name, value in sizes.items()}
+        memo: dict[str, int] = {}
+
+        def evaluate(text: str) -> int:
+            if text not in memo:
+                memo[text] = int(sympy.sympify(text, locals=names).xreplace(values))
+            return memo[text]
+
+        steps = [Step("", [(key, evaluate(expr)) for key, expr in allocs], list(reads), in_place=tuple(in_place))
+                 for allocs, reads, in_place in self.steps]
+        return simulate(Program(steps, self.backward_start, set(self.outlives))).peak_bytes
+
+
+def _expression(value: Any) -> Any:
+    import sympy
+
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return sympy.Integer(int(value))
+
+
+def _storage_bytes(node: fx.Node | None, nbytes: int) -> str:
+    """The bytes a storage of ``node`` takes, as an expression in the size symbols (as
+    ``passes.analyze.allocation_bytes`` counts them); ``nbytes`` when not symbolic."""
+    val = tensor_value(node) if node is not None else None
+    if val is None or all(isinstance(s, int) for s in (*val.shape, *val.stride())):
+        return str(nbytes)
+    extent = 1
+    for size, stride in zip(val.shape, val.stride()):
+        extent = extent + (_expression(size) - 1) * _expression(stride)
+    return str(extent * val.element_size())
+
+
+def symbolic_program(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.Node] = frozenset(),
+                     transfers: Any = None) -> SymbolicProgram | None:
+    """The chosen plan's program with symbolic sizes; None when the graph has no symbolic
+    size (nothing to check)."""
+    symbols: set[str] = set()
+    for node in a.joint.gm.graph.nodes:
+        val = tensor_value(node)
+        if val is not None:
+            for size in (*val.shape, *val.stride()):
+                if isinstance(size, torch.SymInt):
+                    symbols.update(str(s) for s in size.node.expr.free_symbols)
+    if not symbols:
+        return None
+    program = plan_program(
+        a, saved, offloaded, fusion=a.fusion,
+        reload_distance=transfers.reload_distance if transfers else None,
+        offload_wait_after=transfers.offload_wait_after if transfers else None,
+    )
+    index: dict[Any, int] = {}
+    steps = []
+    for step in program.steps:
+        allocs = []
+        for key, nbytes in step.allocates:
+            node = key if isinstance(key, fx.Node) else next((k for k in key if isinstance(k, fx.Node)), None)
+            expr = _storage_bytes(node, nbytes)
+            allocs.append((index.setdefault(key, len(index)), expr))
+        reads = [index.setdefault(key, len(index)) for key in step.reads]
+        steps.append((allocs, reads, [index.setdefault(key, len(index)) for key in step.in_place]))
+    outlives = [index.setdefault(key, len(index)) for key in program.outlives]
+    return SymbolicProgram(steps, outlives, program.backward_start, sorted(symbols))
+
+
+def _symbol_locations(example_inputs: Sequence[Any]) -> dict[str, tuple[int, int | None]]:
+    """Where each plain size symbol can be read from a call's arguments: (argument, dim),
+    dim None for a SymInt argument."""
+    import sympy
+
+    where: dict[str, tuple[int, int | None]] = {}
+    for position, value in enumerate(example_inputs):
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            where.setdefault(str(value.node.expr), (position, None))
+        elif isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    where.setdefault(str(size.node.expr), (position, dim))
+    return where
+
+
+def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], programs: list[SymbolicProgram],
+                budget_bytes: int | None, graph_name: str) -> Callable[..., Any]:
+    """``compiled``, checking the predicted peak of each new set of sizes against
+    ``budget_bytes`` and warning once when a size exceeds it. ``compiled`` itself when
+    there is nothing to check (no byte budget, no symbolic size, or a symbol that cannot
+    be read from the arguments)."""
+    if budget_bytes is None or not programs:
+        return compiled
+    where = _symbol_locations(example_inputs)
+    symbols = sorted({s for program in programs for s in program.symbols})
+    if not symbols or any(s not in where for s in symbols):
+        return compiled
+    hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
+    planned = tuple(hints[s] for s in symbols)
+    seen: set[tuple[int, ...]] = set()
+    warned = False
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal warned
+        if not warned:
+            # Read before the call: a boxed call (one list) may clear the list.
+            inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
+            sizes = tuple(_read(inputs, where[s]) for s in symbols)
+            if sizes not in seen and sizes != planned:  # the planned sizes: the plan's own warning, if any
+                seen.add(sizes)
+                at = dict(zip(symbols, sizes))
+                try:
+                    peak = max(program.peak_bytes(at) for program in programs)
+                except (TypeError, ValueError, SyntaxError) as error:  # a size expression sympy cannot evaluate
+                    log.debug("%s: no peak check at %s (%s)", graph_name, _sizes(at), error)
+                    peak = 0
+                if peak > budget_bytes:
+                    warned = True
+                    warnings.warn(
+                        f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
+                        f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
+                        f"{format_bytes(budget_bytes)} (warned once per graph). The plan is made for the sizes of "
+                        "the call that compiled the graph: call it first with the largest size, or compile with "
+                        "dynamic=False so that each size gets a plan of its own",
+                        stacklevel=2,
+                    )
+        return compiled(*args, **kwargs)
+
+    return run
+
+
+def _read(inputs: Sequence[Any], location: tuple[int, int | None], to_int: Callable[[Any], int] = int) -> int:
+    position, dim = location
+    value = inputs[position]
+    return to_int(value if dim is None else value.shape[dim])
+
+
+def _sizes(values: dict[str, int]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in values.items())
+
+
+def program_of(result: Any) -> SymbolicProgram | None:
+    """The symbolic program of a ``PartitionResult`` (None: not planned, or static sizes)."""
+    a = result.analysis
+    if a is None:
+        return None
+    chosen = result.solution.chosen if result.solution is not None else None
+    if chosen is not None:
+        return symbolic_program(a, set(chosen.saved), set(chosen.offloaded), chosen.transfers)
+    by_name = {node.name: node for node in a.joint.gm.graph.nodes}  # a plan from the plan cache
+    return symbolic_program(a, {by_name[n] for n in result.plan.saved}, {by_name[n] for n in result.plan.offloaded})

@@ -1,0 +1,255 @@
+"""One joint graph -> Plan + forward/backward graphs. Shared by the backend and ``explain``.
+
+Planning only: what the user is told about the result (logs, dumps, traces) is the
+caller's job (``partitioner.OffloadRematPartitioner``), and so is anything the runtime
+needs (the pinned pool's limit is set by the backend).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+from . import plan_cache
+from .collection_paused import collection_paused
+from .device_profile import device_of, resolve_profile
+from ..inductor.op_workspace import op_workspaces, uncounted_cuda_workspaces
+from ..passes import compat, user_policy
+from ..passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
+from ..passes.build_plan import build_plan
+from ..passes.cost import node_seconds
+from ..passes.memory import fused_nodes
+from ..passes.offload import eligible_for_offload
+from ..passes.plan import Plan, format_bytes
+from ..passes.rewrite import build_graphs
+from ..passes.progress import Progress
+from ..passes.solve.refine import Refinement, refine_solution
+from ..passes.solve.recompute import Candidate, Solution, SolverError, solve_exact, without_banned_recompute
+from ..passes.inductor.smaller_matmuls_first import smaller_matmuls_first
+from ..passes.inductor.unfused_mm_add import unfused_mm_add
+from ..passes.solve.joint import OffloadOptions, solve_joint
+from .place_offloads import force_offload, insert_planned_offloads, planned_placement
+from .result import BudgetError, PartitionResult
+from ..settings import Settings
+
+
+def plan_partition(
+    joint_gm: fx.GraphModule,
+    joint_inputs: Sequence[object],
+    settings: Settings,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: list[int] | None = None,
+    graph_name: str = "graph",
+    accelerator: bool | None = None,
+    report: bool = True,
+) -> PartitionResult:
+    """Plan and partition one joint graph under ``settings``.
+
+    ``accelerator``: whether Inductor will generate an accelerator's (Triton) kernels for the
+    graph rather than the C++ backend's, which decides how the memory model groups kernels
+    (``analyze_joint``); None: the graph's device says (``explain`` passes True where host
+    tensors stand in for a GPU's).
+
+    A graph the planner is known not to handle (``UnsupportedGraph``) falls back to torch's
+    min-cut partition (a correct plan) with one warning naming the reason; so does any other
+    error when ``settings.suppress_errors`` is set, and otherwise it raises. A budget below
+    the minimum warns, or raises ``BudgetError`` under ``strict_budget`` (``report=False``:
+    the caller reports it, once Inductor's code for the plan is known).
+    """
+    # Collections walking the whole heap were ~40% of planning (collection_paused.py).
+    with collection_paused():
+        started = time.perf_counter()
+        policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
+        # The order the plan holds to (Inductor's peak-memory reordering is off under a
+        # budget): a gradient's smaller matmuls first, as that reordering would; and each
+        # matmul where the graph computes it, not folded into a later add.
+        joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
+        joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+        profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
+        if not compat.has_backward(joint):
+            fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
+            plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,
+                                  solver=settings.solver, graph_name=graph_name,
+                                  why="no backward: torch's default partition")
+            return PartitionResult(plan, fw_gm, bw_gm, None, None)
+        try:
+            result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started,
+                                          accelerator)
+        except (BudgetError, SolverError):
+            raise
+        except Exception as error:
+            if not (isinstance(error, UnsupportedGraph) or settings.suppress_errors):
+                raise
+            return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
+                             graph_name, error)
+        note_uncounted_workspaces(result.plan, joint_gm.graph.nodes)
+        if report:
+            report_budget(result.plan, settings)
+        return result
+
+
+UNCOUNTED_WORKSPACE_NOTE = "not counted: the run-time workspace of each CUDA"
+_warned_uncounted: set[tuple[str, ...]] = set()
+
+
+def note_uncounted_workspaces(plan: Plan, nodes) -> None:
+    """Name in ``plan.notes`` the CUDA ops whose workspace the plan does not count, as it was
+    not measured on the GPU (``op_workspace.uncounted_cuda_workspaces``), and under a budget
+    warn once per process for each set of them: the step's peak can exceed the budget by
+    those workspaces."""
+    kinds = tuple(uncounted_cuda_workspaces(nodes))
+    if not kinds:
+        return
+    plan.notes.append(f"{UNCOUNTED_WORKSPACE_NOTE} {', '.join(kinds)} (sized by the library when it runs, and "
+                      "not measured on the GPU while planning; one cuDNN convolution backward held 1.08 MiB at "
+                      "16 channels, batch 8, 32x32, on an H200)")
+    if plan.budget_bytes is not None and kinds not in _warned_uncounted:
+        _warned_uncounted.add(kinds)
+        warnings.warn(f"compile_offload: {plan.graph_name}: the plan does not count the workspace of each CUDA "
+                      f"{', '.join(kinds)}, which the library sizes when it runs and which could not be measured "
+                      "on the GPU while planning; the step's peak can exceed the memory budget by it "
+                      "(config.verify_budget measures the first step against the budget)", stacklevel=4)
+
+
+def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
+                         graph_name: str, started: float, accelerator: bool | None = None) -> PartitionResult:
+    inductor = settings.inner_compiler == "inductor"
+    # Under a budget Inductor compiles with plan_order_fusion's rule: no horizontal fusion pulls.
+    analysis = analyze_joint(joint, fusion=inductor, accelerator=accelerator, fusion_pulls=not settings.has_budget,
+                             workspaces=lambda nodes: op_workspaces(nodes, inductor, measure=accelerator is not True))
+    policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
+    memo: dict[fx.Node, float] = {}
+    # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
+    fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
+
+    def seconds(node: fx.Node) -> float:
+        if node not in memo:
+            memo[node] = 0.0 if node in fused else node_seconds(node, profile)
+        return memo[node]
+
+    # The kernel rules decide the plan as much as the profile does: both key the plan cache.
+    cache_profile = profile.to_dict() if accelerator is None else {**profile.to_dict(), "accelerator": accelerator}
+    if settings.plan_cache_dir is not None:
+        cached = plan_cache.lookup(joint.gm, settings, cache_profile, analysis=analysis)
+        if cached is not None:
+            return plan_cache.rebuild(analysis, cached, settings, num_fwd_outputs, graph_name, seconds, profile)
+    base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
+    base_saved = user_policy.saved_offload_roots(analysis, policy, base_saved)
+
+    offload = None
+    # Planning for a CPU, "host memory" is the device's own memory: an offloaded copy frees
+    # nothing (measured 3.20 MiB against a predicted 2.20 MiB for TinyGPT 2x d64 at budget
+    # 0.75 on the CPU), so the solver only keeps or recomputes there. debug_force_offload
+    # still offloads (tests of the runtime).
+    if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
+        offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0] and policy.may_offload(node),
+                                 settings.prefetch)
+    exact_failed: list[str] = []
+    limit = settings.plan_time_limit
+    progress = Progress(None if limit is None else max(0.0, limit - (time.perf_counter() - started)), graph_name)
+
+    def solve(cost) -> Solution:
+        if settings.solver == "exact" and not exact_failed:
+            try:
+                return solve_exact(analysis, base_saved, cost, settings.budget_bytes,
+                                   settings.exact_max_candidates, settings.budget_fraction, progress)
+            except SolverError as error:
+                exact_failed.append(str(error))
+                warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=5)
+        return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload,
+                           progress)
+
+    solution = solve(seconds)
+    refinement = None
+    if settings.solver == "refined":  # opt-in: it spends the slack the greedy leaves (design.md, "Refinement")
+        unrefined = solution
+        solution, refinement = refine_solution(analysis, solution, base_saved, seconds, offload, progress)
+    if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
+        preferring = solve(policy.biased(seconds)) if policy.bias else None
+        solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload, base_saved)
+        if not settings.debug_force_offload:  # which offloads all it can anyway
+            no_offload = "offload=False" if not settings.offload else "the cpu profile: host memory is the device's own"
+            solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
+                                                  base_saved, graph_name)
+    chosen = solution.chosen
+    # Placing the planned copies recompiles the backward: once is enough.
+    fw_gm, bw_gm = build_graphs(analysis, chosen.saved, recompile=not chosen.offloaded, offloaded=chosen.offloaded)
+    fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
+    plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
+                      graph_name=graph_name, solve_seconds=time.perf_counter() - started)
+    user_policy.annotate(plan, policy, analysis, graph_name)
+    if (refinement is not None and refinement.plan is not unrefined.chosen
+            and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
+        plan.notes.append(_refinement_note(refinement, unrefined.chosen))
+    if progress.out_of_time:
+        plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
+    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
+                                 planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
+    if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
+        plan_cache.store(joint.gm, settings, cache_profile, plan)
+    return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+
+
+def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
+    """What refinement changed in the greedy's plan (``passes/refine.py``), for ``Plan.notes``."""
+    faster = (unrefined.extra_seconds - refinement.plan.extra_seconds) * 1e3
+    steps = f"{refinement.undos} undo step{'s' * (refinement.undos != 1)}"
+    if refinement.swaps:
+        steps += f" and {refinement.swaps} swap{'s' * (refinement.swaps != 1)}"
+    return (f"refined: {steps} after the greedy solver, predicted {faster:.3f} ms faster "
+            f"({refinement.evaluated} plans evaluated)")
+
+
+def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outputs: int,
+              static_lifetime_input_indices, graph_name: str, error: Exception) -> PartitionResult:
+    """torch's min-cut partition for a graph the planner did not plan: correct, without the budget."""
+    warnings.warn(
+        f"compile_offload: {graph_name}: the planner could not handle this graph ({type(error).__name__}: "
+        f"{error}); falling back to torch's default min-cut partition (correct, but the memory budget is "
+        "not applied to this graph)",
+        stacklevel=4,
+    )
+    joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+    fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
+    plan = Plan.unplanned(feasible=False, budget_bytes=settings.budget_bytes, device_profile=profile.name,
+                          solver=settings.solver, graph_name=graph_name, why=f"fallback: {error}",
+                          fallback=f"{type(error).__name__}: {error}")
+    fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    return PartitionResult(plan, fw_gm, bw_gm, None, None)
+
+
+def report_budget(plan: Plan, settings: Settings) -> None:
+    """Warn (or, under ``strict_budget``, raise) when ``plan`` could not meet its budget;
+    also run for a plan whose graphs came from a cache (``graph_reports.replay``). Under the
+    budget loop it runs once Inductor's code is known (``backend._compile_inductor``): a plan
+    predicted over the budget whose scheduled peak fits it is not reported."""
+    if plan.feasible or plan.budget_bytes is None:
+        return
+    if plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes <= plan.budget_bytes:
+        return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
+    if settings.budget_fraction == 0.0:
+        return  # asks for the minimum plan: nothing to warn about
+    if plan.budget_outcome == "over_budget":
+        return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
+    unconstrained = plan.unconstrained
+    if unconstrained and plan.scheduled_peak_bytes is not None:
+        # The plans made to lower memory peaked higher in Inductor's code than this one:
+        # what the step can reach is this plan's scheduled peak, not the search's minimum.
+        reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated, the unconstrained "
+                   f"plan's; the plans it made to lower memory, predicted down to "
+                   f"{format_bytes(plan.min_peak_bytes)}, peaked higher there")
+    elif plan.scheduled_peak_bytes is not None:  # what the step holds, first; the planner's figure after
+        reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated for its minimum-memory "
+                   f"plan; predicted {format_bytes(plan.min_peak_bytes)}")
+    else:
+        reached = f"{format_bytes(plan.min_peak_bytes)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}"
+    message = (f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the "
+               f"minimum this planner can reach ({reached})")
+    if settings.strict_budget:
+        raise BudgetError(message + "; strict_budget=True")
+    message += "; using the unconstrained plan" if unconstrained else "; using the minimum-memory plan"
+    warnings.warn(message, stacklevel=4)

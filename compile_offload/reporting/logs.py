@@ -1,0 +1,117 @@
+"""What the user is told about each planned graph: log lines, TORCH_TRACE artifacts, dumps.
+
+``TORCH_LOGS="+compile_offload"`` works through torch's own support for module names in
+``TORCH_LOGS``: when torch parses the variable (at its import) it imports the module named
+and registers its logger, so our logger gets torch's handler and format. We also register
+the logger with ``torch._logging`` ourselves, so it is one of torch's loggers whatever the
+variable says, but never re-run torch's log set-up: that happens while torch is importing
+us, and a second set-up inside the first doubled every line.
+``torch._logging.set_logs(modules={"compile_offload": logging.DEBUG})`` and plain
+``logging.getLogger("compile_offload")`` work too.
+
+Per graph (``emit``): one INFO line (budget, predicted peak, keep / recompute / offload
+counts, solver and its time, or why the graph was not planned), the decision table at
+DEBUG, the plan as a ``TORCH_TRACE`` artifact for tlparse, and with ``dump_dir`` set the
+graph's dump folder (``dump``; the budget loop writes it again with the plan it kept).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import torch.fx as fx
+
+from .dump import dump_result
+from ..passes.plan import Plan
+from ..pipeline.result import PartitionResult
+from ..settings import Settings
+
+LOGGER_NAME = "compile_offload"
+log = logging.getLogger(LOGGER_NAME)
+
+
+def register_with_torch_logging() -> None:
+    from torch._logging._internal import register_log  # private (torch >= 2.1), not re-exported
+
+    register_log(LOGGER_NAME, LOGGER_NAME)
+
+
+# The latest plan of each graph this process partitioned, by graph name: what
+# profile_step draws when it is given no plans.
+_latest_plans: dict[str, Plan] = {}
+
+
+def latest_plans() -> list[Plan]:
+    """The most recent plan of each graph partitioned in this process, oldest first."""
+    return list(_latest_plans.values())
+
+
+def remember(plan: Plan) -> None:
+    """Make ``plan`` its graph's latest (the budget loop keeps a plan other than the last made)."""
+    _latest_plans.pop(plan.graph_name, None)
+    _latest_plans[plan.graph_name] = plan
+
+
+def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
+    """Report one graph the partitioner planned, through every channel."""
+    remember(result.plan)
+    folder = dump(result, joint_gm, settings)
+    log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
+    if result.plan.decisions:
+        log.debug("%s: decisions\n%s", result.plan.graph_name, result.plan.table())
+    trace_plan(result.plan)
+
+
+def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> Path | None:
+    """Write ``result`` into ``config.dump_dir`` (over an earlier dump of the same graph); the
+    graph's folder, or None without a dump folder or when it could not be written (warned)."""
+    if settings.dump_dir is None:
+        return None
+    try:
+        return dump_result(settings.dump_dir, result, joint_gm)
+    except OSError as error:  # checked when the knob was read; the folder changed since
+        warnings.warn(f"compile_offload: {result.plan.graph_name}: could not write the dump into "
+                      f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
+                      stacklevel=3)
+        return None
+
+
+def emit_cached(plan: Plan) -> None:
+    """Report a plan whose graphs came from Inductor's or AOTAutograd's cache (the
+    partitioner did not run): the same log lines and trace as when it was made."""
+    remember(plan)
+    if plan.notes and not plan.decisions:  # torch's partition was used: say why, as info_line does
+        line = f"{plan.graph_name}: not planned ({'; '.join(plan.notes)})"
+    else:
+        # The line a planning compile logs, which comes before Inductor's kernels (and so the
+        # scheduled peak) exist: a warm cache says what a cold compile said.
+        line = plan.summary(scheduled=False)
+    log.info("%s [compiled code from Inductor's cache]", line)
+    if plan.decisions:
+        log.debug("%s: decisions\n%s", plan.graph_name, plan.table())
+    trace_plan(plan)
+
+
+def info_line(result: PartitionResult) -> str:
+    """The one INFO line for a graph: its plan's summary and where the plan came from."""
+    plan = result.plan
+    if result.analysis is None:  # torch's partition was used: say why
+        return f"{plan.graph_name}: not planned ({'; '.join(plan.notes) or 'no reason recorded'})"
+    if result.solution is None:
+        return f"{plan.summary()} [from the plan cache]"
+    return f"{plan.summary()} [solver {plan.solver}, {plan.solve_seconds:.2f} s]"
+
+
+def trace_plan(plan: Plan) -> None:
+    """The plan as a ``TORCH_TRACE`` artifact, so tlparse shows it next to the graph's
+    other artifacts (trace_structured tags it with the current compile id)."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"compile_offload_plan_{plan.graph_name}", "encoding": "json"},
+        payload_fn=lambda: json.dumps(plan.to_json(), default=str),
+    )

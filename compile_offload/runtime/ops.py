@@ -1,0 +1,454 @@
+"""Custom ops that move a saved tensor to host memory in forward and back in backward.
+
+Graph pattern (inserted by ``passes.offload.insert_offloads`` after partitioning)::
+
+    forward:   host  = compile_offload.offload(x, contiguous_host)       # D2H starts
+               ...   (x's remaining forward uses)
+               saved = compile_offload.wait_offload(host, x)             # returned as the saved value
+    backward:  dev   = compile_offload.reload(saved, device, stride)    # H2D starts
+               ...   (one or more backward nodes)
+               x_    = compile_offload.wait_reload(dev, saved)           # replaces x in backward
+
+Streams and events (CUDA). Each device has two transfer streams (``transfer_stream``), one
+per direction of the link: offloads (device to host) run on one, reloads (host to device)
+on the other, so a reload never queues behind the forward's offloads or the other way
+round. That is what the transfer model (``passes/transfer.py``) assumes: one FIFO per
+direction, the two directions overlapping each other and compute.
+
+* ``offload`` makes the offload stream wait for the current (compute) stream, so the copy
+  starts after ``x`` was produced, copies ``x`` into a pinned buffer from
+  ``compile_offload.runtime.pinned_pool`` with ``non_blocking=True`` and records a completion event.
+  ``x`` stays referenced by the pending entry until the wait (as well as by the wait's
+  argument), so even a step that fails before the wait cannot free it under the copy.
+* ``wait_offload`` makes the compute stream wait for that event. It takes ``x`` as an
+  argument although it only keeps it alive: that data edge makes ``x`` live in the graph
+  (for Inductor's buffer reuse and ``del`` as much as for the caching allocator) until the
+  wait, and every kernel after the wait is ordered after the copy on the compute stream. So
+  ``x``'s memory is neither freed nor reused before the copy has finished, without
+  ``record_stream``. Its result is an alias of the host tensor (declared in the schema), and
+  the forward returns it as the saved value, so the wait cannot be dead-code-eliminated
+  and nothing can use the saved value before the wait.
+* ``reload`` allocates the device tensor on the compute stream, makes the reload stream
+  wait for the compute stream (the fresh block may still be read by earlier kernels), copies
+  and records an event. The reload is ordered after its offload through the compute stream:
+  the compute stream waited for the offload's event at the forward's ``wait_offload``, and
+  the reload stream waits for everything queued on the compute stream before the reload, so
+  the host data is complete when the reload starts.
+* ``wait_reload`` makes the compute stream wait for the reload's event, keeping the host
+  tensor alive until then; its result (an alias of the reloaded tensor) replaces the saved
+  tensor's uses in backward, so no use can be scheduled ahead of it.
+
+Correctness therefore rests on data edges only; nothing relies on timing or on Inductor keeping
+the graph order. Overlap does rest on the order: the backend compiles graphs with these ops
+without Inductor's reordering passes (``compile_offload/copy_order.py``). The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
+Python-side bookkeeping would not be replayed by a CUDA graph.
+
+Events travel from a copy to its wait through ``_pending``, keyed by the ``data_ptr`` of
+the tensor the copy returned (the host tensor for an offload, the device tensor for a
+reload). The key is unique while the copy is pending because that tensor stays alive until
+its wait, which removes the entry; so running the same graph again and again leaves nothing
+behind (``pending_transfer_count()`` is 0 after a full step). A wait for a tensor with
+elements and without an entry raises ``RuntimeError``: the tensor it received is not the one
+its copy returned (a layout copy, an alias at an offset, a changed code generation) or the
+copy was already waited for, and returning would let compute read memory a copy may still
+be writing. (Zero-element tensors have no copy and no entry.) An entry keeps both ends of its
+copy alive, with the copy's device-side temporaries, so a step that raises between a copy
+and its wait leaks them instead of letting the allocator or the pinned pool reuse memory a
+copy still reads or writes; ``drain_pending_transfers()`` finishes and forgets such leftovers.
+
+Layouts. The round trip preserves size, stride and every element bitwise; the reloaded
+tensor has storage offset 0.
+
+* ``offload(x, contiguous_host=False)``: the host tensor has ``x``'s size and stride and
+  holds exactly ``numel`` elements; ``x`` must be non-overlapping and dense (contiguous,
+  permuted, or a view with a storage offset), so the copy is one memcpy of exactly the
+  bytes needed.
+* ``offload(x, contiguous_host=True)`` (any non-overlapping layout, e.g. a slice with a
+  step): ``x`` is first gathered into a contiguous temporary on the compute stream (kept
+  alive until the wait) and the host tensor is contiguous.
+* ``reload(host, device, stride)`` allocates ``empty_strided(host.shape, stride)`` (``stride``
+  None: the host tensor's stride). When that differs from the host layout it copies into a
+  temporary laid out like the host tensor and scatters it into the result on the transfer
+  stream, so every cross-device copy is a plain memcpy.
+* Overlapping layouts (expanded, stride 0) cannot be restored by a copy and are refused.
+
+``passes.offload.host_layout`` picks both arguments from the graph's metadata.
+
+CPU tensors: the same ops run as synchronous copies into another host buffer (from the
+pool), so graphs with offload nodes run and are tested without a GPU.
+
+Test hook: ``inject_transfer_delay(cycles)`` makes the transfer stream spin
+(``torch.cuda._sleep``) before each copy, to provoke races.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..passes.offload import OffloadOps, is_non_overlapping
+
+from . import pinned_pool
+
+NAMESPACE = "compile_offload"
+
+# --- private torch APIs used here, in one place ---------------------------------------------
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (a permutation of a contiguous layout)."""
+    from torch import _prims_common  # private module; the function was renamed in 2.13
+
+    fn = getattr(_prims_common, "is_non_overlapping_and_dense_or_false", None) or _prims_common.is_non_overlapping_and_dense
+    return bool(fn(t))
+
+
+def _below_autograd():
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _custom_op(name: str):
+    """``torch.library.custom_op``, with the tags where this torch accepts them."""
+    if "tags" in inspect.signature(torch.library.custom_op).parameters:
+        return torch.library.custom_op(name, mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+    return torch.library.custom_op(name, mutates_args=())
+
+# --- transfer streams, delay hook, pending transfers ----------------------------------------
+
+_lock = threading.Lock()
+_transfer_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_delay_cycles = {"offload": 0, "reload": 0}
+DIRECTIONS = ("offload", "reload")  # device to host, host to device
+
+
+def transfer_stream(device: torch.device, direction: str = "offload") -> torch.cuda.Stream:
+    """The stream that runs every copy of ``device`` in ``direction`` ("offload": device to
+    host, "reload": host to device)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"transfer_stream: direction must be one of {DIRECTIONS}, got {direction!r}")
+    with _lock:
+        stream = _transfer_streams.get((device, direction))
+        if stream is None:
+            stream = _transfer_streams[(device, direction)] = torch.cuda.Stream(device=device)
+        return stream
+
+
+@contextlib.contextmanager
+def inject_transfer_delay(cycles: int, *, offload: bool = True, reload: bool = True):
+    """Test hook: spin the transfer stream for ``cycles`` GPU cycles before each copy."""
+    saved = dict(_delay_cycles)
+    _delay_cycles["offload"] = cycles if offload else 0
+    _delay_cycles["reload"] = cycles if reload else 0
+    try:
+        yield
+    finally:
+        _delay_cycles.update(saved)
+
+
+@dataclass
+class _Pending:
+    event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
+    device: torch.device
+    keepalive: tuple  # temporaries the copy reads or writes, freed once waited for
+
+
+_pending: dict[int, _Pending] = {}
+
+
+def _register_pending(key_tensor: torch.Tensor, pending: _Pending) -> None:
+    with _lock:
+        _pending[key_tensor.data_ptr()] = pending
+
+
+def _pop_pending(key_tensor: torch.Tensor, wait: str) -> _Pending | None:
+    """The pending copy that returned ``key_tensor``, removed; None for a zero-element
+    tensor (no copy was made). Raises when a tensor with elements has none (module doc)."""
+    if key_tensor.numel() == 0:
+        return None
+    with _lock:
+        pending = _pending.pop(key_tensor.data_ptr(), None)
+    if pending is None:
+        copy = "offload" if wait == "wait_offload" else "reload"
+        raise RuntimeError(
+            f"compile_offload.{wait}: no {copy} is in flight for the tensor it received (size "
+            f"{tuple(key_tensor.shape)}, stride {key_tensor.stride()}, {key_tensor.device}, data_ptr "
+            f"{key_tensor.data_ptr():#x}). A wait must receive the very tensor its {copy} returned; this one "
+            "differs from it (a copy, or a view at another offset) or was already waited for. Waiting for "
+            "nothing would let compute read memory the copy may still be writing."
+        )
+    return pending
+
+
+def pending_transfer_count() -> int:
+    """Copies started and not yet waited for (0 after a complete forward and backward)."""
+    with _lock:
+        return len(_pending)
+
+
+def drain_pending_transfers() -> int:
+    """Block until every pending copy finished and forget them; returns how many there were.
+
+    For recovery after a step that raised between a copy and its wait, and for tests that
+    call the ops one by one."""
+    with _lock:
+        pending = list(_pending.values())
+        _pending.clear()
+    for entry in pending:
+        if entry.event is not None:
+            entry.event.synchronize()
+    return len(pending)
+
+
+def _wait(pending: _Pending | None) -> None:
+    if pending is not None and pending.event is not None:
+        torch.cuda.current_stream(pending.device).wait_event(pending.event)
+    # Dropping ``pending`` frees its temporaries. On CUDA they belong to the compute stream,
+    # which from here on runs after the copy, so the allocator may reuse them at once.
+
+
+def _normalize(device: torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, kind: str) -> torch.cuda.Event | None:
+    """``dst.copy_(src)``: synchronous on CPU; on CUDA on the transfer stream, after the
+    work already queued on the compute stream, returning the completion event."""
+    if device.type != "cuda":
+        dst.copy_(src)
+        return None
+    stream = transfer_stream(device, kind)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        if _delay_cycles[kind]:
+            torch.cuda._sleep(_delay_cycles[kind])
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+
+def _contiguous_stride(size: Sequence[int]) -> list[int]:
+    return list(torch.empty(size, device="meta").stride())
+
+
+def _host_stride(src: torch.Tensor, contiguous_host: bool) -> list[int]:
+    return _contiguous_stride(src.shape) if contiguous_host else list(src.stride())
+
+
+def _host_tensor(src: torch.Tensor, stride: list[int]) -> torch.Tensor:
+    """Host memory for ``src``'s elements with ``stride`` (which must be dense)."""
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0:
+        return torch.empty_strided(src.shape, stride, dtype=src.dtype, device="cpu")
+    raw = pinned_pool.get_pool().acquire(nbytes, src.device)
+    return raw.view(src.dtype).as_strided(src.shape, stride)
+
+
+# --- offload ---------------------------------------------------------------------------------
+
+
+@_custom_op(f"{NAMESPACE}::offload")
+def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
+    """Start copying ``src`` to host memory; returns the host tensor (not readable before
+    ``wait_offload``). See the module docstring for ``contiguous_host``."""
+    if not contiguous_host and not _is_dense(src):
+        raise ValueError(
+            f"compile_offload.offload: a tensor with size {tuple(src.shape)} and stride {src.stride()} "
+            "is not dense; pass contiguous_host=True"
+        )
+    payload = src.contiguous() if contiguous_host else src  # gathered on the compute stream
+    host = _host_tensor(src, _host_stride(src, contiguous_host))
+    if host.numel() == 0:
+        return host
+    device = _normalize(src.device)
+    event = _copy(host, payload, device, "offload")
+    # Both ends stay referenced until the wait: the source (and its gathered copy) so its
+    # memory is not reused under the copy, the host tensor so its pinned buffer is not
+    # handed out again while the copy writes it (module doc).
+    _register_pending(host, _Pending(event, device, (src, payload, host) if payload is not src else (src, host)))
+    return host
+
+
+@offload.register_fake
+def _offload_fake(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
+    return torch.empty_strided(src.shape, _host_stride(src, contiguous_host), dtype=src.dtype, device="cpu")
+
+
+def _offload_setup(ctx, inputs, output) -> None:
+    ctx.device = inputs[0].device
+
+
+def _offload_backward(ctx, grad: torch.Tensor):
+    return grad.to(ctx.device), None
+
+
+torch.library.register_autograd(offload, _offload_backward, setup_context=_offload_setup)
+
+
+# --- reload ----------------------------------------------------------------------------------
+
+
+def _check_restorable(size: Sequence[int], stride: Sequence[int]) -> None:
+    if not is_non_overlapping(size, stride):
+        raise ValueError(f"compile_offload.reload: stride {list(stride)} overlaps for size {list(size)}; cannot restore by copy")
+
+
+@_custom_op(f"{NAMESPACE}::reload")
+def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | None = None) -> torch.Tensor:
+    """Start copying ``host`` to a fresh tensor on ``device`` with ``stride`` (None: the host
+    tensor's own stride); returns it (not readable before ``wait_reload``)."""
+    device = _normalize(device)
+    if stride is None:
+        stride = host.stride()
+    else:
+        _check_restorable(host.shape, stride)
+    out = torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)
+    if out.numel() == 0:
+        return out
+    if device.type == "cuda" and list(stride) != list(host.stride()) and host.numel() > 1:
+        # One memcpy into a temporary laid out like the host tensor, then a strided scatter,
+        # both on the transfer stream: a cross-device copy between different layouts would
+        # make torch stage through temporaries it does not keep alive for us.
+        staging = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        event = _copy_then_scatter(out, staging, host, device)
+        keepalive = (staging,)
+    else:
+        event, keepalive = _copy(out, host, device, "reload"), ()
+    # ``out`` itself is kept too: if a failing step dropped it before its wait, the allocator
+    # must not hand its memory out while the copy still writes into it; and ``host``, whose
+    # pinned buffer the copy reads.
+    _register_pending(out, _Pending(event, device, (out, host, *keepalive)))
+    return out
+
+
+def _copy_then_scatter(out: torch.Tensor, staging: torch.Tensor, host: torch.Tensor, device: torch.device):
+    stream = transfer_stream(device, "reload")
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        if _delay_cycles["reload"]:
+            torch.cuda._sleep(_delay_cycles["reload"])
+        staging.copy_(host, non_blocking=True)
+        out.copy_(staging)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+@reload.register_fake
+def _reload_fake(host: torch.Tensor, device: torch.device, stride: Sequence[int] | None = None) -> torch.Tensor:
+    return torch.empty_strided(host.shape, host.stride() if stride is None else stride, dtype=host.dtype, device=device)
+
+
+def _reload_setup(ctx, inputs, output) -> None:
+    pass
+
+
+def _reload_backward(ctx, grad: torch.Tensor):
+    return grad.to("cpu"), None, None
+
+
+torch.library.register_autograd(reload, _reload_backward, setup_context=_reload_setup)
+
+
+# --- waits: aliasing schemas, so defined with torch.library.Library ---------------------------
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define("wait_offload(Tensor(a) host, Tensor source) -> Tensor(a)", tags=_CUDAGRAPH_UNSAFE)
+_lib.define("wait_reload(Tensor(a) reloaded, Tensor host) -> Tensor(a)", tags=_CUDAGRAPH_UNSAFE)
+
+
+# The kernels return an alias (a new tensor sharing the storage), not the input object
+# itself: the dispatcher forbids kernels below autograd from returning their inputs.
+
+
+def _wait_offload_impl(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Compute stream waits for ``host``'s copy; ``source`` was kept alive until here."""
+    _wait(_pop_pending(host, "wait_offload"))
+    return torch.ops.aten.alias.default(host)
+
+
+def _wait_reload_impl(reloaded: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """Compute stream waits for ``reloaded``'s copy; ``host`` was kept alive until here."""
+    _wait(_pop_pending(reloaded, "wait_reload"))
+    return torch.ops.aten.alias.default(reloaded)
+
+
+# One kernel for every device: the arguments mix devices (host tensor and device tensor).
+_lib.impl("wait_offload", _wait_offload_impl, "CompositeExplicitAutograd")
+_lib.impl("wait_reload", _wait_reload_impl, "CompositeExplicitAutograd")
+
+
+def _wait_offload_fake(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.alias.default(host)
+
+
+def _wait_reload_fake(reloaded: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.alias.default(reloaded)
+
+
+torch.library.register_fake(f"{NAMESPACE}::wait_offload", _wait_offload_fake, lib=_lib)
+torch.library.register_fake(f"{NAMESPACE}::wait_reload", _wait_reload_fake, lib=_lib)
+
+
+class _WaitFunction(torch.autograd.Function):
+    """Gradient of a wait: the identity for the waited tensor, none for the keepalive.
+
+    ``torch.library.register_autograd`` refuses aliasing schemas, hence this manual Autograd
+    kernel (used by gradcheck; the compiled graphs run without autograd)."""
+
+    @staticmethod
+    def forward(ctx, op, tensor, keepalive):
+        with _below_autograd():
+            return op(tensor, keepalive)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad, None
+
+
+wait_offload = torch.ops.compile_offload.wait_offload.default
+wait_reload = torch.ops.compile_offload.wait_reload.default
+
+
+def _autograd_or_below(op, tensor: torch.Tensor, keepalive: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (tensor.requires_grad or keepalive.requires_grad):
+        return _WaitFunction.apply(op, tensor, keepalive)
+    with _below_autograd():  # compiled graphs run here: skip the autograd.Function overhead
+        return op(tensor, keepalive)
+
+
+def _wait_offload_autograd(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return _autograd_or_below(wait_offload, host, source)
+
+
+def _wait_reload_autograd(reloaded: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    return _autograd_or_below(wait_reload, reloaded, host)
+
+
+_lib.impl("wait_offload", _wait_offload_autograd, "Autograd")
+_lib.impl("wait_reload", _wait_reload_autograd, "Autograd")
+
+# FX's dead-code elimination must keep a wait even if its result were unused.
+torch.fx.node.has_side_effect(wait_offload)
+torch.fx.node.has_side_effect(wait_reload)
+
+OFFLOAD_OPS = OffloadOps(
+    offload=torch.ops.compile_offload.offload.default,
+    wait_offload=wait_offload,
+    reload=torch.ops.compile_offload.reload.default,
+    wait_reload=wait_reload,
+)

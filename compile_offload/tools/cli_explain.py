@@ -1,0 +1,112 @@
+"""``python -m compile_offload explain MODULE:FACTORY``: print a plan and write its dump.
+
+``FACTORY`` is a function of ``MODULE`` (an importable module name, or a path to a ``.py``
+file) that takes no arguments and returns ``(model, example_inputs)``; the model and
+inputs may live on the ``meta`` device. Nothing runs: the model is traced and planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", metavar="MODULE:FACTORY",
+                        help="e.g. my_models:make_gpt or path/to/models.py:make_gpt; the factory returns (model, inputs)")
+    parser.add_argument("--budget", default=None, help="bytes ('4GiB', '512MB') or a fraction ('0.5'); default: no limit")
+    parser.add_argument("--profile", default=None, help="device profile: h100, a100, rtx4090, cpu (default: this machine)")
+    parser.add_argument("--out", default=None, help="folder for the dump (graphs, plan.json, report.md, timeline.png)")
+    parser.add_argument("--no-offload", action="store_true", help="keep or recompute only")
+
+
+def load_factory(target: str):
+    """The function ``MODULE:FACTORY`` names; ``SystemExit`` with the reason when there is none."""
+    module_name, sep, factory_name = target.rpartition(":")
+    if not sep or not module_name or not factory_name:
+        raise SystemExit(f"explain: expected MODULE:FACTORY, got {target!r}")
+    if module_name.endswith(".py"):
+        module = _load_file(Path(module_name))
+    else:
+        module = _import(module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise SystemExit(f"explain: {module_name} has no function {factory_name!r}")
+    return factory
+
+
+def _load_file(path: Path):
+    if not path.is_file():
+        raise SystemExit(f"explain: no such file {path}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import(module_name: str):
+    # Modules of the current folder, as ``python -m`` finds them; the ``compile-offload``
+    # script would otherwise only see its own folder and site-packages.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise  # the module exists but an import inside it failed: its traceback says where
+        raise SystemExit(f"explain: cannot import {module_name!r} ({error}); give a module importable from "
+                         "this folder or a path to a .py file") from None
+
+
+def explain_options(args: argparse.Namespace) -> dict:
+    """The options ``args`` give ``compile_offload.explain_all``, validated (``SystemExit``
+    naming the bad value), so a typo fails before the model is built."""
+    from .. import settings as settings_mod
+
+    options = {"memory_budget": args.budget, "device_profile": args.profile}
+    if args.out:
+        options["dump_dir"] = args.out
+    if args.no_offload:
+        options["offload"] = False
+    try:
+        settings = settings_mod.resolve(options)
+        # A byte budget above the profile's GPU memory could never bind (checked again
+        # per graph while planning, where it would be a traceback).
+        if settings.device_profile is not None:
+            settings_mod.check_budget_fits_device(settings, "meta")
+    except (TypeError, ValueError) as error:
+        flags = [flag for knob, flag in (("memory_budget", "--budget"), ("device_profile", "--profile"),
+                                         ("dump_dir", "--out")) if f"config.{knob}" in str(error)]
+        raise SystemExit(f"explain: {''.join(flag + ': ' for flag in flags[:1])}{error}") from None
+    return options
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    import compile_offload
+
+    options = explain_options(args)
+    made = load_factory(args.target)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise SystemExit("explain: the factory must return (model, example_inputs)")
+    model, inputs = made
+    if not callable(model):
+        raise SystemExit(f"explain: the factory returned a model of type {type(model).__name__}, which cannot be "
+                         "called; return (model, example_inputs) with model an nn.Module or a function")
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    try:
+        plans = compile_offload.explain_all(model, *inputs, **options)
+    except ValueError as error:  # ours (a budget the device cannot hold, a strict budget): no traceback
+        if not str(error).startswith("compile_offload"):
+            raise
+        raise SystemExit(f"explain: {error}") from None
+    for plan in plans:
+        print(plan)
+        print()
+    if args.out:
+        print(f"dump written to {args.out}")
+    return 0

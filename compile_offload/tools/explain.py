@@ -1,0 +1,309 @@
+"""``compile_offload.explain``: the plan the backend would make, without running the model.
+
+Dynamo traces the model and each graph goes through the backend's own pipeline (Inductor's
+``compile_fx``: pre-grad passes, AOTAutograd with Inductor's decompositions, the joint-graph
+passes, our partitioner), so the plan is the one a compile makes. With a budget, the
+backend also checks the plan against the kernels Inductor generates and re-plans a graph
+whose generated code it predicts over the budget (``budget_loop``): where the model's
+tensors are real, on a device this process can run, and the plan is for that device (a GPU
+profile on CPU tensors is not: the CPU's generated code says nothing of the GPU's), explain
+takes the backend's own Inductor path (code generated, the loop run, the forward run once on the example inputs)
+and so keeps the plan the backend keeps; elsewhere (``meta``, a GPU that is not here, a GPU
+profile on CPU tensors) it
+skips code generation and each plan with a budget says in ``notes`` that the scheduled
+peak was not checked. Without a budget only Inductor's code generation is skipped and no
+kernel runs: the compiled forward graphs are executed on
+fake tensors only to get output shapes (so code after a graph break can be traced too). A model or inputs on ``meta`` are traced as empty CPU tensors that are never
+written: ``meta`` itself would make attention take the unfused math path (a
+seq x seq score matrix), unlike the fused kernels a real run uses. A named GPU profile
+plans for that GPU on a CPU-only machine: its rates, and its kernels (the memory model
+groups nodes into kernels as Triton does, not as the C++ backend that would compile the
+host tensors here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..passes.cost import BUILTIN_PROFILE_MEMORY_BYTES
+from ..passes.plan import Plan
+
+from .. import settings as settings_mod
+from ..pipeline.device_profile import device_of
+from ..pipeline.partitioner import OffloadRematPartitioner
+
+_UNSET: Any = object()
+
+
+def _meta_to_cpu(value: Any) -> Any:
+    """An uninitialised CPU tensor for a meta one (untouched pages cost no memory)."""
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+        return empty.requires_grad_(value.requires_grad)
+    return value
+
+
+def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
+    """A "compiled" graph that runs on fake copies of its inputs and returns empty
+    tensors: the shapes of a real run, no computation.
+
+    Fake tensors, not ``meta`` ones: a graph may create tensors on its own device (the
+    ``rand`` of a dropout mask is ``aten.rand(..., device=cpu)``), which would then meet
+    meta tensors and fail; fake tensors keep every device as it is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run(args: list):
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            args.clear()
+            outputs = graph(*fakes)
+        return [
+            torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o
+            for o in outputs
+        ]
+
+    run._boxed_call = True
+    return run
+
+
+def _not_real(values) -> str | None:
+    """Why the model's tensors cannot run generated code (None: they can): ``meta`` or fake."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        return "the model is on the meta device"
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return "the model's tensors are fake"
+    return None
+
+
+@contextlib.contextmanager
+def _state_kept(module: torch.nn.Module | None):
+    buffers = {} if module is None else {name: b.detach().clone() for name, b in module.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for name, buffer in ([] if module is None else module.named_buffers()):
+                if name in buffers:
+                    buffer.copy_(buffers[name])
+
+
+def _gpu_profile_on_host(settings, device: torch.device) -> bool:
+    """A named GPU profile for tensors that are not on a GPU: the plan is for that GPU, and
+    the code Inductor would generate here is not."""
+    return settings.device_profile in BUILTIN_PROFILE_MEMORY_BYTES and device.type != "cuda"
+
+
+def _lowers_like_backend(settings, device: torch.device, not_real: str | None) -> str | None:
+    """None where explain lowers each graph with Inductor as the backend does, so that the
+    backend's budget loop (``budget_loop.keep_within_budget``) runs here too and the plan is
+    the one the backend keeps: a budget, ``inner_compiler="inductor"``, real tensors on a
+    device this process can run, a torch with the scheduler hook. Elsewhere the note its
+    plans carry (empty where the loop never runs: no budget, or the eager inner compiler)."""
+    from ..inductor import kernels as inductor_kernels
+
+    if not settings.has_budget:
+        return ""
+    if settings.inner_compiler != "inductor":
+        return ""
+    if not_real is not None:
+        why = not_real
+    elif _gpu_profile_on_host(settings, device):
+        # Planning for a GPU on this machine's tensors: the code Inductor would generate here
+        # is not the GPU's, so its scheduled peak says nothing about the plan asked for.
+        why = f"the plan is for the {settings.device_profile!r} GPU profile and the tensors are on {device.type}"
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        why = "no CUDA device here"
+    elif device.type not in ("cpu", "cuda"):
+        why = f"explain does not lower for {device.type} devices"
+    elif not inductor_kernels.available():
+        why = "this torch has no post-fusion scheduler hook"
+    else:
+        return None
+    return (f"scheduled peak not checked: explain did not lower this graph with Inductor ({why}); the backend "
+            "re-plans a graph whose generated code it predicts over the budget, so its plan may differ")
+
+
+def compile_with_the_budget_loop(gm: torch.fx.GraphModule, inputs, settings, graph_name: str, plans: list):
+    """The backend's Inductor path itself (``backend._compile_inductor``: code generated,
+    kernels recorded, the budget loop), past Inductor's caches so that every graph is
+    planned here; the plan it keeps is appended to ``plans``."""
+    from ..pipeline.backend import _compile_inductor
+
+    results: list = []
+    partitioner = OffloadRematPartitioner(settings, graph_name=graph_name, on_result=results.append)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled, _records = _compile_inductor(gm, inputs, settings, partitioner, results, {})
+    plans.extend(result.plan for result in results)
+    return compiled
+
+
+def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadRematPartitioner, settings):
+    """The backend's own pipeline (``backend.compile_graph``'s Inductor path): Inductor's
+    ``compile_fx`` with ``partitioner`` as its ``custom_partitioner_fn``, so the joint graph
+    goes through Inductor's pre-grad and joint-graph passes and its decompositions exactly as
+    in a compile, and the plan is the backend's. Only code generation is replaced: Inductor's
+    ``inner_compile`` step (where it would lower and generate kernels) gets ``_shape_only``.
+    AOTAutograd's cache is off: a hit would skip the partitioner and so the plan."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from ..pipeline.backend import inductor_config_patches
+
+    def shape_only_inner(graph: torch.fx.GraphModule, graph_inputs, **_kwargs):
+        return _shape_only(graph, graph_inputs)
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, inputs, inner_compile=shape_only_inner,
+                          config_patches=inductor_config_patches(settings, partitioner, graph=gm))
+
+
+def _with_own_code(fn):
+    """A copy of ``fn`` with a code object of its own. Dynamo keeps compiled code per code
+    object: planning through a shared one would add an entry per call to the same cache
+    (after ``recompile_limit`` calls Dynamo gives up and runs the model eagerly) and could
+    touch the cache of the user's own compiled model."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def explain_all(
+    model_or_fn: torch.nn.Module | Callable[..., Any],
+    *example_inputs: Any,
+    memory_budget: Any = _UNSET,
+    device_profile: Any = _UNSET,
+    **options: Any,
+) -> list[Plan]:
+    """One Plan per compiled graph (several when the model has graph breaks)."""
+    if memory_budget is not _UNSET:
+        options["memory_budget"] = memory_budget
+    if device_profile is not _UNSET:
+        options["device_profile"] = device_profile
+    settings = settings_mod.resolve(options)
+    parameters = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
+    device = device_of([*tree_leaves(list(example_inputs)), *parameters])
+    settings_mod.check_budget_fits_device(settings, device)
+    if settings.device_profile is None:
+        if device.type != "cuda":
+            # meta/CPU models are planned for this machine's kind of device.
+            settings = settings_mod.resolve({**options, "device_profile": "cpu"})
+    plans: list[Plan] = []
+
+    lowers = _lowers_like_backend(settings, device, _not_real([*tree_leaves(list(example_inputs)), *parameters,
+                                                                *(model_or_fn.buffers() if isinstance(
+                                                                    model_or_fn, torch.nn.Module) else [])]))
+
+    # A GPU profile with host tensors standing in for the GPU's: the GPU's code is Triton's,
+    # whose kernels group nodes otherwise than the C++ backend's (analyze_joint), so the
+    # memory model groups them as Triton would. With the budget loop the graph's own device
+    # decides (it is lowered for real).
+    for_gpu_here = _gpu_profile_on_host(settings, device)
+
+    def planning_backend(gm: torch.fx.GraphModule, inputs):
+        if lowers is None:
+            return compile_with_the_budget_loop(gm, inputs, settings, f"graph_{len(plans)}", plans)
+        made: list = []
+        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}", on_result=made.append,
+                                              accelerator=True if for_gpu_here else None)
+        compiled = compile_like_backend(gm, inputs, partitioner, settings)
+        for result in made:
+            if lowers and result.plan.decisions:
+                result.plan.notes.append(lowers)
+            plans.append(result.plan)
+        return compiled
+
+    inputs = tree_map(_meta_to_cpu, list(example_inputs))
+    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
+    has_meta_state = module is not None and any(
+        t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]
+    )
+    if has_meta_state:
+        state = {name: _meta_to_cpu(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+
+        def run(*args):
+            return torch.func.functional_call(module, state, args)
+    else:
+
+        def run(*args):
+            return model_or_fn(*args)
+
+    compiled = torch.compile(_with_own_code(run), backend=planning_backend)
+    if lowers is None:
+        # The generated forward runs on the real tensors: leave the model's buffers (a
+        # BatchNorm's running statistics) and the random state as they were.
+        with _state_kept(module):
+            compiled(*inputs)
+    else:
+        compiled(*inputs)
+    recurrence = _eager_recurrence(module)
+    if not plans:
+        raise ValueError(
+            "compile_offload.tools.explain: no training graph was produced; "
+            + (recurrence if recurrence else "the model's outputs must require grad "
+               "(parameters with requires_grad=True or inputs with requires_grad=True)"))
+    for plan in plans:
+        _note_pinned_memory(plan)
+        if recurrence:
+            plan.notes.append(recurrence)
+    if recurrence:
+        warnings.warn(f"compile_offload.tools.explain: {recurrence}", stacklevel=2)
+    return plans
+
+
+def _eager_recurrence(module: torch.nn.Module | None) -> str | None:
+    """What to say where the model has recurrent modules Dynamo runs eagerly (``nn.RNN``,
+    ``nn.GRU``, ``nn.LSTM`` are not traced unless ``torch._dynamo.config.allow_rnn``): their
+    activations are in no graph, so no plan covers them, and the backend cannot tell (its
+    graphs are what is left around them, often nothing: the frame that calls one runs
+    eagerly whole). None where there is none, or they are traced."""
+    if module is None or torch._dynamo.config.allow_rnn:
+        return None
+    recurrent = [f"{name or 'the model'} ({type(m).__name__})" for name, m in module.named_modules()
+                 if isinstance(m, torch.nn.RNNBase)]
+    if not recurrent:
+        return None
+    return (f"{', '.join(recurrent)} run eagerly outside the compiled graphs (torch._dynamo.config.allow_rnn is "
+            "False): their activations are not planned under the budget; set allow_rnn = True to trace them")
+
+
+def _note_pinned_memory(plan: Plan) -> None:
+    """Add to ``plan.notes`` the pinned host memory its offloads will hold (predicted: the
+    pool's buffer sizes for the offloaded tensors, ``pinned_pool.pinned_bytes``)."""
+    from ..passes.plan import format_bytes
+    from ..runtime.pinned_pool import pinned_bytes
+
+    offloaded = [d.bytes for d in plan.decisions if d.decision == "offload"]
+    if not offloaded:
+        return
+    pinned = pinned_bytes(offloaded)
+    plan.notes.append(f"pinned host memory (predicted): {format_bytes(pinned)} for {format_bytes(sum(offloaded))} "
+                      f"offloaded ({pinned / sum(offloaded):.3f}x)")
+
+
+def explain(model_or_fn, *example_inputs, memory_budget: Any = _UNSET, device_profile: Any = _UNSET, **options) -> Plan:
+    """The plan for a model (or function) and example inputs, without running it.
+
+    ``memory_budget`` and ``device_profile`` default to ``compile_offload.config``; other
+    knobs can be passed as keyword options. Models and inputs may live on the ``meta``
+    device; a named GPU profile (``"h100"``) works on a CPU-only machine. With graph
+    breaks, use ``explain_all`` (this returns the plan of the largest graph and warns).
+    """
+    plans = explain_all(model_or_fn, *example_inputs, memory_budget=memory_budget,
+                        device_profile=device_profile, **options)
+    if len(plans) > 1:
+        warnings.warn(
+            f"compile_offload.tools.explain: the model compiles to {len(plans)} graphs (graph breaks); returning the plan "
+            "of the one with the largest unconstrained peak; explain_all() returns all of them",
+            stacklevel=2,
+        )
+    return max(plans, key=lambda p: p.baseline_peak_bytes)

@@ -1,0 +1,209 @@
+"""``max_batch``: the largest batch whose planned step fits a memory budget.
+
+The search asks the planner (``compile_offload.explain``), not the device: each probe
+plans the step at one batch size, on ``meta``-device tensors when the model can be built
+there, so batches far beyond the device's memory cost nothing to try. The budget means
+what ``compile_offload.config.memory_budget`` means: peak memory one forward+backward
+allocates above what was allocated before it (parameters, gradients and optimizer state
+are outside it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..settings import parse_bytes
+
+# Without an upper bound the doubling phase stops here, so a planner that finds every
+# batch feasible cannot loop forever.
+DEFAULT_HIGH = 1 << 16
+
+
+@dataclass
+class Probe:
+    batch: int
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    fits: bool
+
+
+@dataclass
+class MaxBatch:
+    """The answer of ``max_batch``. ``batch`` is None when even ``low`` does not fit."""
+
+    batch: int | None
+    budget_bytes: int
+    predicted_peak_bytes: int | None
+    predicted_step_seconds: float | None
+    planned_on: str  # the device the probes were planned on ("meta" when possible)
+    measured_step_seconds: float | None = None  # with measure
+    measured_peak_bytes: int | None = None  # with measure: the allocator's peak of one step (measure_peak)
+    measure_error: str | None = None
+    probes: list[Probe] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The largest ``b`` in ``[low, high]`` with ``fits(b)``, assuming ``fits`` is monotone
+    (true up to some batch, false after): doubles from ``low`` until a batch does not fit,
+    then bisects. None when ``low`` does not fit."""
+    if low < 1 or high < low:
+        raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
+    if not fits(low):
+        return None
+    good = low
+    bad = None
+    while bad is None:
+        candidate = min(2 * good, high)
+        if candidate == good:
+            return good
+        if fits(candidate):
+            good = candidate
+        else:
+            bad = candidate
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+def _explain() -> Callable:
+    """explain_all: every graph's plan (graph breaks), where explain gives the largest one's.
+    Looked up on the package at each call, so tests can stand in for it."""
+    import compile_offload
+
+    return compile_offload.explain_all
+
+
+def _plans(result: Any) -> list:
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    plans = getattr(result, "plans", None)
+    return list(plans) if plans is not None else [result]
+
+
+def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, options: dict) -> Probe:
+    built = factory(batch, device)
+    model, inputs = built[0], built[1]
+    plans = _plans(_explain()(model, *inputs, memory_budget=budget_bytes, **options))
+    torch._dynamo.reset()
+    peak = sum(p.predicted_peak_bytes for p in plans)  # graphs' saved tensors add up
+    seconds = sum(p.predicted_step_seconds for p in plans)
+    return Probe(batch, peak, seconds, fits=peak <= budget_bytes)
+
+
+def max_batch(
+    factory: Callable[[int, str], Sequence[Any]],
+    budget: int | str,
+    *,
+    low: int = 1,
+    high: int | None = None,
+    device_profile: str | None = None,
+    device: str | torch.device | None = None,
+    measure: bool | None = None,
+    steps: int = 5,
+    warmup: int = 2,
+) -> MaxBatch:
+    """The largest batch in ``[low, high]`` whose planned step fits ``budget``.
+
+    ``factory(batch, device)`` returns ``(model, example_inputs)`` or
+    ``(model, example_inputs, loss_fn)`` built on ``device``. Probes plan on ``"meta"``
+    first and fall back to ``device`` (default: CUDA when available, else CPU) when
+    planning on meta fails. ``budget`` is bytes: an int or a string such as ``"6GiB"``.
+
+    When ``measure`` is true (default: when ``device`` is CUDA), the answer is also built
+    on ``device``, compiled with ``offload_remat`` at the budget and timed over ``steps``
+    steps after ``warmup``, giving the measured step time, and the peak one more step
+    allocates above its start, at the allocator (``measure_peak``).
+    """
+    if budget is None or isinstance(budget, float):
+        raise TypeError(
+            f"max_batch(budget={budget!r}): the budget is a number of bytes (an int, or a string such as '6GiB'); "
+            "a fraction or None cannot bound a batch: both are relative to the batch being tried"
+        )
+    budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)")
+    device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = {} if device_profile is None else {"device_profile": device_profile}
+    probes: dict[int, Probe] = {}
+    planned_on = ["meta"]
+
+    def fits(batch: int) -> bool:
+        if batch not in probes:
+            probes[batch] = _probe(batch)
+        return probes[batch].fits
+
+    def _probe(batch: int) -> Probe:
+        if planned_on[0] == "meta":
+            try:
+                return _plan_batch(factory, batch, "meta", budget_bytes, options)
+            except Exception:  # a model or op without meta support: plan on the device
+                planned_on[0] = device
+        return _plan_batch(factory, batch, device, budget_bytes, options)
+
+    batch = largest_fitting(fits, low, high if high is not None else max(low, DEFAULT_HIGH))
+    best = probes.get(batch) if batch is not None else None
+    result = MaxBatch(
+        batch=batch,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=best.predicted_peak_bytes if best else None,
+        predicted_step_seconds=best.predicted_step_seconds if best else None,
+        planned_on=planned_on[0],
+        probes=[probes[b] for b in sorted(probes)],
+    )
+    if result.planned_on == "meta" and device_profile is None and torch.device(device).type == "cuda":
+        # explain cannot tell which device meta tensors stand for.
+        result.notes.append("planned on meta without device_profile: explain's default profile for meta tensors, "
+                            "not necessarily the target GPU's; pass device_profile to plan for it")
+    if measure is None:
+        measure = torch.device(device).type == "cuda"
+    if measure and batch is not None:
+        try:
+            result.measured_step_seconds, result.measured_peak_bytes = _measure(
+                factory, batch, device, budget_bytes, options, steps, warmup
+            )
+        except Exception as error:  # report the plan even when the run fails
+            result.measure_error = f"{type(error).__name__}: {str(error)[:300]}"
+        finally:
+            torch._dynamo.reset()
+    return result
+
+
+def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tuple[float, int]:
+    """Median seconds per step of the compiled step at ``batch``, and the peak bytes one
+    more step allocates above its start, at the allocator (``measure_peak``: timing and
+    measuring are separate steps because the CPU measure profiles, which adds time)."""
+    from ..pipeline.backend import offload_remat
+    from ..runtime.memory_tracker import measure_peak
+
+    built = factory(batch, device)
+    model, inputs = built[0], built[1]
+    loss_fn = built[2] if len(built) > 2 else (lambda out: out.float().sum())
+    compiled = torch.compile(model, backend=offload_remat(memory_budget=budget_bytes, **options))
+    on_cuda = torch.device(device).type == "cuda"
+
+    def step() -> None:
+        loss_fn(compiled(*inputs)).backward()
+
+    for _ in range(1 + warmup):  # the first call compiles
+        step()
+    times = []
+    for _ in range(steps):
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    with measure_peak(device) as measured:
+        step()
+    return statistics.median(times), measured.peak_bytes

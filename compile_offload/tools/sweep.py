@@ -1,0 +1,43 @@
+"""``compile_offload.sweep``: plans for several budgets, and the predicted Pareto front."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..passes.plan import Plan, byte_unit
+
+from .explain import explain
+
+
+def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, **options: Any) -> list[Plan]:
+    """One plan per budget (``explain`` for each); with ``out``, draw ``out/pareto.png``:
+    predicted step time against predicted peak memory, one point per budget."""
+    plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
+    if out is not None:
+        draw_pareto(Path(out) / "pareto.png", budgets, plans)
+    return plans
+
+
+def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
+    from ..reporting.plotting import new_figure
+
+    try:
+        figure, axes = new_figure((6, 4))
+    except ImportError as error:
+        raise RuntimeError("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]'") from error
+    path.parent.mkdir(parents=True, exist_ok=True)
+    unit, scale = byte_unit(max(p.predicted_peak_bytes for p in plans))
+    peaks = [p.predicted_peak_bytes / scale for p in plans]
+    ratios = [p.predicted_step_seconds / p.baseline_step_seconds for p in plans]
+    axes.plot(peaks, ratios, "o-")
+    labels: dict[tuple[float, float], list[str]] = {}  # budgets that land on the same plan share a label
+    for budget, x, y, plan in zip(budgets, peaks, ratios, plans):
+        labels.setdefault((x, y), []).append(f"{budget}{'' if plan.feasible else ' (min)'}")
+    for (x, y), names in labels.items():
+        axes.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+    axes.set_xlabel(f"predicted peak memory ({unit})")
+    axes.set_ylabel("predicted step time / unconstrained")
+    axes.set_title("predicted time against memory, per budget")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
