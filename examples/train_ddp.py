@@ -12,7 +12,7 @@ The model's blocks hold 1 MiB of parameters each, and DDP buckets are 1 MiB
 (``--bucket-cap-mb``), so Dynamo's DDPOptimizer compiles one graph per block. A byte budget
 (``--budget 28MiB``) is then split evenly over those N bucket graphs, B/N each, which keeps
 the step within B when every bucket graph's plan fits its share; a fraction (the default
-``0.6``) applies to each bucket graph's own unconstrained plan (see docs/distributed.md).
+``0.6``) applies to each bucket graph's own unconstrained plan (see docs/integrations.md, "DDP").
 ``--one-graph`` sets ``torch._dynamo.config.optimize_ddp = False``: one graph for the whole
 model, whose budget bounds the step and can go lower, at the cost of all-reducing the
 gradients after the backward instead of during it.

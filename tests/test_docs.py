@@ -373,3 +373,273 @@ def test_the_readme_shows_the_ci_test_command():
 def test_the_bash_checks_catch_mistakes(command, tmp_path):
     with pytest.raises((AssertionError, pytest.fail.Exception)):
         check_command(shlex.split(command), "test", tmp_path)
+
+
+# --- what the user pages say ------------------------------------------------------------------
+#
+# The user pages (the README and docs/*.md but the two below) describe the product as it is:
+# every knob in the reference, every warning in troubleshooting, links that resolve, and no
+# lab notebook (dates, commit hashes, machine loans, issue numbers, "not landed" stories).
+# design.md and benchmarks.md describe how it works and what was measured, and are exempt.
+
+EXEMPT_FROM_USER_RULES = {"docs/design.md", "docs/benchmarks.md"}
+USER_PAGES = [path for path in DOC_FILES if str(path.relative_to(REPO)) not in EXEMPT_FROM_USER_RULES]
+
+# Words from how the project was developed that a user page must not use: replace them with
+# plain words, or define them in the glossary (docs/index.md) and drop them from this list.
+DENIED = {
+    r"\blease[sd]?\b": "a loan of a GPU machine: say what was measured, on which GPU",
+    r"\bissue\s*#?\d+": "an issue number: say what the behaviour is",
+    r"\bcontract suite\b|\bbudget contract\b|\bthe contract\b": "an internal test suite: say what is checked",
+    r"\bmodel famil(?:y|ies)\b|\bfamilies\b": "internal grouping of test models: name the models",
+    r"\bbudget loop\b": "say 're-planning' (defined in the glossary)",
+    r"\bnot landed\b|\btried and reverted\b|\bfixed since\b|\bfixed the same day\b": "a development story",
+    r"\b\d-core (?:VM|machine)\b|\bthis project's \d-core\b": "a development machine",
+}
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMIT = re.compile(r"`(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`")
+
+
+def history_in(text: str) -> list[str]:
+    """What in ``text`` reads as a development note: denied words, dates, commit hashes."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for pattern, why in DENIED.items():
+            for match in re.finditer(pattern, line, flags=re.I):
+                found.append(f"line {number}: {match.group(0)!r} ({why})")
+        found += [f"line {number}: date {m.group(0)}" for m in DATE.finditer(line)]
+        found += [f"line {number}: commit hash {m.group(0)}" for m in COMMIT.finditer(line)]
+    return found
+
+
+def test_the_user_pages_are_listed_and_the_exempt_pages_exist():
+    names = {str(path.relative_to(REPO)) for path in USER_PAGES}
+    assert {"README.md", "docs/index.md", "docs/reference.md", "docs/troubleshooting.md"} <= names
+    for exempt in EXEMPT_FROM_USER_RULES:
+        assert (REPO / exempt).is_file(), f"{exempt} is exempt from the user-page rules but does not exist"
+
+
+@pytest.mark.parametrize("path", USER_PAGES, ids=[str(p.relative_to(REPO)) for p in USER_PAGES])
+def test_user_pages_carry_no_development_history(path):
+    found = history_in(path.read_text())
+    assert not found, f"{path.relative_to(REPO)}: " + "; ".join(found)
+
+
+@pytest.mark.parametrize("text", [
+    "measured in the third lease",
+    "see issue 16 for the target",
+    "the contract suite keeps every budget",
+    "on eight more families",
+    "the budget loop re-plans",
+    "measured 2026-11-27 on an H200",
+    "fixed in `d1fe956`",
+    "this was tried, not landed",
+])
+def test_the_history_check_catches_development_notes(text):
+    assert history_in(text)
+
+
+@pytest.mark.parametrize("text", ["a budget of 1000 bytes", "`1000000` bytes", "re-planning under 2 GiB",
+                                  "`graph_0_0`", "released in 2026"])
+def test_the_history_check_leaves_plain_text_alone(text):
+    assert not history_in(text)
+
+
+def glossary() -> dict[str, str]:
+    """The glossary table of docs/index.md: word -> meaning."""
+    text = (REPO / "docs" / "index.md").read_text()
+    section = text.split("## Words used in these docs", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    return {word.strip(): meaning.strip() for word, meaning in rows[1:]}  # rows[0]: the header
+
+
+def test_the_glossary_defines_the_terms_the_pages_use():
+    words = glossary()
+    for term in ("memory budget", "steady state", "predicted peak", "scheduled peak", "re-planning",
+                 "unconstrained plan", "minimum-memory plan", "device profile", "bucket graph"):
+        assert term in words and len(words[term]) > 20, f"docs/index.md's glossary does not define {term!r}"
+    for term in words:  # a glossary word must not be one the history check forbids
+        assert not history_in(term), f"the glossary defines {term!r}, which the user pages may not use"
+
+
+def config_knobs() -> dict:
+    return compile_offload.config.get_config_copy()
+
+
+def test_every_config_knob_is_in_the_reference():
+    reference = (REPO / "docs" / "reference.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in reference.splitlines()
+            if line.startswith("| `") and line.count("|") >= 6}
+    missing = [knob for knob in config_knobs() if knob not in rows]
+    assert not missing, f"docs/reference.md's knob table lacks {missing}"
+    for knob, default in config_knobs().items():
+        cells = [cell.strip() for cell in rows[knob].split("|")[1:-1]]
+        assert cells[1] == f"`COMPILE_OFFLOAD_{knob.upper()}`", f"{knob}: environment variable cell is {cells[1]!r}"
+        import ast
+
+        assert ast.literal_eval(cells[3].strip("`")) == default, \
+            f"{knob}: the default is {default!r}, the reference says {cells[3]}"
+    documented = [name for name in rows if re.fullmatch(r"[a-z_]+", name) and "COMPILE_OFFLOAD" in rows[name]]
+    stale = sorted(set(documented) - set(config_knobs()))
+    assert not stale, f"docs/reference.md documents knobs the config does not have: {stale}"
+
+
+def test_every_plan_field_is_in_the_reference():
+    import dataclasses
+
+    reference = (REPO / "docs" / "reference.md").read_text()
+    section = reference.split("## `Plan`", 1)[1].split("\n## ", 1)[0]
+    missing = [f.name for f in dataclasses.fields(compile_offload.Plan) if f"`{f.name}`" not in section]
+    assert not missing, f"docs/reference.md's Plan section lacks {missing}"
+
+
+def test_every_cli_verb_is_in_the_reference():
+    from compile_offload.__main__ import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    reference = (REPO / "docs" / "reference.md").read_text()
+    missing = [verb for verb in verbs if f"python -m compile_offload {verb}" not in reference]
+    assert not missing, f"docs/reference.md does not show the command line verbs {missing}"
+
+
+# --- every warning the backend emits is in troubleshooting.md ------------------------------------
+
+WARNING_SOURCES = [*sorted((REPO / "compile_offload").rglob("*.py")), *sorted((REPO / "passes").rglob("*.py"))]
+
+
+def _texts(node, function) -> list[str]:
+    """The literal text of a message expression, split where values are formatted in; a name
+    is followed to its assignments in the same function."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [piece.value for piece in node.values if isinstance(piece, ast.Constant)]
+    if isinstance(node, ast.BinOp):
+        return _texts(node.left, function) + _texts(node.right, function)
+    if isinstance(node, ast.Name) and function is not None:
+        found = []
+        for statement in ast.walk(function):
+            if isinstance(statement, ast.Assign) and any(getattr(t, "id", None) == node.id for t in statement.targets):
+                found += _texts(statement.value, None)
+            elif isinstance(statement, ast.AugAssign) and getattr(statement.target, "id", None) == node.id:
+                found += _texts(statement.value, None)
+        return found
+    if isinstance(node, ast.IfExp):
+        return _texts(node.body, function) + _texts(node.orelse, function)
+    return []
+
+
+def emitted_warnings() -> list[tuple[str, str]]:
+    """(where, the longest literal piece of its message) for every ``warnings.warn`` and
+    every call of the pinned pool's ``_warn_once`` in the package."""
+    import ast
+
+    found = []
+    for source in WARNING_SOURCES:
+        tree = ast.parse(source.read_text())
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for function in [None, *functions]:
+            body = tree if function is None else function
+            for call in ast.walk(body):
+                if not isinstance(call, ast.Call):
+                    continue
+                owner = min((f for f in functions if f.lineno <= call.lineno <= f.end_lineno),
+                            key=lambda f: f.end_lineno - f.lineno, default=None)
+                if owner is not function:
+                    continue  # seen from its innermost function only
+                name = getattr(call.func, "attr", getattr(call.func, "id", None))
+                if name == "warn" and getattr(call.func, "value", None) is not None \
+                        and getattr(call.func.value, "id", None) == "warnings":
+                    message = call.args[0] if call.args else None
+                elif name == "_warn_once" and len(call.args) == 2:
+                    message = call.args[1]
+                else:
+                    continue
+                if isinstance(message, ast.Name) and function is not None \
+                        and message.id in {a.arg for a in function.args.args}:
+                    continue  # a helper that passes its caller's message on (_warn_once itself)
+                pieces = [" ".join(p.split()) for p in _texts(message, function)]
+                where = f"{source.relative_to(REPO)}:{call.lineno}"
+                found.append((where, max(pieces, key=len, default="")))
+    return found
+
+
+# Warnings whose text is made elsewhere (an exception's message, a helper's return value): the
+# phrase troubleshooting.md must hold for them.
+MADE_ELSEWHERE = {
+    "compile_offload/planning.py": "the exact solver handles at most N candidate storages (exact_max_candidates)",
+    "compile_offload/explain.py": "run eagerly outside the compiled graphs (torch._dynamo.config.allow_rnn is False)",
+    "compile_offload/settings.py": "plans will not be cached",
+}
+QUOTED = 40  # characters of a warning's longest literal piece the page must quote exactly
+
+
+def quoted_part(piece: str) -> str:
+    """What of a message's literal piece the page must hold: the piece without the common
+    ``compile_offload:`` prefix (the page says it is left out) and the punctuation around the
+    values formatted in, its first ``QUOTED`` characters."""
+    return piece.removeprefix("compile_offload: ").strip(" ;:()[],.'\"")[:QUOTED]
+
+
+def test_every_warning_the_backend_emits_is_in_troubleshooting():
+    page = " ".join((REPO / "docs" / "troubleshooting.md").read_text().split())
+    warnings_found = emitted_warnings()
+    assert len(warnings_found) >= 25, f"found only {len(warnings_found)} warnings: the scan is broken"
+    missing = []
+    for where, piece in warnings_found:
+        quoted = quoted_part(piece)
+        if len(quoted) < 25:
+            phrase = MADE_ELSEWHERE.get(where.split(":")[0])
+            assert phrase, f"{where}: a warning whose text is made elsewhere: add its phrase to MADE_ELSEWHERE"
+            quoted = phrase
+        if quoted not in page:
+            missing.append(f"{where}: {quoted!r}")
+    assert not missing, "docs/troubleshooting.md does not quote these warnings: " + "; ".join(missing)
+
+
+def test_the_warning_scan_sees_a_known_warning():
+    pieces = [piece for _, piece in emitted_warnings()]
+    assert any("is below the minimum this planner can reach" in piece for piece in pieces)
+    assert any("could not write the plan cache entry" in piece for piece in pieces)
+
+
+# --- links -------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors_of(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file."""
+    found = set()
+    for line in path.read_text().splitlines():
+        match = re.match(r"#{1,6} (.*)", line)
+        if match:
+            slug = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower()).replace(" ", "-")
+            found.add(slug)
+    return found
+
+
+@pytest.mark.parametrize("path", USER_PAGES, ids=[str(p.relative_to(REPO)) for p in USER_PAGES])
+def test_links_of_user_pages_resolve(path):
+    broken = []
+    for target in LINK.findall(path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors_of(resolved):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{path.relative_to(REPO)}: broken links: {', '.join(broken)}"
+
+
+def test_the_readme_answers_the_first_questions():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 120, "the README grew past 120 lines: move detail into docs/"
+    for needed in ("H200", "torch 2.11", "GPT-8", "benchmarks/device_check.sh", "git clone",
+                   "activation_memory_budget", "checkpoint", "docs/budget.md"):
+        assert needed in readme, f"the README does not say {needed!r}"
