@@ -16,7 +16,7 @@ step.
 The table puts three figures side by side for each row: measured on the H100, predicted
 by ``model-check`` (our simulator on the joint graph) and simulated on Inductor's CUDA
 kernels. Where the last matches the measurement and ours does not, what is missing is in
-how ``passes/kernel_local.py`` groups kernels, not in the plan or the terms.
+how ``passes/inductor/kernel_local.py`` groups kernels, not in the plan or the terms.
 
     python -m compile_offload.benchmarks.cuda_schedule              # every shape
     python -m compile_offload.benchmarks.cuda_schedule --shapes gpt8

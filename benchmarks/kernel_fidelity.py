@@ -1,6 +1,6 @@
 """The simulator's kernels against the kernels Inductor generates, on the graphs torch partitions.
 
-``passes.kernel_local.kernel_groups`` models which realized nodes Inductor's scheduler fuses
+``passes.inductor.kernel_local.kernel_groups`` models which realized nodes Inductor's scheduler fuses
 into one kernel. This compiles a model with ``torch.compile`` (torch's own partitioner, at
 ``activation_memory_budget`` when given), records the scheduler's fused kernels of each
 graph (``inductor_kernels.KernelRecorder``), groups the same partitioned graph with

@@ -7,7 +7,7 @@ Every model names the modules that ``torch.utils.checkpoint`` should wrap one by
 
 - ``gpt``: a GPT-style decoder stack (pre-LN, causal SDPA, GELU MLP with ff = 4 * width) on
   hidden states that require grad, with loss ``mean(out ** 2)``. It is exactly the model of
-  the H100 anchor measurements of torch's strategies (docs/index.md), so figures compare.
+  the H100 anchor measurements of torch's strategies (docs/benchmarks.md), so figures compare.
 - ``deep``: the same block, deep and narrow (24 x d1024, seq 4096 by default).
 - ``resnet``: a ResNet-50-like net of bottleneck blocks with BatchNorm, cross-entropy loss.
 - ``unet``: a UNet-like encoder/decoder of conv-BN-ReLU pairs with skip connections,

@@ -21,7 +21,7 @@ compile; a bad value raises ``ValueError``/``TypeError`` naming the knob.
 When values are read: when each graph is compiled (its first call, not ``torch.compile``),
 and compared at every call of the compiled graph: a call under other values compiles
 again for them (``config_guard.py``). An assignment applies to every thread, a
-``config.patch`` to its own (``process_config.py``). ``docs/api.md``, "When the config is
+``config.patch`` to its own (``process_config.py``). ``docs/reference.md``, "When the config is
 read", also covers dynamic shapes and warm caches.
 """
 
@@ -68,7 +68,7 @@ prefetch: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_PREFETCH
 debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD")
 
 # Which solver picks keep / recompute per saved tensor: "greedy" (default, fast),
-# "refined" (the greedy, then passes/refine.py undoes the moves the budget does not need:
+# "refined" (the greedy, then passes/solve/refine.py undoes the moves the budget does not need:
 # closer to the optimum under the planner's model, but it spends the room the greedy
 # leaves under the budget, and under Inductor the simulator's errors can then show as a
 # measured overrun or, after the budget loop re-plans, as a prediction far from the measured

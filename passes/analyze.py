@@ -426,7 +426,7 @@ class JointAnalysis:
     # ... and the nodes fusion may leave without a buffer (``fusable_nodes``): each plan
     # then only takes away the ones it keeps.
     fusable: frozenset[fx.Node] = frozenset()
-    # ... and the realized nodes Inductor runs as one kernel (``passes.kernel_local``), and the
+    # ... and the realized nodes Inductor runs as one kernel (``passes.inductor.kernel_local``), and the
     # values it keeps inside one with all their readers: no buffer either, unless a plan saves them.
     kernels: tuple[frozenset[fx.Node], ...] = ()
     kernel_local: frozenset[fx.Node] = frozenset()

@@ -48,7 +48,7 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     notes = [f"offload: {len(solution.chosen.offloaded)} tensors, {exposed * 1e3:.3f} ms of copies not hidden"] if transfers else []
     if solution.lowered_steps:
         notes.append(f"lowered: {solution.lowered_steps} step{'s' * (solution.lowered_steps != 1)} below the "
-                     "greedy's lowest plan (passes/lower_peak.py)")
+                     "greedy's lowest plan (passes/solve/lower_peak.py)")
     order = a.position.__getitem__
     timeline = solution.chosen.timeline
     return Plan(

@@ -134,7 +134,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 # Built-in profiles. Datasheet peaks are scaled to what large, well-shaped kernels achieve.
 # The h100 profile's fractions are fitted to measurements (H100_CALIBRATION below); the
 # others use these priors: cuBLAS bf16 GEMMs reach ~70% of the dense tensor-core peak on H100/A100 (a GPT-8 step of
-# ~46 TFLOP in 76.3 ms on H100 is ~600 TFLOP/s end to end, see docs/index.md), and
+# ~46 TFLOP in 76.3 ms on H100 is ~600 TFLOP/s end to end, see docs/benchmarks.md), and
 # streaming kernels reach ~80% of the HBM/GDDR datasheet bandwidth. Pinned-copy figures are
 # measured values already (PCIe 5 x16 on the H100 machine; ~25 GB/s is typical for PCIe 4 x16).
 # fp32 matmuls use the non-tensor-core rate: torch's default float32_matmul_precision is
@@ -185,7 +185,7 @@ GPU_DATASHEETS: dict[str, GpuDatasheet] = {
 }
 H100_DATASHEET = _gpu_profile("h100-datasheet", *GPU_DATASHEETS["h100"], compute_efficiency=1.0,
                               memory_efficiency=1.0)
-# The h100 profile's constants, fitted to measured steps (``passes.calibrate``; run
+# The h100 profile's constants, fitted to measured steps (``tools.calibrate``; run
 # ``python -m compile_offload model-check --fit``, docs/benchmarks.md "Calibration"): the
 # achieved fraction of the datasheet matmul rate and of the HBM bandwidth, and the
 # per-kernel overhead, chosen so that the torch.compile-default steps of the two H100 anchor

@@ -488,7 +488,7 @@ def _backward_fusion(graph: fx.Graph) -> tuple[set[fx.Node], dict[fx.Node, fx.No
 
 
 def _kernel_local(graph: fx.Graph, fusable: frozenset[fx.Node]) -> frozenset[fx.Node]:
-    """A partitioned graph's values Inductor keeps inside one kernel (``passes.kernel_local``);
+    """A partitioned graph's values Inductor keeps inside one kernel (``passes.inductor.kernel_local``);
     ``fusable``: its ``fusable_nodes``."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     inlined = inlined_values(graph.nodes, fusable)

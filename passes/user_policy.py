@@ -6,7 +6,7 @@ a plain ``checkpoint`` region tags ``PREFER_RECOMPUTE``. The solver is not told 
 policies: they reach it through the inputs it already has.
 
 * ``MUST_SAVE``: never recomputed (``JointAnalysis.ban``), so the starting saved set keeps
-  it (``passes.solve.without_banned_recompute``), and never offloaded (the offload
+  it (``passes.solve.recompute.without_banned_recompute``), and never offloaded (the offload
   eligibility predicate).
 * ``MUST_RECOMPUTE`` and ``PREFER_RECOMPUTE``: torch's min-cut, our starting plan, never
   saves them, and the solver only recomputes more. A move may still save one as the input
@@ -145,7 +145,7 @@ def apply_policy(a: JointAnalysis, tags: dict[str, str]) -> UserPolicy:
 def why_not_offloadable(a: JointAnalysis, tensor: fx.Node, saved,
                         eligible: Callable[[fx.Node], tuple[bool, str]]) -> str | None:
     """Why a saved ``tensor`` cannot be offloaded (the rules of
-    ``passes.solve_offload.offloadable``, each named), or None if it can."""
+    ``passes.solve.joint.offloadable``, each named), or None if it can."""
     root = a.roots.get(tensor, tensor)
     if root is not tensor:
         return f"it is a view of {root.name} (only a storage's owner is offloaded)"

@@ -1,5 +1,5 @@
 """Inductor's whole copy of a broadcast attention bias that a CUDA graph computes
-(``passes/attention_bias_copies.py``): planned where the plan recomputes the mask, and as
+(``passes/inductor/attention_bias_copies.py``): planned where the plan recomputes the mask, and as
 Inductor's CUDA kernels make it (those checked on fake CUDA where torch has a CUDA build)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The scheduled peak (``budget_loop.py``) from the kernels Inductor scheduled (``inductor_kernels.py``).
+"""The scheduled peak (``budget_loop.py``) from the kernels Inductor scheduled (``inductor/kernels.py``).
 
 Hand-built kernel records check the arithmetic (fusion lifetimes, in-place and wrapper
 buffer reuse, the forward -> backward link); small compiles check that the recorder sees

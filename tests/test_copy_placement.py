@@ -4,7 +4,7 @@ The plan issues each offload right after its producer, waits for it where the tr
 model says it has finished, and issues each reload ahead of its first backward use
 (``passes/schedule.py``). Inductor's scheduler would move them (``reorder_for_peak_memory``
 pulls each wait up to its offload and sinks each reload onto its wait); the backend turns
-its reordering passes off for graphs with copies (``compile_offload/copy_order.py``).
+its reordering passes off for graphs with copies (``compile_offload/inductor/copy_order.py``).
 
 These tests read the Python Inductor generates on a CPU for the forward and the backward
 of a 6-block MLP with ``debug_force_offload=True`` and the ``h100`` profile (so the copies

@@ -371,7 +371,7 @@ def test_ddp_budget_under_ddp_optimizer_does_not_warn_when_the_bucket_graphs_are
 
 
 def test_ddp_byte_budget_is_split_evenly_over_the_bucket_graphs(ddp_results):
-    """docs/distributed.md: under DDPOptimizer a byte budget B gives each of the N bucket
+    """docs/integrations.md: under DDPOptimizer a byte budget B gives each of the N bucket
     graphs B // N (their names say ``bucket<k>of<N>``), said once in an INFO line; a
     fraction is not split."""
     from compile_offload.passes.plan import format_bytes
@@ -437,7 +437,7 @@ def test_ddp_budget_falls_back_to_per_graph_with_a_warning_when_bucket_graphs_ca
 
 
 def test_ddp_step_peak_is_bounded_by_the_sum_of_the_bucket_graphs_peaks(ddp_results):
-    """docs/distributed.md: under DDPOptimizer each graph's plan bounds that graph; the step
+    """docs/integrations.md: under DDPOptimizer each graph's plan bounds that graph; the step
     is bounded by the sum of the graphs' predicted peaks, not by any one of them."""
     for budget, run in ddp_results[0]["split"].items():
         peaks = [p.predicted_peak_bytes for p in run["plans"]]
@@ -447,7 +447,7 @@ def test_ddp_step_peak_is_bounded_by_the_sum_of_the_bucket_graphs_peaks(ddp_resu
 
 
 def test_ddp_bucket_graphs_cannot_lower_what_earlier_buckets_hold(ddp_results):
-    """docs/distributed.md's limit: a bucket graph's own peak is in its own backward, where
+    """docs/integrations.md's limit: a bucket graph's own peak is in its own backward, where
     its saved tensors are needed anyway, so even the minimum-memory plans of the bucket
     graphs leave the step above one graph's minimum-memory plan."""
     split, single = ddp_results[0]["split"], ddp_results[0]["single"]

@@ -570,8 +570,8 @@ def emitted_warnings() -> list[tuple[str, str]]:
 # Warnings whose text is made elsewhere (an exception's message, a helper's return value): the
 # phrase troubleshooting.md must hold for them.
 MADE_ELSEWHERE = {
-    "compile_offload/planning.py": "the exact solver handles at most N candidate storages (exact_max_candidates)",
-    "compile_offload/explain.py": "run eagerly outside the compiled graphs (torch._dynamo.config.allow_rnn is False)",
+    "compile_offload/pipeline/planning.py": "the exact solver handles at most N candidate storages (exact_max_candidates)",
+    "compile_offload/tools/explain.py": "run eagerly outside the compiled graphs (torch._dynamo.config.allow_rnn is False)",
     "compile_offload/settings.py": "plans will not be cached",
 }
 QUOTED = 40  # characters of a warning's longest literal piece the page must quote exactly

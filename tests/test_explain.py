@@ -306,7 +306,7 @@ def test_a_gpu_profile_on_host_tensors_groups_kernels_as_the_gpu_would(monkeypat
 
 
 def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):
-    """solver="refined" refines the greedy's plan (passes/refine.py): the Plan carries the
+    """solver="refined" refines the greedy's plan (passes/solve/refine.py): the Plan carries the
     refined decisions, a note with the undo steps, and the plan cache stores it; a
     planning time limit that has passed skips refinement; the default greedy solver
     does not refine."""
@@ -389,7 +389,7 @@ class _RecurrentHead(nn.Module):
 def test_explain_says_where_recurrent_modules_run_eagerly_outside_the_budget():
     """Dynamo runs ``nn.GRU`` eagerly unless ``allow_rnn`` (here the whole forward that calls
     it): its activations are in no graph and no plan covers them, which the backend cannot
-    see (docs/guide.md, "Graph breaks"). explain sees the model and says why it found no
+    see (docs/budget.md, "Graph breaks: one budget per graph"). explain sees the model and says why it found no
     graph to plan; traced (``allow_rnn = True``) the GRU is planned, and nothing is said."""
     model, x = _RecurrentHead(), torch.randn(2, 8, 16)
     with pytest.raises(ValueError, match=r"no training graph was produced; gru \(GRU\) run eagerly outside"):

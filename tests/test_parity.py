@@ -137,7 +137,7 @@ def test_parity_with_planned_offload(name, prefetch, captured_plans, monkeypatch
     offloads under the H100 profile (the CPU profile never offloads: host memory is the
     CPU's own), which warns once per graph that the profile is not this device's. They get
     them from the byte-ordered greedy's mixed sequences: the peak-ordered sequence
-    (passes/solve_peak.py) reaches lower peaks on graphs this small by recomputing alone,
+    (passes/solve/peak.py) reaches lower peaks on graphs this small by recomputing alone,
     so it is off here (what is tested is the runtime of a planned offload)."""
     from compile_offload.passes.solve import peak as solve_peak
 

@@ -2,7 +2,7 @@
 
 With a budget the backward is lowered while the forward compiles (the budget loop reads its
 kernels), with its saved tensors donated; a retaining ``backward()`` lowers it again without
-donated buffers, as a lazily lowered backward is (``compile_offload/retain_graph.py``)."""
+donated buffers, as a lazily lowered backward is (``compile_offload/inductor/retain_graph.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rules of the code Inductor generates that the scheduled peak (``budget_loop.py``,
-``inductor_kernels.py``) follows, each checked on hand-built records and at the allocator
+``inductor/kernels.py``) follows, each checked on hand-built records and at the allocator
 against compiled code:
 
 - an op returning a tuple (a fallback such as ``convolution_backward``) allocates every part

@@ -15,7 +15,7 @@ Under a memory budget every graph we compile goes through Inductor with the hand
 module installs (``keeping_plan_order``): ``can_fuse_horizontal`` answers as the handler it
 wraps (Inductor's own, or the user's ``inductor_choices_class``) and also refuses a pair when
 the later kernel waits for one the scheduler orders after the earlier kernel ends. The
-planner models the same rule (``passes.kernel_local._without_pulls``, through
+planner models the same rule (``passes.inductor.kernel_local._without_pulls``, through
 ``JointAnalysis.fusion_pulls``). Without a budget Inductor fuses as ``torch.compile`` does.
 Vertical fusion (a consumer with its producer) is left as it is.
 """

@@ -417,7 +417,7 @@ def _inner_compile(settings: Settings):
     """Inductor's inner compiler, with its reordering passes off for graphs that carry our
     copies, so the copies run where the plan put them (copy_order.py), and the kernels it
     records naming each graph's outputs as the graph did before Inductor's passes, as the
-    other graph of the compile knows them (inductor_kernels.py). With a budget, no
+    other graph of the compile knows them (inductor/kernels.py). With a budget, no
     horizontal fusion runs a kernel ahead of where the plan put it (plan_order_fusion.py). A
     backward lowered at compile time is lowered again when a ``backward()`` retains the graph
     (retain_graph.py)."""

@@ -1,5 +1,5 @@
 """DDPOptimizer support: which bucket graph is being compiled, how many there are, and the
-budget each one is planned with (docs/distributed.md).
+budget each one is planned with (docs/integrations.md).
 
 DDPOptimizer (``torch._dynamo.config.optimize_ddp``) splits one Dynamo graph into a graph
 per DDP bucket and compiles each with our backend. Nothing public says how many there
@@ -25,7 +25,7 @@ _logged_ddp_splits: set[tuple] = set()
 
 
 def budget_per_bucket(settings: Settings, bucket_graphs: int | None) -> Settings:
-    """The settings one DDPOptimizer bucket graph is planned with (docs/distributed.md).
+    """The settings one DDPOptimizer bucket graph is planned with (docs/integrations.md).
 
     A byte budget B is split evenly: each of the ``bucket_graphs`` graphs N gets B // N, so
     the step, whose peak is at most the sum of the bucket graphs' peaks, stays within B when
@@ -70,7 +70,7 @@ def _warn_budget_per_bucket(settings: Settings) -> None:
         f"them, so memory_budget ({settings.describe_budget()}) applies to each graph on its own: while a later "
         "bucket's graph runs, the activations every earlier one saved are alive, so the whole step can use more "
         "than the budget. Set torch._dynamo.config.optimize_ddp = False to compile the model as one graph that "
-        "the budget bounds (docs/distributed.md)",
+        "the budget bounds (docs/integrations.md)",
         stacklevel=3,
     )
 

@@ -195,7 +195,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
 
 
 def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
-    """What refinement changed in the greedy's plan (``passes/refine.py``), for ``Plan.notes``."""
+    """What refinement changed in the greedy's plan (``passes/solve/refine.py``), for ``Plan.notes``."""
     faster = (unrefined.extra_seconds - refinement.plan.extra_seconds) * 1e3
     steps = f"{refinement.undos} undo step{'s' * (refinement.undos != 1)}"
     if refinement.swaps:

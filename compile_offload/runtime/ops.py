@@ -40,7 +40,7 @@ direction, the two directions overlapping each other and compute.
 
 Correctness therefore rests on data edges only; nothing relies on timing or on Inductor keeping
 the graph order. Overlap does rest on the order: the backend compiles graphs with these ops
-without Inductor's reordering passes (``compile_offload/copy_order.py``). The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
+without Inductor's reordering passes (``compile_offload/inductor/copy_order.py``). The ops are tagged ``cudagraph_unsafe`` where torch knows the tag: their
 Python-side bookkeeping would not be replayed by a CUDA graph.
 
 Events travel from a copy to its wait through ``_pending``, keyed by the ``data_ptr`` of

@@ -145,7 +145,7 @@ def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str)
         f"{format_bytes(plan.budget_bytes)} (+{measured_bytes / plan.budget_bytes - 1:.1%}; predicted peak "
         f"{format_bytes(plan.predicted_peak_bytes)}). "
         + _why_over(plan)
-        + "docs/guide.md, 'When memory surprises you'",
+        + "docs/troubleshooting.md, 'When memory surprises you'",
         stacklevel=2,
     )
     return True

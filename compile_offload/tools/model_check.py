@@ -36,13 +36,13 @@ nothing runs):
    ``compile`` row of the same shape, measured and predicted alike.
 
 2. **Calibration.** ``--fit`` refits the ``h100`` profile's constants on the ``compile``
-   rows only (``passes.calibrate``); every other row is validation. The built-in ``h100``
+   rows only (``tools.calibrate``); every other row is validation. The built-in ``h100``
    profile holds the result of that fit (``passes.cost.H100_CALIBRATION``).
 
 3. **Optimality.** On small graphs (``OPTIMALITY_GRAPHS``) the greedy joint solver's plan
-   (and the same pruned, ``passes.prune``, and refined) at each budget of a sweep against
+   (and the same pruned, ``passes.solve.prune``, and refined) at each budget of a sweep against
    the exhaustive optimum
-   (``passes.solve_exhaustive``), both predicted under the same model.
+   (``tools.solve_exhaustive``), both predicted under the same model.
 
 4. **Pareto against torch.** At each budget torch's partitioner reaches (its 0.5 and 0.0
    rows), our solver's plan under the predicted peak of torch's plan as a byte budget.
@@ -472,8 +472,8 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
 
 def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
     """``model``'s joint graph as our backend plans it: in its own order (a gradient's
-    smaller matmuls first, ``passes.smaller_matmuls_first``) and with each matmul kept
-    out of a later add (``passes.unfused_mm_add``), which torch's partitioners do not do.
+    smaller matmuls first, ``passes.inductor.smaller_matmuls_first``) and with each matmul kept
+    out of a later add (``passes.inductor.unfused_mm_add``), which torch's partitioners do not do.
     Our plans are made and predicted on this graph, torch's on the graph as traced. It is
     analysed as our backend compiles under a budget, where Inductor's horizontal fusion
     pulls no kernel ahead (``plan_order_fusion``); the unconstrained plan the optimality
@@ -599,7 +599,7 @@ SWEEP_POINTS = 12
 def optimality_points(graph: str, profile: DeviceProfile, max_plans: int, points: int = SWEEP_POINTS) -> list[dict]:
     """The planner's greedy plan (the backend's default) against the exhaustive optimum at
     ``points`` budgets evenly spaced between the lowest peak the exhaustive search finds and
-    the unconstrained peak; ``pruned_*``: the greedy's plan after ``passes.prune`` (the
+    the unconstrained peak; ``pruned_*``: the greedy's plan after ``passes.solve.prune`` (the
     undos that are no slower and no higher under the model; not the default: measured, the
     plans it changes peak above their predictions, docs/benchmarks.md); ``refined_*``: the
     greedy's plan after refinement (``solver="refined"``)."""

@@ -1,6 +1,6 @@
 """The exact keep / recompute / offload optimum of a small graph, by exhaustive search.
 
-The greedy joint solver (``passes.solve_offload.solve_joint``) builds its candidate plans
+The greedy joint solver (``passes.solve.joint.solve_joint``) builds its candidate plans
 move by move; nothing there says how far its choice is from the best plan under the same
 model. This module enumerates plans instead and evaluates every one with the same
 evaluator the joint solver uses (``solve_offload.Evaluator``: the memory simulator with
@@ -128,7 +128,7 @@ def _all_read(a: JointAnalysis, saved: set[fx.Node], recomputed: set[fx.Node], r
 
 
 class _RecomputeEvaluator:
-    """``Evaluator`` without offload: recompute-only plans (``passes.solve.evaluate``)."""
+    """``Evaluator`` without offload: recompute-only plans (``passes.solve.recompute.evaluate``)."""
 
     def __init__(self, a: JointAnalysis, seconds: Seconds, base_saved: list[fx.Node]) -> None:
         from ..passes.solve.recompute import step_seconds

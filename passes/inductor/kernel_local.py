@@ -38,7 +38,7 @@ CPU and the value is stored between them, even inside one fused kernel (measured
 read by a row sum and a product keeps its buffer). ``fused_kernel_order`` runs each kernel as
 one in the backward's order.
 
-On the CPU the kernel's loops must also line up (``passes.loop_ranges``: a pointwise node
+On the CPU the kernel's loops must also line up (``passes.inductor.loop_ranges``: a pointwise node
 joins a reduction's kernel only over the reduction's kept ranges followed by its reduced
 ones): the GPT-2's attention-dropout draw, one flat range, keeps its buffer beside the
 softmax backward's kernel. When ``fused_kernel_order`` finds a cycle, the kernel run apart

@@ -1,6 +1,6 @@
 """Budget -> keep, recompute or offload each saved tensor.
 
-Extends the greedy recompute solver (``passes.solve``) with *offload moves*: an eligible
+Extends the greedy recompute solver (``passes.solve.recompute``) with *offload moves*: an eligible
 saved storage is copied to host memory after its producer and reloaded before its first
 backward use, which frees its device memory in between (``passes.transfer`` says when the
 copies run and what they expose; ``passes.memory`` simulates the peak with them, the
@@ -21,9 +21,9 @@ block, while offloading what that plan saves lowers it). The recompute-only sequ
 a candidate set too, so enabling offload never predicts a slower plan.
 
 Every prefix of every sequence is a candidate plan. A budget picks the fastest candidate
-that fits, else the lowest-peak one (``passes.solve.pick``). Along a sequence prices rise
+that fits, else the lowest-peak one (``passes.solve.recompute.pick``). Along a sequence prices rise
 and peaks fall to its lowest plan, so the fastest plan of a sequence that fits is its
-first plan that fits: each sequence is searched for it (``passes.search_sequence``, a few
+first plan that fits: each sequence is searched for it (``passes.solve.search_sequence``, a few
 simulations per sequence instead of one per plan), and so are the branch points. Plans
 are priced and simulated only when a search reads them, and offload moves are costed on
 schedules derived again only as recompute time accumulates (``OffloadCosts``). The candidate set does not depend
@@ -31,7 +31,7 @@ on the budget, and where peaks fall and then rise along every sequence the searc
 the plan simulating every candidate would, so a smaller budget never gets a larger
 predicted peak (monotone); ``complete=True`` simulates every candidate (the reference).
 Where no candidate fits, the lowest is lowered further one step at a time, never to a
-faster plan (``passes.lower_peak``).
+faster plan (``passes.solve.lower_peak``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
                 progress: Progress | None = None, complete: bool = False) -> Solution:
     """Keep, recompute or offload each saved tensor so the simulated peak fits the budget
     at the least predicted step time. ``offload=None`` is recompute only
-    (``passes.solve.solve_greedy``).
+    (``passes.solve.recompute.solve_greedy``).
 
     Without a budget the unconstrained plan is the answer: nothing is searched. With one,
     the sequences of candidate plans are generated, then searched (``search_sequences``):
@@ -145,7 +145,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         recompute.append(plan)
         if not progress.step():
             break
-    # Small graphs: the sequence that simulates every move (passes.solve_peak). Its lowest plan
+    # Small graphs: the sequence that simulates every move (passes.solve.peak). Its lowest plan
     # is a branch point too: offloading what it saves lowers its peak further. Not made when
     # the unconstrained plan fits: none of its plans is faster (the byte sequences stay).
     fits = budget_bytes is not None and baseline.peak_bytes <= budget_bytes and not complete
@@ -188,7 +188,7 @@ def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, se
     plan below each of ``levels`` evenly spaced fractions of the first plan's peak, and its
     lowest-peak plan. Which tensors are worth offloading depends on what is already
     recomputed, so the mix is tried from several depths of recomputation. Each point is
-    found by a search (``passes.search_sequence``), or with ``search=False`` by simulating
+    found by a search (``passes.solve.search_sequence``), or with ``search=False`` by simulating
     the whole sequence (the complete search's reference)."""
     n = len(sequence)
     peak = lambda i: evaluate(sequence[i]).peak_bytes  # noqa: E731
@@ -489,7 +489,7 @@ class SavedSetFacts:
 class Evaluator:
     """Simulates plans against the unconstrained one (``base_saved``): copies
     (``passes.transfer``), then the memory timeline; each distinct plan once. A plan's
-    extra seconds are its predicted step time (``passes.solve.step_seconds``: compute and
+    extra seconds are its predicted step time (``passes.solve.recompute.step_seconds``: compute and
     recompute) beyond the unconstrained plan's, plus what its copies add (stalls and
     launches: ``TransferPlan.added_seconds``)."""
 
@@ -511,7 +511,7 @@ class Evaluator:
         return self(Prefix(plan.saved, plan.offloaded, plan.moves), keep_timeline=True)
 
     def bound(self, plan: Prefix) -> int:
-        """A lower bound of the plan's simulated peak (``passes.peak_bound.PeakBound``)."""
+        """A lower bound of the plan's simulated peak (``passes.solve.peak_bound.PeakBound``)."""
         return self.peak_bound(plan.saved, plan.offloaded)
 
     def simulated(self, plan: Prefix) -> bool:

@@ -1,7 +1,7 @@
 """Below the greedy's lowest plan: lower it one step at a time, never to a faster plan.
 
 Where no plan the greedy searched fits the budget, the solver returns the lowest-peak plan
-it simulated (``passes.solve.select``) and the budget is reported as below the minimum.
+it simulated (``passes.solve.recompute.select``) and the budget is reported as below the minimum.
 That plan is the lowest along the greedy's sequences, not the lowest plan there is: on a
 GPT-2 block (docs/benchmarks.md, "Optimality") the exhaustive search found plans up to
 32 KiB lower at the same predicted time (the greedy recomputes a layer norm's bf16 casts,
@@ -9,7 +9,7 @@ which cost no time, where saving them again lowers the backward's peak), so a bu
 between the two peaks got no plan.
 
 ``lower_peak`` walks from the greedy's lowest plan. Each round it evaluates the plans one
-step away (``passes.neighbours``: undos, then swaps), the least estimated change of time
+step away (``passes.solve.neighbours``: undos, then swaps), the least estimated change of time
 first, and takes the first whose peak is strictly lower and whose predicted time is no
 lower. It stops at the first plan that fits the budget, where no step lowers the peak, or
 after ``MAX_EVALUATIONS`` new plans.

@@ -1,8 +1,8 @@
 """Plans one step away from a plan: an undo or a swap, in the order of a cheap estimate.
 
 The local searches after the greedy solver walk from its plan one step at a time:
-``passes.refine`` (faster plans that still fit), ``passes.prune`` (plans no slower and no
-higher) and ``passes.lower_peak`` (lower plans below the greedy's lowest). They share these
+``passes.solve.refine`` (faster plans that still fit), ``passes.solve.prune`` (plans no slower and no
+higher) and ``passes.solve.lower_peak`` (lower plans below the greedy's lowest). They share these
 steps:
 
 - an *undo*: stop offloading one storage, or save again one storage of the unconstrained

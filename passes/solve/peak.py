@@ -1,6 +1,6 @@
 """A greedy sequence that simulates every move: small graphs only.
 
-The greedy sequences of ``passes.solve`` and ``passes.solve_offload`` take moves by saved
+The greedy sequences of ``passes.solve.recompute`` and ``passes.solve.joint`` take moves by saved
 bytes freed per second, without simulating them. That measures the peak only while the
 peak is where every saved tensor is alive (the forward's end, in a deep stack). In a graph
 of a block or two the peak is often in the backward, and a move that frees saved bytes can

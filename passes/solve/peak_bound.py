@@ -6,7 +6,7 @@ alive when the backward starts: the forward allocated it and the backward has no
 it yet. So the peak the memory simulator
 (``passes.memory.peak_bytes``) gives the plan is at least their bytes. The solver's
 searches ask only whether a plan's peak fits a budget; where this bound does not fit,
-the peak does not either, and the plan is not simulated (``passes.search_sequence``).
+the peak does not either, and the plan is not simulated (``passes.solve.search_sequence``).
 
 Only storages the bound is sure of are counted: the storage of a saved tensor (not of a
 view Inductor may copy, whose storage is then the copy, of other bytes), computed by

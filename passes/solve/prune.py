@@ -10,7 +10,7 @@ in-place reuse, ``passes.memory``), so recomputing that output, the greedy's fir
 "Optimality").
 
 ``prune`` starts from the solver's chosen plan and takes, one at a time, *undos*
-(``passes.refine``'s: stop offloading one storage, or save again one storage of the
+(``passes.solve.refine``'s: stop offloading one storage, or save again one storage of the
 unconstrained plan, dropping what was saved only to recompute it) whose plan, evaluated
 exactly by the joint solver's evaluator, *dominates* the current one: a peak no higher,
 a predicted time no longer, and one of them strictly lower. Unlike refinement

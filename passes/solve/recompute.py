@@ -124,7 +124,7 @@ class Solution:
     added: dict[fx.Node, str] = field(default_factory=dict)  # newly saved tensor -> reason
     candidates_evaluated: int = 0
     offloaded: dict[fx.Node, str] = field(default_factory=dict)  # offloaded tensor -> how its copies run
-    lowered_steps: int = 0  # steps below the greedy's lowest plan (``passes.lower_peak``)
+    lowered_steps: int = 0  # steps below the greedy's lowest plan (``passes.solve.lower_peak``)
 
 
 def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
@@ -236,7 +236,7 @@ def _extend(a: JointAnalysis, group: Group, saved: set, recomputed: set, stop_at
 def greedy_moves(a: JointAnalysis, base_saved: Iterable[fx.Node], seconds: Seconds) -> Iterator[Move]:
     """The greedy sequence of recompute moves from ``base_saved``, most bytes freed per
     second of recompute first (ties: more bytes, then the earlier storage), each yielded
-    as soon as chosen. Offload moves are mixed in by ``passes.solve_offload``."""
+    as soon as chosen. Offload moves are mixed in by ``passes.solve.joint``."""
     saved = set(base_saved)
     plan = PlanState(saved, recomputed_nodes(a, saved))
     moves_of = RecomputeMoves(a, seconds)
@@ -498,7 +498,7 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
     simulations. ``Solution.minimum`` is the lowest peak simulated. ``complete=True``
     simulates every plan (the reference the tests compare with, and the true minimum).
     ``more_moves``: a second sequence's moves, searched the same way (``solve_joint`` passes
-    ``passes.solve_peak.peak_moves``)."""
+    ``passes.solve.peak.peak_moves``)."""
     progress = progress or Progress()
     evaluate_plan = RecomputeEvaluator(a)
     start = Prefix(frozenset(base_saved), frozenset(), ())
@@ -532,7 +532,7 @@ def solve_greedy(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, 
 def until_fitting(plans: Iterable[Prefix], evaluate: "PlanEvaluator", budget_bytes: int | None) -> Iterator[Prefix]:
     """``plans`` up to the first whose simulated peak fits ``budget_bytes``, and the plans
     after it at its price (all of them where the budget is None). For a sequence that
-    simulates each plan as it makes it (``passes.solve_peak.peak_moves``): prices rise
+    simulates each plan as it makes it (``passes.solve.peak.peak_moves``): prices rise
     along it, so no plan past those, nor any plan it would simulate on the way there, is
     cheaper; stopping there keeps the choice and skips the rest of the simulations (most of
     a small graph's solve). The plans at the same price lower the peak for nothing: the
@@ -547,7 +547,7 @@ def until_fitting(plans: Iterable[Prefix], evaluate: "PlanEvaluator", budget_byt
             fitting_price = candidate.extra_seconds
 
 
-# A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve_peak``).
+# A sequence of moves from a saved set, made with the solve's evaluator (``passes.solve.peak``).
 # ``(graph, saved set, seconds, evaluator, alternatives)``: the moves; every other plan it
 # simulates is appended to ``alternatives`` (candidates too).
 MoreMoves = Callable[[JointAnalysis, list[fx.Node], Seconds, "PlanEvaluator", list[Prefix]], Iterable[Move]]
@@ -611,10 +611,10 @@ class LastRecomputed:
 
 def search_sequences(sequences: list[list[Prefix]], evaluate: "PlanEvaluator", budget_bytes: int | None,
                      progress: Progress | None = None) -> list[Candidate]:
-    """The candidates ``passes.solve.pick`` chooses among, found by searching each sequence
+    """The candidates ``passes.solve.recompute.pick`` chooses among, found by searching each sequence
     (each starting with the unconstrained plan or a branch point) instead of simulating
     every plan: along a sequence, prices rise and peaks fall to its lowest plan
-    (``passes.search_sequence``). From each sequence: its first plan that fits the budget
+    (``passes.solve.search_sequence``). From each sequence: its first plan that fits the budget
     (the cheapest of that sequence that fits) and the plans after it as cheap (for the
     tie-break on peak); where none fits, its lowest-peak plan. Returned in sequence order,
     the unconstrained plan first.

@@ -3,7 +3,7 @@
 The greedy joint solver orders its moves by bytes freed per second, and a budget picks a
 prefix of that order; a move taken early can free bytes away from the peak (the peak sits
 elsewhere, e.g. in the backward), so every fitting prefix pays for it. The exhaustive
-search (``passes.solve_exhaustive``) showed this on a GPT-2 block: the greedy recomputed
+search (``tools.solve_exhaustive``) showed this on a GPT-2 block: the greedy recomputed
 the MLP's first matmul and its GELU at budgets where the optimum keeps them, 9-12% slower
 at the same peak.
 
@@ -11,7 +11,7 @@ at the same peak.
 one storage, or save again one storage of the unconstrained plan that the plan recomputes
 (dropping what was saved only to recompute it). In a round where no undo can be taken it
 tries *swaps* (save one storage again while recomputing another one the plan saves), then
-undoes again (the steps: ``passes.neighbours``). A step is taken only when its plan,
+undoes again (the steps: ``passes.solve.neighbours``). A step is taken only when its plan,
 evaluated exactly (the solver's own evaluator), fits the budget, is strictly faster and peaks no lower than the plan it
 replaces. Each round tries the options in a fixed order, the largest estimated saving
 first (the recompute time of the storage saved again, the stalls of the copies undone;

@@ -1,6 +1,6 @@
 """Find a plan along a sequence of candidate plans without simulating all of them.
 
-A greedy sequence (``passes.solve``, ``passes.solve_offload``) lists plans with rising
+A greedy sequence (``passes.solve.recompute``, ``passes.solve.joint``) lists plans with rising
 predicted step time. Their simulated peaks fall along it to a lowest plan and then rise
 again (past it, the greedy recomputes the residual stream block by block, which raises
 the peak): measured on GPT-style stacks, every sequence's peaks fall monotonically up to
@@ -38,7 +38,7 @@ over the budget (what a search returns was simulated and fits).
 Indices are probed through ``peak``/``holds`` only, so the caller's memo decides what a
 probe costs (the solver's ``Evaluator`` simulates each plan once). The searches on peaks
 take an optional ``bound``: a lower bound of ``peak`` that costs far less (the solver's:
-the saved bytes the backward starts with, ``passes.peak_bound``). Where the bound does not
+the saved bytes the backward starts with, ``passes.solve.peak_bound``). Where the bound does not
 fit, the peak does not either; in ``lowest``, an index whose bound is above a peak read
 cannot hold the lowest. Its peak is then not read, and the answer is the same.
 """

@@ -1,6 +1,6 @@
 """The exact recompute-only optimum by branch and bound, for graphs past the exhaustive search.
 
-``passes.solve_exhaustive`` evaluates every plan over a pool of storages (3^n); a 2-layer
+``tools.solve_exhaustive`` evaluates every plan over a pool of storages (3^n); a 2-layer
 GPT-2 has about 25 free storages, too many. This search decides the free storages one at a
 time (save, then recompute) depth first, and drops a subtree whose lower bound on the
 predicted time is no better than the best fitting plan found so far (the *incumbent*,

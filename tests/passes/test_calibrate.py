@@ -1,4 +1,4 @@
-"""The calibration fit (passes/calibrate.py): deterministic, and it recovers known constants."""
+"""The calibration fit (compile_offload/tools/calibrate.py): deterministic, and it recovers known constants."""
 
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def test_builtin_profiles_exist_and_gpus_favour_bf16():
 def test_h100_figures_are_achievable_fractions_of_the_datasheet():
     assert 0.6 * 989e12 <= H100.peak_flops("bfloat16") <= 0.85 * 989e12
     assert 0.7 * 3.35e12 <= H100.memory_bandwidth <= 3.35e12
-    assert (H100.d2h_bandwidth, H100.h2d_bandwidth) == (55.1e9, 54.9e9)  # measured pinned copies on an H100 (docs/index.md)
+    assert (H100.d2h_bandwidth, H100.h2d_bandwidth) == (55.1e9, 54.9e9)  # measured pinned copies on an H100 (docs/benchmarks.md)
 
 
 def test_unlisted_dtypes_fall_back_to_float32_rate():

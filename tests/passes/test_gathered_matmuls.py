@@ -1,4 +1,4 @@
-"""Gathered weights and the ops that load them in a loop (``passes/node_kinds.py``).
+"""Gathered weights and the ops that load them in a loop (``passes/inductor/node_kinds.py``).
 
 A mixture of experts multiplies each token by its expert's weights, gathered per token
 (``w[chosen]``: ``aten.index``), with a ``bmm`` of a row by a matrix, and its backward

@@ -1,4 +1,4 @@
-"""``passes.kernel_local``: the values Inductor realizes and then keeps inside one kernel,
+"""``passes.inductor.kernel_local``: the values Inductor realizes and then keeps inside one kernel,
 and fused kernels run as one. Checked on hand-built orders and, for the buffers, at the CPU
 allocator against what Inductor's generated code allocates."""
 

@@ -1,4 +1,4 @@
-"""``passes.loop_ranges``: the loop ranges Inductor's C++ backend gives a node after merging
+"""``passes.inductor.loop_ranges``: the loop ranges Inductor's C++ backend gives a node after merging
 the dimensions every access walks contiguously, and which nodes can share a kernel there."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lowering the greedy's lowest plan where nothing fits (passes/lower_peak.py)."""
+"""Lowering the greedy's lowest plan where nothing fits (passes/solve/lower_peak.py)."""
 
 from __future__ import annotations
 

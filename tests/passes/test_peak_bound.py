@@ -1,4 +1,4 @@
-"""The lower bound of a plan's peak (``passes/peak_bound.py``) that lets the searches skip
+"""The lower bound of a plan's peak (``passes/solve/peak_bound.py``) that lets the searches skip
 simulating plans: never above the simulated peak, and not vacuous."""
 
 import functools

@@ -6,7 +6,7 @@ order does the backward run" from tables the analysis builds once (forward-side 
 the backward's readers of each forward node). Here each fast walk is compared with a
 direct transcription of its definition on the graph itself (``node.all_input_nodes``,
 ``passes.schedule.just_in_time_order``, then Inductor's kernels run as one:
-``passes.kernel_local.fused_kernel_order``), for random saved sets of a transformer's joint
+``passes.inductor.kernel_local.fused_kernel_order``), for random saved sets of a transformer's joint
 graph: subsets of the nodes torch's min-cut saves, and of every forward node.
 """
 

@@ -1,4 +1,4 @@
-"""Pruning after the greedy solver (passes/prune.py): undo the moves that do not lower the peak."""
+"""Pruning after the greedy solver (passes/solve/prune.py): undo the moves that do not lower the peak."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def narrow_block():
 @pytest.fixture(autouse=True)
 def byte_ordered_greedy(monkeypatch):
     """The plans pruning starts from are the byte-ordered greedy's: on a graph this small the
-    sequence that simulates every move (passes/solve_peak.py, part of the default solve)
+    sequence that simulates every move (passes/solve/peak.py, part of the default solve)
     reaches these optima by itself, and would leave pruning nothing to show."""
     from compile_offload.passes.solve import peak as solve_peak
 
@@ -51,7 +51,7 @@ def _sweep(low: int, high: int, points: int = SWEEP) -> list[int]:
 def test_pruned_plan_dominates_the_greedy_plan_and_improves_where_it_overpays(narrow_block):
     """Pruning never loses (no higher, no slower, fits wherever the greedy fits), never beats
     the optimum, and where the greedy overpays it takes back something. Since the simulator
-    runs each fused kernel as one (``passes.kernel_local``, 2026-11-26), recomputing this
+    runs each fused kernel as one (``passes.inductor.kernel_local``, 2026-11-26), recomputing this
     block's GELU moves the input gradient's matmul ahead of it, so the byte-ordered greedy's
     early moves cost more peak than before and pruning no longer reaches the optimum here
     (it did at some budgets before); the default solve, with the peak-ordered sequence, is

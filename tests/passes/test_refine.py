@@ -1,4 +1,4 @@
-"""Refinement after the greedy solver (passes/refine.py): undo the moves a budget does not need."""
+"""Refinement after the greedy solver (passes/solve/refine.py): undo the moves a budget does not need."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _without_in_place_reuse():
 def byte_ordered_greedy(monkeypatch):
     """The plans refinement starts from are the byte-ordered greedy's: on a graph this small
     the sequence that simulates every move, with the plans it simulates on the way
-    (passes/solve_peak.py, part of the default solve), reaches the optimum at every budget
+    (passes/solve/peak.py, part of the default solve), reaches the optimum at every budget
     of the sweep by itself, and would leave refinement nothing to show."""
     from compile_offload.passes.solve import peak as solve_peak
 
@@ -92,7 +92,7 @@ def test_refined_plan_is_never_slower_and_reaches_the_optimum_where_the_greedy_o
             exact.extra_seconds, rel=1e-9, abs=1e-15)
     assert overpaid, "the greedy was optimal at every budget: this graph no longer tests refinement"
     # Refinement is a local search: since the simulator runs each fused kernel as one
-    # (passes/kernel_local.py), the byte-ordered greedy's plans on this block are further
+    # (passes/inductor/kernel_local.py), the byte-ordered greedy's plans on this block are further
     # from the optimum than one undo or swap reaches at most budgets (it reached it at every
     # budget before); it still reaches it where the greedy overpaid by one move.
     assert reached_where_overpaid, "refinement reached the optimum at no budget where the greedy overpaid"

@@ -1,4 +1,4 @@
-"""``passes.smaller_matmuls_first``: a gradient's weight-gradient matmul runs before its
+"""``passes.inductor.smaller_matmuls_first``: a gradient's weight-gradient matmul runs before its
 input-gradient matmul when its output is smaller, which never raises the live set at those
 kernels and frees the saved input sooner. Checked on hand-traced graphs (order, values,
 what must not move) and on the contract's MLP-mixer, whose unconstrained step it brought

@@ -1,4 +1,4 @@
-"""The branch-and-bound recompute-only optimum (passes/solve_bound.py)."""
+"""The branch-and-bound recompute-only optimum (tests/passes/solve_bound.py)."""
 
 from __future__ import annotations
 

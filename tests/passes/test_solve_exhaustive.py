@@ -1,4 +1,4 @@
-"""The exhaustive keep / recompute / offload search (passes/solve_exhaustive.py)."""
+"""The exhaustive keep / recompute / offload search (compile_offload/tools/solve_exhaustive.py)."""
 
 from __future__ import annotations
 

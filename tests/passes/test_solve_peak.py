@@ -1,4 +1,4 @@
-"""The greedy sequence that simulates every move (passes/solve_peak.py), on one decoder block:
+"""The greedy sequence that simulates every move (passes/solve/peak.py), on one decoder block:
 the graph where the byte-ordered greedy misses budgets because its peak is in the backward."""
 
 from __future__ import annotations

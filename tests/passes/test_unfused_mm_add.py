@@ -1,4 +1,4 @@
-"""``passes.unfused_mm_add``: an ``add`` of a matmul that Inductor would fold into an
+"""``passes.inductor.unfused_mm_add``: an ``add`` of a matmul that Inductor would fold into an
 ``addmm`` (computing the matmul where the add is) is written so that it does not, with the
 same values to the bit; and the backend's compiled step then calls ``mm``, not ``addmm``."""
 
