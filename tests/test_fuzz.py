@@ -48,7 +48,9 @@ import compile_offload
 from compile_offload.runtime import ops
 from compile_offload.pipeline import partitioner as partitioner_module
 from compile_offload.pipeline.planning import plan_partition
-from compile_offload.passes.memory import graphs_program, simulate
+from compile_offload.passes.memory import simulate
+
+from .graphs_program import graphs_program
 from compile_offload.passes.plan import Plan
 
 from .partition_results import Partition, partitions

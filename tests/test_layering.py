@@ -172,6 +172,7 @@ def test_the_runtime_package_ships_no_test_only_module():
     assert "compile_offload.passes.solve_bound" not in modules
     assert not [name for name in modules if name.startswith("compile_offload.passes.")
                 and name.rsplit(".", 1)[-1] in ("calibrate", "solve_exhaustive")]
+    assert "def graphs_program" not in (REPO / "passes" / "memory.py").read_text()  # tests/graphs_program.py
 
 
 def _notes_read_back(source: str) -> list[int]:

@@ -15,7 +15,9 @@ from torch import nn
 import compile_offload
 from compile_offload.benchmarks import budget_contract
 from compile_offload.passes import analyze
-from compile_offload.passes.memory import StepBuilder, graphs_program, plan_nodes, plan_program, simulate
+from compile_offload.passes.memory import StepBuilder, plan_nodes, plan_program, simulate
+
+from ..graphs_program import graphs_program
 
 from ..partition_results import partitions
 

@@ -16,7 +16,9 @@ from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.pipeline.planning import plan_partition
 from compile_offload.settings import resolve
 from compile_offload.passes import compat
-from compile_offload.passes.memory import Program, Step, graphs_program, live_at, peak_bytes, simulate
+from compile_offload.passes.memory import Program, Step, live_at, peak_bytes, simulate
+
+from ..graphs_program import graphs_program
 
 N = 1000  # float32 elements: 4000 bytes
 

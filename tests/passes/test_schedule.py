@@ -14,7 +14,9 @@ from compile_offload.runtime.ops import OFFLOAD_OPS
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.cost import DeviceProfile, node_seconds
-from compile_offload.passes.memory import graphs_program, simulate
+from compile_offload.passes.memory import simulate
+
+from ..graphs_program import graphs_program
 from compile_offload.passes.offload import ROLE_RELOAD, ROLE_WAIT_OFFLOAD, ROLE_WAIT_RELOAD, eligible_for_offload, insert_offloads
 from compile_offload.passes.rewrite import build_graphs
 from compile_offload.passes.schedule import emit_after_inputs, place_offload_waits, place_reloads
