@@ -9,7 +9,7 @@ meta-device joint graph (``model_check.torch_plans``), each graph moved to the `
 device and compiled by ``compile_fx_inner`` with the kernel recorder
 (``compile_offload.inductor.kernels``) until the generated module would be loaded (Triton
 would need a driver there). The recorded kernels become a program
-(``budget_loop.scheduled_program``) and its peak gets the same terms as ``model-check``'s
+(``scheduled_peak.scheduled_program``) and its peak gets the same terms as ``model-check``'s
 predictions: the eager loss on top of the forward's end, the input's gradient under the
 step.
 
@@ -44,7 +44,7 @@ from torch import fx
 
 from compile_offload.inductor import kernels as inductor_kernels, plan_order_fusion
 from compile_offload.tools import model_check
-from compile_offload.pipeline.budget_loop import scheduled_program
+from compile_offload.inductor.scheduled_peak import scheduled_program
 from compile_offload.passes import compat
 from compile_offload.passes.cost import BUILTIN_PROFILES
 from compile_offload.passes.memory import simulate

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 import compile_offload
+from compile_offload.inductor import scheduled_peak
 from compile_offload.pipeline import budget_loop
 from compile_offload.inductor import kernels as inductor_kernels
 from compile_offload.reporting import logs
-from compile_offload.pipeline.budget_loop import scheduled_peak, scheduled_program
+from compile_offload.inductor.scheduled_peak import scheduled_peak as scheduled_peak_of, scheduled_program
 from compile_offload.inductor.kernels import Buffer, GraphKernels, Kernel
 from compile_offload.passes.memory import simulate
 from compile_offload.passes.plan import format_bytes
@@ -50,21 +51,21 @@ def test_a_kernel_holds_what_it_reads_and_writes_together():
     forward = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
                         _kernel("k1", [("b", 30, "B"), ("c", 40, "C")], ["a"]),
                         _kernel("k2", [("d", 5, "D")], ["b", "c"])], ["d"])
-    assert scheduled_peak(forward, None) == 100 + 30 + 40
+    assert scheduled_peak_of(forward, None) == 100 + 30 + 40
 
 
 def test_a_kernel_writes_in_place_into_an_input_it_reads_last():
     forward = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
                         _kernel("k1", [("b", 100, "A")], ["a"], in_place={"b": ["a"]})], ["b"])
-    assert scheduled_peak(forward, None) == 100
+    assert scheduled_peak_of(forward, None) == 100
     # Not when a later kernel still reads the input, nor when the sizes differ.
     later_reader = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
                              _kernel("k1", [("b", 100, "A")], ["a"], in_place={"b": ["a"]}),
                              _kernel("k2", [("c", 1, "C")], ["a", "b"])], ["c", "b"])
-    assert scheduled_peak(later_reader, None) == 100 + 100 + 1
+    assert scheduled_peak_of(later_reader, None) == 100 + 100 + 1
     other_size = _forward([_kernel("k0", [("a", 100, "A")], ["x"]),
                            _kernel("k1", [("b", 60, "B")], ["a"], in_place={"b": ["a"]})], ["b"])
-    assert scheduled_peak(other_size, None) == 160
+    assert scheduled_peak_of(other_size, None) == 160
 
 
 def test_a_freed_buffer_is_reused_by_the_next_kernel_and_held_until_then():
@@ -111,12 +112,12 @@ def test_a_users_own_post_fusion_pass_is_left_in_place():
         return nodes
 
     recorder = inductor_kernels.KernelRecorder()
-    with budget_loop.recording(recorder, {"_post_fusion_custom_pass": users_pass}) as patches:
+    with scheduled_peak.recording(recorder, {"_post_fusion_custom_pass": users_pass}) as patches:
         assert patches["_post_fusion_custom_pass"] is users_pass
     with torch._inductor.config.patch(_post_fusion_custom_pass=users_pass), \
-            budget_loop.recording(recorder, {}) as patches:
+            scheduled_peak.recording(recorder, {}) as patches:
         assert "_post_fusion_custom_pass" not in patches
-    with budget_loop.recording(recorder, {}) as patches:
+    with scheduled_peak.recording(recorder, {}) as patches:
         assert patches["_post_fusion_custom_pass"].recorder is recorder
 
 
@@ -140,7 +141,7 @@ def _deep_mlp():
 
 def _compile_and_step(model, x, budget, recorders=None, quiet=True, **options):
     if recorders is not None:
-        note = budget_loop.note_scheduled_peak
+        note = scheduled_peak.note_scheduled_peak
 
         def keep(plan, recorder):
             recorders.append(recorder)
@@ -154,7 +155,7 @@ def _compile_and_step(model, x, budget, recorders=None, quiet=True, **options):
         if quiet:
             warnings.simplefilter("ignore")
         if recorders is not None:
-            patch.setattr(budget_loop, "note_scheduled_peak", keep)
+            patch.setattr(scheduled_peak, "note_scheduled_peak", keep)
         from compile_offload.pipeline import partitioner
 
         plan_partition = partitioner.plan_partition
@@ -184,7 +185,7 @@ def test_the_recorder_sees_the_kernels_of_both_graphs_and_predicts_the_allocator
     origins = {name for graph in (forward, backward) for kernel in graph.kernels for name in kernel.origins}
     assert any(name.startswith(("addmm", "mm")) for name in origins)  # the matmuls are extern kernels
     (plan,) = plans
-    assert plan.scheduled_peak_bytes == scheduled_peak(forward, backward) > 0
+    assert plan.scheduled_peak_bytes == scheduled_peak_of(forward, backward) > 0
     model.zero_grad(set_to_none=True)
     with compile_offload.measure_peak("cpu") as measured:
         step(x).backward()
@@ -197,7 +198,7 @@ def test_the_recorder_sees_the_kernels_of_both_graphs_and_predicts_the_allocator
 def test_no_recorder_and_no_loop_without_a_budget():
     from compile_offload.settings import resolve
 
-    assert budget_loop.recorder_for(resolve({"memory_budget": None})) is None
+    assert scheduled_peak.recorder_for(resolve({"memory_budget": None})) is None
     calls, loops = [], []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(inductor_kernels, "_graph_kernels", lambda nodes: calls.append(nodes))
@@ -217,7 +218,7 @@ def test_the_recorder_changes_no_generated_code():
         model, x = _mlp(), torch.randn(64, 256)
         with pytest.MonkeyPatch.context() as patch:
             if not record:
-                patch.setattr(budget_loop, "recorder_for", lambda settings: None)
+                patch.setattr(scheduled_peak, "recorder_for", lambda settings: None)
             _, found = run_and_get_code(lambda: _compile_and_step(model, x, 0.5))
         # The first line names AOTAutograd's compile id, which counts compiles in the process.
         return [code.split("\n", 1)[1] for code in found]
@@ -283,7 +284,7 @@ def _inflating(extra_on_calls):
     user's budget plus ``extra_on_calls[n]`` bytes (None: left as predicted). Returns the patch
     and the plans it saw, in order."""
     seen = []
-    note = budget_loop.note_scheduled_peak
+    note = scheduled_peak.note_scheduled_peak
 
     def inflated(plan, recorder):
         note(plan, recorder)
@@ -318,7 +319,7 @@ def test_a_plan_whose_scheduled_peak_exceeds_the_budget_is_made_again_under_a_lo
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(budget_loop, "note_scheduled_peak", inflated)
+        patch.setattr(scheduled_peak, "note_scheduled_peak", inflated)
         step, plans = _compile_and_step(model, x, 0.8)
         kept = logs.latest_plans()[-1]
     first, replanned = plans  # one re-plan, whose real scheduled peak fits
@@ -345,7 +346,7 @@ def test_no_re_plan_when_the_scheduled_peak_fits():
     model, x = _deep_mlp(), torch.randn(512, 256)
     inflated, seen = _inflating([None])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(budget_loop, "note_scheduled_peak", inflated)
+        patch.setattr(scheduled_peak, "note_scheduled_peak", inflated)
         patch.setattr(budget_loop, "keep_within_budget", _counting(budget_loop.keep_within_budget, calls := []))
         _, plans = _compile_and_step(model, x, 0.8)
     (plan,) = plans
@@ -372,7 +373,7 @@ def test_when_no_re_plan_fits_the_lowest_scheduled_peak_is_kept_with_one_warning
     inflated, seen = _inflating(extras)
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patch.setattr(budget_loop, "note_scheduled_peak", inflated)
+        patch.setattr(scheduled_peak, "note_scheduled_peak", inflated)
         step, plans = _compile_and_step(model, x, 0.8, quiet=False)
         kept = logs.latest_plans()[-1]
     assert 3 <= len(plans) <= 2 + budget_loop.MAX_REPLANS
@@ -403,7 +404,7 @@ def test_the_dump_holds_the_plan_the_loop_kept_not_the_last_one_made(tmp_path):
     # Every plan "exceeds", the second by the least: the loop keeps an earlier plan than its last.
     inflated, seen = _inflating([300_000, 100_000, 200_000, 250_000])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(budget_loop, "note_scheduled_peak", inflated)
+        patch.setattr(scheduled_peak, "note_scheduled_peak", inflated)
         _, plans = _compile_and_step(model, x, 0.8, dump_dir=str(tmp_path))
         kept = logs.latest_plans()[-1]
     assert len(plans) >= 3 and kept is plans[1]  # the last plan made is not the one kept
@@ -768,12 +769,13 @@ WARM_REPLAN_SCRIPT = """
 import json, sys, warnings
 import torch
 import compile_offload
+from compile_offload.inductor import scheduled_peak
 from compile_offload.pipeline import backend, budget_loop
 from compile_offload.reporting.logs import latest_plans
 from tests.test_budget_loop import _deep_mlp, _inflating
 
 inflated, seen = _inflating([64 * 1024])  # this process's first plan "exceeds" its budget
-budget_loop.note_scheduled_peak = inflated
+scheduled_peak.note_scheduled_peak = inflated
 """ + COUNTING_REPLANS + """model = _deep_mlp()
 x = torch.randn(512, 256)
 with warnings.catch_warnings():

@@ -51,7 +51,7 @@ def test_a_flash_attention_backward_kernel_holds_its_workspace_in_the_record():
     program holds it with the three gradients."""
     import torch.fx as fx
 
-    from compile_offload.pipeline.budget_loop import scheduled_program
+    from compile_offload.inductor.scheduled_peak import scheduled_program
     from compile_offload.inductor.op_workspace import op_workspaces
     from compile_offload.passes.memory import simulate
 

@@ -215,8 +215,8 @@ def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):
     """Where the first plan's scheduled peak exceeds the budget (forced: every first plan's
     scheduled peak is raised over it), the backend re-plans; explain on CPU tensors lowers
     the graph as the backend does and keeps the same re-planned plan."""
-    from compile_offload.pipeline import budget_loop
     from compile_offload.inductor import kernels as inductor_kernels
+    from compile_offload.inductor import scheduled_peak
 
     from .test_budget_loop import _deep_mlp, _inflating
 
@@ -230,9 +230,9 @@ def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):
 
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        patch.setattr(budget_loop, "note_scheduled_peak", forced())
+        patch.setattr(scheduled_peak, "note_scheduled_peak", forced())
         explained = compile_offload.explain(_deep_mlp(), x, **options)
-        patch.setattr(budget_loop, "note_scheduled_peak", forced())
+        patch.setattr(scheduled_peak, "note_scheduled_peak", forced())
         captured_plans.clear()
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False), \

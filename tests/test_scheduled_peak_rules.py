@@ -25,12 +25,12 @@ import warnings
 import pytest
 import torch
 import compile_offload
-from compile_offload.pipeline import budget_loop
+from compile_offload.inductor import scheduled_peak
 from compile_offload.inductor import kernels as inductor_kernels
 from compile_offload.reporting import logs
 from compile_offload.benchmarks import families
 from compile_offload.benchmarks.budget_contract import ConvBNNet
-from compile_offload.pipeline.budget_loop import scheduled_program
+from compile_offload.inductor.scheduled_peak import scheduled_program
 from compile_offload.inductor.kernels import Buffer, GraphKernels, Kernel
 from compile_offload.passes.memory import simulate
 
@@ -63,7 +63,7 @@ def _step_with_budget(model, x, budget, loss=lambda out: out.pow(2).mean()):
     from torch._inductor.utils import run_and_get_code
 
     recorded = []  # (plan, recorder), one per compile of the graph
-    note = budget_loop.note_scheduled_peak
+    note = scheduled_peak.note_scheduled_peak
 
     def keep(plan, recorder):
         recorded.append((plan, recorder))
@@ -73,7 +73,7 @@ def _step_with_budget(model, x, budget, loss=lambda out: out.pow(2).mean()):
     with warnings.catch_warnings(), torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False), pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("ignore")
-        patch.setattr(budget_loop, "note_scheduled_peak", keep)
+        patch.setattr(scheduled_peak, "note_scheduled_peak", keep)
         step = torch.compile(lambda inp: loss(model(inp)), backend=compile_offload.offload_remat(
             memory_budget=budget, device_profile="cpu", inner_compiler="inductor"))
         _, codes = run_and_get_code(lambda: step(x).backward())

@@ -23,6 +23,7 @@ import torch
 from . import budget_loop, ddp, dynamic_check, graph_reports
 from .. import config_guard
 from ..inductor import kernels as inductor_kernels
+from ..inductor import scheduled_peak
 from ..reporting import logs
 from ..runtime import pinned_pool
 from .. import settings as settings_mod
@@ -200,7 +201,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     # Graphs without grad never reach the partitioner: compile_fx sends them straight to
     # Inductor's inference path.
     patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
-    recorder = budget_loop.recorder_for(settings)
+    recorder = scheduled_peak.recorder_for(settings)
     if recorder is None:
         return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, patches, None)
     # With a budget: Inductor's kernels are recorded (read-only) and the backward lowered
@@ -221,7 +222,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
 def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
                              partitioner: OffloadRematPartitioner, results: list[PartitionResult], recorder,
                              patches: dict, inductor_patches: dict):
-    with budget_loop.recording(recorder, patches) as recording_patches:
+    with scheduled_peak.recording(recorder, patches) as recording_patches:
         compiled, records = _compile_inductor_planned(gm, example_inputs, settings, partitioner, results,
                                                       recording_patches, recorder)
     if not results:  # served from the cache: its record says which plan was kept
@@ -278,14 +279,14 @@ def _replan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: S
     lowered = dataclasses.replace(settings, budget_bytes=budget_bytes, budget_fraction=None, strict_budget=False)
     found: list[PartitionResult] = []
     partitioner = OffloadRematPartitioner(lowered, graph_name=graph_name, on_result=found.append)
-    recorder = budget_loop.KernelRecorder()
-    with budget_loop.recording(recorder, inductor_config_patches(lowered, partitioner, inductor_patches, gm)) as patches, \
+    recorder = scheduled_peak.KernelRecorder()
+    with scheduled_peak.recording(recorder, inductor_config_patches(lowered, partitioner, inductor_patches, gm)) as patches, \
             inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
         compiled = _compile_past_caches(gm, example_inputs, patches, lowered)
     if not found:
         return None
-    budget_loop.note_scheduled_peak(found[-1].plan, recorder)
+    scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)
     return budget_loop.Attempt(compiled, found[-1].plan, found[-1])
 
 
@@ -296,7 +297,7 @@ def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence
 
     def planned_records():  # the plans made now, with the scheduled peak of their kernels
         if results and recorder is not None:
-            budget_loop.note_scheduled_peak(results[-1].plan, recorder)
+            scheduled_peak.note_scheduled_peak(results[-1].plan, recorder)
         return _records(results)
 
     if settings.dump_dir is not None or settings.verify_budget:

@@ -157,7 +157,7 @@ def test_the_mixture_of_experts_backward_peaks_as_inductors_cuda_kernels(budget)
     12.85 and 9.08). The forward is not compared: Inductor fuses the four gathers there
     into one kernel (design.md, "Gathered weights")."""
     from compile_offload.benchmarks import families
-    from compile_offload.pipeline.budget_loop import scheduled_program
+    from compile_offload.inductor.scheduled_peak import scheduled_program
     from compile_offload.passes.memory import plan_program, simulate
     from compile_offload.settings import resolve
 

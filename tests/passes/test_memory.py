@@ -585,7 +585,7 @@ def test_the_minimum_plan_for_triton_peaks_as_inductors_cuda_kernels():
     context, so no saved tensor is donated to the backward: planned likewise
     (``donated_buffer`` off), or the plan writes the last block's gradient into its saved
     projection where those kernels cannot (19% under them)."""
-    from compile_offload.pipeline.budget_loop import scheduled_program
+    from compile_offload.inductor.scheduled_peak import scheduled_program
 
     from .fake_cuda_plans import plan_on_fake_cuda
     from .joint_capture import capture
