@@ -191,7 +191,7 @@ def ours_scheduled(shape: str, budget: str) -> tuple[int, int]:
     the graphs it builds, compiled under the backend's Inductor config). Graph peaks only: no
     loss, no input gradient (the plan's own figure)."""
     from compile_offload import settings as settings_mod
-    from compile_offload.pipeline.backend import inductor_config_patches
+    from compile_offload.pipeline.inductor_compile import inductor_config_patches
     from compile_offload.benchmarks import planning_time
     from compile_offload.inductor.copy_order import has_copy_ops, order_keeping_patches
     from compile_offload.runtime.ops import NAMESPACE

@@ -55,7 +55,7 @@ class Settings:
     @property
     def has_budget(self) -> bool:
         """A memory budget, in bytes or as a fraction: the planner acts, and Inductor compiles
-        the graphs so that its code keeps the plan (``backend.inductor_config_patches``)."""
+        the graphs so that its code keeps the plan (``inductor_compile.inductor_config_patches``)."""
         return self.budget_bytes is not None or self.budget_fraction is not None
 
     def describe_budget(self) -> str:

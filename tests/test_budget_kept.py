@@ -290,7 +290,8 @@ WARM_CACHE_SCRIPT = """
 import json, logging, sys, warnings
 import torch
 import compile_offload
-from compile_offload import config, pinned_pool
+from compile_offload import config
+from compile_offload.runtime import pinned_pool
 from compile_offload.reporting.logs import latest_plans
 from tests.models import MLP
 

@@ -590,7 +590,7 @@ def test_a_plan_predicted_over_the_budget_whose_code_fits_is_made_faster_on_hand
 
 def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits_it():
     from compile_offload.passes.plan import Plan
-    from compile_offload.pipeline.planning import report_budget
+    from compile_offload.pipeline.budget_report import report_budget
     from compile_offload.pipeline.result import BudgetError
     from compile_offload.settings import resolve
 
@@ -621,7 +621,7 @@ def test_the_unconstrained_plan_kept_below_the_minimum_is_reported_at_its_schedu
     scheduled peak, not the search's (found on the custom autograd function of the extra
     families: warned at 289.50 KiB, measured 320.51 KiB, the unconstrained plan's)."""
     from compile_offload.passes.plan import Plan
-    from compile_offload.pipeline.planning import report_budget
+    from compile_offload.pipeline.budget_report import report_budget
     from compile_offload.pipeline.result import BudgetError
     from compile_offload.settings import resolve
 
@@ -758,11 +758,11 @@ def _family_at(fraction, name):
 # In a script run by ``_two_processes``: each budget the backend re-plans under, in ``asked``.
 COUNTING_REPLANS = """
 asked = []
-replan = backend._replan
-def counted(*args):
-    asked.append(args[-1])
-    return replan(*args)
-backend._replan = counted
+replan = budget_loop.BudgetLoop.replan
+def counted(self, budget_bytes):
+    asked.append(budget_bytes)
+    return replan(self, budget_bytes)
+budget_loop.BudgetLoop.replan = counted
 """
 
 WARM_REPLAN_SCRIPT = """

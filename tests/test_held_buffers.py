@@ -6,7 +6,7 @@ reordering that estimate counts only the graph's freeable inputs (none in a forw
 saved tensors in a backward) on torch 2.11 to 2.13; torch 2.14 fills it in, low, as a side
 effect of its simple comm-overlap pass, and held buffers put a compiled step over a budget
 its plan kept; in a backward the 2.11-2.13 estimate lets every hold pass once enough saved
-tensors are freed. With a budget the pool is off (``backend._no_held_buffers``).
+tensors are freed. With a budget the pool is off (``inductor_compile._no_held_buffers``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import compile_offload
-from compile_offload.pipeline import backend
+from compile_offload.pipeline import inductor_compile
 from compile_offload.benchmarks import budget_contract
 from compile_offload.settings import resolve
 
 
 def _patches(settings, graph=None):
-    return backend.inductor_config_patches(resolve(settings), partitioner=None, graph=graph)
+    return inductor_compile.inductor_config_patches(resolve(settings), partitioner=None, graph=graph)
 
 
 def _has_simple_overlap() -> bool:
@@ -70,7 +70,7 @@ def _held(monkeypatch, patched: bool) -> list[tuple[bool, int]]:
     with monkeypatch.context() as patch:
         patch.setattr(wrapper.AllocateLine, "should_reuse_buffer", recording)
         if not patched:
-            patch.setattr(backend, "_no_held_buffers", lambda graph: {})
+            patch.setattr(inductor_compile, "_no_held_buffers", lambda graph: {})
         model, inputs, loss_of = budget_contract.build("mlp_mixer")
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False), \

@@ -203,7 +203,7 @@ def served_from_cache(recorder: KernelRecorder | None, patches: dict) -> bool:
 def recording_reordered(recorder: KernelRecorder) -> Iterator[None]:
     """While it lasts, a graph ``recorder`` records is recorded again in the order Inductor's
     peak-memory reordering leaves its kernels. That pass (``reorder_for_peak_memory``, on by
-    default: a budget turns it off, ``backend.inductor_config_patches``) runs after the
+    default: a budget turns it off, ``inductor_compile.inductor_config_patches``) runs after the
     post-fusion hook the recorder sits on, so without this the record of a graph compiled
     with it on is in the order before it. Wrapped where the scheduler imports it from,
     ``torch._inductor.memory`` (torch 2.11 to 2.14)."""

@@ -20,17 +20,13 @@ from typing import Any
 import torch
 
 
-from . import budget_loop, ddp, dynamic_check, graph_reports
+from . import budget_loop, ddp, dynamic_check, inductor_compile
 from .. import config_guard
-from ..inductor import kernels as inductor_kernels
 from ..inductor import scheduled_peak
-from ..reporting import logs
 from ..runtime import pinned_pool
 from .. import settings as settings_mod
 from .device_profile import device_of
-from ..passes.analyze import COLLECTIVE_NAMESPACES, is_collective
 from .partitioner import OffloadRematPartitioner
-from .planning import report_budget
 from .result import PartitionResult
 from ..settings import Settings
 
@@ -169,7 +165,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         bucket_graphs = ddp.bucket_graph_count()
         settings = ddp.budget_per_bucket(settings, bucket_graphs)
     results: list[PartitionResult] = []
-    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs), on_result=results.append)
+    # With Inductor and a budget the budget loop reports each plan once its code is known.
+    recorder = scheduled_peak.recorder_for(settings) if settings.inner_compiler == "inductor" else None
+    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs), on_result=results.append,
+                                          report=recorder is None)
     device = device_of(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
@@ -179,9 +178,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":
         compiled = _compile_eager(gm, example_inputs, partitioner)
-        records = _records(results)
+        records = inductor_compile.records_of(results)
     else:
-        compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results, inductor_patches)
+        compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results, inductor_patches,
+                                              recorder)
     # With dynamic sizes the plan is made for this call's sizes: check the others' peaks.
     compiled = dynamic_check.check_sizes(compiled, example_inputs, [r.program for r in records if r.program is not None],
                                          settings.budget_bytes, partitioner.graph_name)
@@ -193,257 +193,19 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
 
 
 def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                      partitioner: OffloadRematPartitioner, results: list[PartitionResult], inductor_patches: dict):
+                      partitioner: OffloadRematPartitioner, results: list[PartitionResult], inductor_patches: dict,
+                      recorder):
     """Inductor's ``compile_fx`` with our partitioner; the compiled graph and the plans it
     got, whether made now or read back for a compile served from Inductor's caches. With a
-    budget, a plan whose scheduled peak exceeds it is made again under a lower one
-    (``budget_loop.keep_within_budget``); ``results`` then ends with the plan kept."""
-    # Graphs without grad never reach the partitioner: compile_fx sends them straight to
-    # Inductor's inference path.
-    patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
-    recorder = scheduled_peak.recorder_for(settings)
+    budget (``recorder``: Inductor's kernels are recorded, so a plan's scheduled peak is known
+    when the compile returns) the budget loop owns the compile (``budget_loop.BudgetLoop``);
+    ``results`` then ends with the plan kept. Graphs without grad never reach the
+    partitioner: compile_fx sends them straight to Inductor's inference path."""
     if recorder is None:
-        return _compile_inductor_planned(gm, example_inputs, settings, partitioner, results, patches, None)
-    # With a budget: Inductor's kernels are recorded (read-only) and the backward lowered
-    # now, so the plan's scheduled peak is known when the compile returns (budget_loop.py).
-    # A budget below the planner's minimum is reported then, against the plan kept (a cached
-    # compile's record is reported as it is read: graph_reports.replay).
-    partitioner.report_budget = False
-    try:
-        compiled, records = _compile_inductor_looped(gm, example_inputs, settings, partitioner, results, recorder,
-                                                     patches, inductor_patches)
-    finally:
-        partitioner.report_budget = True
-    for result in results:
-        report_budget(result.plan, settings)
-    return compiled, records
-
-
-def _compile_inductor_looped(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                             partitioner: OffloadRematPartitioner, results: list[PartitionResult], recorder,
-                             patches: dict, inductor_patches: dict):
-    with scheduled_peak.recording(recorder, patches) as recording_patches:
-        compiled, records = _compile_inductor_planned(gm, example_inputs, settings, partitioner, results,
-                                                      recording_patches, recorder)
-    if not results:  # served from the cache: its record says which plan was kept
-        replanned = records[-1].plan.planned_budget_bytes if records else None
-        if replanned is None:
-            return compiled, records
-        # The cache holds the first plan's code; the loop kept a plan made under a lower
-        # budget: compile that one (the same plan: planning is deterministic), past the caches.
-        log.debug("%s: compiling the plan the budget loop kept (planned under %d bytes)", partitioner.graph_name,
-                  replanned)
-        if records[-1].plan.unconstrained:
-            replanned = None  # the unconstrained plan, compiled as without a budget
-        attempt = _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, replanned)
-        logs.remember(records[-1].plan)  # the user's view of it, not the re-plan's own
-        return (compiled if attempt is None else attempt.compiled), records
-    if len(records) != 1:
-        return compiled, records
-
-    def replan(budget_bytes: int | None) -> budget_loop.Attempt | None:
-        return _replan(gm, example_inputs, settings, partitioner.graph_name, inductor_patches, budget_bytes)
-
-    looped = budget_loop.acts_on(records[0].plan)
-    first = budget_loop.Attempt(compiled, records[0].plan, results[0] if results else None)
-    kept = budget_loop.keep_within_budget(first, replan)
-    if looped and kept.result is not None:
-        # Each re-plan's dump went over the graph's folder as it was made, before the loop
-        # marked it: the folder shows the plan that runs, with its notes.
-        logs.dump(kept.result, gm, settings)
-    key = graph_reports.record_key(gm, example_inputs, settings)
-    if kept.compiled is compiled:
-        if looped:  # kept over its budget, or under it though predicted over: the record keeps the loop's note
-            graph_reports.store(key, records)
-            logs.remember(kept.plan)  # the first plan, not the last re-plan made
-        return compiled, records
-    kept_records = _records([kept.result])
-    # verify_budget and the caller read results[-1]; a warm cache reads the record.
-    results[:] = [kept.result]
-    graph_reports.store(key, kept_records)
-    logs.remember(kept.plan)
-    return kept.compiled, kept_records
-
-
-def _replan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings, graph_name: str,
-            inductor_patches: dict, budget_bytes: int | None) -> budget_loop.Attempt | None:
-    """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
-    place of the user's), its kernels recorded; ``None``: the unconstrained plan compiled as
-    ``torch.compile`` compiles it without a budget (Inductor's peak-memory reordering and
-    buffer pool on, its kernels recorded in the order that reordering leaves them). Past
-    Inductor's caches: a cached compile would skip the partitioner and the scheduler hook,
-    and so give no plan and no scheduled peak (its partitioner's settings differ, so the
-    first compile's code is never served)."""
-    # A lowered budget may be below the planner's minimum: then its minimum-memory plan is what
-    # the loop asked for, not a failure to warn about (nor, under strict_budget, to raise).
-    lowered = dataclasses.replace(settings, budget_bytes=budget_bytes, budget_fraction=None, strict_budget=False)
-    found: list[PartitionResult] = []
-    partitioner = OffloadRematPartitioner(lowered, graph_name=graph_name, on_result=found.append)
-    recorder = scheduled_peak.KernelRecorder()
-    with scheduled_peak.recording(recorder, inductor_config_patches(lowered, partitioner, inductor_patches, gm)) as patches, \
-            inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
-        compiled = _compile_past_caches(gm, example_inputs, patches, lowered)
-    if not found:
-        return None
-    scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)
-    return budget_loop.Attempt(compiled, found[-1].plan, found[-1])
-
-
-def _compile_inductor_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                              partitioner: OffloadRematPartitioner, results: list[PartitionResult],
-                              patches: dict[str, Any], recorder):
-    from torch._inductor.compile_fx import compile_fx
-
-    def planned_records():  # the plans made now, with the scheduled peak of their kernels
-        if results and recorder is not None:
-            scheduled_peak.note_scheduled_peak(results[-1].plan, recorder)
-        return _records(results)
-
-    if settings.dump_dir is not None or settings.verify_budget:
-        # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
-        # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
-        compiled = _compile_past_caches(gm, example_inputs, patches, settings)
-        return compiled, planned_records()
-    key = graph_reports.record_key(gm, example_inputs, settings)
-    compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile(settings), config_patches=patches)
-    if results and inductor_kernels.served_from_cache(recorder, patches):
-        # Planned again (AOTAutograd's cache passed this graph by) but Inductor's FX graph cache
-        # served the code of the first compile's first plan: what that compile kept, and what
-        # runs, is the record's (a re-plan the budget loop kept is compiled again), not this plan.
-        results.clear()
-    if results:
-        records = planned_records()
-        graph_reports.store(key, records)
-        return compiled, records
-    if not graph_reports.trains(example_inputs):
-        return compiled, []
-    # Served from the cache: report the plans the record keeps, as when they were made.
-    records = graph_reports.load(key)
-    if records is not None:
-        graph_reports.replay(records, settings, partitioner.graph_name)
-        return compiled, records
-    log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
-              partitioner.graph_name)
-    compiled = _compile_past_caches(gm, example_inputs, patches, settings)
-    records = planned_records()
-    graph_reports.store(key, records)
-    return compiled, records
-
-
-def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartitioner,
-                            inductor_patches: dict | None = None,
-                            graph: torch.fx.GraphModule | None = None) -> dict[str, Any]:
-    """The Inductor config a graph compiles under (``explain`` plans under the same):
-    ``torch.compile``'s mode and options, our partitioner, and, when there is a budget, no
-    peak-memory reordering and no buffer held for a later kernel (``graph``, Dynamo's graph,
-    says whether it has collectives; see ``_no_held_buffers``)."""
-    patches: dict[str, Any] = {**(inductor_patches or {}), "custom_partitioner_fn": partitioner}
-    if settings.has_budget:
-        # Inductor's peak-memory reordering moves the plan's recomputations away from where
-        # the plan put them (just before their first backward use) and so raises the peak
-        # the plan budgeted: on a small Llama at a fitting budget 4.10 MiB measured against
-        # 2.94 MiB budgeted, 3.39 MiB without it (docs/design.md, "Where the compiled peak
-        # exceeds the plan"). It only orders kernels (none is changed or added).
-        patches["reorder_for_peak_memory"] = False
-        patches.update(_no_partition_reordering())
-        patches.update(_no_held_buffers(graph))
-    return patches
-
-
-_SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
-_PARTITION_REORDER = "triton.reorder_for_reducing_graph_partitions"
-
-
-def _no_partition_reordering() -> dict[str, Any]:
-    """Under CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``) Inductor's scheduler
-    moves kernels so that fewer CUDA-graph partitions form
-    (``triton.reorder_for_reducing_graph_partitions``), after the kernels are recorded for the
-    scheduled peak: on the CPU, where nothing is captured, an MLP planned and scheduled at
-    482.50 KiB measured 512.26 KiB, its backward's kernels moved ahead of where the plan put
-    them. Off under a budget, so the kernels run in the order the budget was checked in; a
-    graph with ops CUDA graphs cannot capture may then form more partitions."""
-    from torch._inductor import config as inductor_config
-
-    section, name = _PARTITION_REORDER.split(".")
-    return {_PARTITION_REORDER: False} if hasattr(getattr(inductor_config, section, None), name) else {}
-
-
-def _no_held_buffers(graph: torch.fx.GraphModule | None) -> dict[str, Any]:
-    """Keep Inductor's wrapper from holding a freed buffer for a later kernel's allocation:
-    its buffer pool off (``allow_buffer_reuse``), and on torch 2.14 its simple comm-overlap
-    pass off, where Dynamo's graph has no collective.
-
-    The wrapper hands a freed buffer to a later allocation of the same size, keeping it
-    allocated until then, when its estimate of the graph's peak (``EfficientPeakEstimate``,
-    ``AllocateLine.should_reuse_buffer``) says holding it costs nothing. That estimate counts
-    only what the scheduler sized: without peak-memory reordering, on torch 2.11 to 2.13,
-    just the graph's freeable inputs (none in a forward; in a backward the saved tensors, so
-    once enough of them are freed every hold passes), and on torch 2.14, whose simple
-    comm-overlap pass (``aten_distributed_optimizations.enable_simple_overlap``) sizes the
-    buffers as a side effect, an estimate that is low. Either way a hold the plan never
-    counted: Hugging Face GPT-2 of the contract suite at its minimum-memory plan measured
-    4.58 MiB with the pool, 4.08 MiB without (3.89 MiB predicted), and a small MLP-mixer on
-    torch 2.14 2.77 MiB against 2.70 MiB (docs/design.md, "Where the compiled peak exceeds
-    the plan"). Without the pool each buffer is freed after its last use, as the plan
-    assumes; in-place updates (``inplace_buffers``) stay, and so do the kernels: no step
-    time was lost on that GPT-2 (CPU, 14.18 ms against 14.12 ms, best of 60 interleaved
-    steps). With collectives both are kept: comm buffers share the pool switch, and the
-    overlap pass is there for them."""
-    from torch._inductor import config as inductor_config
-
-    if graph is not None and any(_is_collective_call(node) for node in graph.graph.nodes):
-        return {}
-    patches: dict[str, Any] = {"allow_buffer_reuse": False}
-    section = getattr(inductor_config, _SIMPLE_OVERLAP.split(".")[0], None)
-    if hasattr(section, _SIMPLE_OVERLAP.split(".")[1]):
-        patches[_SIMPLE_OVERLAP] = False
-    return patches
-
-
-def _is_collective_call(node: torch.fx.Node) -> bool:
-    """A collective in Dynamo's graph: an op of a collective namespace, or a call of
-    ``torch.distributed``'s functional collectives."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return is_collective(node)
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.partition("::")[0] in COLLECTIVE_NAMESPACES
-    return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
-
-
-def _inner_compile(settings: Settings):
-    """Inductor's inner compiler, with its reordering passes off for graphs that carry our
-    copies, so the copies run where the plan put them (copy_order.py), and the kernels it
-    records naming each graph's outputs as the graph did before Inductor's passes, as the
-    other graph of the compile knows them (inductor/kernels.py). With a budget, no
-    horizontal fusion runs a kernel ahead of where the plan put it (plan_order_fusion.py). A
-    backward lowered at compile time is lowered again when a ``backward()`` retains the graph
-    (retain_graph.py)."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    from ..inductor.copy_order import keeping_copy_order
-    from ..inductor.kernels import naming_outputs_before_passes
-    from ..inductor.plan_order_fusion import keeping_plan_order
-    from ..inductor.retain_graph import lowering_lazily_on_retain
-
-    inner = lowering_lazily_on_retain(keeping_copy_order(naming_outputs_before_passes(compile_fx_inner)))
-    return keeping_plan_order(inner) if settings.has_budget else inner
-
-
-def _compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
-                         settings: Settings):
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=_inner_compile(settings),
-                          config_patches={**patches, "fx_graph_cache": False})
-
-
-def _records(results: list[PartitionResult]) -> list[graph_reports.GraphRecord]:
-    return [graph_reports.GraphRecord(r.plan, dynamic_check.program_of(r)) for r in results]
+        patches = inductor_compile.inductor_config_patches(settings, partitioner, inductor_patches, gm)
+        return inductor_compile.compile_planned(gm, example_inputs, settings, partitioner, results, patches, None)
+    return budget_loop.BudgetLoop(gm, example_inputs, settings, partitioner, results, recorder,
+                                  inductor_patches).compile()
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):

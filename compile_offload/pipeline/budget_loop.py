@@ -12,13 +12,20 @@ budgets look for a faster plan whose code fits, and nothing is warned.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..inductor import kernels as inductor_kernels
+from ..inductor import scheduled_peak
 from ..passes.plan import Plan, format_bytes
+from ..reporting import logs
+from ..settings import Settings
+from . import budget_report, graph_reports, inductor_compile
+from .partitioner import OffloadRematPartitioner
 
 log = logging.getLogger("compile_offload")
 
@@ -120,7 +127,7 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
     best.plan.notes.append(f"scheduled peak {format_bytes(best.plan.scheduled_peak_bytes)} over the budget after "
                            f"{tried} re-plan{'s' * (tried != 1)}")
     _outcome(best, "over_budget", tried)
-    warn_over_budget(best.plan, stacklevel=6)
+    budget_report.warn_over_budget(best.plan, stacklevel=6)
     return best
 
 
@@ -249,20 +256,6 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int | None], Attempt
 # The note of a plan the planner predicted over its budget whose generated code fits it.
 SCHEDULED_FITS_NOTE = "predicted over the budget, but the scheduled peak (Inductor's code) fits it"
 
-def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
-    """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
-    (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
-    tried = f"{plan.replans} re-plan{'s' * (plan.replans != 1)}"
-    warnings.warn(
-        f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
-        f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
-        f"{format_bytes(plan.budget_bytes)}, though the plan predicts {format_bytes(plan.predicted_peak_bytes)}"
-        f" ({tried} tried; the lowest scheduled peak is kept). Not measured: config.verify_budget=True measures "
-        "the first step",
-        stacklevel=stacklevel,
-    )
-
-
 def _as_replanned(plan: Plan, budget: int, planned_under: int) -> None:
     """A re-plan keeps the user's budget (``feasible`` against it) and says what it was made under."""
     plan.budget_bytes = budget
@@ -274,3 +267,93 @@ def _mark_replanned(plan: Plan, budget: int, planned_under: int, first_scheduled
     _as_replanned(plan, budget, planned_under)
     plan.notes.append(f"re-planned under {format_bytes(planned_under)} (re-plan {attempt}): the first plan's "
                       f"scheduled peak {format_bytes(first_scheduled)} exceeded the budget {format_bytes(budget)}")
+
+
+class BudgetLoop:
+    """One graph compiled by Inductor under a budget, from its first plan to the plan kept:
+    the compile with Inductor's kernels recorded (the scheduled peak known when it returns),
+    ``keep_within_budget``'s re-plans (each a compile past the caches), the record a warm
+    cache reads, and the report, once, against the plan kept (``budget_report``). A compile
+    served from the cache is reported from its record, and where the loop had kept a
+    re-plan, that plan is compiled again.
+
+    ``partitioner`` must not report itself (``report=False``); ``results`` receives its plans
+    and ends with the plan kept (``verify_budget`` and the caller read its last)."""
+
+    def __init__(self, gm, example_inputs, settings: Settings, partitioner, results: list, recorder,
+                 inductor_patches: dict) -> None:
+        self.gm, self.example_inputs, self.settings = gm, example_inputs, settings
+        self.partitioner, self.results, self.recorder = partitioner, results, recorder
+        self.inductor_patches = inductor_patches
+
+    def compile(self):
+        """The compiled graph and its records (``graph_reports.GraphRecord``), reported."""
+        compiled, records = self._compile()
+        for result in self.results:
+            budget_report.report_budget(result.plan, self.settings)
+        return compiled, records
+
+    def _compile(self):
+        gm, settings, results, name = self.gm, self.settings, self.results, self.partitioner.graph_name
+        patches = inductor_compile.inductor_config_patches(settings, self.partitioner, self.inductor_patches, gm)
+        with scheduled_peak.recording(self.recorder, patches) as recording_patches:
+            compiled, records = inductor_compile.compile_planned(gm, self.example_inputs, settings, self.partitioner,
+                                                                 results, recording_patches, self.recorder)
+        if not results:  # served from the cache: its record says which plan was kept
+            replanned = records[-1].plan.planned_budget_bytes if records else None
+            if replanned is None:
+                return compiled, records
+            # The cache holds the first plan's code; the loop kept a plan made under a lower
+            # budget: compile that one (the same plan: planning is deterministic), past the caches.
+            log.debug("%s: compiling the plan the budget loop kept (planned under %d bytes)", name, replanned)
+            if records[-1].plan.unconstrained:
+                replanned = None  # the unconstrained plan, compiled as without a budget
+            attempt = self.replan(replanned)
+            logs.remember(records[-1].plan)  # the user's view of it, not the re-plan's own
+            return (compiled if attempt is None else attempt.compiled), records
+        if len(records) != 1:
+            return compiled, records
+        looped = acts_on(records[0].plan)
+        first = Attempt(compiled, records[0].plan, results[0] if results else None)
+        kept = keep_within_budget(first, self.replan)
+        if looped and kept.result is not None:
+            # Each re-plan's dump went over the graph's folder as it was made, before the loop
+            # marked it: the folder shows the plan that runs, with its notes.
+            logs.dump(kept.result, gm, settings)
+        key = graph_reports.record_key(gm, self.example_inputs, settings)
+        if kept.compiled is compiled:
+            if looped:  # kept over its budget, or under it though predicted over: the record keeps the outcome
+                graph_reports.store(key, records)
+                logs.remember(kept.plan)  # the first plan, not the last re-plan made
+            return compiled, records
+        kept_records = inductor_compile.records_of([kept.result])
+        results[:] = [kept.result]
+        graph_reports.store(key, kept_records)
+        logs.remember(kept.plan)
+        return kept.compiled, kept_records
+
+    def replan(self, budget_bytes: int | None) -> Attempt | None:
+        """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
+        place of the user's), its kernels recorded; ``None``: the unconstrained plan compiled
+        as ``torch.compile`` compiles it without a budget (Inductor's peak-memory reordering
+        and buffer pool on, its kernels recorded in the order that reordering leaves them).
+        Past Inductor's caches: a cached compile would skip the partitioner and the scheduler
+        hook, and so give no plan and no scheduled peak (its partitioner's settings differ, so
+        the first compile's code is never served)."""
+        # A lowered budget may be below the planner's minimum: then its minimum-memory plan is
+        # what the loop asked for, not a failure to report (nor, under strict_budget, to raise).
+        lowered = dataclasses.replace(self.settings, budget_bytes=budget_bytes, budget_fraction=None,
+                                      strict_budget=False)
+        found: list = []
+        partitioner = OffloadRematPartitioner(lowered, graph_name=self.partitioner.graph_name, on_result=found.append,
+                                              report=False)
+        recorder = scheduled_peak.KernelRecorder()
+        patches = inductor_compile.inductor_config_patches(lowered, partitioner, self.inductor_patches, self.gm)
+        with scheduled_peak.recording(recorder, patches) as patches, \
+                inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
+            compiled = inductor_compile.compile_past_caches(self.gm, self.example_inputs, patches, lowered)
+        if not found:
+            return None
+        scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)
+        return Attempt(compiled, found[-1].plan, found[-1])

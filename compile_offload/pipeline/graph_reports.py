@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 
-from . import budget_loop
+from . import budget_report
 from .dynamic_check import SymbolicProgram
 from .fingerprint import source_hash
 from ..reporting.logs import emit_cached
 from ..passes.plan import Plan
-from .planning import report_budget
 from ..settings import Settings
 
 log = logging.getLogger("compile_offload")
@@ -123,6 +122,6 @@ def replay(records: list[GraphRecord], settings: Settings, graph_name: str) -> N
                 stacklevel=4,
             )
         emit_cached(plan)
-        report_budget(plan, settings)
+        budget_report.report_budget(plan, settings)
         if plan.scheduled_peak_bytes is not None and plan.budget_outcome == "over_budget":
-            budget_loop.warn_over_budget(plan, stacklevel=4)  # the budget loop's warning, as when it was made
+            budget_report.warn_over_budget(plan, stacklevel=4)  # the budget loop's warning, as when it was made

@@ -3,7 +3,7 @@
 Inductor calls it with the joint forward+backward graph after its joint-graph passes; it
 returns the forward and backward graphs. Everything that decides *what* to save lives in
 ``passes`` and ``planning``; this class carries the settings, reports each plan (logs,
-trace, dump) and hands it to whoever asked (``on_result``), and gives Inductor's caches a
+trace, dump, and its budget unless the budget loop will) and hands it to whoever asked (``on_result``), and gives Inductor's caches a
 key that changes whenever the settings or our code change.
 """
 
@@ -17,22 +17,23 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from .fingerprint import source_hash
 from ..reporting.logs import emit
+from .budget_report import report_budget
 from .planning import plan_partition
 from .result import PartitionResult
 from ..settings import Settings
 
 
 class OffloadRematPartitioner(CustomPartitionerFn):
-    # Whether planning reports a budget below the planner's minimum (planning.report_budget);
-    # the budget loop turns it off and reports once the generated code is known.
-    report_budget = True
-
     def __init__(self, settings: Settings, graph_name: str = "graph",
-                 on_result: Callable[[PartitionResult], None] | None = None, accelerator: bool | None = None) -> None:
+                 on_result: Callable[[PartitionResult], None] | None = None, accelerator: bool | None = None,
+                 report: bool = True) -> None:
         self.settings = settings
         self.graph_name = graph_name
         self.on_result = on_result
         self.accelerator = accelerator  # plan_partition's: the kernels Inductor generates (None: the graph's device says)
+        # Whether each plan's budget is reported here (budget_report.report_budget); False under
+        # the budget loop, which reports once Inductor's code for the plan kept is known.
+        self.report = report
 
     def __call__(
         self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -45,8 +46,9 @@ class OffloadRematPartitioner(CustomPartitionerFn):
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             graph_name=self.graph_name,
             accelerator=self.accelerator,
-            report=self.report_budget,
         )
+        if self.report:
+            report_budget(result.plan, self.settings)
         emit(result, gm, self.settings)
         if self.on_result is not None:
             self.on_result(result)
@@ -56,7 +58,7 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         # Inductor's cache key pickles its config, this object included: only what decides
         # the partition (not ``on_result``'s target, which holds graphs).
         return {"settings": self.settings, "graph_name": self.graph_name, "on_result": None,
-                "accelerator": self.accelerator}
+                "accelerator": self.accelerator, "report": self.report}
 
     def uuid(self) -> str:
         # Inductor's FX graph cache and AOTAutograd's cache key on this: a cache hit must

@@ -23,7 +23,7 @@ from ..passes.build_plan import build_plan
 from ..passes.cost import node_seconds
 from ..passes.memory import fused_nodes
 from ..passes.offload import eligible_for_offload
-from ..passes.plan import Plan, format_bytes
+from ..passes.plan import Plan
 from ..passes.rewrite import build_graphs
 from ..passes.progress import Progress
 from ..passes.solve.refine import Refinement, refine_solution
@@ -45,7 +45,6 @@ def plan_partition(
     static_lifetime_input_indices: list[int] | None = None,
     graph_name: str = "graph",
     accelerator: bool | None = None,
-    report: bool = True,
 ) -> PartitionResult:
     """Plan and partition one joint graph under ``settings``.
 
@@ -56,9 +55,8 @@ def plan_partition(
 
     A graph the planner is known not to handle (``UnsupportedGraph``) falls back to torch's
     min-cut partition (a correct plan) with one warning naming the reason; so does any other
-    error when ``settings.suppress_errors`` is set, and otherwise it raises. A budget below
-    the minimum warns, or raises ``BudgetError`` under ``strict_budget`` (``report=False``:
-    the caller reports it, once Inductor's code for the plan is known).
+    error when ``settings.suppress_errors`` is set, and otherwise it raises. Planning only: a
+    budget below the minimum is reported by the caller (``budget_report.report_budget``).
     """
     # Collections walking the whole heap were ~40% of planning (collection_paused.py).
     with collection_paused():
@@ -87,8 +85,6 @@ def plan_partition(
             return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
                              graph_name, error)
         note_uncounted_workspaces(result.plan, joint_gm.graph.nodes)
-        if report:
-            report_budget(result.plan, settings)
         return result
 
 
@@ -220,36 +216,3 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
                           fallback=f"{type(error).__name__}: {error}")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     return PartitionResult(plan, fw_gm, bw_gm, None, None)
-
-
-def report_budget(plan: Plan, settings: Settings) -> None:
-    """Warn (or, under ``strict_budget``, raise) when ``plan`` could not meet its budget;
-    also run for a plan whose graphs came from a cache (``graph_reports.replay``). Under the
-    budget loop it runs once Inductor's code is known (``backend._compile_inductor``): a plan
-    predicted over the budget whose scheduled peak fits it is not reported."""
-    if plan.feasible or plan.budget_bytes is None:
-        return
-    if plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes <= plan.budget_bytes:
-        return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
-    if settings.budget_fraction == 0.0:
-        return  # asks for the minimum plan: nothing to warn about
-    if plan.budget_outcome == "over_budget":
-        return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
-    unconstrained = plan.unconstrained
-    if unconstrained and plan.scheduled_peak_bytes is not None:
-        # The plans made to lower memory peaked higher in Inductor's code than this one:
-        # what the step can reach is this plan's scheduled peak, not the search's minimum.
-        reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated, the unconstrained "
-                   f"plan's; the plans it made to lower memory, predicted down to "
-                   f"{format_bytes(plan.min_peak_bytes)}, peaked higher there")
-    elif plan.scheduled_peak_bytes is not None:  # what the step holds, first; the planner's figure after
-        reached = (f"{format_bytes(plan.scheduled_peak_bytes)} in the code Inductor generated for its minimum-memory "
-                   f"plan; predicted {format_bytes(plan.min_peak_bytes)}")
-    else:
-        reached = f"{format_bytes(plan.min_peak_bytes)}; predicted peak {format_bytes(plan.predicted_peak_bytes)}"
-    message = (f"compile_offload: {plan.graph_name}: memory budget {format_bytes(plan.budget_bytes)} is below the "
-               f"minimum this planner can reach ({reached})")
-    if settings.strict_budget:
-        raise BudgetError(message + "; strict_budget=True")
-    message += "; using the unconstrained plan" if unconstrained else "; using the minimum-memory plan"
-    warnings.warn(message, stacklevel=4)

@@ -139,13 +139,16 @@ def compile_with_the_budget_loop(gm: torch.fx.GraphModule, inputs, settings, gra
     """The backend's Inductor path itself (``backend._compile_inductor``: code generated,
     kernels recorded, the budget loop), past Inductor's caches so that every graph is
     planned here; the plan it keeps is appended to ``plans``."""
+    from ..inductor import scheduled_peak
     from ..pipeline.backend import _compile_inductor
 
     results: list = []
-    partitioner = OffloadRematPartitioner(settings, graph_name=graph_name, on_result=results.append)
+    recorder = scheduled_peak.recorder_for(settings)
+    partitioner = OffloadRematPartitioner(settings, graph_name=graph_name, on_result=results.append,
+                                          report=recorder is None)
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled, _records = _compile_inductor(gm, inputs, settings, partitioner, results, {})
+        compiled, _records = _compile_inductor(gm, inputs, settings, partitioner, results, {}, recorder)
     plans.extend(result.plan for result in results)
     return compiled
 
@@ -159,7 +162,7 @@ def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadR
     AOTAutograd's cache is off: a hit would skip the partitioner and so the plan."""
     from torch._inductor.compile_fx import compile_fx
 
-    from ..pipeline.backend import inductor_config_patches
+    from ..pipeline.inductor_compile import inductor_config_patches
 
     def shape_only_inner(graph: torch.fx.GraphModule, graph_inputs, **_kwargs):
         return _shape_only(graph, graph_inputs)

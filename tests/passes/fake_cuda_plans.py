@@ -16,7 +16,7 @@ def plan_on_fake_cuda(joint, num_fwd_outputs: int, settings, keep_plan_order: bo
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from compile_offload.pipeline.backend import inductor_config_patches
+    from compile_offload.pipeline.inductor_compile import inductor_config_patches
     from compile_offload.benchmarks import cuda_schedule
     from compile_offload.pipeline.partitioner import OffloadRematPartitioner
 
