@@ -193,13 +193,11 @@ def is_compute_intensive(node: fx.Node) -> bool:
 # Inductor's store-or-inline choice for a pointwise value read by more than one consumer
 # (``StorageBox.should_realize_on_reuse`` in torch/_inductor/ir.py, called from
 # ``GraphLowering.run_node``; the same in torch 2.11-2.14): it is realized (gets a buffer)
-# when its inlined body loads more than ``config.realize_reads_threshold`` (4) buffers or,
-# on CPU, uses one of these ops; inlining it would redo that work in every consumer.
-REALIZE_READS_THRESHOLD = 4
-# ... and any pointwise value, however many consumers, once its body loads more than
-# ``config.realize_cpu_acc_reads_threshold`` (12; 8 off CPU) buffers
-# (``StorageBox.has_exceeded_max_reads``).
-REALIZE_ACC_READS_THRESHOLD_CPU, REALIZE_ACC_READS_THRESHOLD = 12, 8
+# when its inlined body loads more than ``config.realize_reads_threshold`` buffers or, on
+# CPU, uses one of these ops; inlining it would redo that work in every consumer. Any
+# pointwise value, however many consumers, is realized once its body loads more than the
+# accumulated-reads threshold (``StorageBox.has_exceeded_max_reads``). Both thresholds are
+# read from Inductor's live config when a graph is analysed (``compat.realize_thresholds``).
 # Aten ops (after Inductor's decompositions) whose lowering uses one of the heavy ops
 # ``should_realize_on_reuse`` lists for CPU: exp, log, log10, log1p, log2, sigmoid, tanh.
 _HEAVY_ON_CPU = frozenset({
@@ -223,10 +221,11 @@ def _realized_anyway(node: fx.Node, reads: frozenset[fx.Node], heavy: bool) -> b
     its inlined body (itself and the unrealized pointwise values it reads) loads
     ``reads`` and, with ``heavy``, uses an op ``should_realize_on_reuse`` calls heavy."""
     cpu = _on_cpu(node)
-    if len(reads) > (REALIZE_ACC_READS_THRESHOLD_CPU if cpu else REALIZE_ACC_READS_THRESHOLD):
+    reads_threshold, accumulated_threshold = compat.realize_thresholds(cpu)
+    if len(reads) > accumulated_threshold:
         return len(reads) > 1  # ``realize_hint``: realized when it loads more than one buffer
     if len(node.users) > 1:
-        return (cpu and heavy) or len(reads) > REALIZE_READS_THRESHOLD
+        return (cpu and heavy) or len(reads) > reads_threshold
     return False
 
 

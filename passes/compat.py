@@ -285,3 +285,23 @@ def inductor_channels_last_convolutions(conv_args) -> bool:
         return True
     return (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()
             and all(arg is not None and arg.device.type == "cpu" for arg in conv_args))
+
+
+def realize_thresholds(cpu: bool) -> tuple[int, int]:
+    """Inductor's store-or-inline thresholds, read from its live config as its lowering reads
+    them (torch 2.11-2.14): ``realize_reads_threshold`` (a value read by more than one
+    consumer whose body loads more buffers is realized: ``StorageBox.should_realize_on_reuse``)
+    and the accumulated-reads threshold (any value whose body loads more is realized:
+    ``StorageBox.has_exceeded_max_reads``), which is ``realize_acc_reads_threshold`` where set,
+    else ``realize_cpu_acc_reads_threshold`` on the CPU and ``_realize_acc_reads_threshold_default``
+    elsewhere. A config without a name gets the value torch 2.11-2.14 ship (4; 12 and 8)."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        config = None
+    reads = getattr(config, "realize_reads_threshold", 4)
+    accumulated = getattr(config, "realize_acc_reads_threshold", None)
+    if accumulated is None:
+        accumulated = (getattr(config, "realize_cpu_acc_reads_threshold", 12) if cpu
+                       else getattr(config, "_realize_acc_reads_threshold_default", 8))
+    return reads, accumulated
