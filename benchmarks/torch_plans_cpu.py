@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compile_offload.passes.inductor.rules import INDUCTOR
 from compile_offload.tools import model_check
 from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes import compat
@@ -53,7 +54,7 @@ def predicted_peaks(args: dict, strategies: dict[str, float | None]) -> dict[str
     """Each strategy's predicted peak, built as ``model_check.torch_plans`` builds the anchors'."""
     model, x = model_check.decoder_on_meta(args)
     joint = model_check.capture_joint(model, x)
-    analysis = analyze_joint(joint, fusion=True)
+    analysis = analyze_joint(joint, INDUCTOR)
     loss_bytes = model_check.loss_peak_bytes(args)
     input_grad = model_check.input_grad_bytes(args)  # measured over two steps, as the anchors are
     peaks = {}

@@ -18,7 +18,7 @@ import torch.fx as fx
 from . import compat
 from .inductor.attention_bias_copies import attention_bias_copies
 from .inductor.kernel_local import KernelGroups, is_generated_kernel, kernel_groups
-from .inductor.loop_ranges import cpu_graph
+from .inductor.rules import PYTHON, KernelRules
 from .inductor.node_kinds import fuses_into, is_pointwise, is_view, loads_inputs_in_loop, tensor_value  # noqa: F401  (imported from here too)
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d", "_dtensor")
@@ -416,7 +416,9 @@ class JointAnalysis:
     steady: frozenset[fx.Node]  # primal inputs: parameters and user inputs, not counted
     ban: dict[fx.Node, str]  # forward nodes that must not be recomputed, with the reason
     forward_side: frozenset[fx.Node]
-    fusion: bool = False  # simulate Inductor's pointwise fusion (see passes.memory)
+    # The code generator the memory model follows (``passes.inductor.rules``): whether to
+    # simulate Inductor's fusion (see passes.memory), with Triton's or the C++ backend's rules.
+    rules: KernelRules = PYTHON
     # Graph facts the solver reads for every candidate plan, computed once:
     # ``node.all_input_nodes`` (a property that builds a list per call) ...
     inputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
@@ -435,14 +437,9 @@ class JointAnalysis:
     kernel_cycles: dict = field(default_factory=dict, repr=False, compare=False)
     # ... and the order of each run of overlapping kernels met (most come back unchanged).
     kernel_runs: dict = field(default_factory=dict, repr=False, compare=False)
-    # Whether the kernels are Triton's (an accelerator's graph) rather than the C++ backend's:
-    # their loops need not line up, and a kernel a cycle breaks keeps what does not wait on it.
-    triton_kernels: bool = False
-    # Whether a horizontal fusion may run a kernel ahead of its place, as Inductor's scheduler
-    # does by default; False under ``compile_offload.inductor.plan_order_fusion`` (a memory budget):
-    # then a kernel's parts joined by a shared read (``kernel_parts``; ``kernel_inlined``:
-    # what stores no buffer) stay apart where joining them would pull one ahead.
-    fusion_pulls: bool = True
+    # Where a horizontal fusion may not run a kernel ahead of its place (``rules.fusion_pulls``
+    # False: a memory budget), a kernel's parts joined by a shared read (``kernel_parts``;
+    # ``kernel_inlined``: what stores no buffer) stay apart where joining them would pull one ahead.
     kernel_parts: dict = field(default_factory=dict, repr=False, compare=False)
     kernel_inlined: frozenset[fx.Node] = frozenset()
     # Each kernel member's kernel and part: (its index in ``kernels``, its part's index in
@@ -480,6 +477,22 @@ class JointAnalysis:
         "unclaimed" nodes, e.g. a GELU derivative that reads only forward values): both
         can run in the forward and be saved, or be recomputed in the backward."""
         return node in self.forward_side
+
+    @property
+    def fusion(self) -> bool:
+        """Inductor's pointwise fusion is simulated (see passes.memory)."""
+        return self.rules.fusion
+
+    @property
+    def triton_kernels(self) -> bool:
+        """The kernels are Triton's (an accelerator's graph) rather than the C++ backend's:
+        their loops need not line up, and a kernel a cycle breaks keeps what does not wait on it."""
+        return self.rules.triton
+
+    @property
+    def fusion_pulls(self) -> bool:
+        """A horizontal fusion may run a kernel ahead of its place (Inductor's default)."""
+        return self.rules.fusion_pulls
 
     def storage_bytes(self, node: fx.Node) -> int:
         return self.bytes_of.get(self.roots.get(node, node), 0)
@@ -532,17 +545,16 @@ def unsupported_nodes(graph: fx.Graph) -> list[str]:
     return sorted(found)
 
 
-def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
-                  workspaces: Callable[[list[fx.Node]], dict[fx.Node, int]] | None = None,
-                  accelerator: bool | None = None, fusion_pulls: bool = True) -> JointAnalysis:
-    """The analysis every plan of ``joint`` reads. ``fusion``: model Inductor's fusion
-    (else the graphs run as written). ``workspaces(nodes)``: node -> the bytes it holds
-    while it runs beyond its outputs (``JointAnalysis.workspace_bytes``). ``accelerator``:
-    whether Inductor generates an accelerator's (Triton) kernels for the graph rather than
-    C++ ones; None: as its tensors' device says (``model_check`` traces the anchors' graphs
-    on the CPU for an H100, and says True). ``fusion_pulls``: whether Inductor's horizontal
-    fusion may run a kernel ahead of its place (``JointAnalysis.fusion_pulls``)."""
+def analyze_joint(joint: compat.JointGraph, rules: KernelRules = PYTHON,
+                  workspaces: Callable[[list[fx.Node]], dict[fx.Node, int]] | None = None) -> JointAnalysis:
+    """The analysis every plan of ``joint`` reads, for the code generator ``rules`` names
+    (``passes.inductor.rules``: Inductor's Triton or C++ kernels, or the graphs run as
+    written; Inductor's for the graph's device where the generator is None).
+    ``workspaces(nodes)``: node -> the bytes it holds while it runs beyond its outputs
+    (``JointAnalysis.workspace_bytes``)."""
     graph = joint.gm.graph
+    rules = rules.for_nodes(graph.nodes)
+    fusion = rules.fusion
     unsupported = unsupported_nodes(graph)
     if unsupported:
         raise UnsupportedGraph(f"unsupported in the joint graph: {', '.join(unsupported)}")
@@ -576,9 +588,8 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
             ban[n] = "reads an input that the graph mutates"
     forward_side = frozenset(fw_nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    cpu = cpu_graph(nodes) if accelerator is None else not accelerator
     groups = (kernel_groups(nodes, inlined_values(nodes, fusable), position, steady.__contains__,
-                            forward_side.__contains__, cpu=cpu) if fusion else KernelGroups((), frozenset()))
+                            forward_side.__contains__, cpu=not rules.triton) if fusion else KernelGroups((), frozenset()))
     inputs = {n: tuple(n.all_input_nodes) for n in nodes}
     fw_inputs = {n: tuple(arg for arg in args if arg in forward_side) for n, args in inputs.items()}
     bw_readers: dict[fx.Node, list[int]] = {}
@@ -598,14 +609,12 @@ def analyze_joint(joint: compat.JointGraph, fusion: bool = False,
         steady=steady,
         ban=ban,
         forward_side=forward_side,
-        fusion=fusion,
+        rules=rules,
         inputs=inputs,
         alias_parent={n: _aliased_input(n) for n in nodes},
         fusable=fusable,
         kernels=groups.kernels,
         kernel_local=groups.local,
-        triton_kernels=fusion and not cpu,
-        fusion_pulls=fusion_pulls,
         kernel_parts=groups.parts,
         kernel_inlined=groups.inlined,
         kernel_index=_kernel_index(groups),

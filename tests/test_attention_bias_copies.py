@@ -5,6 +5,7 @@ Inductor's CUDA kernels make it (those checked on fake CUDA where torch has a CU
 import pytest
 import torch
 
+from compile_offload.passes.inductor.rules import TRITON
 from compile_offload.passes import compat, memory
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.inductor.attention_bias_copies import COPYING_OPS
@@ -28,7 +29,7 @@ def _analysis():
 
     def hook(joint, _):
         _joint_on_cuda(joint)
-        return joint, analyze_joint(joint, fusion=True, accelerator=True), compat.min_cut_saved_values(joint)
+        return joint, analyze_joint(joint, TRITON), compat.min_cut_saved_values(joint)
 
     with torch.device("meta"):
         q, k, v = (torch.empty(BATCH, SEQ, HEADS, HEAD_DIM, requires_grad=True).transpose(1, 2) for _ in range(3))
@@ -74,7 +75,7 @@ def test_a_bias_the_forward_computes_is_not_copied_by_the_efficient_attention_fo
 def test_without_inductor_nothing_is_copied():
     def hook(joint, _):
         _joint_on_cuda(joint)
-        return analyze_joint(joint, fusion=False, accelerator=True)
+        return analyze_joint(joint)
 
     with torch.device("meta"):
         q, k, v = (torch.empty(BATCH, SEQ, HEADS, HEAD_DIM, requires_grad=True).transpose(1, 2) for _ in range(3))
@@ -117,7 +118,7 @@ def test_cudnn_attention_copies_the_mask_its_forward_computes():
 
     def hook(joint, _):
         _joint_on_cuda(joint)
-        return analyze_joint(joint, fusion=True, accelerator=True), compat.min_cut_saved_values(joint)
+        return analyze_joint(joint, TRITON), compat.min_cut_saved_values(joint)
 
     with torch.device("meta"):
         q, k, v = (torch.empty(BATCH, SEQ, HEADS, HEAD_DIM, requires_grad=True).transpose(1, 2) for _ in range(3))
@@ -151,7 +152,7 @@ def test_a_symbolic_shape_sizes_the_copy_from_its_hints():
         q, k, v = (torch.empty(BATCH, SEQ, HEADS, HEAD_DIM, requires_grad=True).transpose(1, 2) for _ in range(3))
         mask = torch.empty(BATCH, 1, SEQ, SEQ, dtype=torch.bool)
     analysis, _ = capture(_masked_attention, q, k, v, mask, dynamic=True,
-                          hook=lambda joint, _: analyze_joint(joint, fusion=True, accelerator=True))
+                          hook=lambda joint, _: analyze_joint(joint, TRITON))
     assert any(isinstance(s, torch.SymInt) for n in analysis.position if (val := n.meta.get("val")) is not None
                and isinstance(val, torch.Tensor) for s in val.shape)
     assert [nbytes for _, nbytes in analysis.bias_copies.values()] == [WHOLE_BIAS]

@@ -262,7 +262,7 @@ def test_a_cuda_plan_holds_the_efficient_attention_backward_workspace():
 
     def hook(joint, _):
         _joint_on_cuda(joint)
-        analysis = analyze_joint(joint, accelerator=True, workspaces=lambda nodes: op_workspaces(nodes, measure=False))
+        analysis = analyze_joint(joint, workspaces=lambda nodes: op_workspaces(nodes, measure=False))
         return analysis, compat.min_cut_saved_values(joint)
 
     def attention(q, k, v):
@@ -364,7 +364,7 @@ def _plan_conv_net(device: str, budget):
         # On CUDA values the graph's device says, as in the backend (and the planner measures
         # what it can on a GPU); elsewhere host tensors stand in for a GPU's, as in ``explain``.
         return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs,
-                              accelerator=None if device == "cuda" else True, report=False)
+                              accelerator=None if device == "cuda" else True)
 
     with torch.device("meta" if device == "cuda" else device):
         x = torch.zeros(8, 16, 32, 32)

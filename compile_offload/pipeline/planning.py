@@ -19,6 +19,7 @@ from .device_profile import device_of, resolve_profile
 from ..inductor.op_workspace import op_workspaces, uncounted_cuda_workspaces
 from ..passes import compat, user_policy
 from ..passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
+from ..passes.inductor.rules import KernelRules
 from ..passes.build_plan import build_plan
 from ..passes.cost import node_seconds
 from ..passes.memory import fused_nodes
@@ -115,7 +116,8 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
                          graph_name: str, started: float, accelerator: bool | None = None) -> PartitionResult:
     inductor = settings.inner_compiler == "inductor"
     # Under a budget Inductor compiles with plan_order_fusion's rule: no horizontal fusion pulls.
-    analysis = analyze_joint(joint, fusion=inductor, accelerator=accelerator, fusion_pulls=not settings.has_budget,
+    rules = KernelRules.of_compile(inductor, accelerator, fusion_pulls=not settings.has_budget)
+    analysis = analyze_joint(joint, rules,
                              workspaces=lambda nodes: op_workspaces(nodes, inductor, measure=accelerator is not True))
     policy = user_policy.apply_policy(analysis, policy_tags)  # checkpoint policies: bans, a cost bias
     memo: dict[fx.Node, float] = {}

@@ -66,6 +66,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..passes.inductor.rules import KernelRules, TRITON
 from ..passes import compat
 from ..passes.analyze import JointAnalysis, analyze_joint, tensor_value
 from .calibrate import Fit, FitRow, fit_constants, kernel_terms
@@ -449,7 +450,7 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
     args = shape.args
     model, x = decoder_on_meta(args, layers)
     joint = capture_joint(model, x)
-    compiled = analyze_joint(joint, fusion=True, accelerator=True)  # the H100's (Triton) kernels
+    compiled = analyze_joint(joint, TRITON)  # the H100's (Triton) kernels
     plans = {FIT_STRATEGY: Plan(compiled, set(compat.min_cut_saved_values(joint)))}
     if fit_only:
         return ShapePlans(shape, plans)
@@ -458,14 +459,13 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
             budget = float(strategy.rsplit("_", 1)[1])
             plans[strategy] = Plan(compiled, set(compat.budget_saved_values(joint, budget)))
     if "compile_sac_offload" in shape.rows:
-        sac = analyze_joint(capture_joint(CheckpointedDecoder(model, _sac_offload_policy), x), fusion=True,
-                            accelerator=True)
+        sac = analyze_joint(capture_joint(CheckpointedDecoder(model, _sac_offload_policy), x), TRITON)
         plans["compile_sac_offload"] = Plan(sac, set(compat.min_cut_saved_values(sac.joint)))
     if "eager" in shape.rows:
-        eager = analyze_joint(capture_joint(model, x, decompose=False), fusion=False)
+        eager = analyze_joint(capture_joint(model, x, decompose=False))
         plans["eager"] = Plan(eager, autograd_saved(eager), "autograd")
     if "eager_ckpt" in shape.rows:
-        ckpt = analyze_joint(capture_joint(CheckpointedDecoder(model), x, decompose=False), fusion=False)
+        ckpt = analyze_joint(capture_joint(CheckpointedDecoder(model), x, decompose=False))
         plans["eager_ckpt"] = Plan(ckpt, checkpoint_inputs(ckpt), "checkpoint")
     return ShapePlans(shape, plans, loss_peak_bytes(args), layers, input_grad_bytes(args))
 
@@ -481,7 +481,7 @@ def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
     joint = capture_joint(model, x)
     unfused_mm_add(smaller_matmuls_first(joint.gm))
     # planned for the H100's (Triton) kernels
-    return analyze_joint(joint, fusion=True, accelerator=True, fusion_pulls=False)
+    return analyze_joint(joint, KernelRules("triton", fusion_pulls=False))
 
 
 def default_terms(plans: ShapePlans):

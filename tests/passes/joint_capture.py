@@ -12,6 +12,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
 from torch._inductor.decomposition import select_decomp_table
 
+from compile_offload.passes.inductor.rules import INDUCTOR, PYTHON
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import JointAnalysis, analyze_joint
 
@@ -50,7 +51,7 @@ def capture(fn, *inputs, hook, partition=None, dynamic=False, decompose=True):
 def capture_analysis(fn, *inputs, fusion: bool = False) -> tuple[JointAnalysis, list]:
     """(analysis, torch's min-cut saved set) of ``fn``'s joint graph; ``fn`` runs once."""
     (analysis, base), _ = capture(
-        fn, *inputs, hook=lambda joint, _: (analyze_joint(joint, fusion=fusion), compat.min_cut_saved_values(joint)))
+        fn, *inputs, hook=lambda joint, _: (analyze_joint(joint, INDUCTOR if fusion else PYTHON), compat.min_cut_saved_values(joint)))
     return analysis, base
 
 

@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor.lowering  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table
 
+from compile_offload.passes.inductor.rules import CPP, TRITON
 from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.pipeline.planning import plan_partition
 from compile_offload.settings import resolve
@@ -554,8 +555,8 @@ def test_plans_for_triton_kernels_take_a_backward_buffer_over_at_its_last_reader
     torch.manual_seed(0)
     blocks = nn.Sequential(GatedMLP(), GatedMLP())
     (cpu, triton), _ = capture(lambda x: blocks(x).pow(2).mean(), torch.randn(2048, 64, requires_grad=True),
-                               hook=lambda joint, _: (analyze_joint(joint, fusion=True, accelerator=False),
-                                                      analyze_joint(joint, fusion=True, accelerator=True)))
+                               hook=lambda joint, _: (analyze_joint(joint, CPP),
+                                                      analyze_joint(joint, TRITON)))
     programs = {}
     for name, analysis in (("cpu", cpu), ("triton", triton)):
         kept = {n for n in analysis.fw_nodes if n.op == "placeholder"}  # everything else recomputed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from compile_offload.passes.inductor.rules import INDUCTOR
 from compile_offload.passes.solve.prune import MAX_EVALUATIONS, prune_solution
 from compile_offload.passes.solve.recompute import pick
 from compile_offload.tools.solve_exhaustive import exhaustive_candidates, greedy_pool
@@ -28,7 +29,7 @@ def narrow_block():
     from compile_offload.passes.solve.recompute import without_banned_recompute
 
     model, x = decoder_on_meta({"layers": 1, "d": 64, "heads": 2, "seq": 256, "batch": 2, "dtype": "bfloat16"})
-    a = analyze_joint(capture_joint(model, x), fusion=True)
+    a = analyze_joint(capture_joint(model, x), INDUCTOR)
     seconds = seconds_function(a, BUILTIN_PROFILES["h100"])
     base = without_banned_recompute(a, compat.min_cut_saved_values(a.joint))
     return a, base, seconds, exhaustive_candidates(a, base, seconds, None, greedy_pool(a, base, seconds))

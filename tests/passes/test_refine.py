@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile_offload.passes.inductor.rules import INDUCTOR
 from compile_offload.passes.memory import recomputed_nodes
 from compile_offload.passes.progress import Progress
 from compile_offload.passes.solve.refine import refine, refine_solution
@@ -53,7 +54,7 @@ def gpt2_like_block():
     from compile_offload.passes.solve.recompute import without_banned_recompute
 
     model, x = decoder_on_meta({"layers": 1, "d": 128, "heads": 4, "seq": 128, "batch": 2, "dtype": "bfloat16"})
-    a = analyze_joint(capture_joint(model, x), fusion=True)
+    a = analyze_joint(capture_joint(model, x), INDUCTOR)
     seconds = seconds_function(a, BUILTIN_PROFILES["h100"])
     return a, without_banned_recompute(a, compat.min_cut_saved_values(a.joint)), seconds
 

@@ -8,6 +8,7 @@ to what Inductor's peak-memory reordering reaches (at the allocator:
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from compile_offload.passes.inductor.rules import INDUCTOR
 from compile_offload.benchmarks import budget_contract
 from compile_offload.tools.model_check import backend_analysis, capture_joint
 from compile_offload.passes import compat
@@ -93,7 +94,7 @@ def test_the_mixers_unconstrained_peak_is_lower_in_the_backends_order():
             return loss_of(self.model(x))
 
     (x,) = inputs
-    traced = analyze_joint(capture_joint(Step(), x), fusion=True)
+    traced = analyze_joint(capture_joint(Step(), x), INDUCTOR)
     ordered = backend_analysis(Step(), x)
 
     def peak(a):

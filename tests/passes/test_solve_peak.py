@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+from compile_offload.passes.inductor.rules import INDUCTOR
 from compile_offload.tools import model_check
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
@@ -23,7 +24,7 @@ H100 = BUILTIN_PROFILES["h100"]
 def block():
     model, x = model_check.decoder_on_meta({"layers": 1, "d": 256, "heads": 4, "seq": 256, "batch": 4,
                                             "dtype": "bfloat16"})
-    a = analyze_joint(model_check.capture_joint(model, x), fusion=True)
+    a = analyze_joint(model_check.capture_joint(model, x), INDUCTOR)
     base = without_banned_recompute(a, compat.min_cut_saved_values(a.joint))
     return a, base, model_check.seconds_function(a, H100)
 
