@@ -13,8 +13,9 @@ So a backward we lowered early keeps torch's lazy switch: the first ``backward()
 retains the graph drops the early lowering, and AOTAutograd lowers the backward again,
 without donated buffers, as it would have lazily (the retained saved tensors stay intact;
 every later backward of that graph runs the new lowering). Where AOTAutograd's cache served
-the graph it keeps no graph to lower again, and the backward raises a ``RuntimeError`` that
-says so and how to avoid it. Private AOTAutograd names, used here only.
+the graph, nothing of ours ran and no graph is kept to lower again: AOTAutograd raises its
+own error, which names ``torch._functorch.config.donated_buffer=False``. Private AOTAutograd
+names, used here only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def lowering_lazily_on_retain(inner_compile: Callable[..., Any]) -> Callable[...
 
     @functools.wraps(inner_compile)
     def compile_marking_early_backward(gm: torch.fx.GraphModule, example_inputs, **kwargs: Any):
-        # Marked from the forward's compile on: AOTAutograd's cache stores the mark with the graph.
+        # Marked as soon as the donated buffers are known (from the forward's compile on).
         if torch._functorch.config.force_non_lazy_backward_lowering:
             from torch._guards import TracingContext
 
@@ -64,13 +65,8 @@ def _install() -> bool:
     @functools.wraps(original)
     def get_or_compile(self, *, saved_tensors_use_once: bool):
         metadata = getattr(self, "fw_metadata", None)
-        if not saved_tensors_use_once and self.compiled_bw is not None and getattr(metadata, _MARK, False):
-            if not isinstance(self.lazy_backward_info, lazy_info):
-                raise RuntimeError(
-                    "compile_offload: backward(retain_graph=True) (or create_graph=True) on a graph whose backward "
-                    "AOTAutograd's cache served lowered to overwrite its saved tensors (donated buffers), and it "
-                    "keeps no graph to lower again; compile with torch._functorch.config.enable_autograd_cache="
-                    "False, or set torch._functorch.config.donated_buffer=False")
+        if (not saved_tensors_use_once and self.compiled_bw is not None and getattr(metadata, _MARK, False)
+                and isinstance(self.lazy_backward_info, lazy_info)):  # a graph to lower again
             setattr(metadata, _MARK, False)
             self.compiled_bw = None  # lowered again below, without donated buffers, as a lazy backward is
         return original(self, saved_tensors_use_once=saved_tensors_use_once)
