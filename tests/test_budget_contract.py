@@ -75,7 +75,7 @@ def test_the_plan_side_of_a_snapshot_is_what_the_plan_holds_at_its_peak():
 
     def hook(joint, joint_inputs):
         settings = resolve({"memory_budget": 0.6, "device_profile": "cpu"})
-        return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs, report=False)
+        return plan_partition(joint.gm, joint_inputs, settings, num_fwd_outputs=joint.num_fwd_outputs)
 
     result, _ = capture(lambda x: loss_of(model(x)), *inputs, hook=hook)
     text = contract.describe_plan_peak(result, top=10_000)
