@@ -27,7 +27,7 @@ def report_budget(plan: Plan, settings: Settings) -> None:
     if settings.budget_fraction == 0.0:
         return  # asks for the minimum plan: nothing to warn about
     if plan.budget_outcome == "over_budget":
-        return  # the budget loop kept it over the budget, and warned (budget_loop.warn_over_budget)
+        return  # the budget loop kept it over the budget, and warned (warn_over_budget)
     unconstrained = plan.unconstrained
     if unconstrained and plan.scheduled_peak_bytes is not None:
         # The plans made to lower memory peaked higher in Inductor's code than this one:
