@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-from . import budget_loop, ddp, dynamic_check, inductor_compile
+from . import budget_loop, ddp, dynamic_check, graph_reports
 from .. import config_guard
 from ..inductor import scheduled_peak
 from ..runtime import pinned_pool
@@ -178,7 +178,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         pinned_pool.set_limit(settings.pinned_pool_limit)
     if settings.inner_compiler == "eager":
         compiled = _compile_eager(gm, example_inputs, partitioner)
-        records = inductor_compile.records_of(results)
+        records = graph_reports.records_of(results)
     else:
         compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results, inductor_patches,
                                               recorder)
@@ -201,9 +201,6 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
     when the compile returns) the budget loop owns the compile (``budget_loop.BudgetLoop``);
     ``results`` then ends with the plan kept. Graphs without grad never reach the
     partitioner: compile_fx sends them straight to Inductor's inference path."""
-    if recorder is None:
-        patches = inductor_compile.inductor_config_patches(settings, partitioner, inductor_patches, gm)
-        return inductor_compile.compile_planned(gm, example_inputs, settings, partitioner, results, patches, None)
     return budget_loop.BudgetLoop(gm, example_inputs, settings, partitioner, results, recorder,
                                   inductor_patches).compile()
 

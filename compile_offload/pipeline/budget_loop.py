@@ -287,7 +287,12 @@ class BudgetLoop:
         self.inductor_patches = inductor_patches
 
     def compile(self):
-        """The compiled graph and its records (``graph_reports.GraphRecord``), reported."""
+        """The compiled graph and its records (``graph_reports.GraphRecord``), reported. Without
+        a recorder (no budget, or no scheduler hook on this torch) one compile, which the
+        partitioner reports itself."""
+        if self.recorder is None:
+            return inductor_compile.compile_planned(self.gm, self.example_inputs, self.settings, self.partitioner,
+                                                    self.results, self.inductor_patches, None)
         compiled, records = self._compile()
         for result in self.results:
             budget_report.report_budget(result.plan, self.settings)
@@ -295,10 +300,8 @@ class BudgetLoop:
 
     def _compile(self):
         gm, settings, results, name = self.gm, self.settings, self.results, self.partitioner.graph_name
-        patches = inductor_compile.inductor_config_patches(settings, self.partitioner, self.inductor_patches, gm)
-        with scheduled_peak.recording(self.recorder, patches) as recording_patches:
-            compiled, records = inductor_compile.compile_planned(gm, self.example_inputs, settings, self.partitioner,
-                                                                 results, recording_patches, self.recorder)
+        compiled, records = inductor_compile.compile_planned(gm, self.example_inputs, settings, self.partitioner,
+                                                             results, self.inductor_patches, self.recorder)
         if not results:  # served from the cache: its record says which plan was kept
             replanned = records[-1].plan.planned_budget_bytes if records else None
             if replanned is None:
@@ -326,7 +329,7 @@ class BudgetLoop:
                 graph_reports.store(key, records)
                 logs.remember(kept.plan)  # the first plan, not the last re-plan made
             return compiled, records
-        kept_records = inductor_compile.records_of([kept.result])
+        kept_records = graph_reports.records_of([kept.result])
         results[:] = [kept.result]
         graph_reports.store(key, kept_records)
         logs.remember(kept.plan)
@@ -348,11 +351,10 @@ class BudgetLoop:
         partitioner = OffloadRematPartitioner(lowered, graph_name=self.partitioner.graph_name, on_result=found.append,
                                               report=False)
         recorder = scheduled_peak.KernelRecorder()
-        patches = inductor_compile.inductor_config_patches(lowered, partitioner, self.inductor_patches, self.gm)
-        with scheduled_peak.recording(recorder, patches) as patches, \
-                inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
+        with inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
-            compiled = inductor_compile.compile_past_caches(self.gm, self.example_inputs, patches, lowered)
+            compiled = inductor_compile.compile_past_caches(self.gm, self.example_inputs, lowered, partitioner,
+                                                            self.inductor_patches, recorder)
         if not found:
             return None
         scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)

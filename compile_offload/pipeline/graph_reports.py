@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import budget_report
-from .dynamic_check import SymbolicProgram
+from .dynamic_check import SymbolicProgram, program_of
 from .fingerprint import source_hash
 from ..reporting.logs import emit_cached
 from ..passes.plan import Plan
@@ -50,6 +50,11 @@ class GraphRecord:
 
     plan: Plan
     program: SymbolicProgram | None
+
+
+def records_of(results: list) -> list[GraphRecord]:
+    """The records of the plans ``results`` (``PartitionResult``s) got."""
+    return [GraphRecord(r.plan, program_of(r)) for r in results]
 
 
 def trains(example_inputs: Sequence[Any]) -> bool:

@@ -1,12 +1,14 @@
 """Compiling one graph with Inductor and our partitioner: the Inductor config a budgeted graph
 compiles under (``inductor_config_patches``), Inductor's inner compiler with our hooks
 (``inner_compile``), and one compile of a graph with the plans it got, made now or read back
-for a compile served from Inductor's caches (``compile_planned``). The backend compiles
-through it without a budget; the budget loop (``budget_loop.BudgetLoop``) with one.
+for a compile served from Inductor's caches (``compile_planned``), and one compile past
+those caches (``compile_past_caches``). The budget loop (``budget_loop.BudgetLoop``) is the
+one caller in the backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +19,7 @@ from ..inductor import kernels as inductor_kernels
 from ..inductor import scheduled_peak
 from ..passes.analyze import COLLECTIVE_NAMESPACES, is_collective
 from ..settings import Settings
-from . import dynamic_check, graph_reports
+from . import graph_reports
 from .partitioner import OffloadRematPartitioner
 from .result import PartitionResult
 
@@ -126,8 +128,27 @@ def inner_compile(settings: Settings):
     return keeping_plan_order(inner) if settings.has_budget else inner
 
 
-def compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
-                         settings: Settings):
+def compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                        partitioner: OffloadRematPartitioner, inductor_patches: dict | None,
+                        recorder: scheduled_peak.KernelRecorder | None = None):
+    """One compile of ``gm`` past Inductor's and AOTAutograd's caches, under the config
+    ``settings`` needs (``inductor_config_patches``), its kernels recorded when ``recorder``."""
+    patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
+    with _recording(recorder, patches) as patches:
+        return _compile_fx_past_caches(gm, example_inputs, patches, settings)
+
+
+@contextlib.contextmanager
+def _recording(recorder, patches: dict[str, Any]):
+    if recorder is None:
+        yield patches
+        return
+    with scheduled_peak.recording(recorder, patches) as recording_patches:
+        yield recording_patches
+
+
+def _compile_fx_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
+                            settings: Settings):
     from torch._inductor.compile_fx import compile_fx
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -135,26 +156,31 @@ def compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                           config_patches={**patches, "fx_graph_cache": False})
 
 
-def records_of(results: list[PartitionResult]) -> list[graph_reports.GraphRecord]:
-    return [graph_reports.GraphRecord(r.plan, dynamic_check.program_of(r)) for r in results]
-
-
-
-
 def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                              partitioner: OffloadRematPartitioner, results: list[PartitionResult],
-                              patches: dict[str, Any], recorder):
+                    partitioner: OffloadRematPartitioner, results: list[PartitionResult],
+                    inductor_patches: dict | None, recorder):
+    """One compile of ``gm`` with ``partitioner`` (its plans appended to ``results``) and the
+    records of the plans it got: made now, with the scheduled peak of their kernels where
+    ``recorder`` saw them, or, for code served from Inductor's caches, the stored record."""
+    patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
+    with _recording(recorder, patches) as patches:
+        return _compile_planned(gm, example_inputs, settings, partitioner, results, patches, recorder)
+
+
+def _compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                     partitioner: OffloadRematPartitioner, results: list[PartitionResult],
+                     patches: dict[str, Any], recorder):
     from torch._inductor.compile_fx import compile_fx
 
     def planned_records():  # the plans made now, with the scheduled peak of their kernels
         if results and recorder is not None:
             scheduled_peak.note_scheduled_peak(results[-1].plan, recorder)
-        return records_of(results)
+        return graph_reports.records_of(results)
 
     if settings.dump_dir is not None or settings.verify_budget:
         # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
         # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
-        compiled = compile_past_caches(gm, example_inputs, patches, settings)
+        compiled = _compile_fx_past_caches(gm, example_inputs, patches, settings)
         return compiled, planned_records()
     key = graph_reports.record_key(gm, example_inputs, settings)
     compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile(settings), config_patches=patches)
@@ -176,7 +202,7 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], set
         return compiled, records
     log.debug("%s: compiled code from the cache without a plan record: compiling again past the caches",
               partitioner.graph_name)
-    compiled = compile_past_caches(gm, example_inputs, patches, settings)
+    compiled = _compile_fx_past_caches(gm, example_inputs, patches, settings)
     records = planned_records()
     graph_reports.store(key, records)
     return compiled, records
