@@ -128,6 +128,22 @@ suppress_errors: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_
 # would bring no plan to compare with). Graphs without a budget are not measured.
 verify_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_VERIFY_BUDGET")
 
+# Measured plan choice: under a budget, with Inductor, compile a few candidate plans whose
+# Inductor code fits the budget (the planner's plan, plans made a little above and below
+# it, and without offload where it offloads), run the first training steps on them in turn
+# (each a real step: its gradients are right), and keep the fastest whose measured peak
+# fits. The planner's cost model guides the search; this lets the device decide between
+# near-equal plans. Costs one extra Inductor compile per candidate and
+# (candidates x (measured_plan_steps + 1)) steps at most on the candidates (one more each
+# on the CPU, whose peak is measured in a step of its own); with plan_cache_dir set, the
+# winner is stored and later runs skip the trials. Turns off Inductor's and AOTAutograd's
+# caches for the graphs it compiles. Off where it cannot help: no budget,
+# inner_compiler="eager", CUDA graphs, graphs with dynamic sizes.
+measured_plan_choice: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_MEASURED_PLAN_CHOICE")
+
+# Timed steps per candidate plan of measured_plan_choice (after one warm-up step each).
+measured_plan_steps = Config(default=3, env_name_default="COMPILE_OFFLOAD_MEASURED_PLAN_STEPS", value_type=Optional[str])
+
 install_config_module(sys.modules[__name__])
 
 # An assignment reaches every thread (torch >= 2.12 would keep it in the assigning

@@ -51,6 +51,8 @@ class Settings:
     suppress_errors: bool = False
     plan_time_limit: float | None = None
     verify_budget: bool = False
+    measured_plan_choice: bool = False
+    measured_plan_steps: int = 3
 
     @property
     def has_budget(self) -> bool:
@@ -294,6 +296,14 @@ def folder_problem(path: str) -> str | None:
     return None
 
 
+def _positive_int(knob: str, value: object) -> int:
+    if isinstance(value, str) and value.strip().isdigit():  # from the environment
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"compile_offload.config.{knob}={value!r}: accepted: a positive int")
+    return value
+
+
 def resolve(overrides: dict | None = None) -> Settings:
     """Read ``compile_offload.config`` (with ``overrides`` on top) and validate every knob."""
     values = config.get_config_copy()
@@ -311,11 +321,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,
                           PROFILE_NAMES)
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
-    exact_max = values["exact_max_candidates"]
-    if isinstance(exact_max, str) and exact_max.strip().isdigit():  # from the environment
-        exact_max = int(exact_max)
-    if isinstance(exact_max, bool) or not isinstance(exact_max, int) or exact_max < 1:
-        raise ValueError(f"compile_offload.config.exact_max_candidates={exact_max!r}: accepted: a positive int")
+    exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"])
     pool_limit = values["pinned_pool_limit"]
     if pool_limit is not None:
         pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
@@ -336,6 +342,9 @@ def resolve(overrides: dict | None = None) -> Settings:
         pinned_pool_limit=pool_limit,
         suppress_errors=_flag("suppress_errors", values["suppress_errors"], from_environment("suppress_errors")),
         verify_budget=_flag("verify_budget", values["verify_budget"], from_environment("verify_budget")),
+        measured_plan_choice=_flag("measured_plan_choice", values["measured_plan_choice"],
+                                   from_environment("measured_plan_choice")),
+        measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
     )
     return settings
 

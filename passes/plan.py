@@ -89,6 +89,13 @@ class Plan:
     unconstrained: bool = False
     # Why torch's own partition was used for the graph instead of a plan; None when planned.
     fallback: str | None = None
+    # Measured plan choice (``config.measured_plan_choice``): the number of candidate plans
+    # whose training steps were timed when this one was kept as the fastest that fits (0: the
+    # plan was not chosen by measurement), and what its own steps measured: the median step
+    # time of the compiled graph (forward and backward) and the highest allocator peak.
+    measured_candidates: int = 0
+    measured_step_seconds: float | None = None
+    measured_peak_bytes: int | None = None
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
@@ -137,7 +144,15 @@ class Plan:
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
             + ("" if self.meets_budget() else " -- over budget")
+            + self._measured_text()
         )
+
+    def _measured_text(self) -> str:
+        if not self.measured_candidates:
+            return ""
+        step = "" if self.measured_step_seconds is None else f" step {self.measured_step_seconds * 1e3:.3f} ms"
+        peak = "" if self.measured_peak_bytes is None else f" peak {format_bytes(self.measured_peak_bytes)}"
+        return f"; measured the fastest of {self.measured_candidates} candidates:{step}{peak}"
 
     def table(self) -> str:
         header = f"{'tensor':<32} {'shape':<22} {'dtype':<9} {'size':>11}  {'decision':<9} {'cost ms':>8}  reason"

@@ -81,6 +81,9 @@ BAD_VALUES = [
     ("dump_dir", 5, TypeError),
     ("exact_max_candidates", 0, ValueError),
     ("exact_max_candidates", True, ValueError),
+    ("measured_plan_choice", "on", TypeError),
+    ("measured_plan_steps", 0, ValueError),
+    ("measured_plan_steps", 2.5, ValueError),
     ("pinned_pool_limit", -1, ValueError),
     ("pinned_pool_limit", "1 GiB of RAM", ValueError),
     ("plan_time_limit", -1, ValueError),
@@ -249,6 +252,8 @@ def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
         ({"COMPILE_OFFLOAD_PLAN_TIME_LIMIT": "2.5"}, {"plan_time_limit": 2.5}),
         ({}, {"verify_budget": False}),
         ({"COMPILE_OFFLOAD_VERIFY_BUDGET": "1"}, {"verify_budget": True}),
+        ({"COMPILE_OFFLOAD_MEASURED_PLAN_CHOICE": "1", "COMPILE_OFFLOAD_MEASURED_PLAN_STEPS": "5"},
+         {"measured_plan_choice": True, "measured_plan_steps": 5}),
     ],
     ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
 )

@@ -321,7 +321,49 @@ def all_scenarios(rank: int) -> dict:
         torch._dynamo.reset()
         with _Capture() as capture:
             results[name] = scenario(rank, capture)
+    results["plan_trials"] = plan_trials_scenario(rank)
     return results
+
+
+class CompiledFunction(torch.autograd.Function):
+    """A stand-in compiled graph whose forward sleeps (``plan_trials`` finds its backward by
+    the name, as it finds AOTAutograd's)."""
+
+    @staticmethod
+    def forward(ctx, x, delay):
+        time.sleep(delay)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def plan_trials_scenario(rank: int) -> dict:
+    """Measured plan choice on two ranks that disagree: candidate "a" is slow on rank 0 only,
+    "b" a little slow on rank 1 only. Alone, rank 0 would choose "b" and rank 1 "a"; over the
+    ranks "a" is the slower (0.08 s against 0.04 s on its slowest rank), so both run "b"."""
+    from compile_offload.passes.plan import Plan
+    from compile_offload.runtime.plan_trials import PlanTrials, Trial
+
+    plan = Plan(feasible=True, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=0.0,
+                baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0)
+    delays = {"a": (0.08, 0.0), "b": (0.0, 0.04)}
+    chosen = []
+    trials = [Trial(name, (lambda x, d=delay[rank]: CompiledFunction.apply(x, d)), plan)
+              for name, delay in delays.items()]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "graph_0_0", steps=2,
+                        on_chosen=lambda trial, _: chosen.append(trial.name))
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(len(runner.schedule)):
+        runner(x).sum().backward()
+    return {"chosen": chosen, "seconds": {t.name: t.seconds for t in trials}}
+
+
+def test_measured_plan_choice_ranks_choose_the_same_plan(results):
+    chosen = [r["plan_trials"]["chosen"] for r in results]
+    assert chosen == [["b"], ["b"]], results[0]["plan_trials"]
+    assert results[0]["plan_trials"]["seconds"] == results[1]["plan_trials"]["seconds"]  # the ranks' agreed figures
 
 
 @pytest.fixture(scope="module")

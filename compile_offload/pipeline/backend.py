@@ -160,6 +160,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         else:
             said = "options={'triton.cudagraphs': True}"
         settings = _without_offload_under_cuda_graphs(settings, said)
+        if settings.measured_plan_choice:  # captured graphs replay: a step of another plan would not compare
+            log.info("compile_offload: measured plan choice is off under CUDA graphs (%s)", said)
+            settings = dataclasses.replace(settings, measured_plan_choice=False)
     bucket_graphs = None
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()

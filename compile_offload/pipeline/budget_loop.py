@@ -24,7 +24,7 @@ from ..inductor import scheduled_peak
 from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
 from ..settings import Settings
-from . import budget_report, graph_reports, inductor_compile
+from . import budget_report, graph_reports, inductor_compile, plan_choice
 from .partitioner import OffloadRematPartitioner
 
 log = logging.getLogger("compile_offload")
@@ -285,6 +285,7 @@ class BudgetLoop:
         self.gm, self.example_inputs, self.settings = gm, example_inputs, settings
         self.partitioner, self.results, self.recorder = partitioner, results, recorder
         self.inductor_patches = inductor_patches
+        self.cache_key: str | None = None  # the plan cache's entry for the graph under the user's settings
 
     def compile(self):
         """The compiled graph and its records (``graph_reports.GraphRecord``), reported. Without
@@ -296,6 +297,8 @@ class BudgetLoop:
         compiled, records = self._compile()
         for result in self.results:
             budget_report.report_budget(result.plan, self.settings)
+        if plan_choice.applies(self):
+            compiled = plan_choice.with_trials(self, compiled)
         return compiled, records
 
     def _compile(self):
@@ -316,8 +319,11 @@ class BudgetLoop:
             return (compiled if attempt is None else attempt.compiled), records
         if len(records) != 1:
             return compiled, records
-        looped = acts_on(records[0].plan)
         first = Attempt(compiled, records[0].plan, results[0] if results else None)
+        self.cache_key = first.result.cache_key if first.result is not None else None
+        if first.plan.measured_candidates and first.plan.meets_budget():
+            return compiled, records  # measured the fastest that fits (from the plan cache): kept as it is
+        looped = acts_on(records[0].plan)
         kept = keep_within_budget(first, self.replan)
         if looped and kept.result is not None:
             # Each re-plan's dump went over the graph's folder as it was made, before the loop
@@ -335,18 +341,19 @@ class BudgetLoop:
         logs.remember(kept.plan)
         return kept.compiled, kept_records
 
-    def replan(self, budget_bytes: int | None) -> Attempt | None:
+    def replan(self, budget_bytes: int | None, **changes) -> Attempt | None:
         """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
         place of the user's), its kernels recorded; ``None``: the unconstrained plan compiled
         as ``torch.compile`` compiles it without a budget (Inductor's peak-memory reordering
         and buffer pool on, its kernels recorded in the order that reordering leaves them).
         Past Inductor's caches: a cached compile would skip the partitioner and the scheduler
         hook, and so give no plan and no scheduled peak (its partitioner's settings differ, so
-        the first compile's code is never served)."""
+        the first compile's code is never served). ``changes``: other settings to plan under
+        (measured plan choice's ``offload=False``)."""
         # A lowered budget may be below the planner's minimum: then its minimum-memory plan is
         # what the loop asked for, not a failure to report (nor, under strict_budget, to raise).
         lowered = dataclasses.replace(self.settings, budget_bytes=budget_bytes, budget_fraction=None,
-                                      strict_budget=False)
+                                      strict_budget=False, **changes)
         found: list = []
         partitioner = OffloadRematPartitioner(lowered, graph_name=self.partitioner.graph_name, on_result=found.append,
                                               report=False)

@@ -177,9 +177,11 @@ def _compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], se
             scheduled_peak.note_scheduled_peak(results[-1].plan, recorder)
         return graph_reports.records_of(results)
 
-    if settings.dump_dir is not None or settings.verify_budget:
-        # A dump asks to see the partition, verify_budget compares with the plan: a warm FX
-        # graph or AOTAutograd cache would reuse compiled code without calling the partitioner.
+    if settings.dump_dir is not None or settings.verify_budget or settings.measured_plan_choice:
+        # A dump asks to see the partition, verify_budget compares with the plan, measured
+        # plan choice needs the plan to find its rivals (and stores its choice in the plan
+        # cache, not in Inductor's): a warm FX graph or AOTAutograd cache would reuse compiled
+        # code without calling the partitioner.
         compiled = _compile_fx_past_caches(gm, example_inputs, patches, settings)
         return compiled, planned_records()
     key = graph_reports.record_key(gm, example_inputs, settings)

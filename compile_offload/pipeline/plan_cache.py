@@ -35,7 +35,7 @@ from .result import PartitionResult
 from ..settings import Settings
 
 _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "debug_force_offload", "solver",
-                   "exact_max_candidates", "inner_compiler")
+                   "exact_max_candidates", "inner_compiler", "measured_plan_choice")
 
 
 def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> str:
@@ -141,7 +141,13 @@ def _illegal(plan: Plan, a: JointAnalysis, settings: Settings) -> str | None:
 
 def store(joint_gm: fx.GraphModule, settings: Settings, profile: dict, plan: Plan) -> None:
     """Save ``plan`` for this graph; a failure to write is a warning (the cache only saves time)."""
-    path = _path(settings, cache_key(joint_gm, settings, profile))
+    store_under(cache_key(joint_gm, settings, profile), settings, plan)
+
+
+def store_under(key: str, settings: Settings, plan: Plan) -> None:
+    """Save ``plan`` as the entry ``key`` (``PartitionResult.cache_key``: the key its graph
+    was planned under), as ``store`` does."""
+    path = _path(settings, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # A temporary file of this process's own, then an atomic rename: ranks sharing one
@@ -160,7 +166,7 @@ def store(joint_gm: fx.GraphModule, settings: Settings, profile: dict, plan: Pla
 
 
 def rebuild(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: int, graph_name: str,
-            seconds, profile) -> PartitionResult:
+            seconds, profile, key: str | None = None) -> PartitionResult:
     """The graphs of a cached plan, without solving. The plan stores decisions only; where
     the copies go follows from them and the cost model (``passes.transfer``), as when solved."""
     by_name = {node.name: node for node in a.joint.gm.graph.nodes}
@@ -173,4 +179,4 @@ def rebuild(a: JointAnalysis, plan: Plan, settings: Settings, num_fwd_outputs: i
                                  planned_placement(a, saved, seconds, profile, settings.prefetch))
     plan.graph_name = graph_name
     plan.notes.append("reused from the plan cache")
-    return PartitionResult(plan, fw_gm, bw_gm, a, None)
+    return PartitionResult(plan, fw_gm, bw_gm, a, None, cache_key=key)

@@ -131,10 +131,11 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
 
     # The kernel rules decide the plan as much as the profile does: both key the plan cache.
     cache_profile = profile.to_dict() if accelerator is None else {**profile.to_dict(), "accelerator": accelerator}
-    if settings.plan_cache_dir is not None:
+    key = None if settings.plan_cache_dir is None else plan_cache.cache_key(joint.gm, settings, cache_profile)
+    if key is not None:
         cached = plan_cache.lookup(joint.gm, settings, cache_profile, analysis=analysis)
         if cached is not None:
-            return plan_cache.rebuild(analysis, cached, settings, num_fwd_outputs, graph_name, seconds, profile)
+            return plan_cache.rebuild(analysis, cached, settings, num_fwd_outputs, graph_name, seconds, profile, key)
     base_saved = without_banned_recompute(analysis, compat.min_cut_saved_values(joint))
     base_saved = user_policy.saved_offload_roots(analysis, policy, base_saved)
 
@@ -187,9 +188,9 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
                                  planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
-    if settings.plan_cache_dir is not None and not progress.out_of_time:  # a complete search may do better
-        plan_cache.store(joint.gm, settings, cache_profile, plan)
-    return PartitionResult(plan, fw_gm, bw_gm, analysis, solution)
+    if key is not None and not progress.out_of_time:  # a complete search may do better
+        plan_cache.store_under(key, settings, plan)
+    return PartitionResult(plan, fw_gm, bw_gm, analysis, solution, cache_key=key)
 
 
 def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:

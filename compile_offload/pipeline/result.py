@@ -25,6 +25,8 @@ class PartitionResult:
 
     ``analysis`` is None when torch's own partition was used (no backward, or a graph the
     planner does not support); ``solution`` is None then and for a plan from the plan cache.
+    ``cache_key``: the plan cache's entry for the graph under the settings it was planned
+    with (None without ``plan_cache_dir``).
     """
 
     plan: Plan
@@ -32,3 +34,4 @@ class PartitionResult:
     bw_gm: fx.GraphModule
     analysis: JointAnalysis | None
     solution: Solution | None
+    cache_key: str | None = None

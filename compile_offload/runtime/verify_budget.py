@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from .memory_tracker import AllocationLedger, measure_peak, profiler_recording
+from .memory_tracker import profiler_recording
+from .step_measure import StepMeasure, compiled_backward_node
 from ..passes.plan import Plan, format_bytes
 
 TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact bytes
@@ -44,9 +44,9 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
                               "would end yours; the first step run outside a profiler is measured", stacklevel=2)
             return compiled(*args)
         state["done"] = True
-        step = _StepMeasure(device)
+        step = StepMeasure(device)
         outputs = step.forward(compiled, args)
-        node = _compiled_backward_node(outputs)
+        node = compiled_backward_node(outputs)
         if node is None:  # no backward to wait for: the forward alone is the step
             warn_if_over_budget(plan, step.peak_bytes(), graph_name)
             return outputs
@@ -62,76 +62,6 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
         return outputs
 
     return run
-
-
-class _StepMeasure:
-    """One step's peak: the forward call and the compiled backward, each its own region.
-
-    On the CPU each is a profiler region of its own: the autograd engine restores the
-    thread's profiler state when a backward ends, so a profiler opened in the forward and
-    closed in a backward hook would stay enabled. ``AllocationLedger`` joins the two regions
-    (the loss computed between them is not seen; memory freed there stays counted). On CUDA
-    the caching allocator's peak counter spans both."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.ledger = AllocationLedger()
-        self._region = None
-        self._cuda_peak = None
-        self.interrupted = False  # a profiler of someone else's recorded when the backward started
-
-    def forward(self, compiled: Callable[..., Any], args) -> Any:
-        if self.cuda:
-            self._region = measure_peak(self.device_or_current())
-            self._cuda_peak = self._region.__enter__()
-            return compiled(*args)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            outputs = compiled(*args)
-        self.ledger.add(prof)
-        return outputs
-
-    def device_or_current(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
-
-    def start_backward(self) -> None:
-        if not self.cuda:
-            if profiler_recording():
-                self.interrupted = True
-                return
-            self._region = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                  profile_memory=True)
-            self._region.__enter__()
-
-    def end_backward(self) -> None:
-        if self._region is None:
-            return
-        self._region.__exit__(None, None, None)
-        if not self.cuda:
-            self.ledger.add(self._region)
-        self._region = None
-
-    def peak_bytes(self) -> int:
-        if self.cuda:
-            self.end_backward()
-            return self._cuda_peak.peak_bytes
-        return self.ledger.peak_bytes
-
-
-def _compiled_backward_node(outputs: Any):
-    """The autograd node of the compiled graph's backward among ``outputs``' grad_fns (an
-    output that is a view has a view node in front of it)."""
-    pending = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen = set()
-    while pending:
-        node = pending.pop(0)
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if "CompiledFunction" in type(node).__name__:
-            return node
-        if len(seen) < 16:
-            pending.extend(next_node for next_node, _ in node.next_functions)
-    return None
 
 
 def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str) -> bool:

@@ -1,0 +1,151 @@
+"""Measured plan choice (``config.measured_plan_choice``), at compile time: the candidate
+plans of one graph, each compiled by Inductor, whose code fits the budget.
+
+The planner ranks plans with its cost model, which misses part of what the device does
+(docs/benchmarks.md: the plan measured at budget 0.5 on a GPU ran 3.7-5% slower than
+predicted). Near the plan it chose, other mixes of keep, recompute and offload may run
+faster. The candidates, besides the plan the budget loop kept:
+
+- the plan made a tenth of the plan range higher (the range from the minimum-memory plan's
+  peak to the unconstrained plan's): predicted faster and over the budget, it runs only
+  where its Inductor code fits the budget after all;
+- the plan made a tenth of that range lower: more recomputation, predicted slower;
+- where the kept plan offloads, the plan made under the same budget without offload.
+
+Each is a full compile past the caches (``BudgetLoop.replan``); one whose scheduled peak
+(its Inductor code) exceeds the budget is dropped, and so is one whose decisions equal an
+earlier candidate's. With one candidate left nothing is measured. The steps that measure the
+rest run in ``runtime/plan_trials.py``; when they have chosen, the choice becomes the
+graph's plan (``Plan.measured_candidates``), the one ``explain``'s reports and
+``verify_budget`` read, and is stored in the plan cache under the graph's own entry (with
+``plan_cache_dir``), so that the next run compiles it without trials.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..passes.plan import Plan, format_bytes
+from ..reporting import logs
+from ..runtime.plan_trials import PlanTrials, Trial
+from . import graph_reports, plan_cache
+from .device_profile import device_of
+
+log = logging.getLogger("compile_offload")
+
+# How far from the kept plan the rivals are planned, as a share of the plan range.
+RIVAL_STEP = 0.1
+
+
+def applies(loop) -> bool:
+    """Whether measured plan choice runs for the graph ``loop`` (a ``BudgetLoop``) compiled:
+    the knob on, one plan with decisions, its scheduled peak known, not a plan already chosen
+    by measurement, a training graph, and sizes that do not change between calls."""
+    if not loop.settings.measured_plan_choice or len(loop.results) != 1:
+        return False
+    plan = loop.results[0].plan
+    if (not plan.decisions or plan.budget_bytes is None or plan.scheduled_peak_bytes is None
+            or plan.measured_candidates or not graph_reports.trains(loop.example_inputs)):
+        return False
+    if _dynamic(loop.example_inputs):
+        log.info("%s: measured plan choice is off for this graph: its sizes are dynamic (steps of other sizes "
+                 "would not compare)", plan.graph_name)
+        return False
+    return True
+
+
+def _dynamic(example_inputs: Sequence[Any]) -> bool:
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape):
+            return True
+    return False
+
+
+def with_trials(loop, compiled):
+    """``compiled`` (the kept plan's code), or, where rivals fit, a ``PlanTrials`` running
+    them all in the first steps and the fastest that fits from then on."""
+    kept = loop.results[0]
+    started = time.perf_counter()
+    trials = [Trial("the planner's plan", compiled, kept.plan, kept)]
+    for name, budget, changes in rivals(kept.plan, loop.settings):
+        attempt = loop.replan(budget, **changes)
+        if attempt is None or attempt.plan.scheduled_peak_bytes is None:
+            continue
+        plan = attempt.plan
+        if plan.scheduled_peak_bytes > kept.plan.budget_bytes:
+            log.debug("%s: measured plan choice: %s dropped, its scheduled peak %s is over the budget %s",
+                      kept.plan.graph_name, name, format_bytes(plan.scheduled_peak_bytes),
+                      format_bytes(kept.plan.budget_bytes))
+            continue
+        if any(_same_decisions(plan, t.plan) for t in trials):
+            continue
+        _as_candidate(plan, kept.plan, budget)
+        trials.append(Trial(name, attempt.compiled, plan, attempt.result))
+    seconds = time.perf_counter() - started
+    if len(trials) == 1:
+        log.info("%s: measured plan choice: no other plan fits the budget in Inductor's code (%.1f s of compiles); "
+                 "the planner's plan runs", kept.plan.graph_name, seconds)
+        return compiled
+    log.info("%s: measured plan choice: %d candidate plans compiled in %.1f s; the next %d training steps run "
+             "them in turn", kept.plan.graph_name, len(trials), seconds,
+             len(trials) * (loop.settings.measured_plan_steps + 1 + (device_of(loop.example_inputs).type != "cuda")))
+
+    def on_chosen(chosen: Trial, measured: list[Trial]) -> None:
+        _adopt(loop, chosen, len(measured), seconds, loop.cache_key)
+
+    return PlanTrials(trials, kept.plan.budget_bytes, device_of(loop.example_inputs), kept.plan.graph_name,
+                      loop.settings.measured_plan_steps, on_chosen)
+
+
+def rivals(plan: Plan, settings) -> list[tuple[str, int, dict]]:
+    """(name, budget in bytes to plan under, other settings) of each rival to ``plan``."""
+    span = max(plan.baseline_peak_bytes - plan.min_peak_bytes, 0)
+    step = int(span * RIVAL_STEP)
+    found = []
+    if step > 0:
+        higher = plan.predicted_peak_bytes + step
+        if plan.predicted_peak_bytes < plan.baseline_peak_bytes:
+            found.append((f"planned under {format_bytes(higher)}", higher, {}))
+        lower = max(plan.predicted_peak_bytes - step, plan.min_peak_bytes)
+        if lower < plan.predicted_peak_bytes:
+            found.append((f"planned under {format_bytes(lower)}", lower, {}))
+    if settings.offload and plan.count("offload"):
+        found.append(("offload off", plan.budget_bytes, {"offload": False}))
+    return found
+
+
+def _same_decisions(a: Plan, b: Plan) -> bool:
+    return set(a.saved) == set(b.saved) and a.offloaded == b.offloaded
+
+
+def _as_candidate(plan: Plan, kept: Plan, planned_under: int) -> None:
+    """A rival keeps the user's budget (``feasible`` against it) and says what it was made under."""
+    plan.budget_bytes = kept.budget_bytes
+    plan.planned_budget_bytes = planned_under
+    plan.feasible = plan.predicted_peak_bytes <= kept.budget_bytes
+    plan.budget_outcome = "kept"
+
+
+def _adopt(loop, chosen: Trial, measured: int, compile_seconds: float, cache_key: str | None) -> None:
+    """The measured choice becomes the graph's plan: in the loop's results (``verify_budget``
+    and ``explain`` read the last), the logs, and the plan cache under ``cache_key``, the
+    entry of the graph as the user compiled it (a rival's own entry is that of the budget
+    it was planned under)."""
+    plan = chosen.plan
+    plan.measured_candidates = measured
+    plan.measured_step_seconds = chosen.median_seconds()
+    plan.measured_peak_bytes = chosen.peak_bytes
+    plan.notes.append(f"measured plan choice: the fastest of {measured} candidate plans that fits the budget "
+                      f"({chosen.name}); {compile_seconds:.1f} s of extra compiles")
+    if chosen.result is not None:
+        loop.results[:] = [chosen.result]
+    logs.remember(plan)
+    if cache_key is not None:
+        plan_cache.store_under(cache_key, loop.settings, plan)

@@ -1,0 +1,205 @@
+"""Measured plan choice, at run time: the first training steps of a graph run its candidate
+plans in turn, and the fastest whose measured peak fits the budget runs from then on.
+
+Every candidate is a complete compiled graph of the same step, so every trial step is a real
+training step with the gradients eager would give; only its speed and memory differ. The
+schedule is round-robin: one warm-up step per candidate (not counted), on the CPU one step
+each measured for its peak (the profiler it takes would spoil a time), then ``steps``
+timed steps each (on CUDA each timed step gives its peak too). A step is the compiled
+forward and its compiled backward (``StepMeasure``). The median time decides, among the
+candidates whose highest peak is within the budget (``verify_budget.TOLERANCE``); where
+none is, the one with the lowest peak runs, with a warning.
+
+Under ``torch.distributed`` every rank runs the same schedule and the ranks' figures are
+gathered before the choice (each candidate's slowest time and highest peak over the ranks),
+so all ranks choose the same plan. Steps run without grad, or while a profiler of the
+user's records on the CPU, or whose backward never runs, run the planner's plan and are not
+counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..passes.plan import Plan, format_bytes
+from .memory_tracker import profiler_recording
+from .step_measure import StepMeasure, compiled_backward_node
+from .verify_budget import TOLERANCE
+
+log = logging.getLogger("compile_offload")
+
+
+@dataclass
+class Trial:
+    """One candidate plan, compiled, and what its steps measured."""
+
+    name: str  # how it was made: "the planner's plan", "planned under 1.20 MiB", "offload off"
+    compiled: Callable[..., Any]
+    plan: Plan
+    result: Any = None  # the PartitionResult the plan came with
+    seconds: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+
+    def median_seconds(self) -> float | None:
+        return statistics.median(self.seconds) if self.seconds else None
+
+    def record_peak(self, peak: int) -> None:
+        self.peak_bytes = peak if self.peak_bytes is None else max(self.peak_bytes, peak)
+
+
+def fits(trial: Trial, budget_bytes: int) -> bool:
+    return trial.peak_bytes is not None and trial.peak_bytes <= budget_bytes * (1 + TOLERANCE)
+
+
+def choose(trials: list[Trial], budget_bytes: int) -> Trial:
+    """The fastest trial (median step) whose measured peak fits the budget; where none fits,
+    the one with the lowest measured peak. Ties go to the earlier trial (the planner's plan
+    is first)."""
+    fitting = [t for t in trials if fits(t, budget_bytes) and t.seconds]
+    if fitting:
+        return min(fitting, key=lambda t: t.median_seconds())
+    measured = [t for t in trials if t.peak_bytes is not None]
+    return min(measured, key=lambda t: t.peak_bytes) if measured else trials[0]
+
+
+def agree_across_ranks(trials: list[Trial], gather: Callable[[Any], list[Any]] | None = None) -> None:
+    """Make every rank's figures the same: each trial's times become, step by step, the
+    slowest rank's, and its peak the highest rank's. ``gather(obj)`` returns every rank's
+    ``obj``; by default ``torch.distributed.all_gather_object`` where a process group of
+    more than one rank runs, else nothing is gathered."""
+    gather = gather or _process_group_gather()
+    if gather is None:
+        return
+    everyone = gather([(t.seconds, t.peak_bytes) for t in trials])
+    for index, trial in enumerate(trials):
+        times = [rank[index][0] for rank in everyone]
+        peaks = [rank[index][1] for rank in everyone if rank[index][1] is not None]
+        steps = min(len(t) for t in times)
+        trial.seconds = [max(t[step] for t in times) for step in range(steps)]
+        trial.peak_bytes = max(peaks) if peaks else None
+
+
+def _process_group_gather() -> Callable[[Any], list[Any]] | None:
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
+        return None
+
+    def gather(obj):
+        out = [None] * distributed.get_world_size()
+        distributed.all_gather_object(out, obj)
+        return out
+
+    return gather
+
+
+class PlanTrials:
+    """The compiled graph during measured plan choice: a callable Dynamo runs in place of the
+    compiled graph. ``on_chosen(trial, trials)`` is called once, when the choice is made."""
+
+    def __init__(self, trials: list[Trial], budget_bytes: int, device: torch.device, graph_name: str,
+                 steps: int, on_chosen: Callable[[Trial, list[Trial]], None]) -> None:
+        self.trials, self.budget_bytes, self.device = trials, budget_bytes, device
+        self.graph_name, self.on_chosen = graph_name, on_chosen
+        self.chosen: Trial | None = None
+        count = range(len(trials))
+        schedule = [(i, "warmup") for i in count]
+        if device.type != "cuda":
+            schedule += [(i, "peak") for i in count]
+        schedule += [(i, "time") for _ in range(steps) for i in count]
+        self.schedule = schedule
+        self.position = 0
+        self._pending: tuple[int, str, StepMeasure] | None = None
+
+    def __call__(self, *args):
+        if self.chosen is not None:
+            return self.chosen.compiled(*args)
+        self._drop_unfinished()
+        if not torch.is_grad_enabled() or (self.device.type != "cuda" and profiler_recording()):
+            return self.trials[0].compiled(*args)
+        index, kind = self.schedule[self.position]
+        trial = self.trials[index]
+        if kind == "warmup":
+            outputs = trial.compiled(*args)
+            node = compiled_backward_node(outputs)
+            if node is None:
+                return outputs
+            node.register_hook(lambda *_: self._step_done())
+            self._pending = (index, kind, None)
+            return outputs
+        measure = StepMeasure(self.device, peak=(kind == "peak" or self.device.type == "cuda"))
+        outputs = measure.forward(trial.compiled, args)
+        node = compiled_backward_node(outputs)
+        if node is None:  # nothing to wait for: not a training step; not counted
+            measure.end_backward()
+            return outputs
+        node.register_prehook(lambda *_: measure.start_backward())
+
+        def backward_done(*_):
+            measure.end_backward()
+            if measure.interrupted:
+                self._pending = None
+                return
+            if measure.peak:
+                trial.record_peak(measure.peak_bytes())
+            if kind == "time":
+                trial.seconds.append(measure.seconds)
+            self._step_done()
+
+        node.register_hook(backward_done)
+        self._pending = (index, kind, measure)
+        return outputs
+
+    def _drop_unfinished(self) -> None:
+        """A step whose backward never ran (an evaluation with grad on, say): not counted, and
+        its measure closed."""
+        if self._pending is None:
+            return
+        _, _, measure = self._pending
+        if measure is not None:
+            measure.end_backward()
+        self._pending = None
+
+    def _step_done(self) -> None:
+        self._pending = None
+        self.position += 1
+        if self.position == len(self.schedule):
+            self._choose()
+
+    def _choose(self) -> None:
+        agree_across_ranks(self.trials)
+        chosen = choose(self.trials, self.budget_bytes)
+        self.chosen = chosen
+        log.info("%s: measured plan choice, %d candidates (budget %s):\n%s", self.graph_name, len(self.trials),
+                 format_bytes(self.budget_bytes), table(self.trials, chosen, self.budget_bytes))
+        if not fits(chosen, self.budget_bytes):
+            warnings.warn(
+                f"compile_offload: {self.graph_name}: measured plan choice: no candidate plan's measured peak fits "
+                f"the memory budget {format_bytes(self.budget_bytes)}; running the lowest ({chosen.name}, "
+                f"{'not measured' if chosen.peak_bytes is None else format_bytes(chosen.peak_bytes)})",
+                stacklevel=2)
+        self.on_chosen(chosen, self.trials)
+        # Free the candidates' compiled code that will not run again.
+        self.trials = [chosen]
+
+
+def table(trials: list[Trial], chosen: Trial, budget_bytes: int) -> str:
+    header = f"{'candidate':<34} {'keep/recompute/offload':>22} {'scheduled':>11} {'measured peak':>14} {'step ms':>9}"
+    rows = [header]
+    for trial in trials:
+        plan = trial.plan
+        mix = f"{plan.count('keep')}/{plan.count('recompute')}/{plan.count('offload')}"
+        scheduled = "-" if plan.scheduled_peak_bytes is None else format_bytes(plan.scheduled_peak_bytes)
+        peak = "-" if trial.peak_bytes is None else format_bytes(trial.peak_bytes)
+        if trial.peak_bytes is not None and not fits(trial, budget_bytes):
+            peak += " over"
+        step = "-" if trial.median_seconds() is None else f"{trial.median_seconds() * 1e3:.3f}"
+        mark = "  <- runs" if trial is chosen else ""
+        rows.append(f"{trial.name[:34]:<34} {mix:>22} {scheduled:>11} {peak:>14} {step:>9}{mark}")
+    return "\n".join(rows)

@@ -1,0 +1,211 @@
+"""``config.measured_plan_choice``: candidate plans that fit the budget in Inductor's code run
+the first training steps in turn, and the fastest whose measured peak fits runs from then on.
+
+The choice itself (``plan_trials.choose``), the ranks' agreement on it and the schedule are
+checked on stand-in compiled graphs; one Inductor model checks the whole path: every trial
+step's gradients equal eager's, the choice becomes the graph's plan, and the plan cache
+gives it to the next compile without trials. (Ranks choosing alike on real process groups:
+tests/test_distributed.py.)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from compile_offload.passes.plan import Plan
+from compile_offload.reporting import logs
+from compile_offload.runtime.plan_trials import PlanTrials, Trial, agree_across_ranks, choose
+
+
+def _plan() -> Plan:
+    return Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=900, predicted_step_seconds=0.0,
+                baseline_peak_bytes=1000, baseline_step_seconds=0.0, min_peak_bytes=500)
+
+
+def _trial(name: str, seconds: list[float], peak: int | None) -> Trial:
+    return Trial(name, compiled=None, plan=_plan(), seconds=list(seconds), peak_bytes=peak)
+
+
+def test_the_fastest_candidate_whose_measured_peak_fits_is_chosen():
+    trials = [_trial("planner", [3.0, 3.1, 2.9], 900), _trial("faster, over", [1.0, 1.0, 1.0], 1200),
+              _trial("faster, fits", [2.0, 2.5, 2.1], 1005)]  # 1005: within the 1% the allocator may add
+    assert choose(trials, 1000).name == "faster, fits"
+
+
+def test_a_candidate_over_the_budget_is_never_chosen_while_one_fits():
+    trials = [_trial("planner", [3.0], 990), _trial("fast, over", [0.1], 1011)]
+    assert choose(trials, 1000).name == "planner"
+
+
+def test_where_no_candidate_fits_the_lowest_measured_peak_runs():
+    trials = [_trial("a", [1.0], 1500), _trial("b", [5.0], 1100), _trial("c", [0.5], None)]
+    assert choose(trials, 1000).name == "b"
+
+
+def test_equal_times_keep_the_planners_plan():
+    trials = [_trial("planner", [2.0, 2.0], 800), _trial("other", [2.0, 2.0], 700)]
+    assert choose(trials, 1000).name == "planner"
+
+
+def test_ranks_agree_on_the_slowest_time_and_the_highest_peak():
+    # Rank 0 finds "a" slow and "b" fast, rank 1 the reverse: alone they would choose differently.
+    ranks = [[([4.0, 4.0], 800), ([1.0, 1.0], 900)], [([1.0, 1.0], 850), ([3.0, 3.0], 950)]]
+    for mine in ranks:
+        trials = [_trial("a", mine[0][0], mine[0][1]), _trial("b", mine[1][0], mine[1][1])]
+        agree_across_ranks(trials, gather=lambda _: ranks)
+        assert [t.seconds for t in trials] == [[4.0, 4.0], [3.0, 3.0]]
+        assert [t.peak_bytes for t in trials] == [850, 950]
+        assert choose(trials, 1000).name == "b"
+
+
+class CompiledFunction(torch.autograd.Function):
+    """A stand-in compiled graph: ``plan_trials`` finds the backward by this name, as it finds
+    AOTAutograd's."""
+
+    @staticmethod
+    def forward(ctx, x, delay):
+        time.sleep(delay)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def _stand_in(delay: float, calls: list[str], name: str):
+    def compiled(x):
+        calls.append(name)
+        return CompiledFunction.apply(x, delay)
+
+    return compiled
+
+
+def test_trials_run_each_candidate_in_turn_then_only_the_chosen_one():
+    calls: list[str] = []
+    chosen: list[Trial] = []
+    trials = [Trial("slow", _stand_in(0.02, calls, "slow"), _plan()),
+              Trial("fast", _stand_in(0.0, calls, "fast"), _plan())]
+    runner = PlanTrials(trials, budget_bytes=1 << 30, device=torch.device("cpu"), graph_name="g", steps=2,
+                        on_chosen=lambda c, measured: chosen.append(c))
+    x = torch.ones(8, requires_grad=True)
+    steps = len(runner.schedule)
+    assert steps == 2 * (1 + 1 + 2)  # per candidate: a warm-up, a peak step (CPU), two timed steps
+    for _ in range(steps):
+        x.grad = None
+        runner(x).sum().backward()
+        assert torch.equal(x.grad, torch.full((8,), 2.0))  # every trial step is a real step
+    assert calls == ["slow", "fast"] * 4
+    assert [c.name for c in chosen] == ["fast"]
+    assert [len(t.seconds) for t in trials] == [2, 2] and all(t.peak_bytes is not None for t in trials)
+    for _ in range(3):
+        runner(x).sum().backward()
+    assert calls[-3:] == ["fast"] * 3 and len(chosen) == 1
+
+
+def test_steps_without_a_backward_or_grad_are_not_counted():
+    calls: list[str] = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda *_: None)
+    x = torch.ones(4, requires_grad=True)
+    with torch.no_grad():
+        runner(x)
+    runner(x)  # an evaluation with grad on: its backward never runs
+    assert runner.position == 0 and calls == ["a", "a"]
+    runner(x).sum().backward()
+    assert runner.position == 1
+
+
+def test_a_user_profiler_step_runs_the_planners_plan_unmeasured():
+    calls: list[str] = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda *_: None)
+    x = torch.ones(4, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        runner(x).sum().backward()
+    assert runner.position == 0 and calls == ["a"]
+    assert prof.key_averages() is not None  # the user's profiler kept its session
+
+
+class _Residual(nn.Module):
+    """Residual MLP blocks on a long batch: activations far above the weights, so plans between
+    the unconstrained and the minimum-memory one differ."""
+
+    def __init__(self, d: int = 64, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                    for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _train(compiled, eager, x, steps):
+    for _ in range(steps):
+        for p in (*compiled.parameters(), *eager.parameters()):
+            p.grad = None
+        compiled(x).pow(2).mean().backward()
+        eager(x).pow(2).mean().backward()
+        for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_measured_choice_trains_like_eager_and_the_plan_cache_keeps_the_choice(tmp_path, caplog):
+    import compile_offload
+
+    torch.manual_seed(0)
+    model = _Residual()
+    eager = copy.deepcopy(model)
+    x = torch.randn(1024, 64)
+    options = {"memory_budget": 0.5, "measured_plan_choice": True, "measured_plan_steps": 1,
+               "plan_cache_dir": str(tmp_path)}
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(**options))
+        _train(compiled, eager, x, steps=1)
+    said = caplog.text
+    assert "candidate plans compiled" in said, said
+    candidates = int(said.split("measured plan choice: ")[1].split(" candidate")[0])
+    assert candidates >= 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        _train(compiled, eager, x, steps=candidates * 3)  # the rest of the trials (warm-up, peak, one timed)
+    assert "<- runs" in caplog.text, caplog.text
+    (plan,) = [p for p in logs.latest_plans() if p.graph_name.startswith("graph")][-1:]
+    assert plan.measured_candidates == candidates
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes * 1.01
+    assert plan.measured_step_seconds is not None and plan.measured_step_seconds > 0
+
+    # A new compile of the same graph: the plan cache gives the choice, and no trials run.
+    torch._dynamo.reset()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        again = torch.compile(model, backend=compile_offload.offload_remat(**options))
+        _train(again, eager, x, steps=2)
+    assert "candidate plans compiled" not in caplog.text and "from the plan cache" in caplog.text
+    (cached,) = [p for p in logs.latest_plans() if p.graph_name == plan.graph_name]
+    assert cached.measured_candidates == candidates
+    assert cached.saved == plan.saved and cached.offloaded == plan.offloaded
+
+
+@pytest.mark.inductor
+def test_without_a_budget_nothing_is_tried(caplog):
+    import compile_offload
+
+    torch.manual_seed(0)
+    model = _Residual(d=16, n=1)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(measured_plan_choice=True))
+        _train(compiled, eager, torch.randn(32, 16), steps=2)
+    assert "measured plan choice" not in caplog.text
