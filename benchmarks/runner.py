@@ -178,16 +178,17 @@ def zero_grads(model: torch.nn.Module, inputs: Sequence) -> None:
 
 
 def measure_steps(
-    step: Callable[[], None], model: torch.nn.Module, inputs: Sequence, suite: Suite
+    step: Callable[[], None], model: torch.nn.Module, inputs: Sequence, suite: Suite, extra_warmup: int = 0
 ) -> dict:
-    """First-call seconds, step times and peak above steady state of a ready ``step``."""
+    """First-call seconds, step times and peak above steady state of a ready ``step``, after
+    ``suite.warmup`` + ``extra_warmup`` steps."""
     device = suite.device
     synchronize(device)
     t0 = time.perf_counter()
     step()
     synchronize(device)
     first_call_s = time.perf_counter() - t0
-    for _ in range(suite.warmup):
+    for _ in range(suite.warmup + extra_warmup):
         step()
     zero_grads(model, inputs)
     synchronize(device)
@@ -302,7 +303,11 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
             loss.backward()
 
         with strategy.run_context():
-            row.update(measure_steps(step, model, inputs, suite))
+            row.update(measure_steps(step, model, inputs, suite, strategy.trial_steps))
+        if strategy.measured_choice:
+            from compile_offload.reporting.logs import latest_plans
+
+            row["measured_candidates"] = max((p.measured_candidates for p in latest_plans()), default=0)
         row["status"] = "ok"
     except Exception as error:  # OOM or a compile failure: record it, keep going
         row.update(status="error", error=_describe(error))

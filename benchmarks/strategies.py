@@ -24,6 +24,7 @@ Strategy names, as ``--strategies`` takes them:
                            ``MUST_CPU_OFFLOAD`` (the rest ``PREFER_RECOMPUTE``) with torch's
                            activation offloading; needs CUDA and a torch that has it
 ``ours:B``                 ``torch.compile(model, backend=compile_offload.offload_remat(memory_budget=B))``
+``ours:B+measured``        the same with ``measured_plan_choice=True`` (the runner warms up past its trial steps)
 =========================  ==================================================================
 
 ``torch_budget`` and ``ours`` without ``:`` expand to the sweeps given on the command line.
@@ -49,6 +50,7 @@ FAMILIES = EAGER_FAMILIES + COMPILED_FAMILIES
 REFERENCE = "compile"  # ratios are taken against this strategy
 
 Budget = float | str | None
+MEASURED_PLAN_STEPS = 3  # timed steps per candidate plan of ours with measured plan choice
 
 
 # --- private torch features, detected here and nowhere else -----------------------------
@@ -245,12 +247,20 @@ class Strategy:
     inner_compiler: str = "inductor"  # ours only
     device_profile: str | None = None  # ours only
     detail: str | None = None  # how prepare() did it, where there is more than one way
+    measured_choice: bool = False  # ours only: config.measured_plan_choice
 
     @property
     def name(self) -> str:
         if self.family in ("torch_budget", "ours"):
-            return f"{self.family}:{budget_label(self.budget)}"
+            return f"{self.family}:{budget_label(self.budget)}" + ("+measured" if self.measured_choice else "")
         return self.family
+
+    @property
+    def trial_steps(self) -> int:
+        """Steps measured plan choice may take before the chosen plan runs alone (at most four
+        candidates, each a warm-up, a peak step on the CPU and ``measured_plan_steps`` timed
+        steps): the runner warms up past them, so the timed steps run the chosen plan."""
+        return 4 * (MEASURED_PLAN_STEPS + 2) if self.measured_choice else 0
 
     @property
     def compiled(self) -> bool:
@@ -269,6 +279,8 @@ class Strategy:
 
     def ours_options(self) -> dict:
         options = {"memory_budget": self.budget, "inner_compiler": self.inner_compiler}
+        if self.measured_choice:
+            options.update(measured_plan_choice=True, measured_plan_steps=MEASURED_PLAN_STEPS)
         if self.device_profile is not None:
             options["device_profile"] = self.device_profile
         return options
@@ -318,7 +330,10 @@ def expand(
         name = raw.strip()
         if not name:
             continue
-        family, _, budget_text = name.partition(":")
+        measured = name.endswith("+measured")
+        family, _, budget_text = name.removesuffix("+measured").partition(":")
+        if measured and family != "ours":
+            raise ValueError(f"only ours takes +measured (got {name!r})")
         if family not in FAMILIES:
             raise ValueError(f"unknown strategy {name!r}; known: {', '.join(FAMILIES)} (budgets as torch_budget:0.5, ours:2GiB)")
         if budget_text and family not in ("torch_budget", "ours"):
@@ -328,7 +343,8 @@ def expand(
             strategies += [Strategy(family, budget) for budget in budgets]
         elif family == "ours":
             budgets = [parse_budget(budget_text)] if budget_text else ours_budgets
-            strategies += [Strategy(family, b, inner_compiler, device_profile) for b in budgets]
+            strategies += [Strategy(family, b, inner_compiler, device_profile, measured_choice=measured)
+                           for b in budgets]
         else:
             strategies.append(Strategy(family))
     return strategies

@@ -291,6 +291,43 @@ def test_bench_compares_hugging_face_offload_with_ours_on_a_tiny_hf_model(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.inductor
+def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
+    result = _run_bench(tmp_path, "--smoke", "--equal-memory", "--strategies", "compile,eager_ckpt",
+                        "--budgets", "0.25", "--no-predict")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "gpt_equal_memory.jsonl").read_text().splitlines()]
+    by_name = {r["strategy"]: r for r in rows}
+    peaks = [by_name[name]["peak_bytes"] for name in ("compile", "eager_ckpt")]
+    assert all(isinstance(peak, int) and peak > 0 for peak in peaks)
+    expected = [f"ours:{budget}{suffix}" for budget in (*peaks, "0.25") for suffix in ("", "+measured")]
+    assert [r["strategy"] for r in rows[2:]] == expected
+    assert all(r["status"] == "ok" and r["ms_vs_compile"] > 0 for r in rows)
+    assert all(r["measured_candidates"] >= 0 for r in rows if r["strategy"].endswith("+measured"))
+    table = (tmp_path / "gpt_equal_memory.md").read_text()
+    assert table.count("\n| ") >= 3 and "| compile |" in table and "| eager_ckpt |" in table and "budget 0.25" in table
+
+
+def test_equal_memory_refuses_ours_among_the_baselines(capsys, monkeypatch):
+    from compile_offload.tools import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--smoke", "--equal-memory", "--strategies", "compile,ours:0.5"])
+    assert exit_info.value.code == 2 and "ours runs at each one's measured peak" in capsys.readouterr().err
+
+
+def test_measured_strategies_parse_and_warm_up_past_their_trials():
+    from compile_offload.benchmarks.strategies import expand
+
+    (plain, measured) = expand(["ours:0.5", "ours:0.5+measured"], [], [])
+    assert (plain.name, measured.name) == ("ours:0.5", "ours:0.5+measured")
+    assert plain.trial_steps == 0 and measured.trial_steps > 0
+    assert measured.ours_options()["measured_plan_choice"] is True and "measured_plan_choice" not in plain.ours_options()
+    with pytest.raises(ValueError, match="only ours takes"):
+        expand(["compile+measured"], [], [])
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_bench_smoke_works_and_writes_well_formed_output(tmp_path):
     result = _run_bench(tmp_path, "--smoke")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

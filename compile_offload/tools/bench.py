@@ -60,6 +60,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, few strategies: a few minutes at most")
     run.add_argument("--find-max-batch", action="store_true",
                      help="instead of the sweep: the largest batch that fits each byte budget in --budgets")
+    run.add_argument("--equal-memory", action="store_true",
+                     help="instead of the sweep: the baselines in --strategies (default: compile, torch_budget:0.5, "
+                          "torch_sac_offload, eager_ckpt), then ours at each one's measured peak and at --budgets "
+                          "(default: 0.25), with and without measured plan choice; one table of ratios to torch.compile")
     run.add_argument("--out", default="bench_out", help="folder for the results (default: bench_out)")
     run.add_argument("--tag", help="file name prefix of the results (default: the model name)")
 
@@ -160,6 +164,8 @@ def run_bench(args: argparse.Namespace) -> int:
                           _pick(args.budgets, SMOKE_BUDGETS if smoke else None, "0.25,0.5,0.75"))
     if args.find_max_batch:
         return _run_max_batch(args, runner, workloads, size, device, dtype, budgets)
+    if args.equal_memory:
+        return _run_equal_memory(args, runner, workloads, size, device, dtype)
     torch_budgets = _parse_flag("--torch-budgets", lambda text: [strategies_mod.parse_torch_budget(t) for t in text.split(",")],
                                 _pick(args.torch_budgets, None, "0.5,0.0"))
     inner_compiler = _pick(args.inner_compiler, "eager" if smoke else None, "inductor")
@@ -170,7 +176,16 @@ def run_bench(args: argparse.Namespace) -> int:
         inner_compiler=inner_compiler,
         device_profile=args.device_profile,
     )
-    suite = runner.Suite(
+    suite = _suite(args, runner, size, device, dtype, smoke, {"smoke": smoke, "inner_compiler (ours)": inner_compiler})
+    rows = runner.run_suite(suite, strategies)
+    print(suite.markdown_path.read_text())
+    written = [path for path in (suite.jsonl_path, suite.markdown_path, suite.plot_path) if path.exists()]
+    print(f"results: {', '.join(map(str, written))}", file=sys.stderr)
+    return 1 if any(row.get("status") == "error" for row in rows) else 0
+
+
+def _suite(args, runner, size, device, dtype, smoke: bool, extra_meta: dict):
+    return runner.Suite(
         workload=args.model,
         size=size,
         device=device,
@@ -182,12 +197,28 @@ def run_bench(args: argparse.Namespace) -> int:
         cpu_peak=not args.no_cpu_peak,
         predict=not args.no_predict,
         time_limit_s=args.time_limit,
-        extra_meta={"smoke": smoke, "inner_compiler (ours)": inner_compiler},
+        extra_meta=extra_meta,
     )
-    rows = runner.run_suite(suite, strategies)
-    print(suite.markdown_path.read_text())
-    written = [path for path in (suite.jsonl_path, suite.markdown_path, suite.plot_path) if path.exists()]
-    print(f"results: {', '.join(map(str, written))}", file=sys.stderr)
+
+
+def _run_equal_memory(args, runner, workloads, size, device, dtype) -> int:
+    """``--equal-memory``: ours at each baseline's measured peak (``benchmarks/equal_memory.py``)."""
+    from ..benchmarks import equal_memory
+    from ..benchmarks import strategies as strategies_mod
+
+    if args.no_cpu_peak and device.type == "cpu":
+        _fail("--equal-memory needs the measured peaks: drop --no-cpu-peak")
+    names = _pick(args.strategies, None, ",".join(equal_memory.BASELINES)).split(",")
+    if any(name.strip().startswith("ours") for name in names):
+        _fail("--equal-memory: --strategies names the baselines; ours runs at each one's measured peak")
+    baselines = strategies_mod.expand(names, [], [0.5])
+    extra = _parse_flag("--budgets", strategies_mod.parse_budget_list, _pick(args.budgets, None, "0.25"))
+    inner_compiler = _pick(args.inner_compiler, None, "inductor")
+    template = strategies_mod.Strategy("ours", None, inner_compiler, args.device_profile)
+    suite = _suite(args, runner, size, device, dtype, args.smoke, {"equal_memory": True})
+    rows, table = equal_memory.run_equal_memory(suite, baselines, extra, template)
+    print(table)
+    print(f"results: {suite.out_dir / (suite.tag + '_equal_memory.md')}", file=sys.stderr)
     return 1 if any(row.get("status") == "error" for row in rows) else 0
 
 

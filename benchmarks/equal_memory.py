@@ -1,0 +1,95 @@
+"""Ours against torch's strategies at equal memory, measured side by side in one process.
+
+First the baselines run (``torch.compile``, torch's ``activation_memory_budget``, torch's SAC
+policy where it runs, eager per-block checkpointing), each measured as ``runner`` measures
+(step time, peak above the steady state at the allocator). Then ours runs at each
+baseline's *measured* peak as a byte budget, and at the extra budgets asked for, each with
+and without measured plan choice. The table pairs each baseline with ours at its peak: the
+step time and the peak, both as ratios to ``torch.compile``'s, measured in the same run.
+
+    python -m compile_offload bench --equal-memory --model gpt --device cpu --layers 2 --width 256 \\
+        --seq 256 --batch 4 --out out/eq
+
+Writes ``{tag}_equal_memory.jsonl`` (every row) and ``{tag}_equal_memory.md`` (the table).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from compile_offload.passes.plan import format_bytes
+
+from . import runner
+from .strategies import REFERENCE, Budget, Strategy
+
+BASELINES = ("compile", "torch_budget:0.5", "torch_sac_offload", "eager_ckpt")
+
+
+def ours_at(budget: Budget, template: Strategy) -> list[Strategy]:
+    """Ours at ``budget``, without and with measured plan choice."""
+    return [replace(template, family="ours", budget=budget, measured_choice=False, detail=None),
+            replace(template, family="ours", budget=budget, measured_choice=True, detail=None)]
+
+
+def run_equal_memory(suite: runner.Suite, baselines: list[Strategy], extra_budgets: list[Budget],
+                     template: Strategy) -> tuple[list[dict], str]:
+    """The rows of every strategy, and the equal-memory table."""
+    tag = suite.tag
+    first = runner.run_suite(replace(suite, tag=f"{tag}_baselines"), baselines)
+    peaks = [(row["strategy"], row["peak_bytes"]) for row in first
+             if row.get("status") == "ok" and row.get("peak_bytes")]
+    ours = []
+    for _, peak in peaks:
+        ours += ours_at(str(peak), template)
+    for budget in extra_budgets:
+        ours += ours_at(budget, template)
+    second = runner.run_suite(replace(suite, tag=f"{tag}_ours"), ours)
+    rows = first + second
+    runner.add_ratios(rows)
+    out = suite.out_dir / f"{tag}_equal_memory.jsonl"
+    out.write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
+    table = equal_memory_table(rows, [name for name, _ in peaks], extra_budgets)
+    (suite.out_dir / f"{tag}_equal_memory.md").write_text(table + "\n")
+    return rows, table
+
+
+def _ours_row(rows: list[dict], budget: Budget, measured: bool) -> dict | None:
+    name = f"ours:{budget if not isinstance(budget, float) else f'{budget:g}'}" + ("+measured" if measured else "")
+    return next((r for r in rows if r["strategy"] == name), None)
+
+
+def _cells(row: dict | None) -> list[str]:
+    if row is None:
+        return ["-", "-"]
+    if row.get("status") != "ok":
+        return [row.get("status", "?"), ""]
+    step = f"{row['ms_vs_compile']:.3f}" if row.get("ms_vs_compile") is not None else "-"
+    peak = f"{row['peak_vs_compile']:.3f}" if row.get("peak_vs_compile") is not None else "-"
+    return [step, peak]
+
+
+def equal_memory_table(rows: list[dict], baselines: list[str], extra_budgets: list[Budget]) -> str:
+    """One line per baseline (ours at its measured peak) and per extra budget: step time and
+    peak as ratios to ``torch.compile``'s, for the baseline, ours, and ours with measured plan
+    choice. A ratio under the baseline's is ours faster, or holding less."""
+    by_name = {r["strategy"]: r for r in rows}
+    header = ("| at the memory of | its peak | its step / compile | its peak / compile | ours: step / compile "
+              "| peak / compile | ours, measured choice: step / compile | peak / compile |")
+    lines = [header, "|" + "---|" * 8]
+    for name in baselines:
+        base = by_name[name]
+        budget = str(base["peak_bytes"])
+        lines.append("| " + " | ".join([name, format_bytes(base["peak_bytes"]), *_cells(base),
+                                        *_cells(_ours_row(rows, budget, False)),
+                                        *_cells(_ours_row(rows, budget, True))]) + " |")
+    for budget in extra_budgets:
+        label = f"{budget:g}" if isinstance(budget, float) else str(budget)
+        lines.append("| " + " | ".join([f"budget {label}", "", "", "", *_cells(_ours_row(rows, budget, False)),
+                                        *_cells(_ours_row(rows, budget, True))]) + " |")
+    reference = by_name.get(REFERENCE)
+    if reference is not None and reference.get("status") == "ok":
+        lines.append("")
+        lines.append(f"torch.compile: {reference['ms_median']:.2f} ms per step, peak "
+                     f"{format_bytes(reference['peak_bytes'] or 0)} above the steady state.")
+    return "\n".join(lines)
