@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The checks a session with a borrowed GPU runs, sized for a 15-minute lease in two calls
-# (learned on an H200, 2026-11-26: a call's start costs ~30 s, Triton compiles on cold caches
-# make each compiled strategy 10-60 s, and at most 8 files come back from a call).
+# (learned on H200 leases: a call's start costs ~30 s, Triton compiles on cold caches make
+# each compiled strategy 10-60 s, and at most 8 files come back from a call).
 #
-#   benchmarks/device_check.sh OUTDIR first    # <= 590 s: CUDA tests, then the GPT and deep sweeps
-#   benchmarks/device_check.sh OUTDIR second   # <= 250 s: the budget contract's CUDA path, model by model
+#   benchmarks/device_check.sh OUTDIR first    # <= 420 s: the equal-memory tables, GPT-8 then deep-24
+#   benchmarks/device_check.sh OUTDIR second   # <= 400 s: CUDA tests, then the budget contract's CUDA path
 #
-# "first" writes 7 files (env.txt, cuda_tests.log, bench.log, gpt.md, gpt.jsonl, deep.md,
-# deep.jsonl; the plots are dropped to stay under 8), "second" 3 (contract_cuda.md, its
-# stderr, and live_at_peak.txt: the allocations alive at each measured peak and the lines
-# that made them, and the storages the plan holds at its own peak). Each step has a hard
-# limit, and what finished is written even when a later step runs out of time. The whole suite with every strategy is benchmarks/gpu.sh (one
-# full call of its own). PYTHON=... picks the interpreter.
+# "first" writes 6 files (env.txt, bench.log, gpt_equal_memory.md/.jsonl,
+# deep_equal_memory.md/.jsonl: `bench --equal-memory`, torch's strategies first, then ours at
+# each one's measured peak, with and without measured plan choice); "second" 4
+# (cuda_tests.log, contract_cuda.md, its stderr, and live_at_peak.txt: the allocations alive
+# at each measured peak and the lines that made them). Each step has a hard limit, and what
+# finished is written even when a later step runs out of time. The whole suite with every
+# strategy is benchmarks/gpu.sh (one full call of its own). PYTHON=... picks the interpreter.
 set -uo pipefail
 
 OUT=${1:?usage: benchmarks/device_check.sh OUTDIR first|second}
@@ -52,23 +53,22 @@ print("sdpa bf16 causal 8x16x2048x128: backend", torch.nn.attention.SDPBackend(b
 PY
       } >"$OUT/env.txt" 2>&1
     cat "$OUT/env.txt" >&2
+    # GPT-8: 4 baselines (compile, torch budget 0.5, the SAC policy, per-block checkpointing),
+    # then ours at each measured peak and at 0.25, each with and without measured plan choice.
+    # --time-limit applies to each half (baselines, ours): what finished is in the table.
+    bench "$OUT/bench.log" 250 --equal-memory --model gpt --device cuda --out "$OUT" --tag gpt --steps 8 \
+        --warmup 2 --time-limit 100 --budgets 0.25 --no-predict
+    bench "$OUT/bench.log" 160 --equal-memory --model deep --device cuda --out "$OUT" --tag deep --steps 6 \
+        --warmup 2 --time-limit 60 --budgets 0.25 --no-predict --strategies compile,torch_budget:0.5,eager_ckpt
+    rm -f "$OUT"/*.png "$OUT"/*_baselines.* "$OUT"/*_ours.*  # 6 files: the halves are in the *_equal_memory.jsonl
+    ;;
+second)
     # 120 CUDA tests took 190 s in all on an H200 with cold caches, 125 took 146 s on the
     # fourth lease, and the fifth stopped at 190 s with 123 run: per-test limit, hard stop.
     per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90")  # where pytest-timeout is there
-    timeout -s INT -k 10 205 "$PY" -m pytest -m cuda -q -p no:cacheprovider $per_test -rfEs --durations=10 \
+    timeout -s INT -k 10 170 "$PY" -m pytest -m cuda -q -p no:cacheprovider $per_test -rfEs --durations=10 \
         >"$OUT/cuda_tests.log" 2>&1
     say "CUDA tests: exit $? ($(tail -1 "$OUT/cuda_tests.log"))"
-    # Eager checkpointing and SAC offload measured the same in three leases (1.31-1.33x and
-    # 1.02x, peaks to the MiB) and did not start within the fifth's 140 s: left to gpu.sh.
-    bench "$OUT/bench.log" 175 --model gpt --device cuda --out "$OUT" --steps 8 --warmup 2 --time-limit 140 \
-        --budgets 0.5,0.25,2GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget
-    # The fourth lease's deep sweep reached its 100 s limit (compile 40 s, ours 66 s) before
-    # torch's budget (34 s to its first call on the third lease): 135 s lets all three run.
-    bench "$OUT/bench.log" 180 --model deep --device cuda --out "$OUT" --steps 6 --warmup 2 --time-limit 135 \
-        --budgets 3GiB --torch-budgets 0.5 --strategies compile,ours,torch_budget
-    rm -f "$OUT"/*.png  # 7 files: the plots would make 9
-    ;;
-second)
     # Slots from the third H200 lease (2026-11-27, cold caches): transformer 30 s, mixer 34 s,
     # conv+BN 24 s, Llama 51 s, GPT-2 57 s; a little more for the snapshots. The two families
     # whose measured peaks exceed every model (conv+BN, GPT-2) go first, so their
