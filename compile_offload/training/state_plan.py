@@ -1,0 +1,207 @@
+"""Where the training state lives under one device byte budget: a pure function of sizes.
+
+``plan_step(budget_bytes, sizes)`` decides, from byte figures alone (no tensor, no device),
+whether parameters, gradients and optimizer state stay on the device or go to the host, and
+what is left of the budget for the compiled graphs' activations. ``compile_offload.fit``
+measures the sizes (``StateSizes``) and follows the ``StepPlan`` this returns.
+
+The rule
+--------
+*Everything on the device* when parameters + gradients + optimizer state + buffers + the
+activations' minimum fit the budget. The rest of the budget goes to the activations. On N
+ranks the state is sharded by FSDP2 (without offload), so a rank holds a 1/N share of it plus
+the unsharded parameters and gradients FSDP2 gathers at a time (as below).
+
+*Otherwise all three on the host*, through FSDP2's ``CPUOffloadPolicy``: the sharded
+parameters, the sharded gradients and the optimizer state live in (pinned) host memory and
+the optimizer steps on the host. The device holds, at a time:
+
+- the unsharded parameters of the largest block and of the next one (FSDP2 prefetches one
+  block ahead), plus that block's unsharded gradients (see below: they are counted in the
+  block's activations);
+- the parameters and gradients outside the blocks (the root's FSDP2 group: embeddings, a
+  head), unsharded for the whole step (FSDP2 does not reshard the root after its forward);
+- the buffers (FSDP2 moves buffers to the device and never offloads them).
+
+The rest of the budget goes to the activations.
+
+The activations, either way: each block is its own compiled graph, so the budget left is
+split evenly over the blocks (``per_block_activation_budget_bytes``), after setting aside the
+block inputs the step holds (each block's input is a graph input of its compiled graph: never
+counted in its budget, never offloaded). The activations' minimum is N blocks x one block's
+minimum-memory peak (``Plan.min_peak_bytes``) + those block inputs. A block's gradients are
+outputs of its compiled backward, so its graph's peak already counts them: the gradients of
+the blocks are in the activations' figures, not counted twice in the state held; only the
+gradients outside the blocks (computed eagerly) are.
+
+*Neither fits*: ``ValueError`` with the figures and the smallest budget the host placement
+can meet.
+
+Limits of the rule
+------------------
+- All or nothing: parameters are not kept on the device while only the optimizer state goes
+  to the host; a budget between the two placements takes the host one.
+- Blocks are assumed alike: one block's activations (the first) stand for every block's.
+- Not counted: FSDP2's communication buffers (the reduce-scatter's input and output, the
+  all-gather's copy-in on N ranks), the activations outside the blocks (an embedding's
+  output, a head's logits, the loss), the caching allocator's fragmentation, the CUDA
+  context. ``predicted_device_peak_bytes`` is the sum of the figures counted, not a
+  measurement.
+- The per-block budgets are bounds on each compiled graph's peak; summing them bounds the
+  step as the DDP bucket-graph split does (docs/integrations.md), conservatively.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..passes.plan import format_bytes
+
+DEVICE = "device"
+HOST = "host"
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """The byte figures ``plan_step`` decides from (all unsharded, for the whole model)."""
+
+    parameter_bytes: int
+    gradient_bytes: int  # of the parameters that require grad
+    optimizer_state_bytes: int
+    buffer_bytes: int
+    block_parameter_bytes: tuple[int, ...]  # one entry per block, in order
+    block_gradient_bytes: tuple[int, ...]
+    block_activation_min_bytes: int  # one block's minimum-memory peak (explain, memory_budget=0.0)
+    block_activation_max_bytes: int  # one block's unconstrained peak (what torch.compile saves)
+    block_input_bytes: int  # the tensors one block receives (held as its graph's inputs)
+    world_size: int = 1
+    notes: tuple[str, ...] = ()  # what measuring the sizes assumed (an unknown optimizer)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_parameter_bytes)
+
+    @property
+    def outside_parameter_bytes(self) -> int:
+        return max(0, self.parameter_bytes - sum(self.block_parameter_bytes))
+
+    @property
+    def outside_gradient_bytes(self) -> int:
+        return max(0, self.gradient_bytes - sum(self.block_gradient_bytes))
+
+
+@dataclass
+class StepPlan:
+    """Where each kind of training state lives, and what the activations get (per rank)."""
+
+    budget_bytes: int
+    parameters_on: str  # "device" or "host"
+    gradients_on: str
+    optimizer_state_on: str
+    parameter_bytes: int  # unsharded, the whole model
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    state_on_device_bytes: int  # what the device holds of parameters, gradients, state, buffers at a time
+    # (the blocks' gradients excepted: they are counted in the activations' figures)
+    activation_budget_bytes: int  # the budget left for the compiled graphs' activations
+    per_block_activation_budget_bytes: int  # each block's compiled graph's memory_budget
+    activation_min_bytes: int  # blocks x one block's minimum + the block inputs held
+    predicted_device_peak_bytes: int  # state on the device + the activations the plans may use
+    blocks: int
+    world_size: int = 1
+    fsdp2: bool = False  # the model is sharded with fully_shard
+    cpu_offload: bool = False  # ... with CPUOffloadPolicy
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        b = format_bytes
+        lines = [
+            f"StepPlan: device budget {b(self.budget_bytes)} per rank, {self.world_size} rank(s), {self.blocks} blocks",
+            f"  parameters       {b(self.parameter_bytes):>12}  on the {self.parameters_on}",
+            f"  gradients        {b(self.gradient_bytes):>12}  on the {self.gradients_on}",
+            f"  optimizer state  {b(self.optimizer_state_bytes):>12}  on the {self.optimizer_state_on}",
+            f"  held on the device at a time (state): {b(self.state_on_device_bytes)}",
+            f"  activations: {b(self.activation_budget_bytes)} left, {b(self.per_block_activation_budget_bytes)} "
+            f"per block's compiled graph (minimum {b(self.activation_min_bytes)})",
+            f"  predicted device peak: {b(self.predicted_device_peak_bytes)}",
+            "  prepared with: " + ("FSDP2 fully_shard with CPUOffloadPolicy" if self.cpu_offload
+                                   else "FSDP2 fully_shard" if self.fsdp2 else "the model on the device"),
+        ]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _held_unsharded(sizes: StateSizes) -> tuple[int, str]:
+    """Parameters FSDP2 holds unsharded on the device at a time: the root's (outside the
+    blocks) all step, the largest block's and the next one's (prefetched one ahead).
+    (bytes, how)."""
+    block_params = list(sizes.block_parameter_bytes)
+    largest = max(range(len(block_params)), key=block_params.__getitem__)
+    following = block_params[largest + 1] if largest + 1 < len(block_params) else (
+        block_params[largest - 1] if largest > 0 else 0)
+    params = sizes.outside_parameter_bytes + block_params[largest] + following
+    how = (f"outside the blocks {format_bytes(sizes.outside_parameter_bytes)} + the largest block "
+           f"{format_bytes(block_params[largest])} + the next one {format_bytes(following)}")
+    return params, how
+
+
+def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
+    """The placement for ``sizes`` under a device budget of ``budget_bytes`` (per rank); the
+    rule and its limits are in this module's docstring. Raises ``ValueError`` when even the
+    host placement does not fit."""
+    if sizes.blocks == 0:
+        raise ValueError("compile_offload.fit: no blocks to shard and compile")
+    if budget_bytes <= 0:
+        raise ValueError(f"compile_offload.fit: memory_budget must be a positive number of bytes, not {budget_bytes}")
+    n = sizes.blocks
+    ranks = max(1, sizes.world_size)
+    inputs_held = n * sizes.block_input_bytes
+    activation_min = n * sizes.block_activation_min_bytes + inputs_held
+    notes = list(sizes.notes)
+    whole_state = sizes.parameter_bytes + sizes.gradient_bytes + sizes.optimizer_state_bytes
+    held_params, held_how = _held_unsharded(sizes)
+    held_grads = sizes.outside_gradient_bytes  # the blocks' are in their graphs' peaks
+    notes.append(f"the blocks' gradients ({format_bytes(sum(sizes.block_gradient_bytes))}) are outputs of their "
+                 "compiled backward graphs: counted in the activations' share, not in the state held")
+
+    if ranks == 1:
+        on_device = whole_state - sum(sizes.block_gradient_bytes) + sizes.buffer_bytes
+    else:  # FSDP2 without offload: a 1/N share, plus what it gathers at a time
+        on_device = -(-whole_state // ranks) + held_params + held_grads + sizes.buffer_bytes
+    if on_device + activation_min <= budget_bytes:
+        where, fsdp2, offload = DEVICE, ranks > 1, False
+        state_on_device = on_device
+        notes.append(f"parameters, gradients and optimizer state fit the budget with the activations' minimum: "
+                     f"{format_bytes(on_device)} + {format_bytes(activation_min)} <= {format_bytes(budget_bytes)}")
+    else:
+        state_on_device = held_params + held_grads + sizes.buffer_bytes
+        if state_on_device + activation_min > budget_bytes:
+            raise ValueError(
+                f"compile_offload.fit: memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below "
+                f"what training needs on the device even with parameters, gradients and optimizer state on the host: "
+                f"unsharded parameters held {format_bytes(held_params)} ({held_how}), the gradients outside the "
+                f"blocks {format_bytes(held_grads)}, buffers {format_bytes(sizes.buffer_bytes)}, and the activations' "
+                f"minimum {format_bytes(activation_min)} ({n} blocks x {format_bytes(sizes.block_activation_min_bytes)}"
+                f" + block inputs {format_bytes(inputs_held)}) = {format_bytes(state_on_device + activation_min)} "
+                f"({state_on_device + activation_min} bytes). A budget of at least that fits; so would smaller "
+                f"blocks (more of them) or a smaller sample (batch). All on the device would need "
+                f"{format_bytes(on_device + activation_min)}.")
+        where, fsdp2, offload = HOST, True, True
+        notes.append(f"parameters + gradients + optimizer state + activations' minimum "
+                     f"({format_bytes(on_device + activation_min)}) exceed the budget: all three on the host "
+                     f"through FSDP2's CPUOffloadPolicy; the device holds {format_bytes(held_params)} of unsharded "
+                     f"parameters ({held_how}) and {format_bytes(held_grads)} of gradients outside the blocks")
+
+    activation_budget = budget_bytes - state_on_device
+    per_block = (activation_budget - inputs_held) // n
+    used_per_block = max(sizes.block_activation_min_bytes, min(per_block, sizes.block_activation_max_bytes))
+    predicted_peak = state_on_device + n * used_per_block + inputs_held
+    notes.append("not counted in the predicted peak: FSDP2's communication buffers, activations outside the blocks "
+                 "(embedding output, head, loss), allocator fragmentation, the CUDA context")
+    return StepPlan(
+        budget_bytes=budget_bytes, parameters_on=where, gradients_on=where, optimizer_state_on=where,
+        parameter_bytes=sizes.parameter_bytes, gradient_bytes=sizes.gradient_bytes,
+        optimizer_state_bytes=sizes.optimizer_state_bytes, state_on_device_bytes=state_on_device,
+        activation_budget_bytes=activation_budget, per_block_activation_budget_bytes=per_block,
+        activation_min_bytes=activation_min, predicted_device_peak_bytes=predicted_peak, blocks=n,
+        world_size=ranks, fsdp2=fsdp2, cpu_offload=offload, notes=notes)
