@@ -16,6 +16,7 @@ from .passes.plan import Decision, Plan
 from .tools.profile_step import profile_step
 from .pipeline.result import BudgetError
 from .tools.sweep import sweep
+from .training import Fitted, StepPlan, fit
 
 __version__ = "0.1.0"
 
@@ -36,5 +37,5 @@ from .reporting.logs import register_with_torch_logging  # noqa: E402
 
 register_with_torch_logging()
 
-__all__ = ["BudgetError", "Decision", "MaxBatch", "Plan", "config", "explain", "explain_all", "max_batch", "measure_peak",
+__all__ = ["BudgetError", "Decision", "MaxBatch", "Plan", "config", "explain", "explain_all", "fit", "Fitted", "StepPlan", "max_batch", "measure_peak",
            "offload_remat", "offload_remat_backend", "profile_step", "sweep", "__version__"]

@@ -1,0 +1,261 @@
+"""``compile_offload.fit``: one device byte budget for the whole training step.
+
+The model as the user has it (typically on the host), a function that builds its optimizer,
+a sample batch and one budget. ``fit`` measures the state's sizes and one block's activations
+(``compile_offload.explain`` at ``memory_budget=0.0``), decides the placement
+(``state_plan.plan_step``), prepares the model with torch's own engine where the state goes
+to the host (FSDP2's ``fully_shard`` with ``CPUOffloadPolicy`` on every block and on the
+root), compiles every block with this backend under its share of the budget, builds the
+optimizer on the prepared parameters and returns a ``Fitted`` whose ``step`` trains as an
+ordinary loop would.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..passes.plan import format_bytes
+from .optimizer_state import optimizer_state_bytes
+from .state_plan import StateSizes, StepPlan, plan_step
+
+
+@dataclass
+class Fitted:
+    """A model prepared by ``fit``: ``step(*inputs)`` runs forward, loss, backward,
+    ``optimizer.step()`` and ``optimizer.zero_grad()`` and returns the loss (detached)."""
+
+    plan: StepPlan
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[..., torch.Tensor] | None
+    device: torch.device
+    created_process_group: bool = False
+
+    def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
+        ``loss_fn(output, target)`` when a target is given; without ``loss_fn`` the model's
+        output is the loss (a scalar tensor, or an object with a ``.loss``)."""
+        output = self.model(*_to(inputs, self.device), **_to(kwargs, self.device))
+        if self.loss_fn is not None:
+            loss = self.loss_fn(output) if target is None else self.loss_fn(output, _to(target, self.device))
+        else:
+            loss = getattr(output, "loss", output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("compile_offload.fit: the loss must be a one-element tensor; pass loss_fn= when the "
+                            f"model's output is not its loss (got {type(loss).__name__})")
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+    def close(self) -> None:
+        """Destroy the one-rank process group ``fit`` created (nothing when it made none)."""
+        import torch.distributed as dist
+
+        if self.created_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.created_process_group = False
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the first ``nn.ModuleList`` in the model (a transformer's blocks)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return list(module)
+    raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks; pass blocks=[...], the modules "
+                     "to shard and compile one by one")
+
+
+class _Captured(Exception):
+    pass
+
+
+def _block_input(model: nn.Module, block: nn.Module, inputs: tuple) -> tuple[tuple, dict]:
+    """The arguments ``block`` receives when the model runs on ``inputs``: the model runs up
+    to the block's call and stops there (nothing after it runs)."""
+    seen: list = []
+
+    def hook(_module, args, kwargs):
+        seen.append((args, kwargs))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(*inputs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError("compile_offload.fit: the sample never reached the first block; check blocks=")
+    args, kwargs = seen[0]
+
+    def detached(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone().requires_grad_(value.requires_grad)
+        return value
+
+    return tuple(detached(a) for a in args), {k: detached(v) for k, v in kwargs.items()}
+
+
+class _WithKwargs(nn.Module):
+    def __init__(self, block: nn.Module, kwargs: dict) -> None:
+        super().__init__()
+        self.block, self.kwargs = block, kwargs
+
+    def forward(self, *args):
+        return self.block(*args, **self.kwargs)
+
+
+def _block_activations(block: nn.Module, args: tuple, kwargs: dict, device: torch.device,
+                       options: dict) -> tuple[int, int, list[str]]:
+    """One block's activation peak at the minimum-memory plan and unconstrained, planned by
+    ``explain`` (all its graphs summed, should it break)."""
+    from ..tools.explain import explain_all
+
+    on_device = block if all(p.device == device for p in block.parameters()) else copy.deepcopy(block).to(device)
+    target = _WithKwargs(on_device, _to(kwargs, device)) if kwargs else on_device
+    plans = explain_all(target, *_to(args, device), memory_budget=0.0, **options)
+    minimum = sum(max(p.min_peak_bytes, p.predicted_peak_bytes, p.scheduled_peak_bytes or 0) for p in plans)
+    unconstrained = sum(p.baseline_peak_bytes for p in plans)
+    notes = [] if len(plans) == 1 else [f"the first block compiles to {len(plans)} graphs; their peaks are summed"]
+    return minimum, max(minimum, unconstrained), notes
+
+
+def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, inputs: tuple,
+            device: torch.device, options: dict, world_size: int) -> StateSizes:
+    """The sizes ``plan_step`` decides from, measured on the model as it is (before any
+    preparation): nothing is moved but one copy of the first block, to plan its activations."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    placeholders = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params]
+    optimizer = optimizer_fn(placeholders)
+    state_bytes, state_note = optimizer_state_bytes(optimizer, _nbytes)
+    del optimizer
+    model_device = params[0].device if params else torch.device("cpu")
+    args, kwargs = _block_input(model, blocks[0], _to(inputs, model_device))
+    minimum, unconstrained, notes = _block_activations(blocks[0], args, kwargs, device, options)
+    input_bytes = sum(_nbytes(t) for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
+    return StateSizes(
+        parameter_bytes=sum(_nbytes(p) for p in params),
+        gradient_bytes=sum(_nbytes(p) for p in trainable),
+        optimizer_state_bytes=state_bytes,
+        buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
+        block_parameter_bytes=tuple(sum(_nbytes(p) for p in b.parameters()) for b in blocks),
+        block_gradient_bytes=tuple(sum(_nbytes(p) for p in b.parameters() if p.requires_grad) for b in blocks),
+        block_activation_min_bytes=minimum,
+        block_activation_max_bytes=unconstrained,
+        block_input_bytes=input_bytes,
+        world_size=world_size,
+        notes=tuple([state_note] if state_note else []) + tuple(notes),
+    )
+
+
+def _one_rank_group(device: torch.device) -> str:
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return backend
+
+
+def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], sample: Any, *,
+        memory_budget: int | str, loss_fn: Callable[..., torch.Tensor] | None = None,
+        blocks: Iterable[nn.Module] | None = None, device: torch.device | str | None = None,
+        **options: Any) -> Fitted:
+    """Prepare ``model`` to train under ``memory_budget`` bytes of device memory (per rank)
+    for parameters, gradients, optimizer state and activations together.
+
+    ``optimizer_fn(params)`` builds the optimizer (after FSDP2 wraps the parameters);
+    ``sample``: the model's inputs for one batch (a tensor or a tuple), used to plan the
+    activations; ``blocks``: the modules sharded and compiled one by one (default: the
+    children of the first ``nn.ModuleList``); ``device``: default the current CUDA device,
+    else the CPU; other keyword ``options`` are the backend's knobs (``inner_compiler=...``).
+    The model is prepared in place (``Fitted.model is model``). Without a process group and
+    where FSDP2 is needed, a one-rank group is created (``Fitted.close()`` destroys it).
+    Raises ``ValueError`` when the budget cannot hold even the host placement.
+    """
+    import torch.distributed as dist
+
+    from ..pipeline.backend import offload_remat
+    from ..settings import parse_bytes
+
+    if "memory_budget" in options:
+        raise TypeError("compile_offload.fit: memory_budget is fit's own argument")
+    if isinstance(memory_budget, float):
+        raise TypeError("compile_offload.fit: memory_budget is bytes (an int or a size such as '20GiB'), not a fraction")
+    budget = parse_bytes(memory_budget, "memory_budget", label="compile_offload.fit(memory_budget=...)")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    inputs = sample if isinstance(sample, tuple) else (sample,)
+    blocks = list(blocks) if blocks is not None else default_blocks(model)
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    plan = plan_step(budget, measure(model, blocks, optimizer_fn, inputs, device, options, world_size))
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        created = _prepare(model, blocks, plan, device)
+        backend = offload_remat(memory_budget=plan.per_block_activation_budget_bytes, **options)
+        for block in blocks:
+            block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
+        optimizer = optimizer_fn(model.parameters())
+    except BaseException:
+        if not had_group and dist.is_initialized():  # the one-rank group fit made
+            dist.destroy_process_group()
+        raise
+    plan.notes.append(f"each of the {plan.blocks} blocks compiled with memory_budget "
+                      f"{format_bytes(plan.per_block_activation_budget_bytes)}")
+    return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                  created_process_group=created)
+
+
+def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:
+    """Shard with FSDP2 where the plan says so (every block, then the root), else move the
+    model to the device. Whether a one-rank process group was created."""
+    import torch.distributed as dist
+
+    created = False
+    if plan.fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        if not dist.is_initialized():
+            backend = _one_rank_group(device)
+            created = True
+            plan.notes.append(f"no process group: fit created a one-rank {backend} group (Fitted.close() "
+                              "destroys it)")
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        pin = device.type == "cuda"
+        policy = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
+        for block in blocks:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        if plan.cpu_offload and not pin:
+            plan.notes.append("host memory is not pinned: pinning needs CUDA")
+    else:
+        model.to(device)
+    if device.type == "cpu":
+        plan.notes.append("on the CPU host and device are one memory: FSDP2's CPU offload moves nothing, and the "
+                          "device peak can only be measured on a GPU")
+    return created
