@@ -128,18 +128,20 @@ class _WithKwargs(nn.Module):
 
 
 def _block_activations(block: nn.Module, args: tuple, kwargs: dict, device: torch.device,
-                       options: dict) -> tuple[int, int, list[str]]:
-    """One block's activation peak at the minimum-memory plan and unconstrained, planned by
-    ``explain`` (all its graphs summed, should it break)."""
+                       options: dict) -> tuple[int, int, int, list[str]]:
+    """One block's minimum-memory peak, what that plan holds at its forward's end, and its
+    unconstrained peak, planned by ``explain`` (all its graphs summed, should it break)."""
     from ..tools.explain import explain_all
 
     on_device = block if all(p.device == device for p in block.parameters()) else copy.deepcopy(block).to(device)
     target = _WithKwargs(on_device, _to(kwargs, device)) if kwargs else on_device
     plans = explain_all(target, *_to(args, device), memory_budget=0.0, **options)
     minimum = sum(max(p.min_peak_bytes, p.predicted_peak_bytes, p.scheduled_peak_bytes or 0) for p in plans)
+    saved = sum(p.timeline_bytes[p.backward_start - 1] if 0 < p.backward_start <= len(p.timeline_bytes)
+                else max(p.min_peak_bytes, p.predicted_peak_bytes) for p in plans)
     unconstrained = sum(p.baseline_peak_bytes for p in plans)
     notes = [] if len(plans) == 1 else [f"the first block compiles to {len(plans)} graphs; their peaks are summed"]
-    return minimum, max(minimum, unconstrained), notes
+    return minimum, min(saved, minimum), max(minimum, unconstrained), notes
 
 
 def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, inputs: tuple,
@@ -154,7 +156,7 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
     del optimizer
     model_device = params[0].device if params else torch.device("cpu")
     args, kwargs = _block_input(model, blocks[0], _to(inputs, model_device))
-    minimum, unconstrained, notes = _block_activations(blocks[0], args, kwargs, device, options)
+    minimum, saved, unconstrained, notes = _block_activations(blocks[0], args, kwargs, device, options)
     input_bytes = sum(_nbytes(t) for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
     return StateSizes(
         parameter_bytes=sum(_nbytes(p) for p in params),
@@ -165,6 +167,7 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
         block_gradient_bytes=tuple(sum(_nbytes(p) for p in b.parameters() if p.requires_grad) for b in blocks),
         block_activation_min_bytes=minimum,
         block_activation_max_bytes=unconstrained,
+        block_saved_min_bytes=saved,
         block_input_bytes=input_bytes,
         world_size=world_size,
         notes=tuple([state_note] if state_note else []) + tuple(notes),

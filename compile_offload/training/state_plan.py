@@ -25,14 +25,17 @@ the optimizer steps on the host. The device holds, at a time:
 
 The rest of the budget goes to the activations.
 
-The activations, either way: each block is its own compiled graph, so the budget left is
-split evenly over the blocks (``per_block_activation_budget_bytes``), after setting aside the
-block inputs the step holds (each block's input is a graph input of its compiled graph: never
-counted in its budget, never offloaded). The activations' minimum is N blocks x one block's
-minimum-memory peak (``Plan.min_peak_bytes``) + those block inputs. A block's gradients are
-outputs of its compiled backward, so its graph's peak already counts them: the gradients of
-the blocks are in the activations' figures, not counted twice in the state held; only the
-gradients outside the blocks (computed eagerly) are.
+The activations, either way: each block is its own compiled graph. Their minimum is what the
+step holds with every block at its minimum-memory plan (``explain`` at ``memory_budget=0.0``):
+in the backward of the first block, the saved tensors of the N - 1 others (each plan's bytes
+live at its forward's end) + that block's own peak (``Plan.min_peak_bytes``; it counts the
+gradients its backward produces) + the block inputs the step holds (each block's input is a
+graph input of its compiled graph: never counted in its budget, never offloaded). With the
+state on the device, the N - 1 blocks' gradients, produced earlier in the backward, stay
+until the optimizer step and are added; on the host FSDP2 reduces and offloads each block's
+gradients after its backward, so only one block's are on the device (in its peak). The budget
+left beyond that minimum is split evenly: each block's compiled graph gets its minimum peak +
+1/N of the slack (``per_block_activation_budget_bytes``).
 
 *Neither fits*: ``ValueError`` with the figures and the smallest budget the host placement
 can meet.
@@ -47,8 +50,11 @@ Limits of the rule
   output, a head's logits, the loss), the caching allocator's fragmentation, the CUDA
   context. ``predicted_device_peak_bytes`` is the sum of the figures counted, not a
   measurement.
-- The per-block budgets are bounds on each compiled graph's peak; summing them bounds the
-  step as the DDP bucket-graph split does (docs/integrations.md), conservatively.
+- The minimum is a bound for the minimum-memory plans. Above it, each graph's budget bounds
+  that graph's peak, not what it saves for its backward, so the step's peak under the shares of
+  the slack is predicted (assuming each block's saved bytes grow by at most its share), not
+  bounded; the sum of the per-block budgets, which would bound it, counts every block's
+  gradients and backward as if at once and would keep a model larger than the device off it.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class StateSizes:
     block_gradient_bytes: tuple[int, ...]
     block_activation_min_bytes: int  # one block's minimum-memory peak (explain, memory_budget=0.0)
     block_activation_max_bytes: int  # one block's unconstrained peak (what torch.compile saves)
+    block_saved_min_bytes: int  # what one block's minimum-memory plan holds at its forward's end
     block_input_bytes: int  # the tensors one block receives (held as its graph's inputs)
     world_size: int = 1
     notes: tuple[str, ...] = ()  # what measuring the sizes assumed (an unknown optimizer)
@@ -105,7 +112,7 @@ class StepPlan:
     # (the blocks' gradients excepted: they are counted in the activations' figures)
     activation_budget_bytes: int  # the budget left for the compiled graphs' activations
     per_block_activation_budget_bytes: int  # each block's compiled graph's memory_budget
-    activation_min_bytes: int  # blocks x one block's minimum + the block inputs held
+    activation_min_bytes: int  # the activations' minimum for the step (module docstring)
     predicted_device_peak_bytes: int  # state on the device + the activations the plans may use
     blocks: int
     world_size: int = 1
@@ -156,18 +163,23 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
     n = sizes.blocks
     ranks = max(1, sizes.world_size)
     inputs_held = n * sizes.block_input_bytes
-    activation_min = n * sizes.block_activation_min_bytes + inputs_held
+    max_block_grads = max(sizes.block_gradient_bytes)
+    # every block at its minimum-memory plan, in the first block's backward (module docstring)
+    host_activation_min = (n - 1) * sizes.block_saved_min_bytes + sizes.block_activation_min_bytes + inputs_held
+    # on one rank the blocks' gradients stay unsharded until the optimizer step
+    device_activation_min = host_activation_min + ((n - 1) * max_block_grads if ranks == 1 else 0)
     notes = list(sizes.notes)
     whole_state = sizes.parameter_bytes + sizes.gradient_bytes + sizes.optimizer_state_bytes
     held_params, held_how = _held_unsharded(sizes)
     held_grads = sizes.outside_gradient_bytes  # the blocks' are in their graphs' peaks
     notes.append(f"the blocks' gradients ({format_bytes(sum(sizes.block_gradient_bytes))}) are outputs of their "
-                 "compiled backward graphs: counted in the activations' share, not in the state held")
+                 "compiled backward graphs: counted in the activations' figures, not in the state held")
 
     if ranks == 1:
         on_device = whole_state - sum(sizes.block_gradient_bytes) + sizes.buffer_bytes
     else:  # FSDP2 without offload: a 1/N share, plus what it gathers at a time
         on_device = -(-whole_state // ranks) + held_params + held_grads + sizes.buffer_bytes
+    activation_min = device_activation_min
     if on_device + activation_min <= budget_bytes:
         where, fsdp2, offload = DEVICE, ranks > 1, False
         state_on_device = on_device
@@ -175,27 +187,30 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
                      f"{format_bytes(on_device)} + {format_bytes(activation_min)} <= {format_bytes(budget_bytes)}")
     else:
         state_on_device = held_params + held_grads + sizes.buffer_bytes
+        activation_min = host_activation_min
         if state_on_device + activation_min > budget_bytes:
             raise ValueError(
                 f"compile_offload.fit: memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below "
                 f"what training needs on the device even with parameters, gradients and optimizer state on the host: "
                 f"unsharded parameters held {format_bytes(held_params)} ({held_how}), the gradients outside the "
                 f"blocks {format_bytes(held_grads)}, buffers {format_bytes(sizes.buffer_bytes)}, and the activations' "
-                f"minimum {format_bytes(activation_min)} ({n} blocks x {format_bytes(sizes.block_activation_min_bytes)}"
-                f" + block inputs {format_bytes(inputs_held)}) = {format_bytes(state_on_device + activation_min)} "
+                f"minimum {format_bytes(activation_min)} (one block's peak {format_bytes(sizes.block_activation_min_bytes)}"
+                f" + {n - 1} x {format_bytes(sizes.block_saved_min_bytes)} saved by the others + block inputs "
+                f"{format_bytes(inputs_held)}) = {format_bytes(state_on_device + activation_min)} "
                 f"({state_on_device + activation_min} bytes). A budget of at least that fits; so would smaller "
                 f"blocks (more of them) or a smaller sample (batch). All on the device would need "
-                f"{format_bytes(on_device + activation_min)}.")
+                f"{format_bytes(on_device + device_activation_min)}.")
         where, fsdp2, offload = HOST, True, True
         notes.append(f"parameters + gradients + optimizer state + activations' minimum "
-                     f"({format_bytes(on_device + activation_min)}) exceed the budget: all three on the host "
+                     f"({format_bytes(on_device + device_activation_min)}) exceed the budget: all three on the host "
                      f"through FSDP2's CPUOffloadPolicy; the device holds {format_bytes(held_params)} of unsharded "
                      f"parameters ({held_how}) and {format_bytes(held_grads)} of gradients outside the blocks")
 
     activation_budget = budget_bytes - state_on_device
-    per_block = (activation_budget - inputs_held) // n
-    used_per_block = max(sizes.block_activation_min_bytes, min(per_block, sizes.block_activation_max_bytes))
-    predicted_peak = state_on_device + n * used_per_block + inputs_held
+    slack = activation_budget - activation_min
+    per_block = sizes.block_activation_min_bytes + slack // n
+    room = max(0, sizes.block_activation_max_bytes - sizes.block_activation_min_bytes)
+    predicted_peak = state_on_device + activation_min + min(slack, n * room)
     notes.append("not counted in the predicted peak: FSDP2's communication buffers, activations outside the blocks "
                  "(embedding output, head, loss), allocator fragmentation, the CUDA context")
     return StepPlan(

@@ -1,0 +1,260 @@
+"""``compile_offload.fit`` (issue 51): one device budget for parameters, gradients, optimizer
+state and activations.
+
+- The placement rule on byte sizes alone (``plan_step``): everything fits -> on the device;
+  too big -> on the host through FSDP2's CPUOffloadPolicy; below the host placement's needs ->
+  ``ValueError`` naming the figures. The optimizer state's size asked of the class.
+- A 4-block model whose parameters + gradients + AdamW state are about 4x the budget trains,
+  sharded by FSDP2 with CPU offload on a one-rank gloo group that ``fit`` creates, with the
+  parameters of a plain eager loop after 3 steps; and on 2 gloo ranks (the spawn harness of
+  ``tests/test_distributed.py``) against an eager loop on both ranks' batches.
+- ``print(fitted.plan)`` names where each kind of state lives and the predicted device peak.
+
+On the CPU, FSDP2's CPU offload moves nothing (host and device are one memory): these tests
+check the plan and the arithmetic of training, not a device peak.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import compile_offload
+from compile_offload.training.optimizer_state import optimizer_state_bytes
+from compile_offload.training.state_plan import StateSizes, plan_step
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+KIB = 1024
+
+
+def sizes(**overrides) -> StateSizes:
+    """4 blocks of 100 KiB parameters, 10 KiB outside them, AdamW's state."""
+    values = dict(parameter_bytes=410 * KIB, gradient_bytes=410 * KIB, optimizer_state_bytes=820 * KIB,
+                  buffer_bytes=0, block_parameter_bytes=(100 * KIB,) * 4, block_gradient_bytes=(100 * KIB,) * 4,
+                  block_activation_min_bytes=120 * KIB, block_activation_max_bytes=200 * KIB,
+                  block_saved_min_bytes=30 * KIB, block_input_bytes=4 * KIB)
+    values.update(overrides)
+    return StateSizes(**values)
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def test_everything_on_the_device_when_it_fits():
+    plan = plan_step(4 * 2**20, sizes())
+    assert (plan.parameters_on, plan.gradients_on, plan.optimizer_state_on) == ("device",) * 3
+    assert not plan.fsdp2 and not plan.cpu_offload
+    # the blocks' gradients are in their graphs' peaks: parameters + outside gradients + state
+    assert plan.state_on_device_bytes == (410 + 10 + 820) * KIB
+    assert plan.activation_budget_bytes == 4 * 2**20 - plan.state_on_device_bytes
+    # one block's peak + what the 3 others saved + their gradients (kept until the step) + inputs
+    assert plan.activation_min_bytes == (120 + 3 * 30 + 3 * 100 + 16) * KIB
+    slack = plan.activation_budget_bytes - plan.activation_min_bytes
+    assert plan.per_block_activation_budget_bytes == 120 * KIB + slack // 4
+    # each block uses at most its unconstrained peak
+    assert plan.predicted_device_peak_bytes == plan.state_on_device_bytes + plan.activation_min_bytes + 4 * 80 * KIB
+
+
+def test_the_state_goes_to_the_host_when_it_does_not_fit():
+    budget = 900 * KIB  # the whole state (1.6 MiB) + activations do not fit
+    plan = plan_step(budget, sizes())
+    assert (plan.parameters_on, plan.gradients_on, plan.optimizer_state_on) == ("host",) * 3
+    assert plan.fsdp2 and plan.cpu_offload
+    # held: outside parameters + the largest block and the next one, outside gradients
+    assert plan.state_on_device_bytes == (10 + 2 * 100 + 10) * KIB
+    assert plan.activation_budget_bytes == budget - plan.state_on_device_bytes
+    # FSDP2 offloads each block's gradients after its backward: none kept for the step
+    assert plan.activation_min_bytes == (120 + 3 * 30 + 16) * KIB
+    assert plan.per_block_activation_budget_bytes >= 120 * KIB
+    assert plan.predicted_device_peak_bytes <= budget
+
+
+def test_a_budget_below_the_host_placement_raises_with_its_figures():
+    needed = (10 + 2 * 100 + 10) * KIB + (120 + 3 * 30 + 16) * KIB
+    with pytest.raises(ValueError) as raised:
+        plan_step(needed - 1, sizes())
+    message = str(raised.value)
+    for figure in ("210.00 KiB", "one block's peak 120.00 KiB", "3 x 30.00 KiB saved", "block inputs 16.00 KiB",
+                   f"({needed} bytes)",
+                   "A budget of at least that fits"):
+        assert figure in message, message
+    assert plan_step(needed, sizes()).cpu_offload  # exactly the figure fits
+
+
+def test_on_two_ranks_the_device_placement_holds_a_share():
+    one, two = plan_step(4 * 2**20, sizes()), plan_step(4 * 2**20, sizes(world_size=2))
+    assert two.parameters_on == "device" and two.fsdp2 and not two.cpu_offload
+    assert two.state_on_device_bytes < one.state_on_device_bytes
+
+
+def test_optimizer_state_size_is_asked_of_the_class():
+    params = [nn.Parameter(torch.empty(10, 10, device="meta"))]
+    nbytes = lambda p: p.numel() * p.element_size()  # noqa: E731
+    assert optimizer_state_bytes(torch.optim.AdamW(params), nbytes) == (2 * 400 + 4, None)
+    assert optimizer_state_bytes(torch.optim.Adam(params, amsgrad=True), nbytes) == (3 * 400 + 4, None)
+    assert optimizer_state_bytes(torch.optim.SGD(params, lr=0.1), nbytes) == (0, None)
+    assert optimizer_state_bytes(torch.optim.SGD(params, lr=0.1, momentum=0.9), nbytes) == (400, None)
+
+    class Mine(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    size, note = optimizer_state_bytes(Mine(params), nbytes)
+    assert size == 800 and "assumed 2 tensors" in note
+
+
+# --------------------------------------------------------------------------- training
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def loss_fn(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def optimizer_fn(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def batch(step: int, rank: int = 0, tokens: int = 8) -> torch.Tensor:
+    return torch.randn(tokens, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def whole_state_bytes(model: nn.Module) -> int:
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 4 * parameters  # parameters, gradients, AdamW's two moments
+
+
+def full(parameter: torch.Tensor) -> torch.Tensor:
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+
+
+BUDGET = 550 * KIB  # the whole state is about 2 MiB
+
+
+@pytest.fixture
+def fitted():
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    assert not dist.is_initialized()
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        yield result, reference
+    finally:
+        result.close()
+        torch._dynamo.reset()
+    assert not dist.is_initialized()
+
+
+def test_a_model_over_the_budget_trains_like_an_eager_loop(fitted):
+    result, reference = fitted
+    assert whole_state_bytes(reference) > 3.5 * BUDGET
+    plan = result.plan
+    assert plan.cpu_offload and plan.parameters_on == "host" and plan.world_size == 1
+    assert result.created_process_group and dist.get_world_size() == 1
+    assert plan.activation_min_bytes <= plan.activation_budget_bytes
+    assert plan.predicted_device_peak_bytes <= BUDGET
+
+    reference_optimizer = optimizer_fn(reference.parameters())
+    for step in range(3):
+        x = batch(step)
+        loss = result.step(x)
+        expected = loss_fn(reference(x))
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-4, atol=1e-5)
+    for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    # the blocks ran through the backend, each under its share of the budget
+    from compile_offload.reporting import logs
+
+    budgets = {p.budget_bytes for p in logs.latest_plans()}
+    assert plan.per_block_activation_budget_bytes in budgets, budgets
+
+
+def test_the_printed_plan_says_where_each_kind_of_state_lives(fitted, capsys):
+    result, _ = fitted
+    print(result.plan)
+    text = capsys.readouterr().out
+    for line in ("parameters", "gradients", "optimizer state"):
+        assert any(row.strip().startswith(line) and row.rstrip().endswith("on the host") for row in text.splitlines()), text
+    assert "predicted device peak: " in text
+    assert "FSDP2 fully_shard with CPUOffloadPolicy" in text
+    assert "one-rank gloo group" in text
+
+
+def test_a_budget_too_small_raises_before_anything_is_prepared():
+    model = Net()
+    with pytest.raises(ValueError, match="activations' minimum"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget="64KiB", loss_fn=loss_fn,
+                            inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert not hasattr(model.blocks[0], "_get_fsdp_state")  # not sharded
+
+
+def test_a_fraction_is_not_a_budget_here():
+    with pytest.raises(TypeError, match="bytes"):
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=0.5)
+
+
+# --------------------------------------------------------------------------- 2 ranks
+
+
+def two_rank_scenario(rank: int) -> dict:
+    """On each of 2 gloo ranks: fit (the group exists), 3 steps on this rank's batches; the
+    reference is a plain loop on the mean of both ranks' losses (FSDP2 averages gradients)."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, optimizer_fn, batch(0, rank), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    reference_optimizer = optimizer_fn(reference.parameters())
+    for step in range(3):
+        result.step(batch(step, rank))
+        expected = (loss_fn(reference(batch(step, 0))) + loss_fn(reference(batch(step, 1)))) / 2
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    gathered = {name: full(p).detach().clone() for name, p in result.model.named_parameters()}
+    return {"plan": result.plan, "created": result.created_process_group, "parameters": gathered,
+            "reference": {name: q.detach().clone() for name, q in reference.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path):
+    from tests.test_distributed import _spawn
+
+    for result in _spawn(two_rank_scenario, tmp_path):
+        plan = result["plan"]
+        assert plan.world_size == 2 and plan.cpu_offload and not result["created"]
+        for name, expected in result["reference"].items():
+            torch.testing.assert_close(result["parameters"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
