@@ -12,6 +12,7 @@ has that feature to get wrong.
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -378,3 +379,18 @@ def check_training_parity(
     for step in range(steps):
         _assert_step_matches(step, compiled_records[step], eager_records[step], reference_records[step], rtol, atol)
     return ParityResult(eager_records, compiled_records, counter.frame_count, list(caught))
+
+
+class CompiledFunction(torch.autograd.Function):
+    """A stand-in compiled graph whose forward sleeps ``delay`` seconds: measured plan choice
+    (``runtime/plan_trials.py``) finds the compiled backward among a step's autograd nodes by
+    this name, as it finds AOTAutograd's."""
+
+    @staticmethod
+    def forward(ctx, x, delay):
+        time.sleep(delay)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None

@@ -325,26 +325,14 @@ def all_scenarios(rank: int) -> dict:
     return results
 
 
-class CompiledFunction(torch.autograd.Function):
-    """A stand-in compiled graph whose forward sleeps (``plan_trials`` finds its backward by
-    the name, as it finds AOTAutograd's)."""
-
-    @staticmethod
-    def forward(ctx, x, delay):
-        time.sleep(delay)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2, None
-
-
 def plan_trials_scenario(rank: int) -> dict:
     """Measured plan choice on two ranks that disagree: candidate "a" is slow on rank 0 only,
     "b" a little slow on rank 1 only. Alone, rank 0 would choose "b" and rank 1 "a"; over the
     ranks "a" is the slower (0.08 s against 0.04 s on its slowest rank), so both run "b"."""
     from compile_offload.passes.plan import Plan
     from compile_offload.runtime.plan_trials import PlanTrials, Trial
+
+    from .models import CompiledFunction
 
     plan = Plan(feasible=True, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=0.0,
                 baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0)

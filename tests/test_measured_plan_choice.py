@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 
 import pytest
 import torch
@@ -21,6 +20,8 @@ from torch import nn
 from compile_offload.passes.plan import Plan
 from compile_offload.reporting import logs
 from compile_offload.runtime.plan_trials import PlanTrials, Trial, agree_across_ranks, choose
+
+from .models import CompiledFunction
 
 
 def _plan() -> Plan:
@@ -62,20 +63,6 @@ def test_ranks_agree_on_the_slowest_time_and_the_highest_peak():
         assert [t.seconds for t in trials] == [[4.0, 4.0], [3.0, 3.0]]
         assert [t.peak_bytes for t in trials] == [850, 950]
         assert choose(trials, 1000).name == "b"
-
-
-class CompiledFunction(torch.autograd.Function):
-    """A stand-in compiled graph: ``plan_trials`` finds the backward by this name, as it finds
-    AOTAutograd's."""
-
-    @staticmethod
-    def forward(ctx, x, delay):
-        time.sleep(delay)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2, None
 
 
 def _stand_in(delay: float, calls: list[str], name: str):
