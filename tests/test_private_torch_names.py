@@ -117,6 +117,7 @@ INVENTORY = {
     "torch.utils._python_dispatch._disable_current_modes",
     "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
     # torch.utils._pytree
+    "torch.utils._pytree",
     "torch.utils._pytree.tree_flatten",
     "torch.utils._pytree.tree_leaves",
     "torch.utils._pytree.tree_map",
