@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from .memory_tracker import AllocationLedger, measure_peak, profiler_recording
 from ..passes.plan import Plan, format_bytes
+from ..torch_api.utils import tree_leaves
 
 TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact bytes
 
