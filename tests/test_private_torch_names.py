@@ -41,11 +41,9 @@ INVENTORY = {
     "torch._dynamo.reset",
     "torch._dynamo.source.GlobalStateSource",
     # torch._functorch
-    "torch._functorch",
     "torch._functorch._aot_autograd.runtime_wrappers",
     "torch._functorch.aot_autograd.aot_module_simplified",
     "torch._functorch.config",
-    "torch._functorch.config.patch",
     "torch._functorch.partitioners",
     "torch._functorch.partitioners.default_partition",
     "torch._functorch.partitioners.min_cut_rematerialization_partition",
@@ -55,7 +53,6 @@ INVENTORY = {
     "torch._guards.TracingContext",
     "torch._guards.detect_fake_mode",
     # torch._inductor
-    "torch._inductor",
     "torch._inductor.codegen.triton",
     "torch._inductor.codegen.wrapper.AllocateLine",
     "torch._inductor.codegen.wrapper.ReuseLine",
@@ -64,7 +61,6 @@ INVENTORY = {
     "torch._inductor.compile_fx.compile_fx",
     "torch._inductor.compile_fx.compile_fx_inner",
     "torch._inductor.config",
-    "torch._inductor.config.patch",
     "torch._inductor.custom_graph_pass.CustomPartitionerFn",
     "torch._inductor.custom_graph_pass.CustomSchedulerPass",
     "torch._inductor.decomposition.select_decomp_table",
