@@ -14,7 +14,12 @@ from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 __all__ = ["DDP_OPTIMIZER_MODULE", "aot_autograd", "backend_registered", "config", "device_interface",
            "global_state_source", "register_backend", "reset"]
 
-reset = torch._dynamo.reset
+
+def reset() -> None:
+    """``torch._dynamo.reset``: forget every compiled frame and cache entry (looked up at each
+    call, so a patched ``torch._dynamo.reset`` is followed)."""
+    torch._dynamo.reset()
+
 
 # The module whose ``SubmodCompiler`` calls the backend once per DDP bucket (DDPOptimizer).
 DDP_OPTIMIZER_MODULE = "torch._dynamo.backends.distributed"
