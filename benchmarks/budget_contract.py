@@ -35,6 +35,7 @@ import compile_offload
 from compile_offload.pipeline import budget_loop
 from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes.plan import format_bytes
+from compile_offload.torch_api import dynamo, functorch, inductor, profiler
 
 from . import families
 from .workloads import Decoder
@@ -168,13 +169,13 @@ def recorded(path: str | None, label: str):
         return
     from compile_offload.tools.profile_step import describe_live_at_peak
 
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000, clear_history=True)
+    profiler.record_memory_history(stacks="python", max_entries=1_000_000, clear_history=True)
     try:
         yield
         torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = profiler.memory_snapshot()
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        profiler.record_memory_history(enabled=None)
     with open(path, "a") as out:
         # Every block, each with the generated line that made it and the caller's: the small
         # ones are where plan and measurement were last told apart (GPT-2, fifth lease).
@@ -228,12 +229,12 @@ def measure_point(name: str, budget_bytes: int | None, fraction: float | None = 
         results.append(result)
         return result
 
-    torch._dynamo.reset()
+    dynamo.reset()
     partitioner.plan_partition = plan_and_capture
     try:
         with warnings.catch_warnings(record=True) as caught, \
-                torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+                inductor.config.patch(fx_graph_cache=False), \
+                functorch.config.patch(enable_autograd_cache=False):
             warnings.simplefilter("always")
             # The loss is part of the compiled graph: the plan then covers the whole step.
             options = {} if solver is None else {"solver": solver}
@@ -289,7 +290,7 @@ def why_over(name: str, fraction: float = 0.6) -> list[tuple[str, Point]]:
     budget = int(fraction * measure_point(name, None).measured_bytes)
     found = []
     for label, patch in INDUCTOR_VARIANTS.items():
-        with torch._inductor.config.patch(patch):
+        with inductor.config.patch(patch):
             found.append((label, measure_point(name, budget, fraction)))
     found.append(("inner_compiler='eager'", measure_point(name, budget, fraction, "eager")))
     return found

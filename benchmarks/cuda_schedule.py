@@ -48,6 +48,7 @@ from compile_offload.inductor.scheduled_peak import scheduled_program
 from compile_offload.passes import compat
 from compile_offload.passes.cost import BUILTIN_PROFILES
 from compile_offload.passes.memory import simulate
+from compile_offload.torch_api import dynamo, fake_tensors, inductor, utils
 
 MB = 2**20
 
@@ -73,13 +74,13 @@ def _needs_cuda_build() -> None:
 def fake_cuda() -> Iterator[None]:
     """CUDA as Inductor sees it on an H100, without a driver, until the block ends."""
     _needs_cuda_build()
-    import torch._inductor.codegen.triton as triton_codegen
-    import torch._inductor.graph as graph_lowering
-    import torch._inductor.scheduler as scheduler
-    import torch._subclasses.fake_tensor as fake_tensor
-    import torch.utils._triton as triton_utils
-    from torch._dynamo import device_interface
-    from torch._inductor.runtime import hints
+    triton_codegen = inductor.triton_codegen()
+    graph_lowering = inductor.graph()
+    scheduler = inductor.scheduler()
+    fake_tensor = fake_tensors.fake_tensor
+    triton_utils = utils.triton_utils()
+    device_interface = dynamo.device_interface
+    hints = inductor.hints
 
     def stop(*args, **kwargs):
         raise _Stop
@@ -141,12 +142,10 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
     is donated to a backward: its kernels never write into one, where the backend's may
     (``compat.inductor_overwrites_saved``). Plan with ``donated_buffer`` off to compare a
     plan with them exactly (``tests/passes/test_memory.py``)."""
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     gm = _on_cuda(gm)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_tensors.FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
                                       device="cpu" if node.name in host_inputs else "cuda")
@@ -154,11 +153,11 @@ def cuda_kernels(gm: fx.GraphModule, is_backward: bool, host_inputs: frozenset[s
                   for node in gm.graph.nodes if node.op == "placeholder"]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     recorder = inductor_kernels.KernelRecorder()
-    inner_compile = inductor_kernels.naming_outputs_before_passes(compile_fx_inner)
+    inner_compile = inductor_kernels.naming_outputs_before_passes(inductor.compile_fx_inner)
     if keep_plan_order:
         inner_compile = plan_order_fusion.keeping_plan_order(inner_compile)
-    with torch._inductor.config.patch(**(config_patches or {}), **inductor_kernels.recording_patches(recorder),
-                                      fx_graph_cache=False, compile_threads=1), \
+    with inductor.config.patch(**(config_patches or {}), **inductor_kernels.recording_patches(recorder),
+                               fx_graph_cache=False, compile_threads=1), \
             inductor_kernels.recording_reordered(recorder):
         try:
             with mode:  # outputs named as the other graph knows them (our plans save some through aliases)

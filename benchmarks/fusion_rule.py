@@ -27,6 +27,7 @@ import torch
 import compile_offload
 from compile_offload.reporting import logs
 from compile_offload.inductor import plan_order_fusion
+from compile_offload.torch_api import dynamo, functorch, inductor
 
 from .budget_contract import MODELS, _on, available, build, measure_point
 
@@ -39,9 +40,9 @@ def _compiled(name: str, device: str, budget: int, rule: bool):
     if not rule:  # the backend looks the wrapper up at each compile
         plan_order_fusion.keeping_plan_order = lambda inner_compile: inner_compile
     try:
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+        dynamo.reset()
+        with inductor.config.patch(fx_graph_cache=False), \
+                functorch.config.patch(enable_autograd_cache=False):
             step = torch.compile(lambda *args: loss_of(model(*args)), backend=compile_offload.offload_remat(
                 memory_budget=budget, device_profile="cpu" if device == "cpu" else None))
             step(*inputs).backward()

@@ -30,6 +30,7 @@ from compile_offload.inductor import kernels as inductor_kernels
 from compile_offload.passes.analyze import fusable_nodes, inlined_values
 from compile_offload.passes.inductor.kernel_local import kernel_groups, realized_nodes
 from compile_offload.passes.inductor.loop_ranges import cpu_graph
+from compile_offload.torch_api import dynamo, functorch, inductor
 
 from . import budget_contract
 
@@ -71,7 +72,7 @@ def compared_pairs(gm: fx.GraphModule, kernels: inductor_kernels.GraphKernels, m
 
 def measure(model_name: str, budget: float | None) -> list[Fidelity]:
     """Compile ``model_name`` (a contract model) with torch's partitioner and compare both graphs."""
-    import torch._inductor.compile_fx as compile_fx
+    compile_fx = inductor.compile_fx_module()
 
     model, inputs, loss = budget_contract.build(model_name)
     captured: dict[str, fx.GraphModule] = {}
@@ -83,17 +84,17 @@ def measure(model_name: str, budget: float | None) -> list[Fidelity]:
         return forward, backward
 
     recorder = inductor_kernels.KernelRecorder()
-    torch._dynamo.reset()
+    dynamo.reset()
     compile_fx.min_cut_rematerialization_partition = capturing
     try:
-        with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
+        with functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
                                            enable_autograd_cache=False), \
-                torch._inductor.config.patch(fx_graph_cache=False, **inductor_kernels.recording_patches(recorder)), \
+                inductor.config.patch(fx_graph_cache=False, **inductor_kernels.recording_patches(recorder)), \
                 inductor_kernels.backward_lowered_at_compile():
             loss(torch.compile(model)(*inputs)).backward()
     finally:
         compile_fx.min_cut_rematerialization_partition = partition
-        torch._dynamo.reset()
+        dynamo.reset()
     if recorder.forward() is None or recorder.backward() is None or len(captured) < 2:
         raise RuntimeError(f"kernel_fidelity: {model_name}: Inductor's kernels were not recorded for both graphs")
     return [compared_pairs(captured["forward"], recorder.forward(), model_name, "forward"),

@@ -30,6 +30,9 @@ from collections.abc import Callable
 
 import torch
 
+from compile_offload.torch_api import dynamo, functorch, inductor
+from compile_offload.torch_api.utils import use_lazy_graph_module
+
 from .workloads import Decoder
 
 SHAPES = {  # width, heads, seq, batch
@@ -48,10 +51,6 @@ HEADERS = {
 
 def capture_joint(layers: int, shape: str):
     """(joint graph, joint inputs, num_fwd_outputs) of one training step of the stack."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import default_partition
-    from torch._inductor.decomposition import select_decomp_table
-
     width, heads, seq, batch = SHAPES[shape]
     with torch.device("meta"):
         model = Decoder(layers, width, heads).to(torch.bfloat16)
@@ -68,34 +67,29 @@ def capture_joint(layers: int, shape: str):
 
     def capture(joint, joint_inputs, **kwargs):
         captured.update(joint=copy.deepcopy(joint), inputs=joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
-        return default_partition(joint, joint_inputs, **kwargs)
+        return functorch.default_partition(joint, joint_inputs, **kwargs)
 
     def backend(gm, inputs):
-        import torch._inductor.lowering  # noqa: F401  some decompositions need it loaded
-
-        return aot_module_simplified(gm, inputs, fw_compiler=shape_only, bw_compiler=shape_only,
-                                     partition_fn=capture, decompositions=select_decomp_table())
+        return functorch.aot_module_simplified(gm, inputs, fw_compiler=shape_only, bw_compiler=shape_only,
+                                               partition_fn=capture, decompositions=inductor.decomposition_table())
 
     def run(inputs):
         return torch.func.functional_call(model, state, (inputs,))
 
-    torch._dynamo.reset()
+    dynamo.reset()
     torch.compile(run, backend=backend)(torch.empty_like(x, device="cpu").requires_grad_())
     return captured["joint"], captured["inputs"], captured["num_fwd_outputs"]
 
 
 def partitioners() -> dict[str, Callable]:
-    from torch._functorch import config as functorch_config
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     from compile_offload import settings as settings_mod
     from compile_offload.pipeline.partitioner import OffloadRematPartitioner
 
     def torch_min_cut(budget: float):
         def partition(joint, inputs, num_fwd_outputs):
-            with functorch_config.patch(activation_memory_budget=budget):
-                return min_cut_rematerialization_partition(joint, inputs, compiler="inductor",
-                                                           num_fwd_outputs=num_fwd_outputs)
+            with functorch.config.patch(activation_memory_budget=budget):
+                return functorch.min_cut_rematerialization_partition(joint, inputs, compiler="inductor",
+                                                                     num_fwd_outputs=num_fwd_outputs)
         return partition
 
     def ours(budget):
@@ -123,8 +117,6 @@ def time_depths(depths: list[int], shape: str, columns: list[str], clock=time.pr
     column takes its turn in each round, so a slow stretch of a shared machine (they last
     longer than a run) falls on all of them rather than on one depth: the growth per
     doubling is a ratio of two depths' times. ``progress`` gets a line per run."""
-    from torch._dynamo import config as dynamo_config
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     joints = {layers: capture_joint(layers, shape) for layers in depths}
     table = partitioners()
@@ -137,7 +129,7 @@ def time_depths(depths: list[int], shape: str, columns: list[str], clock=time.pr
                 # As under torch.compile, which runs the partitioner inside Dynamo's frame compile:
                 # graph modules made there generate their Python code only when first called or
                 # read (Dynamo's ``use_lazy_graph_module``, on by default), and Inductor reads graphs.
-                with _use_lazy_graph_module(dynamo_config.use_lazy_graph_module):
+                with use_lazy_graph_module(dynamo.config.use_lazy_graph_module):
                     started = clock()
                     table[column](graph, inputs, num_fwd_outputs)
                     elapsed = clock() - started

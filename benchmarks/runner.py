@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from compile_offload.torch_api import dynamo
+
 from . import workloads
 from .strategies import REFERENCE, Strategy
 
@@ -258,7 +260,7 @@ def _safe_predict(strategy: Strategy, model: torch.nn.Module, inputs: Sequence) 
     except Exception as error:  # a planner bug must not hide the measurement
         return {"predicted_peak_bytes": None, "predicted_step_ms": None, "explain_error": _describe(error)}
     finally:
-        torch._dynamo.reset()
+        dynamo.reset()
 
 
 # --- one strategy ------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
     reason = strategy.unavailable_reason(suite.device, suite.workload)
     if reason is not None:
         return {**row, "status": "unavailable", "error": reason}
-    torch._dynamo.reset()
+    dynamo.reset()
     release_memory(suite.device)
     for tensor in inputs:
         if isinstance(tensor, torch.Tensor):
@@ -315,7 +317,7 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
             traceback.print_exc()
     finally:
         model = fn = step = None  # drop references before freeing cached memory
-        torch._dynamo.reset()
+        dynamo.reset()
         release_memory(suite.device)
     _add_prediction_checks(row)
     return row

@@ -62,9 +62,9 @@ _OFFLOAD_OPTIONAL_KEYS = ("activation_offload_separate_stream", "activation_offl
 
 
 def _functorch_config():
-    import torch._functorch.config as functorch_config
+    from compile_offload.torch_api import functorch
 
-    return functorch_config
+    return functorch.config
 
 
 def sac_offload_unavailable_reason(device: torch.device) -> str | None:

@@ -32,6 +32,7 @@ from compile_offload.runtime.memory_tracker import measure_peak
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
 from compile_offload.passes.plan import format_bytes
+from compile_offload.torch_api import dynamo, functorch, inductor
 
 from .workloads import Decoder
 
@@ -73,10 +74,10 @@ def measured_peak(args: dict, budget: float | None, reorder: bool, warmup: int =
     dtype = getattr(torch, args["dtype"])
     model = Decoder(args["layers"], args["d"], args["heads"]).to(dtype)
     x = torch.randn(args["batch"], args["seq"], args["d"], dtype=dtype, requires_grad=True)
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
+    dynamo.reset()
+    with functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
                                        enable_autograd_cache=False), \
-            torch._inductor.config.patch(reorder_for_peak_memory=reorder, fx_graph_cache=False):
+            inductor.config.patch(reorder_for_peak_memory=reorder, fx_graph_cache=False):
         compiled = torch.compile(model)
 
         def step():
@@ -90,7 +91,7 @@ def measured_peak(args: dict, budget: float | None, reorder: bool, warmup: int =
         with measure_peak("cpu") as measured:
             for _ in range(steps):
                 step()
-    torch._dynamo.reset()
+    dynamo.reset()
     return measured.peak_bytes
 
 

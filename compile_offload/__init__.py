@@ -25,10 +25,10 @@ def _register() -> None:
     # Importing the package registers the backend by name. When Dynamo already discovered
     # our entry point (it is importing us right now, or will load it on first use), it
     # registers the function itself, and registering twice is an error in its registry.
-    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+    from .torch_api import dynamo
 
-    if BACKEND_NAME not in _COMPILER_FNS and _BACKENDS.get(BACKEND_NAME) is None:
-        register_backend(offload_remat_backend, name=BACKEND_NAME)
+    if not dynamo.backend_registered(BACKEND_NAME):
+        dynamo.register_backend(offload_remat_backend, name=BACKEND_NAME)
 
 
 _register()

@@ -28,7 +28,7 @@ read", also covers dynamic shapes and warm caches.
 import sys
 from typing import Optional
 
-from torch.utils._config_module import Config, install_config_module
+from .torch_api.utils import Config, install_config_module
 
 # Memory budget for one compiled forward+backward graph. Accepted values:
 #   None            no limit: the fastest plan (same saved set as torch.compile's default).

@@ -43,10 +43,11 @@ def _describe(values: tuple[tuple[str, Any], ...], changed_from: tuple[tuple[str
 def install(skip: Iterable[str] = ()) -> bool:
     """Guard the frame Dynamo is compiling on the knobs read now; False where this torch
     offers no way to (then use ``warn_when_changed``)."""
-    try:
-        from torch._dynamo.source import GlobalStateSource
-        from torch._guards import Guard, TracingContext
-    except ImportError:  # pragma: no cover - another torch
+    from .torch_api import dynamo
+    from .torch_api.guards import Guard, TracingContext
+
+    GlobalStateSource = dynamo.global_state_source()
+    if GlobalStateSource is None:  # pragma: no cover - another torch
         return False
     context = TracingContext.try_get()
     if context is None or getattr(context, "guards_context", None) is None:

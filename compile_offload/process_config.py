@@ -24,13 +24,8 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from torch.utils._config_module import ContextDecorator
-
-_UNSET: Any = None
-try:
-    from torch.utils._config_module import _UNSET_SENTINEL as _UNSET
-except ImportError:  # pragma: no cover - torch without the sentinel: nothing to install
-    pass
+from .torch_api.utils import UNSET_SENTINEL as _UNSET  # None on a torch without it: nothing to install
+from .torch_api.utils import ContextDecorator
 
 
 _changes = 0  # bumped by every change of a knob, in any thread: lets readers skip re-reading

@@ -99,7 +99,7 @@ def _from_environment(knob: str) -> bool:
     of torch's config module, read only here)."""
     from contextvars import ContextVar
 
-    from torch.utils._config_module import _UNSET_SENTINEL
+    from .torch_api.utils import UNSET_SENTINEL as _UNSET_SENTINEL
 
     override = config._config[knob].user_override
     if isinstance(override, ContextVar):  # torch >= 2.12 keeps overrides per thread/context
@@ -213,7 +213,7 @@ _TORCH_BUDGET_ANNOUNCED: set[tuple] = set()
 def torch_activation_budget() -> float | None:
     """``torch._functorch.config.activation_memory_budget`` when it asks for less than all
     activations (a float in [0, 1)); None when it is 1.0 (torch's default) or unusable."""
-    from torch._functorch import config as functorch_config
+    from .torch_api.functorch import config as functorch_config
 
     value = getattr(functorch_config, "activation_memory_budget", 1.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):

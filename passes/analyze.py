@@ -69,7 +69,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
 
 
 def _is_wait_tensor(target) -> bool:
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace in COLLECTIVE_NAMESPACES
+    return (isinstance(target, compat.OpOverload) and target.namespace in COLLECTIVE_NAMESPACES
             and target._opname == "wait_tensor")
 
 
@@ -77,7 +77,7 @@ def is_collective(node: fx.Node) -> bool:
     """A call of a collective op (``_c10d_functional`` and the other collective namespaces,
     ``wait_tensor`` included)."""
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+    return node.op == "call_function" and isinstance(target, compat.OpOverload) and (
         target.namespace in COLLECTIVE_NAMESPACES
     )
 
@@ -133,7 +133,7 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
     if target is operator.getitem:
         parent = node.args[0]
         return recompute_ban_reason(parent) if isinstance(parent, fx.Node) else None
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, compat.OpOverload):
         return f"{getattr(target, '__name__', target)} is not an aten op"
     namespace = target.namespace
     if namespace in COLLECTIVE_NAMESPACES:
@@ -187,7 +187,7 @@ def is_compute_intensive(node: fx.Node) -> bool:
     """Matmuls, convolutions and attention: worth saving rather than recomputing when cheap
     alternatives exist."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _COMPUTE_INTENSIVE
+    return isinstance(target, compat.OpOverload) and target.overloadpacket.__name__ in _COMPUTE_INTENSIVE
 
 
 # Inductor's store-or-inline choice for a pointwise value read by more than one consumer
@@ -208,7 +208,7 @@ _HEAVY_ON_CPU = frozenset({
 
 def _uses_heavy_op(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ in _HEAVY_ON_CPU
+    return isinstance(target, compat.OpOverload) and target.overloadpacket.__name__ in _HEAVY_ON_CPU
 
 
 def _on_cpu(node: fx.Node) -> bool:
@@ -281,7 +281,7 @@ def _copied_view_candidate(node: fx.Node) -> bool:
     if not (is_view(node) and node.args and isinstance(node.args[0], fx.Node) and is_pointwise(node.args[0])):
         return False
     return len(node.users) > 1 and any(
-        u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
+        u.op == "call_function" and isinstance(u.target, compat.OpOverload)
         and u.target.overloadpacket.__name__ in _FIXED_LAYOUT_USERS for u in node.users)
 
 
@@ -368,7 +368,7 @@ _CONVOLUTIONS = ("convolution", "convolution_backward")
 def is_convolution(node: fx.Node) -> bool:
     """``aten.convolution`` and its backward: the ops Inductor's layout optimization serves."""
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+    return node.op == "call_function" and isinstance(target, compat.OpOverload) and (
         target.overloadpacket.__name__ in _CONVOLUTIONS)
 
 

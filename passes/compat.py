@@ -1,5 +1,10 @@
 """Every private torch API the passes use, wrapped in one place.
 
+The passes' one door to private torch names (``tests/test_private_torch_names.py`` keeps it
+so): no other module under ``passes/`` imports or reaches one. The passes cannot import
+``compile_offload``, so this is the second door beside ``compile_offload/torch_api/``.
+Grouped by torch area below; checked on torch 2.11-2.14 (installed: 2.13).
+
 torch's partitioner internals drift between releases; each wrapper here is the only caller
 of its private function, so a version difference is fixed once. ``tests/passes/test_compat.py``
 exercises each wrapper on the installed torch.
@@ -7,6 +12,7 @@ exercises each wrapper on the installed torch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -14,6 +20,54 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._functorch import partitioners as _p
+
+# --- torch._ops ---------------------------------------------------------------------------------
+# An aten overload such as aten.mm.default, and the class of higher-order ops; torch.utils.flop_counter
+# itself relies on them and on OpOverload._schema.
+
+OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+# --- torch.utils._pytree ------------------------------------------------------------------------
+
+tree_flatten = torch.utils._pytree.tree_flatten
+
+# --- torch.utils._python_dispatch ---------------------------------------------------------------
+
+try:
+    # The planner may run inside a compile where a FakeTensorMode or a user's dispatch mode is
+    # active; our meta-tensor flop counting must not be seen by them.
+    from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes
+except ImportError:  # pragma: no cover - present in every supported torch (2.11-2.14)
+    outside_dispatch_modes = contextlib.nullcontext
+
+
+def is_traceable_wrapper_subclass(val) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as check
+
+    return check(val)
+
+
+# --- torch._prims_common ------------------------------------------------------------------------
+
+
+def is_non_overlapping_and_dense(val: torch.Tensor) -> bool:
+    from torch import _prims_common  # the function was renamed in torch 2.13
+
+    fn = getattr(_prims_common, "is_non_overlapping_and_dense_or_false", None) or _prims_common.is_non_overlapping_and_dense
+    return bool(fn(val))
+
+
+# --- torch._guards ------------------------------------------------------------------------------
+
+
+def detect_fake_mode(values):
+    from torch._guards import detect_fake_mode as detect
+
+    return detect(values)
+
+
+# --- torch._functorch.partitioners (and torch._library's FakeScriptObject) -----------------------
 
 
 @dataclass
@@ -55,24 +109,6 @@ def _is_assert_only_symbool(node: fx.Node) -> bool:
         and len(node.users) > 0
         and all(user.target is torch.ops.aten._assert_scalar.default for user in node.users)
     )
-
-
-def inductor_joint_passes(joint_gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """Inductor's joint-graph passes (pattern rewrites, no-op removal, ...), as
-    ``compile_fx``'s partition function runs them on the joint graph before any partitioner
-    sees it: the graph torch.compile partitions, which the backend's and ``explain``'s plans
-    see through ``compile_fx``. Older torch versions transform in place and return None, and
-    take no ``input_device``."""
-    import inspect
-
-    from torch._inductor.compile_fx import _recursive_joint_graph_passes
-
-    parameters = inspect.signature(_recursive_joint_graph_passes).parameters
-    kwargs = {"skip_invoke_subgraph": True} if "skip_invoke_subgraph" in parameters else {}
-    if "input_device" in parameters:
-        kwargs["input_device"] = device
-    result = _recursive_joint_graph_passes(joint_gm, **kwargs)
-    return joint_gm if result is None else result
 
 
 def prepare_joint(
@@ -191,6 +227,27 @@ def default_partition(joint: JointGraph, joint_inputs) -> tuple[fx.GraphModule, 
     )
 
 
+# --- torch._inductor ----------------------------------------------------------------------------
+
+
+def inductor_joint_passes(joint_gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Inductor's joint-graph passes (pattern rewrites, no-op removal, ...), as
+    ``compile_fx``'s partition function runs them on the joint graph before any partitioner
+    sees it: the graph torch.compile partitions, which the backend's and ``explain``'s plans
+    see through ``compile_fx``. Older torch versions transform in place and return None, and
+    take no ``input_device``."""
+    import inspect
+
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    parameters = inspect.signature(_recursive_joint_graph_passes).parameters
+    kwargs = {"skip_invoke_subgraph": True} if "skip_invoke_subgraph" in parameters else {}
+    if "input_device" in parameters:
+        kwargs["input_device"] = device
+    result = _recursive_joint_graph_passes(joint_gm, **kwargs)
+    return joint_gm if result is None else result
+
+
 @dataclass(frozen=True)
 class BmmDotRule:
     """Where Inductor lowers an accelerator ``bmm`` of a row by a column (M = N = 1) to a
@@ -214,34 +271,6 @@ def bmm_dot_rule() -> BmmDotRule | None:
     if dtypes is None or max_k is None:
         return None
     return BmmDotRule(tuple(dtypes), int(max_k))
-
-
-def size_hint(value) -> int:
-    """A concrete int for a possibly symbolic size."""
-    if isinstance(value, int):
-        return value
-    from torch.fx.experimental import symbolic_shapes
-
-    # optimization_hint in torch >= 2.12; 2.11 has size_hint (its hint_int is a deprecated
-    # alias that warns FutureWarning on every call).
-    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
-    return int(hint(value, fallback=4096))
-
-
-def boxed_python(gm: fx.GraphModule):
-    """Run ``gm`` as Python with the boxed calling convention, clearing the argument list
-    on entry so each input is freed at its last use (as Inductor's compiled code does);
-    without it the saved tensors would live until the backward returns."""
-    from torch.fx.graph import _BoxedCodeGen
-
-    gm.graph.set_codegen(_BoxedCodeGen())
-    gm.recompile()
-
-    def run(args: list):
-        return gm(args)
-
-    run._boxed_call = True
-    return run
 
 
 def inductor_writes_in_place() -> bool:
@@ -305,3 +334,34 @@ def realize_thresholds(cpu: bool) -> tuple[int, int]:
         accumulated = (getattr(config, "realize_cpu_acc_reads_threshold", 12) if cpu
                        else getattr(config, "_realize_acc_reads_threshold_default", 8))
     return reads, accumulated
+
+
+# --- torch.fx (its private _BoxedCodeGen; size hints of torch.fx.experimental) -------------------
+
+
+def size_hint(value) -> int:
+    """A concrete int for a possibly symbolic size."""
+    if isinstance(value, int):
+        return value
+    from torch.fx.experimental import symbolic_shapes
+
+    # optimization_hint in torch >= 2.12; 2.11 has size_hint (its hint_int is a deprecated
+    # alias that warns FutureWarning on every call).
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
+    return int(hint(value, fallback=4096))
+
+
+def boxed_python(gm: fx.GraphModule):
+    """Run ``gm`` as Python with the boxed calling convention, clearing the argument list
+    on entry so each input is freed at its last use (as Inductor's compiled code does);
+    without it the saved tensors would live until the backward returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list):
+        return gm(args)
+
+    run._boxed_call = True
+    return run

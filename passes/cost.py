@@ -14,7 +14,6 @@ running the op on ``meta`` tensors, once per distinct (op, argument shapes, dtyp
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import typing
@@ -24,26 +23,18 @@ from typing import Any, Literal
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from .compat import size_hint
+from .compat import HigherOrderOperator, OpOverload, size_hint, tree_flatten
+from .compat import outside_dispatch_modes as _outside_dispatch_modes
 
 log = logging.getLogger("compile_offload")
 
 aten = torch.ops.aten
 
-# --------------------------------------------------------------------------------------------
-# Private torch APIs used by this module (kept here, feature-detected). Besides this import:
-# torch._ops.OpOverload / HigherOrderOperator and OpOverload._schema, which
-# torch.utils.flop_counter itself relies on.
-# _disable_current_modes: the planner may run inside a compile where a FakeTensorMode or a
-# user's dispatch mode is active; our meta-tensor flop counting must not be seen by them.
-try:
-    from torch.utils._python_dispatch import _disable_current_modes as _outside_dispatch_modes
-except ImportError:  # pragma: no cover - present in every supported torch (2.11-2.14)
-    _outside_dispatch_modes = contextlib.nullcontext
-# --------------------------------------------------------------------------------------------
+# Private torch names (OpOverload, HigherOrderOperator, tree_flatten, and _disable_current_modes:
+# the planner may run inside a compile where a FakeTensorMode or a user's dispatch mode is
+# active, and our meta-tensor flop counting must not be seen by them) come from compat.
 
 FALLBACK_DTYPE = "float32"
 
@@ -249,9 +240,9 @@ def launches_kernel(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    if isinstance(target, HigherOrderOperator):
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False  # operator.getitem, SymInt arithmetic, Python builtins
     if getattr(target, "is_view", False) or target.overloadpacket in _FREE_PACKETS:
         return False
@@ -353,7 +344,7 @@ class _FlopCounter:
     def _count(self, node: fx.Node) -> int:
         with _outside_dispatch_modes():
             args, kwargs = _meta_arguments(node.args), _meta_arguments(node.kwargs)
-            if isinstance(node.target, torch._ops.OpOverload):
+            if isinstance(node.target, OpOverload):
                 try:
                     self.entered += 1
                     with self.mode:
@@ -372,7 +363,7 @@ class _FlopCounter:
 
 
 def _registry_key(target: Any) -> Any:
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    return target.overloadpacket if isinstance(target, OpOverload) else target
 
 
 def _signature(value: Any) -> Any:

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import compat
 from .analyze import collective_source
 
 ROLE_OFFLOAD = "offload"
@@ -83,32 +84,17 @@ class OffloadOps:
     wait_reload: Any
 
 
-# --- private torch helpers, in one place ------------------------------------------------------
+# --- private torch helpers (behind compat) -----------------------------------------------------
 
-
-def _is_dense(val: torch.Tensor) -> bool:
-    from torch import _prims_common  # the function was renamed in torch 2.13
-
-    fn = getattr(_prims_common, "is_non_overlapping_and_dense_or_false", None) or _prims_common.is_non_overlapping_and_dense
-    return bool(fn(val))
+_is_dense = compat.is_non_overlapping_and_dense
+_is_subclass = compat.is_traceable_wrapper_subclass
+_detect_fake_mode = compat.detect_fake_mode
 
 
 def _storage_key(val: torch.Tensor):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(val.untyped_storage())
-
-
-def _is_subclass(val: torch.Tensor) -> bool:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    return is_traceable_wrapper_subclass(val)
-
-
-def _detect_fake_mode(values):
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode(values)
 
 
 # --- eligibility -------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ _REORDERING_PASSES = {
 def order_keeping_patches() -> dict[str, Any]:
     """The ``torch._inductor.config`` patches that keep a graph's copy placement, for the
     names this torch has."""
-    from torch._inductor import config as inductor_config
+    from ..torch_api.inductor import config as inductor_config
 
     return {name: value for name, value in _REORDERING_PASSES.items() if hasattr(inductor_config, name)}
 
@@ -58,7 +58,7 @@ def keeping_copy_order(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
     def compile_keeping_copy_order(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any):
         if not has_copy_ops(gm):
             return inner_compile(gm, *args, **kwargs)
-        from torch._inductor import config as inductor_config
+        from ..torch_api.inductor import config as inductor_config
 
         with inductor_config.patch(order_keeping_patches()):
             return inner_compile(gm, *args, **kwargs)

@@ -42,6 +42,7 @@ from .op_workspace import (
     measured_cuda_workspace,
     measured_workspace,
 )
+from ..torch_api import functorch, inductor
 
 log = logging.getLogger("compile_offload")
 
@@ -156,21 +157,11 @@ class KernelRecorder:
 
 def available() -> bool:
     """Whether this torch has the scheduler hook and lowers the backward at compile time on request."""
-    from torch._inductor import config as inductor_config
-
-    return hasattr(inductor_config, "_post_fusion_custom_pass") and hasattr(
-        torch._functorch.config, "force_non_lazy_backward_lowering")
+    return hasattr(inductor.config, "_post_fusion_custom_pass") and hasattr(
+        functorch.config, "force_non_lazy_backward_lowering")
 
 
-def _scheduler_pass_base():
-    try:
-        from torch._inductor.custom_graph_pass import CustomSchedulerPass
-    except ImportError:  # an older torch: a plain callable (Inductor's cache then bypasses)
-        return object
-    return CustomSchedulerPass
-
-
-class _RecordingPass(_scheduler_pass_base()):  # type: ignore[misc]
+class _RecordingPass(inductor.scheduler_pass_base()):  # type: ignore[misc]
     """The hook itself: records, returns ``nodes`` as given."""
 
     def __init__(self, recorder: KernelRecorder) -> None:
@@ -209,8 +200,7 @@ def recording_reordered(recorder: KernelRecorder) -> Iterator[None]:
     ``torch._inductor.memory`` (torch 2.11 to 2.14)."""
     from unittest import mock
 
-    from torch._inductor import memory as inductor_memory
-
+    inductor_memory = inductor.memory()
     reorder = inductor_memory.reorder_for_peak_memory
 
     def reordered(nodes, *args, **kwargs):
@@ -254,7 +244,7 @@ def naming_outputs_before_passes(inner_compile: Callable[..., Any]) -> Callable[
 def backward_lowered_at_compile() -> Iterator[None]:
     """AOTAutograd lowers the backward during the compile (not at the first backward), so its
     kernels are known when the compile returns. It changes when, not what, Inductor compiles."""
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    with functorch.config.patch(force_non_lazy_backward_lowering=True):
         yield
 
 
@@ -262,9 +252,7 @@ def backward_lowered_at_compile() -> Iterator[None]:
 
 
 def _graph_kernels(nodes: list) -> GraphKernels:
-    from torch._inductor.virtualized import V
-
-    graph = V.graph
+    graph = inductor.V.graph
     owner = {}  # scheduler node name (also of nodes inside a fused one) -> index of its kernel
     for index, node in enumerate(nodes):
         for sub in node.get_nodes():
@@ -319,9 +307,7 @@ def _calls(nodes: list) -> list[list[int]] | None:
     three scheduler nodes, run as one function; the two outputs allocated while the ``exp``
     is alive, 32% over the nodes apart on a bf16 decoder). Triton's kernels are each called
     and freed after as they are generated."""
-    from torch._inductor import config as inductor_config
-
-    if getattr(inductor_config, "cpu_backend", "cpp") != "cpp":
+    if getattr(inductor.config, "cpu_backend", "cpp") != "cpp":
         return None
     calls: list[list[int]] = []
     run: list[int] = []
@@ -421,10 +407,10 @@ def _wrapper_reuses(wrapper) -> dict[str, str] | None:
     estimate allows it; that estimate counts only what the scheduler sized, which without
     peak-memory reordering is the graph's freeable inputs, so it allows holds the plan's
     simulation would not guess). None when the wrapper has no planned lines to read."""
-    try:
-        from torch._inductor.codegen.wrapper import ReuseLine
-    except ImportError:
+    line_classes = inductor.wrapper_lines()
+    if line_classes is None:
         return None
+    _, ReuseLine = line_classes
     lines = getattr(wrapper, "lines", None)
     if not lines:
         return None
@@ -442,10 +428,10 @@ def _wrapper_allocations(wrapper) -> set[str]:
     """The buffers a generated wrapper gives memory: its ``AllocateLine``s and the new
     buffers of its ``ReuseLine``s, once planned (a buffer a kernel's code generation removed
     is a ``NullLine`` by then). Empty when there are no lines to read."""
-    try:
-        from torch._inductor.codegen.wrapper import AllocateLine, ReuseLine
-    except ImportError:
+    line_classes = inductor.wrapper_lines()
+    if line_classes is None:
         return set()
+    AllocateLine, ReuseLine = line_classes
     allocated = set()
     for line in getattr(wrapper, "lines", None) or ():
         try:
@@ -463,8 +449,7 @@ def _multi_output_parent(node, owner: dict[str, int]) -> int | None:
     tuple (``convolution_backward``, ``native_layer_norm`` fallbacks, ...) allocates every
     part while it runs, its inputs alive; the ``MultiOutput`` node after it only names one
     part (``buf2 = buf1[0]`` in the wrapper). None for any other node."""
-    from torch._inductor import ir
-
+    ir = inductor.ir()
     ir_node = getattr(node, "node", None)
     if not isinstance(ir_node, ir.MultiOutput):
         return None
@@ -570,9 +555,7 @@ def _fx_output_names(graph: torch.fx.Graph) -> list[str | None]:
 
 
 def _mutation_renames() -> dict[str, str]:
-    from torch._inductor.virtualized import V
-
-    scheduler = getattr(V.graph, "scheduler", None)  # set at the start of the Scheduler's __init__
+    scheduler = getattr(inductor.V.graph, "scheduler", None)  # set at the start of the Scheduler's __init__
     renames = getattr(scheduler, "mutation_real_name", None) if scheduler is not None else None
     return dict(renames or {})
 
@@ -602,8 +585,7 @@ def _buffer_bytes(buf, device: str, sizevars) -> tuple[int, str]:
     mutation of another, the tuple of a multi-output op, whose parts are counted instead, or
     a buffer on another device), and the key under which Inductor's wrapper reuses freed
     buffers (device, dtype, size)."""
-    from torch._inductor import ir
-
+    ir = inductor.ir()
     layout = buf.node.get_output_spec() if hasattr(buf.node, "get_output_spec") else buf.node.layout
     if isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout)) or isinstance(
             layout, getattr(ir, "NonOwningLayout", ())):

@@ -168,7 +168,7 @@ def _signature(value: torch.Tensor) -> tuple:
 def _measure(node: fx.Node, channels_last: bool, strides: dict[fx.Node, tuple[int, ...]]) -> int:
     """Run the op once to warm it up and once under ``measure_peak``: its peak less its
     outputs. An op that cannot run here counts nothing rather than failing the plan."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from ..torch_api.fake_tensors import unset_fake_temporarily
 
     def real(arg: fx.Node) -> torch.Tensor:
         value = tensor_value(arg)
@@ -367,7 +367,7 @@ def _measure_cuda(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]]) -> int
     once to read what the allocator handed out beyond the call's outputs: the difference of
     its running total (``allocated_bytes.all.allocated``), so no peak statistic is reset
     under the user. The op holds the largest."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from ..torch_api.fake_tensors import unset_fake_temporarily
 
     arguments = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
     outputs = node.meta.get("val")

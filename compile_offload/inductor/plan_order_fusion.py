@@ -76,7 +76,7 @@ def keeping_plan_order(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(inner_compile)
     def compile_keeping_plan_order(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any):
-        from torch._inductor.virtualized import V
+        from ..torch_api.inductor import V
 
         with V.set_choices_handler(plan_order_choices(V.choices)):
             return inner_compile(gm, *args, **kwargs)

@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from ..torch_api import functorch
+from ..torch_api.guards import TracingContext
+
 _MARK = "_compile_offload_lowered_early"  # set on the graph's ViewAndMutationMeta
 
 
@@ -36,9 +39,7 @@ def lowering_lazily_on_retain(inner_compile: Callable[..., Any]) -> Callable[...
     @functools.wraps(inner_compile)
     def compile_marking_early_backward(gm: torch.fx.GraphModule, example_inputs, **kwargs: Any):
         # Marked as soon as the donated buffers are known (from the forward's compile on).
-        if torch._functorch.config.force_non_lazy_backward_lowering:
-            from torch._guards import TracingContext
-
+        if functorch.config.force_non_lazy_backward_lowering:
             context = TracingContext.try_get()
             metadata = getattr(context, "fw_metadata", None)
             if metadata is not None and getattr(metadata, "bw_donated_idxs", None) and _install():
@@ -52,13 +53,11 @@ def lowering_lazily_on_retain(inner_compile: Callable[..., Any]) -> Callable[...
 def _install() -> bool:
     """Patch AOTAutograd's backward compiler once; False where this torch lacks it (then a
     retaining backward raises AOTAutograd's own error)."""
-    try:
-        from torch._functorch._aot_autograd import runtime_wrappers
-    except ImportError:  # pragma: no cover - another torch layout
+    classes = functorch.autograd_backward_compiler()
+    if classes is None:  # pragma: no cover - another torch layout
         return False
-    compiler = getattr(runtime_wrappers, "_AutogradBackwardCompiler", None)
-    lazy_info = getattr(runtime_wrappers, "AutogradLazyBackwardCompileInfo", None)
-    if compiler is None or lazy_info is None or not hasattr(compiler, "get_or_compile"):
+    compiler, lazy_info = classes
+    if not hasattr(compiler, "get_or_compile"):
         return False
     original = compiler.get_or_compile
 

@@ -55,7 +55,7 @@ def recording(recorder: KernelRecorder, patches: dict) -> Iterator[dict]:
     """``patches`` with ``recorder`` installed, the backward lowered during the compile.
     Where the user installed a post-fusion pass of their own (Inductor has one slot), theirs
     stays and nothing is recorded."""
-    from torch._inductor import config as inductor_config
+    from ..torch_api.inductor import config as inductor_config
 
     if patches.get("_post_fusion_custom_pass", inductor_config._post_fusion_custom_pass) is not None:
         yield patches

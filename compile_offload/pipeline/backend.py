@@ -77,9 +77,8 @@ def split_options(options: dict | None) -> tuple[dict, dict]:
     a name that is neither raises ``ValueError`` naming it."""
     if not options:
         return {}, {}
-    from torch._inductor import config as inductor_config
-
     from .. import config
+    from ..torch_api.inductor import config as inductor_config
 
     known_inductor = inductor_config.get_config_copy()
     ours = {name: value for name, value in options.items() if name not in known_inductor or name in config.get_config_copy()}
@@ -92,9 +91,9 @@ def inductor_options(mode: str | None, options: dict) -> dict:
     """Inductor config patches for ``torch.compile(mode=...)`` and Inductor ``options``."""
     if mode in (None, "default"):
         return dict(options)
-    from torch._inductor import list_mode_options
+    from ..torch_api import inductor
 
-    modes = list_mode_options()
+    modes = inductor.list_mode_options()
     if mode not in modes:
         raise ValueError(f"compile_offload: torch.compile(mode={mode!r}) is not an Inductor mode; accepted: "
                          f"{', '.join(sorted(modes))} (or leave mode unset)")
@@ -104,7 +103,7 @@ def inductor_options(mode: str | None, options: dict) -> dict:
 def _cuda_graphs_requested(patches: dict) -> bool:
     """Whether Inductor will capture CUDA graphs: ``triton.cudagraphs`` from the mode or
     options, else its global config."""
-    from torch._inductor import config as inductor_config
+    from ..torch_api.inductor import config as inductor_config
 
     return bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
 
@@ -209,11 +208,8 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):
-    import torch._inductor.lowering  # noqa: F401  some decompositions in the table need it loaded
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.decomposition import select_decomp_table
-
     from ..passes.compat import boxed_python
+    from ..torch_api import dynamo, inductor
 
     def run_as_python(graph: torch.fx.GraphModule, _inputs: Sequence[Any]):
         return boxed_python(graph)
@@ -221,12 +217,12 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
     # Dynamo's aot_autograd wrapper, not aot_module_simplified itself: DDPOptimizer (one
     # graph per DDP bucket) counts AOTAutograd compiles through the wrapper's counter to
     # pair each bucket's forward with its backward, and fails the first backward without it.
-    backend = aot_autograd(
+    backend = dynamo.aot_autograd(
         fw_compiler=run_as_python,
         bw_compiler=run_as_python,
         inference_compiler=run_as_python,
         partition_fn=functools.partial(partitioner, compiler="inductor"),
-        decompositions=select_decomp_table(),
+        decompositions=inductor.decomposition_table(),  # with the lowering some decompositions need loaded
         keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs)
@@ -236,7 +232,7 @@ def _graph_name(bucket_graphs: int | None = None) -> str:
     """Dynamo's id of the graph being compiled (``"0_0"`` style), for dumps and logs; under
     DDPOptimizer with ``bucket_graphs`` known, ``graph_0_0_bucket1of3`` (bucket 1 of 3)."""
     try:
-        from torch._guards import CompileContext
+        from ..torch_api.guards import CompileContext
 
         compile_id = CompileContext.current_compile_id()
     except Exception:  # outside Dynamo (explain() on an FX graph)

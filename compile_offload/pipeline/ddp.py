@@ -17,6 +17,7 @@ import torch
 
 from ..passes.plan import format_bytes
 from ..settings import Settings
+from ..torch_api import dynamo
 
 log = logging.getLogger("compile_offload")
 
@@ -78,7 +79,7 @@ def _warn_budget_per_bucket(settings: Settings) -> None:
 def bucket_index() -> int | None:
     """Index of the DDP bucket graph being compiled under DDPOptimizer, else None."""
     try:
-        from torch._guards import TracingContext
+        from ..torch_api.guards import TracingContext
 
         context = TracingContext.try_get()
     except Exception:
@@ -87,7 +88,7 @@ def bucket_index() -> int | None:
     return None if ddp is None else ddp.curr_bucket + 1
 
 
-_DDP_MODULE = "torch._dynamo.backends.distributed"
+_DDP_MODULE = dynamo.DDP_OPTIMIZER_MODULE
 
 
 def bucket_graph_count() -> int | None:

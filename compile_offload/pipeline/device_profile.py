@@ -18,12 +18,9 @@ from pathlib import Path
 import torch
 
 from ..passes.cost import BUILTIN_PROFILES, DeviceProfile
-
-# --------------------------------------------------------------------------------------------
-# Private torch API (the only one here): the planner may run inside a compile where a
-# FakeTensorMode or another dispatch mode is active; the benchmarks must run real kernels.
-from torch.utils._python_dispatch import _disable_current_modes
-# --------------------------------------------------------------------------------------------
+# The planner may run inside a compile where a FakeTensorMode or another dispatch mode is
+# active; the benchmarks must run real kernels (outside them).
+from ..torch_api.utils import disable_current_modes as _disable_current_modes
 
 CACHE_FORMAT = 1
 _measured_in_process: dict[str, DeviceProfile] = {}

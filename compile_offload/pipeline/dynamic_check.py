@@ -55,7 +55,7 @@ class SymbolicProgram:
         """The predicted peak with each symbol at ``sizes[name]``."""
         import sympy
 
-        from torch.utils._sympy import functions as size_functions  # FloorDiv, Mod, ... as torch prints them
+        from ..torch_api.utils import sympy_functions as size_functions  # FloorDiv, Mod, ... as torch prints them
 
         names = {name: getattr(size_functions, name) for name in dir(size_functions)
                  if isinstance(getattr(size_functions, name), type)}

@@ -76,9 +76,9 @@ def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings
 
 
 def _folder() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from ..torch_api import inductor
 
-    return Path(cache_dir()) / "compile_offload_records"
+    return Path(inductor.cache_dir()) / "compile_offload_records"
 
 
 def store(key: str, records: list[GraphRecord]) -> None:

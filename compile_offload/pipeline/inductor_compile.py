@@ -19,6 +19,8 @@ from ..inductor import kernels as inductor_kernels
 from ..inductor import scheduled_peak
 from ..passes.analyze import COLLECTIVE_NAMESPACES, is_collective
 from ..settings import Settings
+from ..torch_api import functorch, inductor
+from ..torch_api.utils import OpOverload, OpOverloadPacket
 from . import graph_reports
 from .partitioner import OffloadRematPartitioner
 from .result import PartitionResult
@@ -58,7 +60,7 @@ def _no_partition_reordering() -> dict[str, Any]:
     482.50 KiB measured 512.26 KiB, its backward's kernels moved ahead of where the plan put
     them. Off under a budget, so the kernels run in the order the budget was checked in; a
     graph with ops CUDA graphs cannot capture may then form more partitions."""
-    from torch._inductor import config as inductor_config
+    from ..torch_api.inductor import config as inductor_config
 
     section, name = _PARTITION_REORDER.split(".")
     return {_PARTITION_REORDER: False} if hasattr(getattr(inductor_config, section, None), name) else {}
@@ -85,7 +87,7 @@ def _no_held_buffers(graph: torch.fx.GraphModule | None) -> dict[str, Any]:
     time was lost on that GPT-2 (CPU, 14.18 ms against 14.12 ms, best of 60 interleaved
     steps). With collectives both are kept: comm buffers share the pool switch, and the
     overlap pass is there for them."""
-    from torch._inductor import config as inductor_config
+    from ..torch_api.inductor import config as inductor_config
 
     if graph is not None and any(_is_collective_call(node) for node in graph.graph.nodes):
         return {}
@@ -102,9 +104,9 @@ def _is_collective_call(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return is_collective(node)
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return target._qualified_op_name.partition("::")[0] in COLLECTIVE_NAMESPACES
     return (getattr(target, "__module__", None) or "").startswith("torch.distributed")
 
@@ -117,14 +119,12 @@ def inner_compile(settings: Settings):
     horizontal fusion runs a kernel ahead of where the plan put it (plan_order_fusion.py). A
     backward lowered at compile time is lowered again when a ``backward()`` retains the graph
     (retain_graph.py)."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
     from ..inductor.copy_order import keeping_copy_order
     from ..inductor.kernels import naming_outputs_before_passes
     from ..inductor.plan_order_fusion import keeping_plan_order
     from ..inductor.retain_graph import lowering_lazily_on_retain
 
-    inner = lowering_lazily_on_retain(keeping_copy_order(naming_outputs_before_passes(compile_fx_inner)))
+    inner = lowering_lazily_on_retain(keeping_copy_order(naming_outputs_before_passes(inductor.compile_fx_inner)))
     return keeping_plan_order(inner) if settings.has_budget else inner
 
 
@@ -149,10 +149,8 @@ def _recording(recorder, patches: dict[str, Any]):
 
 def _compile_fx_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
                             settings: Settings):
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile(settings),
+    with functorch.config.patch(enable_autograd_cache=False):
+        return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile(settings),
                           config_patches={**patches, "fx_graph_cache": False})
 
 
@@ -170,8 +168,6 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], set
 def _compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
                      partitioner: OffloadRematPartitioner, results: list[PartitionResult],
                      patches: dict[str, Any], recorder):
-    from torch._inductor.compile_fx import compile_fx
-
     def planned_records():  # the plans made now, with the scheduled peak of their kernels
         if results and recorder is not None:
             scheduled_peak.note_scheduled_peak(results[-1].plan, recorder)
@@ -185,7 +181,7 @@ def _compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], se
         compiled = _compile_fx_past_caches(gm, example_inputs, patches, settings)
         return compiled, planned_records()
     key = graph_reports.record_key(gm, example_inputs, settings)
-    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile(settings), config_patches=patches)
+    compiled = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile(settings), config_patches=patches)
     if results and inductor_kernels.served_from_cache(recorder, patches):
         # Planned again (AOTAutograd's cache passed this graph by) but Inductor's FX graph cache
         # served the code of the first compile's first plan: what that compile kept, and what

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from ..torch_api.inductor import CustomPartitionerFn
 from .fingerprint import source_hash
 from ..reporting.logs import emit
 from .budget_report import report_budget

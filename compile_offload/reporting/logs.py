@@ -34,9 +34,9 @@ log = logging.getLogger(LOGGER_NAME)
 
 
 def register_with_torch_logging() -> None:
-    from torch._logging._internal import register_log  # private (torch >= 2.1), not re-exported
+    from ..torch_api import utils
 
-    register_log(LOGGER_NAME, LOGGER_NAME)
+    utils.register_log(LOGGER_NAME, LOGGER_NAME)
 
 
 # The latest plan of each graph this process partitioned, by graph name: what
@@ -108,7 +108,7 @@ def info_line(result: PartitionResult) -> str:
 def trace_plan(plan: Plan) -> None:
     """The plan as a ``TORCH_TRACE`` artifact, so tlparse shows it next to the graph's
     other artifacts (trace_structured tags it with the current compile id)."""
-    from torch._logging import trace_structured
+    from ..torch_api.utils import trace_structured
 
     trace_structured(
         "artifact",

@@ -34,10 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..torch_api import profiler
+
 
 def profiler_recording() -> bool:
     """Whether a ``torch.profiler`` (or ``torch.autograd.profiler``) records on this thread."""
-    return bool(torch._C._autograd._profiler_enabled())
+    return profiler.profiler_enabled()
 
 
 @dataclass
@@ -146,8 +148,7 @@ def cpu_allocation_events(prof) -> list[tuple[int, int]]:
     timestamps), a private but stable part of ``torch.profiler`` that its own memory
     profiler (``torch.profiler._memory_profiler``) reads too; ``prof.events()`` carries only
     microsecond times, too coarse to order an allocation and a free in the same microsecond."""
-    from torch._C._profiler import _EventType
-
+    _EventType = profiler.event_types()
     found = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:

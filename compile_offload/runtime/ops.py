@@ -91,25 +91,19 @@ from dataclasses import dataclass
 
 import torch
 
+from ..passes import compat
 from ..passes.offload import OffloadOps, is_non_overlapping
+from ..torch_api import cuda as torch_cuda
 
 from . import pinned_pool
 
 NAMESPACE = "compile_offload"
 
-# --- private torch APIs used here, in one place ---------------------------------------------
+# --- private torch APIs used here (behind torch_api and compat) ------------------------------
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense (a permutation of a contiguous layout)."""
-    from torch import _prims_common  # private module; the function was renamed in 2.13
-
-    fn = getattr(_prims_common, "is_non_overlapping_and_dense_or_false", None) or _prims_common.is_non_overlapping_and_dense
-    return bool(fn(t))
-
-
-def _below_autograd():
-    return torch._C._AutoDispatchBelowAutograd()
+_is_dense = compat.is_non_overlapping_and_dense  # a permutation of a contiguous layout
+_below_autograd = torch_cuda.below_autograd
 
 
 _CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -231,7 +225,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, kind: str)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         if _delay_cycles[kind]:
-            torch.cuda._sleep(_delay_cycles[kind])
+            torch_cuda.sleep(_delay_cycles[kind])
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
@@ -340,7 +334,7 @@ def _copy_then_scatter(out: torch.Tensor, staging: torch.Tensor, host: torch.Ten
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         if _delay_cycles["reload"]:
-            torch.cuda._sleep(_delay_cycles["reload"])
+            torch_cuda.sleep(_delay_cycles["reload"])
         staging.copy_(host, non_blocking=True)
         out.copy_(staging)
         event = torch.cuda.Event()

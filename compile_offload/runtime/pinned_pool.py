@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..torch_api import cuda as torch_cuda
+
 MIN_CLASS_BYTES = 512
 CLASS_STEPS = 16  # size classes per power of two: waste < 1 / CLASS_STEPS
 PAGE_BYTES = mmap.PAGESIZE
@@ -109,29 +111,12 @@ class PoolStats:
     limit_bytes: int | None
 
 
-# --- private torch API, in one place -------------------------------------------------------
+# --- private torch API (behind torch_api.cuda) -----------------------------------------------
 
 
-def _storage_use_count_fn():
-    """``torch._C._storage_Use_Count`` (private; present in torch 2.1 and later)."""
-    return getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _register_fns():
-    """``cudaHostRegister``/``cudaHostUnregister`` wrappers torch's checkpoint staging uses."""
-    try:
-        from torch.cuda import _pin_memory_utils  # private, torch >= 2.6
-    except ImportError:
-        return None
-    return _pin_memory_utils.pin_memory, _pin_memory_utils.unpin_memory
-
-
-def _empty_host_cache() -> None:
-    """Give torch's cached pinned blocks back to the system (``torch._C._host_emptyCache``,
-    private; absent: nothing to do)."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()
+_storage_use_count_fn = torch_cuda.storage_use_count_fn
+_register_fns = torch_cuda.pin_memory_fns
+_empty_host_cache = torch_cuda.empty_host_cache
 
 
 # -------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
-
+from ..torch_api.utils import tree_leaves
 from .memory_tracker import AllocationLedger, measure_peak, profiler_recording
 
 

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 from ..passes.cost import BUILTIN_PROFILE_MEMORY_BYTES
 from ..passes.plan import Plan
@@ -38,6 +37,8 @@ from ..passes.plan import Plan
 from .. import settings as settings_mod
 from ..pipeline.device_profile import device_of
 from ..pipeline.partitioner import OffloadRematPartitioner
+from ..torch_api import dynamo, functorch, inductor
+from ..torch_api.utils import tree_leaves, tree_map
 
 _UNSET: Any = object()
 
@@ -57,7 +58,7 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     Fake tensors, not ``meta`` ones: a graph may create tensors on its own device (the
     ``rand`` of a dropout mask is ``aten.rand(..., device=cpu)``), which would then meet
     meta tensors and fail; fake tensors keep every device as it is."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..torch_api.fake_tensors import FakeTensorMode
 
     def run(args: list):
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -75,7 +76,7 @@ def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
 
 def _not_real(values) -> str | None:
     """Why the model's tensors cannot run generated code (None: they can): ``meta`` or fake."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from ..torch_api.fake_tensors import FakeTensor
 
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if any(t.device.type == "meta" for t in tensors):
@@ -146,8 +147,8 @@ def compile_with_the_budget_loop(gm: torch.fx.GraphModule, inputs, settings, gra
     recorder = scheduled_peak.recorder_for(settings)
     partitioner = OffloadRematPartitioner(settings, graph_name=graph_name, on_result=results.append,
                                           report=recorder is None)
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with inductor.config.patch(fx_graph_cache=False), \
+            functorch.config.patch(enable_autograd_cache=False):
         compiled, _records = _compile_inductor(gm, inputs, settings, partitioner, results, {}, recorder)
     plans.extend(result.plan for result in results)
     return compiled
@@ -160,15 +161,13 @@ def compile_like_backend(gm: torch.fx.GraphModule, inputs, partitioner: OffloadR
     in a compile, and the plan is the backend's. Only code generation is replaced: Inductor's
     ``inner_compile`` step (where it would lower and generate kernels) gets ``_shape_only``.
     AOTAutograd's cache is off: a hit would skip the partitioner and so the plan."""
-    from torch._inductor.compile_fx import compile_fx
-
     from ..pipeline.inductor_compile import inductor_config_patches
 
     def shape_only_inner(graph: torch.fx.GraphModule, graph_inputs, **_kwargs):
         return _shape_only(graph, graph_inputs)
 
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, inputs, inner_compile=shape_only_inner,
+    with functorch.config.patch(enable_autograd_cache=False):
+        return inductor.compile_fx(gm, inputs, inner_compile=shape_only_inner,
                           config_patches=inductor_config_patches(settings, partitioner, graph=gm))
 
 
@@ -269,7 +268,7 @@ def _eager_recurrence(module: torch.nn.Module | None) -> str | None:
     activations are in no graph, so no plan covers them, and the backend cannot tell (its
     graphs are what is left around them, often nothing: the frame that calls one runs
     eagerly whole). None where there is none, or they are traced."""
-    if module is None or torch._dynamo.config.allow_rnn:
+    if module is None or dynamo.config.allow_rnn:
         return None
     recurrent = [f"{name or 'the model'} ({type(m).__name__})" for name, m in module.named_modules()
                  if isinstance(m, torch.nn.RNNBase)]

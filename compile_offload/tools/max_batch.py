@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..settings import parse_bytes
+from ..torch_api import dynamo
 
 # Without an upper bound the doubling phase stops here, so a planner that finds every
 # batch feasible cannot loop forever.
@@ -95,7 +96,7 @@ def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, o
     built = factory(batch, device)
     model, inputs = built[0], built[1]
     plans = _plans(_explain()(model, *inputs, memory_budget=budget_bytes, **options))
-    torch._dynamo.reset()
+    dynamo.reset()
     peak = sum(p.predicted_peak_bytes for p in plans)  # graphs' saved tensors add up
     seconds = sum(p.predicted_step_seconds for p in plans)
     return Probe(batch, peak, seconds, fits=peak <= budget_bytes)
@@ -173,7 +174,7 @@ def max_batch(
         except Exception as error:  # report the plan even when the run fails
             result.measure_error = f"{type(error).__name__}: {str(error)[:300]}"
         finally:
-            torch._dynamo.reset()
+            dynamo.reset()
     return result
 
 

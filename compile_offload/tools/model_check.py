@@ -81,6 +81,7 @@ from ..passes.solve.refine import refine_solution
 from ..passes.inductor.smaller_matmuls_first import smaller_matmuls_first
 from ..passes.inductor.unfused_mm_add import unfused_mm_add
 from ..passes.solve.joint import OffloadOptions, solve_joint
+from ..torch_api import dynamo, functorch, inductor
 
 MB = 2**20
 
@@ -198,10 +199,6 @@ def capture_joint(model: nn.Module, x: torch.Tensor, decompose: bool = True) -> 
     (compiled strategies; without the passes torch's budget partitioner was read back on
     another graph and chose another saved set); without them the graph has the ops eager
     mode runs."""
-    import torch._inductor.lowering  # noqa: F401  (decompositions in the table need it)
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._inductor.decomposition import select_decomp_table
-
     from .explain import _meta_to_cpu, _shape_only, _with_own_code
 
     captured: dict[str, compat.JointGraph] = {}
@@ -214,20 +211,20 @@ def capture_joint(model: nn.Module, x: torch.Tensor, decompose: bool = True) -> 
         return compat.extract_forward_backward(joint, compat.min_cut_saved_values(joint))
 
     def backend(gm, inputs):
-        return aot_module_simplified(gm, inputs, fw_compiler=_shape_only, bw_compiler=_shape_only,
+        return functorch.aot_module_simplified(gm, inputs, fw_compiler=_shape_only, bw_compiler=_shape_only,
                                      partition_fn=partition,
-                                     decompositions=select_decomp_table() if decompose else None)
+                                     decompositions=inductor.decomposition_table() if decompose else None)
 
     state = {name: _meta_to_cpu(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
     def run(inp):
         return torch.func.functional_call(model, state, (inp,))
 
-    torch._dynamo.reset()
+    dynamo.reset()
     try:
         torch.compile(_with_own_code(run), backend=backend, fullgraph=True)(_meta_to_cpu(x))
     finally:
-        torch._dynamo.reset()
+        dynamo.reset()
     if "joint" not in captured:
         raise RuntimeError("model-check: no joint graph was captured")
     return captured["joint"]

@@ -22,6 +22,7 @@ import torch
 
 from ..runtime.memory_tracker import allocator_block_bytes, measure_peak
 from ..passes.plan import Plan
+from ..torch_api import profiler
 
 
 def allocated_over_time(snapshot: dict, device: int = 0) -> list[int]:
@@ -110,13 +111,13 @@ def profile_step(fn: Callable[..., Any], *args: Any, out: str | Path = "profile"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with measure_peak(torch.device("cuda", torch.cuda.current_device())) as measured:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)  # not an earlier step's events
+        profiler.record_memory_history(max_entries=1_000_000, clear_history=True)  # not an earlier step's events
         try:
             fn(*args)
             torch.cuda.synchronize()
-            snapshot = torch.cuda.memory._snapshot()
+            snapshot = profiler.memory_snapshot()
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            profiler.record_memory_history(enabled=None)
     measured_peak = measured.peak_bytes
     (out / "snapshot.pickle").write_bytes(pickle.dumps(snapshot))
     series = allocated_over_time(snapshot, torch.cuda.current_device())

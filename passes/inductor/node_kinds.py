@@ -37,7 +37,7 @@ def is_pointwise(node: fx.Node) -> bool:
     target = node.target
     if torch.Tag.pointwise in getattr(target, "tags", ()):
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, compat.OpOverload):
         return False
     name = target.overloadpacket.__name__
     return name in _POINTWISE_LOWERINGS or (name in ("index", "_unsafe_index") and _is_pointwise_index(node))
@@ -75,7 +75,7 @@ def loads_inputs_in_loop(node: fx.Node) -> bool:
     and ``scatter`` without a reduction (``_scatter_in_loop``).
     Not where Inductor calls ATen's kernel instead: boolean indices, deterministic
     algorithms, or an accumulation in a dtype its atomic add lacks."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, compat.OpOverload):
         return False
     name = node.target.overloadpacket.__name__
     if name not in ("scatter", "index_put", "_unsafe_index_put") or torch.are_deterministic_algorithms_enabled():

@@ -4,7 +4,7 @@ The joint graphs are captured the way the backend sees them: Dynamo -> AOTAutogr
 partition hook (``joint_capture.capture``). A hook runs the wrapper under
 test on the prepared joint graph and records what it returned; the assertions run after
 compilation. Private torch APIs that ``compile_offload/pipeline/backend.py`` and
-``compile_offload/runtime/ops.py`` call directly (outside compat) are checked at the end.
+``compile_offload/runtime/ops.py`` use (through ``compile_offload/torch_api/``) are checked at the end.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def test_boxed_python_runs_with_the_boxed_convention_and_frees_its_arguments():
     torch.testing.assert_close(out[1], x * y)
 
 
-# --- private torch APIs used outside compat (compile_offload/pipeline/backend.py, ops.py) --------------
+# --- private torch APIs used outside compat (backend.py, ops.py, through torch_api) --------------------
 
 
 def test_backend_graph_name_reads_dynamos_compile_id():

@@ -1,0 +1,55 @@
+"""torch._dynamo: the backend registry, ``reset``, Dynamo's config, the device interface,
+``GlobalStateSource`` (guards on global state) and the ``aot_autograd`` backend helper.
+
+Checked on torch 2.11-2.14 (installed: 2.13).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch._dynamo
+from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
+
+__all__ = ["DDP_OPTIMIZER_MODULE", "aot_autograd", "backend_registered", "config", "device_interface",
+           "global_state_source", "register_backend", "reset"]
+
+
+def reset() -> None:
+    """``torch._dynamo.reset``: forget every compiled frame and cache entry (looked up at each
+    call, so a patched ``torch._dynamo.reset`` is followed)."""
+    torch._dynamo.reset()
+
+
+# The module whose ``SubmodCompiler`` calls the backend once per DDP bucket (DDPOptimizer).
+DDP_OPTIMIZER_MODULE = "torch._dynamo.backends.distributed"
+
+
+def backend_registered(name: str) -> bool:
+    """Whether Dynamo's registry knows a backend ``name`` (registered, or found through an
+    entry point and loaded)."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS
+
+    return name in _COMPILER_FNS or _BACKENDS.get(name) is not None
+
+
+def register_backend(compiler_fn, name: str) -> None:
+    from torch._dynamo.backends.registry import register_backend as register
+
+    register(compiler_fn, name=name)
+
+
+def global_state_source():
+    """``torch._dynamo.source.GlobalStateSource``, or None on a torch without it."""
+    try:
+        from torch._dynamo.source import GlobalStateSource
+    except ImportError:  # pragma: no cover - another torch
+        return None
+    return GlobalStateSource
+
+
+def aot_autograd(**kwargs: Any):
+    """Dynamo's ``aot_autograd`` backend wrapper (``torch._dynamo.backends.common``)."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)

@@ -1,0 +1,64 @@
+"""Private utilities of torch outside the compiler stack: ``torch.utils._config_module`` (the
+config machinery ``compile_offload.config`` is built on), ``torch.utils._pytree``,
+``torch.utils._python_dispatch``, ``torch.utils._sympy``, ``torch.utils._triton``,
+``torch.fx._lazy_graph_module``, ``torch._logging`` and ``torch._ops``.
+(``torch._prims_common`` is wrapped in ``passes/compat.py``: ``is_non_overlapping_and_dense``.)
+
+Checked on torch 2.11-2.14 (installed: 2.13).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: F401  (re-exported)
+from torch.utils._config_module import Config, ContextDecorator, install_config_module  # noqa: F401
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
+from torch.utils._sympy import functions as sympy_functions  # noqa: F401  (FloorDiv, Mod, ... as torch prints them)
+
+__all__ = ["Config", "ContextDecorator", "OpOverload", "OpOverloadPacket", "UNSET_SENTINEL", "disable_current_modes",
+           "install_config_module", "register_log", "sympy_functions", "trace_structured", "tree_leaves", "tree_map",
+           "triton_utils", "use_lazy_graph_module"]
+
+# --- torch.utils._config_module -----------------------------------------------------------------
+
+UNSET_SENTINEL: Any = None
+try:
+    # What an entry's ``user_override`` holds while nothing was set in code.
+    from torch.utils._config_module import _UNSET_SENTINEL as UNSET_SENTINEL
+except ImportError:  # pragma: no cover - torch without the sentinel
+    pass
+
+
+# --- torch.utils._triton, torch.fx._lazy_graph_module --------------------------------------------
+
+
+def triton_utils():
+    """The module ``torch.utils._triton`` (``has_triton``, ``triton_hash_with_backend``)."""
+    import torch.utils._triton as triton_utils
+
+    return triton_utils
+
+
+def use_lazy_graph_module(use: bool):
+    """``torch.fx._lazy_graph_module._use_lazy_graph_module``: a context choosing whether new
+    GraphModules compile their code lazily."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(use)
+
+
+# --- torch._logging -----------------------------------------------------------------------------
+
+
+def register_log(setting_name: str, log_name: str) -> None:
+    from torch._logging._internal import register_log as register  # private (torch >= 2.1), not re-exported
+
+    register(setting_name, log_name)
+
+
+def trace_structured(*args: Any, **kwargs: Any) -> None:
+    from torch._logging import trace_structured as trace
+
+    trace(*args, **kwargs)
