@@ -39,6 +39,20 @@ def test_the_fastest_candidate_whose_measured_peak_fits_is_chosen():
     assert choose(trials, 1000).name == "faster, fits"
 
 
+def test_a_rival_faster_only_within_the_noise_leaves_the_planners_plan():
+    planner = _trial("planner", [10.0, 10.4, 10.2], 900)
+    assert choose([planner, _trial("rival", [9.9, 10.0, 9.8], 900)], 1000) is planner  # 2% apart, 4% spread
+    assert choose([planner, _trial("rival", [9.0, 9.1, 9.05], 900)], 1000).name == "rival"  # 11% apart
+    steady = _trial("planner", [10.0, 10.0, 10.0], 900)
+    assert choose([steady, _trial("rival", [9.95, 9.95], 900)], 1000) is steady  # under the 1% floor
+    assert choose([steady, _trial("rival", [9.8, 9.8], 900)], 1000).name == "rival"
+
+
+def test_where_the_planners_plan_measures_over_the_budget_the_fastest_fitting_rival_runs():
+    trials = [_trial("planner", [1.0], 1100), _trial("slow", [3.0], 900), _trial("slower", [4.0], 800)]
+    assert choose(trials, 1000).name == "slow"
+
+
 def test_a_candidate_over_the_budget_is_never_chosen_while_one_fits():
     trials = [_trial("planner", [3.0], 990), _trial("fast, over", [0.1], 1011)]
     assert choose(trials, 1000).name == "planner"

@@ -6,9 +6,10 @@ training step with the gradients eager would give; only its speed and memory dif
 schedule is round-robin: one warm-up step per candidate (not counted), on the CPU one step
 each measured for its peak (the profiler it takes would spoil a time), then ``steps``
 timed steps each (on CUDA each timed step gives its peak too). A step is the compiled
-forward and its compiled backward (``StepMeasure``). The median time decides, among the
-candidates whose highest peak is within the budget (``verify_budget.TOLERANCE``); where
-none is, the one with the lowest peak runs, with a warning.
+forward and its compiled backward (``StepMeasure``). Among the candidates whose highest
+peak is within the budget (``verify_budget.TOLERANCE``), a rival replaces the planner's plan
+where its median step is faster beyond the noise of the steps (``choose``); where none fits,
+the one with the lowest peak runs, with a warning.
 
 Under ``torch.distributed`` every rank runs the same schedule and the ranks' figures are
 gathered before the choice (each candidate's slowest time and highest peak over the ranks),
@@ -59,14 +60,39 @@ def fits(trial: Trial, budget_bytes: int) -> bool:
 
 
 def choose(trials: list[Trial], budget_bytes: int) -> Trial:
-    """The fastest trial (median step) whose measured peak fits the budget; where none fits,
-    the one with the lowest measured peak. Ties go to the earlier trial (the planner's plan
-    is first)."""
+    """The planner's plan (the first trial) unless a rival whose measured peak fits is faster
+    beyond the noise of the measurement (``faster_beyond_noise``): then the fastest such
+    rival (median step). Where the planner's plan does not fit, the fastest that fits; where
+    none fits, the one with the lowest measured peak."""
     fitting = [t for t in trials if fits(t, budget_bytes) and t.seconds]
-    if fitting:
-        return min(fitting, key=lambda t: t.median_seconds())
-    measured = [t for t in trials if t.peak_bytes is not None]
-    return min(measured, key=lambda t: t.peak_bytes) if measured else trials[0]
+    if not fitting:
+        measured = [t for t in trials if t.peak_bytes is not None]
+        return min(measured, key=lambda t: t.peak_bytes) if measured else trials[0]
+    fastest = min(fitting, key=lambda t: t.median_seconds())
+    planner = trials[0]
+    if planner in fitting and not faster_beyond_noise(fastest, planner):
+        return planner
+    return fastest
+
+
+# A rival replaces the planner's plan only when faster by more than this share, or by more than
+# the steps' own spread where that is larger.
+MIN_MARGIN = 0.01
+
+
+def faster_beyond_noise(a: Trial, b: Trial) -> bool:
+    """Whether ``a``'s median step is below ``b``'s by more than the noise: the larger of
+    ``MIN_MARGIN`` and each one's spread (its slowest step less its fastest, over its median).
+    Measured on two cores, a rival 5% faster in its three trial steps ran 5% slower in the
+    steps after; a spread-sized margin keeps the planner's plan there."""
+    if a is b or not a.seconds or not b.seconds:
+        return False
+    margin = max(MIN_MARGIN, _spread(a), _spread(b))
+    return a.median_seconds() < b.median_seconds() * (1 - margin)
+
+
+def _spread(trial: Trial) -> float:
+    return (max(trial.seconds) - min(trial.seconds)) / trial.median_seconds()
 
 
 def agree_across_ranks(trials: list[Trial], gather: Callable[[Any], list[Any]] | None = None) -> None:
