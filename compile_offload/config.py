@@ -131,9 +131,10 @@ verify_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_VE
 # Measured plan choice: under a budget, with Inductor, compile a few candidate plans whose
 # Inductor code fits the budget (the planner's plan, plans made a little above and below
 # it, and without offload where it offloads), run the first training steps on them in turn
-# (each a real step: its gradients are right), and keep the fastest whose measured peak
-# fits. The planner's cost model guides the search; this lets the device decide between
-# near-equal plans. Costs one extra Inductor compile per candidate and
+# (each a real step: its gradients are right), and keep the planner's plan unless a rival
+# whose measured peak fits was faster in every timed step (its median by more than 1%). The
+# planner's cost model guides the search; this lets the device decide between near-equal
+# plans. Costs one extra Inductor compile per candidate and
 # (candidates x (measured_plan_steps + 1)) steps at most on the candidates (one more each
 # on the CPU, whose peak is measured in a step of its own); with plan_cache_dir set, the
 # winner is stored and later runs skip the trials. Turns off Inductor's and AOTAutograd's

@@ -327,8 +327,8 @@ def all_scenarios(rank: int) -> dict:
 
 def plan_trials_scenario(rank: int) -> dict:
     """Measured plan choice on two ranks that disagree: candidate "a" is slow on rank 0 only,
-    "b" a little slow on rank 1 only. Alone, rank 0 would choose "b" and rank 1 "a"; over the
-    ranks "a" is the slower (0.08 s against 0.04 s on its slowest rank), so both run "b"."""
+    "b" less slow on rank 1 only. Alone, rank 0 would choose "b" and rank 1 "a"; over the
+    ranks "a" is the slower (0.3 s against 0.1 s on its slowest rank), so both run "b"."""
     from compile_offload.passes.plan import Plan
     from compile_offload.runtime.plan_trials import PlanTrials, Trial
 
@@ -336,7 +336,7 @@ def plan_trials_scenario(rank: int) -> dict:
 
     plan = Plan(feasible=True, budget_bytes=1 << 30, predicted_peak_bytes=0, predicted_step_seconds=0.0,
                 baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0)
-    delays = {"a": (0.08, 0.0), "b": (0.0, 0.04)}
+    delays = {"a": (0.3, 0.0), "b": (0.0, 0.1)}
     chosen = []
     trials = [Trial(name, (lambda x, d=delay[rank]: CompiledFunction.apply(x, d)), plan)
               for name, delay in delays.items()]
