@@ -108,6 +108,14 @@ class Plan:
                    device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why],
                    fallback=fallback)
 
+    def replanned_under(self, budget_bytes: int, planned_under: int) -> None:
+        """Mark a plan made under ``planned_under`` in place of the user's ``budget_bytes``
+        (the budget loop's re-plans, measured plan choice's rivals): it keeps the user's
+        budget, ``feasible`` against it, and says what it was made under."""
+        self.budget_bytes = budget_bytes
+        self.planned_budget_bytes = planned_under
+        self.feasible = self.predicted_peak_bytes <= budget_bytes
+
     def meets_budget(self) -> bool:
         """Whether the budget is met (always without one): by the scheduled peak where
         Inductor's code for the plan was seen (the nearer figure to the allocator's), else by

@@ -123,6 +123,17 @@ def test_steps_without_a_backward_or_grad_are_not_counted():
     assert runner.position == 1
 
 
+def test_a_step_overtaken_by_the_next_forward_is_not_counted_when_its_backward_runs():
+    calls: list[str] = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda *_: None)
+    x = torch.ones(4, requires_grad=True)
+    first = runner(x)
+    second = runner(x)  # two micro-batches, one backward
+    (first.sum() + second.sum()).backward()
+    assert runner.position == 1 and calls == ["a", "a"]  # only the second step counted
+
+
 def test_a_user_profiler_step_runs_the_planners_plan_unmeasured():
     calls: list[str] = []
     trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]

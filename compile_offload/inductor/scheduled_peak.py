@@ -51,13 +51,13 @@ def recorder_for(settings: Settings) -> KernelRecorder | None:
 
 
 @contextlib.contextmanager
-def recording(recorder: KernelRecorder, patches: dict) -> Iterator[dict]:
-    """``patches`` with ``recorder`` installed, the backward lowered during the compile.
-    Where the user installed a post-fusion pass of their own (Inductor has one slot), theirs
-    stays and nothing is recorded."""
+def recording(recorder: KernelRecorder | None, patches: dict) -> Iterator[dict]:
+    """``patches`` with ``recorder`` installed, the backward lowered during the compile;
+    ``patches`` as they are without a recorder. Where the user installed a post-fusion pass
+    of their own (Inductor has one slot), theirs stays and nothing is recorded."""
     from ..torch_api.inductor import config as inductor_config
 
-    if patches.get("_post_fusion_custom_pass", inductor_config._post_fusion_custom_pass) is not None:
+    if recorder is None or patches.get("_post_fusion_custom_pass", inductor_config._post_fusion_custom_pass) is not None:
         yield patches
         return
     with inductor_kernels.backward_lowered_at_compile():

@@ -181,7 +181,7 @@ def _unconstrained(over: Attempt, replan: Callable[[int | None], Attempt | None]
     found = replan(None)
     if found is None or found.plan.scheduled_peak_bytes is None:
         return None
-    _as_replanned(found.plan, budget, target)
+    found.plan.replanned_under(budget, target)
     found.plan.unconstrained = True
     found.plan.min_peak_bytes = min(found.plan.min_peak_bytes, plan.min_peak_bytes)  # what the search reached
     found.plan.notes.append(f"{UNCONSTRAINED_NOTE}: its generated code was compared with that of the plans made "
@@ -231,7 +231,7 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int | None], Attempt
         if found is None or found.plan.scheduled_peak_bytes is None:
             break
         replans = attempt
-        _as_replanned(found.plan, budget, target)
+        found.plan.replanned_under(budget, target)
         if found.plan.scheduled_peak_bytes > budget:
             aim = found  # the next target lies below this one
             continue
@@ -256,15 +256,9 @@ def _faster_within_budget(first: Attempt, replan: Callable[[int | None], Attempt
 # The note of a plan the planner predicted over its budget whose generated code fits it.
 SCHEDULED_FITS_NOTE = "predicted over the budget, but the scheduled peak (Inductor's code) fits it"
 
-def _as_replanned(plan: Plan, budget: int, planned_under: int) -> None:
-    """A re-plan keeps the user's budget (``feasible`` against it) and says what it was made under."""
-    plan.budget_bytes = budget
-    plan.planned_budget_bytes = planned_under
-    plan.feasible = plan.predicted_peak_bytes <= budget
-
 
 def _mark_replanned(plan: Plan, budget: int, planned_under: int, first_scheduled: int, attempt: int) -> None:
-    _as_replanned(plan, budget, planned_under)
+    plan.replanned_under(budget, planned_under)
     plan.notes.append(f"re-planned under {format_bytes(planned_under)} (re-plan {attempt}): the first plan's "
                       f"scheduled peak {format_bytes(first_scheduled)} exceeded the budget {format_bytes(budget)}")
 

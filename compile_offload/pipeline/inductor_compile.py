@@ -8,7 +8,6 @@ one caller in the backend.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -134,24 +133,15 @@ def compile_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """One compile of ``gm`` past Inductor's and AOTAutograd's caches, under the config
     ``settings`` needs (``inductor_config_patches``), its kernels recorded when ``recorder``."""
     patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
-    with _recording(recorder, patches) as patches:
+    with scheduled_peak.recording(recorder, patches) as patches:
         return _compile_fx_past_caches(gm, example_inputs, patches, settings)
-
-
-@contextlib.contextmanager
-def _recording(recorder, patches: dict[str, Any]):
-    if recorder is None:
-        yield patches
-        return
-    with scheduled_peak.recording(recorder, patches) as recording_patches:
-        yield recording_patches
 
 
 def _compile_fx_past_caches(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
                             settings: Settings):
     with functorch.config.patch(enable_autograd_cache=False):
         return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile(settings),
-                          config_patches={**patches, "fx_graph_cache": False})
+                                   config_patches={**patches, "fx_graph_cache": False})
 
 
 def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
@@ -161,7 +151,7 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], set
     records of the plans it got: made now, with the scheduled peak of their kernels where
     ``recorder`` saw them, or, for code served from Inductor's caches, the stored record."""
     patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
-    with _recording(recorder, patches) as patches:
+    with scheduled_peak.recording(recorder, patches) as patches:
         return _compile_planned(gm, example_inputs, settings, partitioner, results, patches, recorder)
 
 

@@ -86,7 +86,8 @@ def with_trials(loop, compiled):
             continue
         if any(_same_decisions(plan, t.plan) for t in trials):
             continue
-        _as_candidate(plan, kept.plan, budget)
+        plan.replanned_under(kept.plan.budget_bytes, budget)
+        plan.budget_outcome = "kept"
         trials.append(Trial(name, attempt.compiled, plan, attempt.result))
     seconds = time.perf_counter() - started
     if len(trials) == 1:
@@ -123,14 +124,6 @@ def rivals(plan: Plan, settings) -> list[tuple[str, int, dict]]:
 
 def _same_decisions(a: Plan, b: Plan) -> bool:
     return set(a.saved) == set(b.saved) and a.offloaded == b.offloaded
-
-
-def _as_candidate(plan: Plan, kept: Plan, planned_under: int) -> None:
-    """A rival keeps the user's budget (``feasible`` against it) and says what it was made under."""
-    plan.budget_bytes = kept.budget_bytes
-    plan.planned_budget_bytes = planned_under
-    plan.feasible = plan.predicted_peak_bytes <= kept.budget_bytes
-    plan.budget_outcome = "kept"
 
 
 def _adopt(loop, chosen: Trial, measured: int, compile_seconds: float, cache_key: str | None) -> None:

@@ -14,8 +14,8 @@ the one with the lowest peak runs, with a warning.
 Under ``torch.distributed`` every rank runs the same schedule and the ranks' figures are
 gathered before the choice (each candidate's slowest time and highest peak over the ranks),
 so all ranks choose the same plan. Steps run without grad, or while a profiler of the
-user's records on the CPU, or whose backward never runs, run the planner's plan and are not
-counted.
+user's records on the CPU, run the planner's plan and are not counted; nor is a step whose
+backward has not run when the next one begins.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class PlanTrials:
         schedule += [(i, "time") for _ in range(steps) for i in count]
         self.schedule = schedule
         self.position = 0
-        self._pending: tuple[int, str, StepMeasure] | None = None
+        self._pending: StepMeasure | None = None  # the step whose backward is awaited
 
     def __call__(self, *args):
         if self.chosen is not None:
@@ -146,26 +146,25 @@ class PlanTrials:
             return self.trials[0].compiled(*args)
         index, kind = self.schedule[self.position]
         trial = self.trials[index]
-        if kind == "warmup":
-            outputs = trial.compiled(*args)
-            node = compiled_backward_node(outputs)
-            if node is None:
-                return outputs
-            node.register_hook(lambda *_: self._step_done())
-            self._pending = (index, kind, None)
-            return outputs
-        measure = StepMeasure(self.device, peak=(kind == "peak" or self.device.type == "cuda"))
+        peak = kind == "peak" or (kind == "time" and self.device.type == "cuda")
+        measure = StepMeasure(self.device, peak=peak)
         outputs = measure.forward(trial.compiled, args)
         node = compiled_backward_node(outputs)
         if node is None:  # nothing to wait for: not a training step; not counted
             measure.end_backward()
             return outputs
-        node.register_prehook(lambda *_: measure.start_backward())
+        self._pending = measure
+
+        def backward_started(*_):
+            if self._pending is measure:
+                measure.start_backward()
 
         def backward_done(*_):
+            if self._pending is not measure:  # dropped: another step began before this backward
+                return
             measure.end_backward()
+            self._pending = None
             if measure.interrupted:
-                self._pending = None
                 return
             if measure.peak:
                 trial.record_peak(measure.peak_bytes())
@@ -173,22 +172,19 @@ class PlanTrials:
                 trial.seconds.append(measure.seconds)
             self._step_done()
 
+        node.register_prehook(backward_started)
         node.register_hook(backward_done)
-        self._pending = (index, kind, measure)
         return outputs
 
     def _drop_unfinished(self) -> None:
-        """A step whose backward never ran (an evaluation with grad on, say): not counted, and
-        its measure closed."""
-        if self._pending is None:
-            return
-        _, _, measure = self._pending
-        if measure is not None:
-            measure.end_backward()
-        self._pending = None
+        """A step whose backward has not run when the next step begins (an evaluation with grad
+        on; two forwards before one backward): not counted, its measure closed, and its hooks,
+        should its backward run later, ignored."""
+        if self._pending is not None:
+            self._pending.end_backward()
+            self._pending = None
 
     def _step_done(self) -> None:
-        self._pending = None
         self.position += 1
         if self.position == len(self.schedule):
             self._choose()

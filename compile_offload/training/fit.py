@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..passes.plan import format_bytes
+from ..torch_api.utils import tree_map
 from .optimizer_state import optimizer_state_bytes
 from .state_plan import StateSizes, StepPlan, plan_step
 
@@ -64,13 +65,8 @@ class Fitted:
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
+    """``value`` with every tensor in it (nested in lists, tuples, dicts) moved to ``device``."""
+    return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
