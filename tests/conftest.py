@@ -67,10 +67,13 @@ def deterministic_inductor():
 @pytest.fixture
 def captured_plans():
     """The Plan of every graph the offload_remat partitioner partitions during the test,
-    in order (``partition_results.partitions``). A compile served from Inductor's or
-    AOTAutograd's cache never calls the partitioner, so tests that read this and compile
-    through Inductor turn those caches off."""
+    in order (``partition_results.partitions``). Inductor's and AOTAutograd's caches are off
+    while it lasts: a compile they serve skips the partitioner or compiles nothing after it,
+    so the plan captured would not be the one that runs (its scheduled peak unset), and what
+    a test saw would depend on what an earlier run left in the cache folder. A test about
+    those caches turns them on inside its own block."""
     from .partition_results import partitions
 
-    with partitions() as found:
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), partitions() as found:
         yield found.plans
