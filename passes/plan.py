@@ -96,6 +96,9 @@ class Plan:
     measured_candidates: int = 0
     measured_step_seconds: float | None = None
     measured_peak_bytes: int | None = None
+    # What priced the nodes: "model" (the device profile's roofline) or "measured" (kernel
+    # times profiled on the device the graph runs on, by measured plan choice).
+    cost_source: str = "model"
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
@@ -156,11 +159,12 @@ class Plan:
         )
 
     def _measured_text(self) -> str:
+        priced = "; priced from measured kernel times" if self.cost_source == "measured" else ""
         if not self.measured_candidates:
-            return ""
+            return priced
         step = "" if self.measured_step_seconds is None else f" step {self.measured_step_seconds * 1e3:.3f} ms"
         peak = "" if self.measured_peak_bytes is None else f" peak {format_bytes(self.measured_peak_bytes)}"
-        return f"; measured the fastest of {self.measured_candidates} candidates:{step}{peak}"
+        return f"{priced}; measured the fastest of {self.measured_candidates} candidates:{step}{peak}"
 
     def table(self) -> str:
         header = f"{'tensor':<32} {'shape':<22} {'dtype':<9} {'size':>11}  {'decision':<9} {'cost ms':>8}  reason"

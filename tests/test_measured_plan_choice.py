@@ -11,7 +11,9 @@ tests/test_distributed.py.)
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -110,6 +112,44 @@ def test_trials_run_each_candidate_in_turn_then_only_the_chosen_one():
     assert calls[-3:] == [chosen[0].name] * 3 and len(chosen) == 1
 
 
+def test_a_candidate_from_the_profile_step_joins_the_trials_after_its_warm_up():
+    calls: list[str] = []
+    chosen: list[Trial] = []
+    profiled: list = []
+    late = Trial("late", _stand_in(0.0, calls, "late"), _plan())
+
+    def on_profiled(events):
+        profiled.append(events)
+        return late
+
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1,
+                        on_chosen=lambda c, measured: chosen.append((c, list(measured))), on_profiled=on_profiled)
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(3):  # two warm-ups, then the planner's plan profiled
+        runner(x).sum().backward()
+    assert calls == ["a", "b", "a"] and profiled == []
+    while not chosen:
+        x.grad = None
+        runner(x).sum().backward()
+        assert torch.equal(x.grad, torch.full((4,), 2.0))
+    assert len(profiled) == 1 and profiled[0] == []  # a stand-in has no compiled graph's call
+    # The late candidate's warm-up, then a peak and a timed step for each of the three.
+    assert calls[3:] == ["late", "a", "b", "late", "a", "b", "late"]
+    assert [len(t.seconds) for t in chosen[0][1]] == [1, 1, 1]
+
+
+def test_with_no_rival_and_no_candidate_from_the_profile_the_planners_plan_runs_unmeasured():
+    calls: list[str] = []
+    chosen: list = []
+    runner = PlanTrials([Trial("a", _stand_in(0.0, calls, "a"), _plan())], 1 << 30, torch.device("cpu"), "g",
+                        steps=2, on_chosen=lambda *args: chosen.append(args), on_profiled=lambda events: None)
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(4):
+        runner(x).sum().backward()
+    assert calls == ["a"] * 4 and runner.chosen is runner.trials[0] and chosen == []
+
+
 def test_steps_without_a_backward_or_grad_are_not_counted():
     calls: list[str] = []
     trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
@@ -186,13 +226,23 @@ def test_measured_choice_trains_like_eager_and_the_plan_cache_keeps_the_choice(t
         compiled = torch.compile(model, backend=compile_offload.offload_remat(**options))
         _train(compiled, eager, x, steps=1)
     said = caplog.text
-    assert "candidate plans compiled" in said, said
-    candidates = int(said.split("measured plan choice: ")[1].split(" candidate")[0])
-    assert candidates >= 2
+    assert "candidate plans compiled" in said and "profiles the planner's plan" in said, said
+    compiled_first = int(said.split("measured plan choice: ")[1].split(" candidate")[0])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="compile_offload"):
-        _train(compiled, eager, x, steps=candidates * 3)  # the rest of the trials (warm-up, peak, one timed)
-    assert "<- runs" in caplog.text, caplog.text
+        for _ in range(4 * (compiled_first + 1) + 1):  # the rest of the trials: warm-ups, profile, peaks, timed
+            _train(compiled, eager, x, steps=1)
+            if "<- runs" in caplog.text:
+                break
+    said = caplog.text
+    assert "<- runs" in said, said
+    # The profiled step priced the graph's nodes from its kernels, and the plan made from them
+    # was a candidate unless it repeated one already measured.
+    assert "nodes priced from their kernels' times" in said, said
+    candidates = compiled_first + ("the plan from measured costs" not in said)
+    assert candidates >= 2
+    (table,) = (tmp_path / "measured_costs").iterdir()
+    assert json.loads(table.read_text())["device"] == "cpu"
     (plan,) = [p for p in logs.latest_plans() if p.graph_name.startswith("graph")][-1:]
     assert plan.measured_candidates == candidates
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes * 1.01
@@ -208,6 +258,39 @@ def test_measured_choice_trains_like_eager_and_the_plan_cache_keeps_the_choice(t
     (cached,) = [p for p in logs.latest_plans() if p.graph_name == plan.graph_name]
     assert cached.measured_candidates == candidates
     assert cached.saved == plan.saved and cached.offloaded == plan.offloaded
+
+    # Another budget for the same graph on the same device: planned from the measured costs at once.
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        other = torch.compile(model, backend=compile_offload.offload_remat(**{**options, "memory_budget": 0.6}))
+        _train(other, eager, x, steps=1)
+    (replanned,) = [p for p in logs.latest_plans() if p.graph_name == plan.graph_name]
+    assert replanned.cost_source == "measured" and "priced from measured kernel times" in replanned.summary()
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_profile_that_does_not_line_up_leaves_the_model_with_one_warning(monkeypatch):
+    """No compiled-graph call in the profile (a profiler that names nothing): one warning, and
+    the candidates planned from the cost model are measured and chosen from as before."""
+    import compile_offload
+    from compile_offload.runtime import kernel_costs
+
+    monkeypatch.setattr(kernel_costs, "call_events", lambda events, cuda: [])
+    torch.manual_seed(0)
+    model = _Residual()
+    eager = copy.deepcopy(model)
+    x = torch.randn(1024, 64)
+    torch._dynamo.reset()
+    options = {"memory_budget": 0.5, "measured_plan_choice": True, "measured_plan_steps": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(**options))
+        _train(compiled, eager, x, steps=16)
+    said = [str(w.message) for w in caught if "could not price the graph" in str(w.message)]
+    assert len(said) == 1 and "0 compiled-graph calls profiled" in said[0], said
+    (plan,) = [p for p in logs.latest_plans() if p.graph_name.startswith("graph")][-1:]
+    assert plan.cost_source == "model" and plan.measured_candidates >= 1
 
 
 @pytest.mark.inductor

@@ -65,6 +65,11 @@ class Kernel:
     reads: list[str] = field(default_factory=list)  # buffers and graph inputs it reads
     in_place: dict[str, list[str]] = field(default_factory=dict)  # output -> reads whose memory it may take over
     origins: list[str] = field(default_factory=list)  # the FX nodes it computes
+    # What the generated code runs for it, as a profiler sees it: "fused" (a kernel Inductor
+    # generated, or a template), "extern" (an aten op it calls, named by its op, ``extern_op``),
+    # "" (nothing: a no-op node, or the parts of an extern op's tuple output).
+    launch: str = "fused"
+    extern_op: str = ""
 
 
 @dataclass
@@ -283,7 +288,8 @@ def _graph_kernels(nodes: list) -> GraphKernels:
         allocates += _workspaces(node, device)
         reads = list(dict.fromkeys(dep.name for dep in node.read_writes.reads))  # Inductor's order: in-place picks the first
         origins = sorted({o.name for sub in node.get_nodes() for o in _origins(sub)})
-        kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins))
+        kernels.append(Kernel(node.get_name(), allocates, reads, _in_place_reads(node, index, owner), origins,
+                              *_launch(node)))
     donated = [name for name, value in getattr(graph, "graph_inputs_original", {}).items()
                if type(value).__name__ == "DonatedBuffer"]
     return GraphKernels(bool(getattr(graph, "is_backward", False)), kernels, list(graph.graph_input_names),
@@ -332,6 +338,24 @@ def _calls(nodes: list) -> list[list[int]] | None:
     return calls if any(len(call) > 1 for call in calls) else None
 
 
+def _launch(node) -> tuple[str, str]:
+    """``Kernel.launch`` and ``Kernel.extern_op`` of a scheduler node: a no-op node
+    (``NopKernelSchedulerNode``) and the ``MultiOutput`` parts of an extern op's result run
+    nothing; an extern node runs its op (``python_kernel_name``, ``extern_kernels.mm`` or
+    ``torch.ops.aten.convolution_backward.default``, reduced to ``mm``); the rest is a kernel
+    Inductor generated."""
+    if type(node).__name__ == "NopKernelSchedulerNode":
+        return "", ""
+    if node.is_extern() and not node.is_template():
+        ir_node = getattr(node, "node", None)
+        if type(ir_node).__name__ == "MultiOutput":
+            return "", ""
+        name = str(getattr(ir_node, "python_kernel_name", None) or "")
+        parts = [part for part in name.split(".") if part not in ("default", "out", "Tensor")]
+        return "extern", parts[-1] if parts else ""
+    return "fused", ""
+
+
 def _joined(kernels: list[Kernel]) -> Kernel:
     """One kernel running ``kernels`` as one call: every buffer allocated before it, every
     read alive until it ends."""
@@ -343,7 +367,8 @@ def _joined(kernels: list[Kernel]) -> Kernel:
     return Kernel("+".join(kernel.name for kernel in kernels),
                   [buffer for kernel in kernels for buffer in kernel.allocates],
                   list(dict.fromkeys(name for kernel in kernels for name in kernel.reads)),
-                  in_place, sorted({origin for kernel in kernels for origin in kernel.origins}))
+                  in_place, sorted({origin for kernel in kernels for origin in kernel.origins}),
+                  "fused" if any(kernel.launch for kernel in kernels) else "")
 
 
 def _workspaces(node, device: str) -> list[Buffer]:

@@ -42,6 +42,7 @@ class Attempt:
     compiled: Any
     plan: Plan
     result: Any = None  # the PartitionResult the plan came with (the backend's records need it)
+    recorder: Any = None  # the KernelRecorder that saw its kernels
 
 
 def _judged(plan: Plan) -> bool:
@@ -280,6 +281,7 @@ class BudgetLoop:
         self.partitioner, self.results, self.recorder = partitioner, results, recorder
         self.inductor_patches = inductor_patches
         self.cache_key: str | None = None  # the plan cache's entry for the graph under the user's settings
+        self.kept_recorder = None  # the KernelRecorder that saw the kept plan's kernels (None: not seen)
 
     def compile(self):
         """The compiled graph and its records (``graph_reports.GraphRecord``), reported. Without
@@ -313,8 +315,9 @@ class BudgetLoop:
             return (compiled if attempt is None else attempt.compiled), records
         if len(records) != 1:
             return compiled, records
-        first = Attempt(compiled, records[0].plan, results[0] if results else None)
+        first = Attempt(compiled, records[0].plan, results[0] if results else None, self.recorder)
         self.cache_key = first.result.cache_key if first.result is not None else None
+        self.kept_recorder = self.recorder
         if first.plan.measured_candidates and first.plan.meets_budget():
             return compiled, records  # measured the fastest that fits (from the plan cache): kept as it is
         looped = acts_on(records[0].plan)
@@ -331,11 +334,12 @@ class BudgetLoop:
             return compiled, records
         kept_records = graph_reports.records_of([kept.result])
         results[:] = [kept.result]
+        self.kept_recorder = kept.recorder
         graph_reports.store(key, kept_records)
         logs.remember(kept.plan)
         return kept.compiled, kept_records
 
-    def replan(self, budget_bytes: int | None, **changes) -> Attempt | None:
+    def replan(self, budget_bytes: int | None, measured=None, **changes) -> Attempt | None:
         """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
         place of the user's), its kernels recorded; ``None``: the unconstrained plan compiled
         as ``torch.compile`` compiles it without a budget (Inductor's peak-memory reordering
@@ -343,14 +347,15 @@ class BudgetLoop:
         Past Inductor's caches: a cached compile would skip the partitioner and the scheduler
         hook, and so give no plan and no scheduled peak (its partitioner's settings differ, so
         the first compile's code is never served). ``changes``: other settings to plan under
-        (measured plan choice's ``offload=False``)."""
+        (measured plan choice's ``offload=False``); ``measured``: node costs measured on the
+        device to plan with (``runtime/kernel_costs.MeasuredCosts``)."""
         # A lowered budget may be below the planner's minimum: then its minimum-memory plan is
         # what the loop asked for, not a failure to report (nor, under strict_budget, to raise).
         lowered = dataclasses.replace(self.settings, budget_bytes=budget_bytes, budget_fraction=None,
                                       strict_budget=False, **changes)
         found: list = []
         partitioner = OffloadRematPartitioner(lowered, graph_name=self.partitioner.graph_name, on_result=found.append,
-                                              report=False)
+                                              report=False, measured=measured)
         recorder = scheduled_peak.KernelRecorder()
         with inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
@@ -359,4 +364,4 @@ class BudgetLoop:
         if not found:
             return None
         scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)
-        return Attempt(compiled, found[-1].plan, found[-1])
+        return Attempt(compiled, found[-1].plan, found[-1], recorder)

@@ -50,6 +50,18 @@ def resolve_profile(name: str | None, device: torch.device | None = None) -> Dev
     return cached_measured_profile(cuda)
 
 
+def measuring_device(name: str | None, device: torch.device | None) -> str | None:
+    """The device whose measured costs may price a graph planned with ``resolve_profile(name,
+    device)``: the one it runs on, by name (``"cpu"``, or the GPU's name); None where ``name``
+    asks for a built-in profile or the device is not here (``explain`` for a GPU without one)."""
+    if name is not None:
+        return None
+    cuda = _cuda_device_for(device)
+    if cuda is not None:
+        return cuda_device_name(cuda)
+    return "cpu" if device is None or device.type == "cpu" else None
+
+
 def builtin_profile(name: str) -> DeviceProfile:
     key = name.strip().lower()
     if key not in BUILTIN_PROFILES:

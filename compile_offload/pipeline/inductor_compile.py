@@ -44,6 +44,10 @@ def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartiti
         patches["reorder_for_peak_memory"] = False
         patches.update(_no_partition_reordering())
         patches.update(_no_held_buffers(graph))
+        if settings.measured_plan_choice:
+            # Measured plan choice profiles a step to price nodes (runtime/kernel_costs.py): the
+            # C++ backend's kernels show in the profiler only with this on (Triton's always do).
+            patches["cpp.enable_kernel_profile"] = True
     return patches
 
 

@@ -20,14 +20,16 @@ from ..reporting.logs import emit
 from .budget_report import report_budget
 from .planning import plan_partition
 from .result import PartitionResult
+from ..runtime.kernel_costs import MeasuredCosts
 from ..settings import Settings
 
 
 class OffloadRematPartitioner(CustomPartitionerFn):
     def __init__(self, settings: Settings, graph_name: str = "graph",
                  on_result: Callable[[PartitionResult], None] | None = None, accelerator: bool | None = None,
-                 report: bool = True) -> None:
+                 report: bool = True, measured: MeasuredCosts | None = None) -> None:
         self.settings = settings
+        self.measured = measured  # plan_partition's: costs measured on the device, in place of the model
         self.graph_name = graph_name
         self.on_result = on_result
         self.accelerator = accelerator  # plan_partition's: the kernels Inductor generates (None: the graph's device says)
@@ -46,6 +48,7 @@ class OffloadRematPartitioner(CustomPartitionerFn):
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             graph_name=self.graph_name,
             accelerator=self.accelerator,
+            measured=self.measured,
         )
         if self.report:
             report_budget(result.plan, self.settings)
@@ -58,9 +61,10 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         # Inductor's cache key pickles its config, this object included: only what decides
         # the partition (not ``on_result``'s target, which holds graphs).
         return {"settings": self.settings, "graph_name": self.graph_name, "on_result": None,
-                "accelerator": self.accelerator, "report": self.report}
+                "accelerator": self.accelerator, "report": self.report, "measured": self.measured}
 
     def uuid(self) -> str:
         # Inductor's FX graph cache and AOTAutograd's cache key on this: a cache hit must
         # never skip a different plan.
-        return f"{source_hash()}:{self.settings!r}:{self.accelerator!r}"
+        measured = None if self.measured is None else self.measured.digest()
+        return f"{source_hash()}:{self.settings!r}:{self.accelerator!r}:{measured}"

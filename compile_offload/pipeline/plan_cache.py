@@ -30,6 +30,7 @@ from ..passes.offload import eligible_for_offload
 from ..passes.plan import Plan
 from ..passes.rewrite import build_graphs
 from ..passes.transfer import plan_transfers
+from ..runtime.kernel_costs import MeasuredCosts
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import PartitionResult
 from ..settings import Settings
@@ -39,6 +40,13 @@ _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "de
 
 
 def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> str:
+    digest = _graph_digest(joint_gm)
+    knobs = {knob: getattr(settings, knob) for knob in _DECISION_KNOBS}
+    digest.update(json.dumps([knobs, profile, torch.__version__, source_hash()], sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:32]
+
+
+def _graph_digest(joint_gm: fx.GraphModule):
     digest = hashlib.sha256()
     digest.update(joint_gm.code.encode())
     for node in joint_gm.graph.nodes:
@@ -48,9 +56,42 @@ def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> st
         policy = node.meta.get("recompute")  # checkpoint policies change decisions, not the code
         if policy is not None:
             digest.update(f"{node.name}:{getattr(policy, 'name', policy)}:{node.meta.get('ac_graph_id')}".encode())
-    knobs = {knob: getattr(settings, knob) for knob in _DECISION_KNOBS}
-    digest.update(json.dumps([knobs, profile, torch.__version__, source_hash()], sort_keys=True, default=str).encode())
-    return digest.hexdigest()[:32]
+    return digest
+
+
+def _measured_path(joint_gm: fx.GraphModule, settings: Settings, device: str) -> Path:
+    """The measured-costs table of a graph on a device: one per graph and device, whatever
+    the budget (``runtime/kernel_costs.py``)."""
+    digest = _graph_digest(joint_gm)
+    digest.update(json.dumps([device, torch.__version__, source_hash()]).encode())
+    return Path(settings.plan_cache_dir) / "measured_costs" / f"{digest.hexdigest()[:32]}.json"
+
+
+def load_measured_costs(joint_gm: fx.GraphModule, settings: Settings, device: str) -> MeasuredCosts | None:
+    """The costs measured for this graph on ``device``; None when there are none (a table that
+    cannot be read is ignored with a warning: planning falls back to the cost model)."""
+    path = _measured_path(joint_gm, settings, device)
+    try:
+        return MeasuredCosts.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        warnings.warn(f"compile_offload: ignoring the measured-costs table {path} ({error}); planning from the "
+                      "cost model", stacklevel=2)
+        return None
+
+
+def store_measured_costs(joint_gm: fx.GraphModule, settings: Settings, costs: MeasuredCosts) -> None:
+    path = _measured_path(joint_gm, settings, costs.device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(costs.to_json(), file)
+        os.replace(temporary, path)
+    except OSError as error:
+        warnings.warn(f"compile_offload: could not write the measured-costs table {path} ({error}); the costs are "
+                      "used but not cached", stacklevel=2)
 
 
 def _path(settings: Settings, key: str) -> Path:

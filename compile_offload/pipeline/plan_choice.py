@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,9 +33,11 @@ import torch
 
 from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
-from ..runtime.plan_trials import PlanTrials, Trial
+from ..passes.cost import launches_kernel, node_seconds
+from ..runtime import kernel_costs
+from ..runtime.plan_trials import PlanTrials, Trial, agree_on_costs
 from . import graph_reports, plan_cache
-from .device_profile import device_of
+from .device_profile import device_of, measuring_device, resolve_profile
 
 log = logging.getLogger("compile_offload")
 
@@ -90,19 +93,83 @@ def with_trials(loop, compiled):
         plan.budget_outcome = "kept"
         trials.append(Trial(name, attempt.compiled, plan, attempt.result))
     seconds = time.perf_counter() - started
-    if len(trials) == 1:
+    on_profiled = _measured_cost_candidate(loop, trials)
+    if len(trials) == 1 and on_profiled is None:
         log.info("%s: measured plan choice: no other plan fits the budget in Inductor's code (%.1f s of compiles); "
                  "the planner's plan runs", kept.plan.graph_name, seconds)
         return compiled
+    profiling = "" if on_profiled is None else ", one more profiles the planner's plan for its kernels' times"
     log.info("%s: measured plan choice: %d candidate plans compiled in %.1f s; the next %d training steps run "
-             "them in turn", kept.plan.graph_name, len(trials), seconds,
-             len(trials) * (loop.settings.measured_plan_steps + 1 + (device_of(loop.example_inputs).type != "cuda")))
+             "them in turn%s", kept.plan.graph_name, len(trials), seconds,
+             len(trials) * (loop.settings.measured_plan_steps + 1 + (device_of(loop.example_inputs).type != "cuda")),
+             profiling)
 
     def on_chosen(chosen: Trial, measured: list[Trial]) -> None:
         _adopt(loop, chosen, len(measured), seconds, loop.cache_key)
 
     return PlanTrials(trials, kept.plan.budget_bytes, device_of(loop.example_inputs), kept.plan.graph_name,
-                      loop.settings.measured_plan_steps, on_chosen)
+                      loop.settings.measured_plan_steps, on_chosen, on_profiled)
+
+
+def _measured_cost_candidate(loop, trials: list[Trial]):
+    """``PlanTrials``' ``on_profiled``: from the profile of a step of the planner's plan, the
+    plan made under the same budget with each node priced by its measured kernel time
+    (``runtime/kernel_costs.py``), as one more candidate; the table is stored in the plan
+    cache (with ``plan_cache_dir``), so that the graph's later plans on this device start
+    from it. None where it cannot apply: the kept plan's kernels were not seen, it was
+    already priced so, or the settings name a device profile (the model of another device)."""
+    kept = loop.results[0]
+    recorder = loop.kept_recorder
+    device = measuring_device(loop.settings.device_profile, device_of(loop.example_inputs))
+    if (recorder is None or recorder.forward() is None or recorder.backward() is None or kept.analysis is None
+            or kept.plan.cost_source == "measured" or device is None):
+        return None
+    forward, backward = recorder.forward(), recorder.backward()
+    joint_gm = kept.analysis.joint.gm
+    profile = resolve_profile(loop.settings.device_profile, device_of(loop.example_inputs))
+    nodes = {node.name: node for node in joint_gm.graph.nodes if launches_kernel(node)}
+
+    def model(name: str) -> float | None:
+        node = nodes.get(name)
+        return None if node is None else node_seconds(node, profile)
+
+    def on_profiled(calls) -> Trial | None:
+        graph_name = kept.plan.graph_name
+        try:
+            costs = kernel_costs.measured_costs(forward, backward, calls, model, device)
+        except kernel_costs.ProfileMismatch as error:
+            warnings.warn(f"compile_offload: {graph_name}: measured plan choice could not price the graph from its "
+                          f"profiled kernels ({error}); its candidates stay planned from the cost model", stacklevel=3)
+            costs = None
+        costs = agree_on_costs(costs)
+        if costs is None:
+            return None
+        if loop.settings.plan_cache_dir:
+            plan_cache.store_measured_costs(joint_gm, loop.settings, costs)
+        budget = kept.plan.planned_budget_bytes or kept.plan.budget_bytes
+        started = time.perf_counter()
+        attempt = loop.replan(budget, measured=costs)
+        log.info("%s: measured plan choice: %d nodes priced from their kernels' times (x%.2f the model's on the "
+                 "nodes measured); the plan made from them compiled in %.1f s", graph_name, len(costs.seconds),
+                 costs.scale, time.perf_counter() - started)
+        if attempt is None or attempt.plan.scheduled_peak_bytes is None:
+            return None
+        plan = attempt.plan
+        if plan.scheduled_peak_bytes > kept.plan.budget_bytes:
+            log.info("%s: measured plan choice: the plan from measured costs is dropped, its scheduled peak %s is "
+                     "over the budget %s", graph_name, format_bytes(plan.scheduled_peak_bytes),
+                     format_bytes(kept.plan.budget_bytes))
+            return None
+        if any(_same_decisions(plan, t.plan) for t in trials):
+            log.info("%s: measured plan choice: the plan from measured costs makes the decisions of a candidate "
+                     "already measured", graph_name)
+            return None
+        if budget != kept.plan.budget_bytes:
+            plan.replanned_under(kept.plan.budget_bytes, budget)
+        plan.budget_outcome = "kept"
+        return Trial("planned from measured costs", attempt.compiled, plan, attempt.result)
+
+    return on_profiled
 
 
 def rivals(plan: Plan, settings) -> list[tuple[str, int, dict]]:

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from . import plan_cache
 from .collection_paused import collection_paused
-from .device_profile import device_of, resolve_profile
+from .device_profile import device_of, measuring_device, resolve_profile
 from ..inductor.op_workspace import op_workspaces, uncounted_cuda_workspaces
 from ..passes import compat, user_policy
 from ..passes.analyze import UnsupportedGraph, analyze_joint, tensor_value
@@ -34,6 +34,7 @@ from ..passes.inductor.unfused_mm_add import unfused_mm_add
 from ..passes.solve.joint import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
+from ..runtime.kernel_costs import MeasuredCosts
 from ..settings import Settings
 
 
@@ -46,6 +47,7 @@ def plan_partition(
     static_lifetime_input_indices: list[int] | None = None,
     graph_name: str = "graph",
     accelerator: bool | None = None,
+    measured: MeasuredCosts | None = None,
 ) -> PartitionResult:
     """Plan and partition one joint graph under ``settings``.
 
@@ -53,6 +55,10 @@ def plan_partition(
     graph rather than the C++ backend's, which decides how the memory model groups kernels
     (``analyze_joint``); None: the graph's device says (``explain`` passes True where host
     tensors stand in for a GPU's).
+
+    ``measured``: node costs measured on the device (``runtime/kernel_costs.py``) to plan with
+    in place of the cost model; under ``measured_plan_choice`` with a plan cache, those stored
+    for this graph on this device are used when none are passed.
 
     A graph the planner is known not to handle (``UnsupportedGraph``) falls back to torch's
     min-cut partition (a correct plan) with one warning naming the reason; so does any other
@@ -68,7 +74,8 @@ def plan_partition(
         # matmul where the graph computes it, not folded into a later add.
         joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
-        profile = resolve_profile(settings.device_profile, device_of(tensor_value(n) for n in joint_gm.graph.nodes))
+        device = device_of(tensor_value(n) for n in joint_gm.graph.nodes)
+        profile = resolve_profile(settings.device_profile, device)
         if not compat.has_backward(joint):
             fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
             plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,
@@ -76,8 +83,14 @@ def plan_partition(
                                   why="no backward: torch's default partition")
             return PartitionResult(plan, fw_gm, bw_gm, None, None)
         try:
+            # Costs stored for this graph and device are as much the graph's as its code: they do
+            # not key the plan cache (the plan measured plan choice kept is found under the entry
+            # it was planned under); costs passed in do (a candidate planned from them).
+            keyed = measured is not None
+            if measured is None:
+                measured = _stored_costs(joint, settings, device)
             result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started,
-                                          accelerator)
+                                          accelerator, measured, keyed)
         except (BudgetError, SolverError):
             raise
         except Exception as error:
@@ -87,6 +100,15 @@ def plan_partition(
                              graph_name, error)
         note_uncounted_workspaces(result.plan, joint_gm.graph.nodes)
         return result
+
+
+def _stored_costs(joint: compat.JointGraph, settings: Settings, device) -> MeasuredCosts | None:
+    """Costs measured for this graph on this device in an earlier run (measured plan choice
+    stores them in the plan cache), where the settings ask for measurement and a budget."""
+    if not (settings.measured_plan_choice and settings.plan_cache_dir and settings.has_budget):
+        return None
+    name = measuring_device(settings.device_profile, device)
+    return None if name is None else plan_cache.load_measured_costs(joint.gm, settings, name)
 
 
 UNCOUNTED_WORKSPACE_NOTE = "not counted: the run-time workspace of each CUDA"
@@ -113,7 +135,8 @@ def note_uncounted_workspaces(plan: Plan, nodes) -> None:
 
 
 def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settings, profile, num_fwd_outputs: int,
-                         graph_name: str, started: float, accelerator: bool | None = None) -> PartitionResult:
+                         graph_name: str, started: float, accelerator: bool | None = None,
+                         measured: MeasuredCosts | None = None, keyed: bool = True) -> PartitionResult:
     inductor = settings.inner_compiler == "inductor"
     # Under a budget Inductor compiles with plan_order_fusion's rule: no horizontal fusion pulls.
     rules = KernelRules.of_compile(inductor, accelerator, fusion_pulls=not settings.has_budget)
@@ -124,13 +147,21 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     # Under Inductor a pointwise op fused into its consumers costs no kernel of its own.
     fused = fused_nodes(analysis.position, set(analysis.fw_outputs) | set(analysis.bw_outputs)) if analysis.fusion else set()
 
+    def modelled(node: fx.Node) -> float:
+        return 0.0 if node in fused else node_seconds(node, profile)
+
+    priced = modelled if measured is None else measured.price(modelled)
+
     def seconds(node: fx.Node) -> float:
         if node not in memo:
-            memo[node] = 0.0 if node in fused else node_seconds(node, profile)
+            memo[node] = priced(node)
         return memo[node]
 
-    # The kernel rules decide the plan as much as the profile does: both key the plan cache.
+    # The kernel rules decide the plan as much as the profile does: both key the plan cache,
+    # and so do measured costs passed in (``keyed``).
     cache_profile = profile.to_dict() if accelerator is None else {**profile.to_dict(), "accelerator": accelerator}
+    if measured is not None and keyed:
+        cache_profile["measured_costs"] = measured.digest()
     key = None if settings.plan_cache_dir is None else plan_cache.cache_key(joint.gm, settings, cache_profile)
     if key is not None:
         cached = plan_cache.lookup(joint.gm, settings, cache_profile, analysis=analysis)
@@ -181,6 +212,10 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
+    if measured is not None:
+        plan.cost_source = "measured"
+        plan.notes.append(f"priced from kernel times measured on {measured.device} ({len(measured.seconds)} nodes; "
+                          f"the cost model's times x{measured.scale:.2f} for the rest)")
     if (refinement is not None and refinement.plan is not unrefined.chosen
             and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..passes.plan import Plan, format_bytes
+from .kernel_costs import KernelProfile, MeasuredCosts
 from .memory_tracker import profiler_recording
 from .step_measure import StepMeasure, compiled_backward_node
 from .verify_budget import TOLERANCE
@@ -107,6 +108,22 @@ def agree_across_ranks(trials: list[Trial], gather: Callable[[Any], list[Any]] |
         trial.peak_bytes = max(peaks) if peaks else None
 
 
+def agree_on_costs(costs: MeasuredCosts | None, gather: Callable[[Any], list[Any]] | None = None
+                   ) -> MeasuredCosts | None:
+    """The same measured costs on every rank, so that every rank plans the same candidate:
+    each node's slowest time over the ranks; None where any rank has none (its profile did
+    not line up). ``gather`` as in ``agree_across_ranks``."""
+    gather = gather or _process_group_gather()
+    if gather is None:
+        return costs
+    everyone = gather(None if costs is None else (costs.seconds, costs.scale))
+    if any(rank is None for rank in everyone):
+        return None
+    names = set.intersection(*(set(seconds) for seconds, _ in everyone))
+    return MeasuredCosts(costs.device, {name: max(seconds[name] for seconds, _ in everyone) for name in sorted(names)},
+                         max(scale for _, scale in everyone))
+
+
 def _process_group_gather() -> Callable[[Any], list[Any]] | None:
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
@@ -125,29 +142,52 @@ class PlanTrials:
     compiled graph. ``on_chosen(trial, trials)`` is called once, when the choice is made."""
 
     def __init__(self, trials: list[Trial], budget_bytes: int, device: torch.device, graph_name: str,
-                 steps: int, on_chosen: Callable[[Trial, list[Trial]], None]) -> None:
+                 steps: int, on_chosen: Callable[[Trial, list[Trial]], None],
+                 on_profiled: Callable[[list], Trial | None] | None = None) -> None:
         self.trials, self.budget_bytes, self.device = trials, budget_bytes, device
-        self.graph_name, self.on_chosen = graph_name, on_chosen
+        self.graph_name, self.on_chosen, self.on_profiled = graph_name, on_chosen, on_profiled
+        self.steps = steps
         self.chosen: Trial | None = None
-        count = range(len(trials))
-        schedule = [(i, "warmup") for i in count]
-        if device.type != "cuda":
-            schedule += [(i, "peak") for i in count]
-        schedule += [(i, "time") for _ in range(steps) for i in count]
-        self.schedule = schedule
+        self.schedule = [(i, "warmup") for i in range(len(trials))]
+        if on_profiled is not None:  # the planner's plan, profiled for its kernels' times
+            self.schedule.append((0, "profile"))
+        self.schedule += self._measured_rounds()
         self.position = 0
-        self._pending: StepMeasure | None = None  # the step whose backward is awaited
+        self._pending: StepMeasure | KernelProfile | None = None  # the step whose backward is awaited
+        self._profiled: list | None = None  # the profile step's kernel events, until ``on_profiled`` has them
+
+    def _measured_rounds(self) -> list[tuple[int, str]]:
+        count = range(len(self.trials))
+        rounds = [(i, "peak") for i in count] if self.device.type != "cuda" else []
+        return rounds + [(i, "time") for _ in range(self.steps) for i in count]
+
+    def _take_profile(self) -> None:
+        """Hand the profile step's events to ``on_profiled``; a candidate it returns joins the
+        trials: its warm-up next, then every candidate's measured rounds."""
+        calls, self._profiled = self._profiled, None
+        trial = self.on_profiled(calls)
+        if trial is None:
+            if len(self.trials) == 1:  # nothing to compare with: the planner's plan runs, unmeasured
+                self.chosen = self.trials[0]
+                log.info("%s: measured plan choice: no other candidate; the planner's plan runs", self.graph_name)
+            return
+        self.trials.append(trial)
+        self.schedule = self.schedule[:self.position] + [(len(self.trials) - 1, "warmup")] + self._measured_rounds()
 
     def __call__(self, *args):
         if self.chosen is not None:
             return self.chosen.compiled(*args)
         self._drop_unfinished()
-        if not torch.is_grad_enabled() or (self.device.type != "cuda" and profiler_recording()):
-            return self.trials[0].compiled(*args)
+        if self._profiled is not None:
+            self._take_profile()
+            if self.chosen is not None:
+                return self.chosen.compiled(*args)
         index, kind = self.schedule[self.position]
+        if not torch.is_grad_enabled() or ((self.device.type != "cuda" or kind == "profile") and profiler_recording()):
+            return self.trials[0].compiled(*args)
         trial = self.trials[index]
         peak = kind == "peak" or (kind == "time" and self.device.type == "cuda")
-        measure = StepMeasure(self.device, peak=peak)
+        measure = KernelProfile(self.device) if kind == "profile" else StepMeasure(self.device, peak=peak)
         outputs = measure.forward(trial.compiled, args)
         node = compiled_backward_node(outputs)
         if node is None:  # nothing to wait for: not a training step; not counted
@@ -166,7 +206,9 @@ class PlanTrials:
             self._pending = None
             if measure.interrupted:
                 return
-            if measure.peak:
+            if kind == "profile":
+                self._profiled = measure.calls
+            elif measure.peak:
                 trial.record_peak(measure.peak_bytes())
             if kind == "time":
                 trial.seconds.append(measure.seconds)

@@ -1,0 +1,223 @@
+"""Costs measured on the device: one profiled training step of a compiled graph, its kernels'
+times given to the FX nodes they compute.
+
+Measured plan choice (``runtime/plan_trials.py``) profiles one step of the planner's plan
+with ``torch.profiler``. Inductor's generated code runs each kernel inside the compiled
+graph's call (``## Call CompiledFxGraph ... ##``, one for the forward, one for the
+backward): a generated kernel is an event of its own name (Triton's always; the C++
+backend's with ``cpp.enable_kernel_profile``, which measured plan choice turns on), an
+extern kernel an event of its op (``aten::mm``, ``compile_offload::offload``). The kernels Inductor scheduled were recorded
+in the order it runs them (``inductor/kernels.py``), each with the FX nodes it computes;
+``kernel_seconds`` pairs them with the events, in order, and fails (``ProfileMismatch``)
+where the two do not line up. ``node_seconds`` then splits each kernel's time over its
+nodes: an extern kernel's all to the node of its op, a generated kernel's in proportion to
+what the cost model predicts for each of its nodes. A node recomputed in the backward keeps
+the time it took where the forward computed it.
+
+The times are the device's: on CUDA the kernels' device time, on the CPU the kernels' own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..inductor.kernels import GraphKernels, Kernel
+from .memory_tracker import profiler_recording
+
+log = logging.getLogger("compile_offload")
+
+CALL_MARK = "## Call CompiledFxGraph"
+MEASURED_COSTS_SCHEMA = "compile_offload.measured_costs/1"
+# A profile whose paired kernels hold less of the graphs' kernel time than this is not trusted.
+MIN_ATTRIBUTED = 0.5
+
+
+class ProfileMismatch(Exception):
+    """The profiled events do not line up with the kernels Inductor scheduled."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One direct child of a compiled graph's call: a kernel or an op of the wrapper's."""
+
+    name: str
+    seconds: float
+
+
+@dataclass
+class MeasuredCosts:
+    """Seconds per joint-graph node, measured on ``device`` (the planner's cost function
+    where a node is listed; ``scale`` times the model's elsewhere)."""
+
+    device: str
+    seconds: dict[str, float]
+    scale: float = 1.0  # measured over predicted, on the nodes measured
+
+    def digest(self) -> str:
+        text = json.dumps([self.device, sorted(self.seconds.items()), self.scale])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        return {"schema": MEASURED_COSTS_SCHEMA, "device": self.device, "seconds": self.seconds, "scale": self.scale}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MeasuredCosts":
+        if not isinstance(data, dict) or data.get("schema") != MEASURED_COSTS_SCHEMA:
+            raise ValueError("not a compile_offload measured-costs table")
+        seconds, scale = data.get("seconds"), data.get("scale")
+        if (not isinstance(seconds, dict) or not isinstance(scale, (int, float))
+                or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in seconds.items())):
+            raise ValueError("a measured-costs table with fields of the wrong type")
+        return cls(str(data.get("device")), {k: float(v) for k, v in seconds.items()}, float(scale))
+
+    def price(self, model: Callable) -> Callable:
+        """The cost function: a node's measured seconds, else ``scale`` times ``model``'s."""
+        table, scale = self.seconds, self.scale
+
+        def seconds(node) -> float:
+            measured = table.get(node.name)
+            return measured if measured is not None else scale * model(node)
+
+        return seconds
+
+
+def call_events(events: Iterable, cuda: bool) -> list[list[Event]]:
+    """For each compiled graph's call among ``events`` (a profiler's ``FunctionEvent``s), in
+    order: its direct children with their time (device time on CUDA)."""
+    calls = []
+    for event in events:
+        if not event.name.startswith(CALL_MARK):
+            continue
+        children = sorted(event.cpu_children, key=lambda e: e.time_range.start)
+        calls.append([Event(e.name, (e.device_time_total if cuda else e.cpu_time_total) * 1e-6) for e in children])
+    return calls
+
+
+def kernel_seconds(graph: GraphKernels, events: Sequence[Event]) -> list[tuple[Kernel, float]]:
+    """Each kernel of ``graph`` that runs something, with the time of its event. Events are
+    taken in order: a generated kernel takes the next event that is not an op's (an op's is
+    named ``namespace::op``), an extern kernel the next event of its op; other ops' events
+    between them are the wrapper's own (allocations, copies) and are left out. Raises
+    ``ProfileMismatch`` where a kernel finds no event or a generated kernel's event is left
+    over."""
+    pairs = []
+    position = 0
+    for kernel in graph.kernels:
+        if not kernel.launch:
+            continue
+        while position < len(events) and not _matches(kernel, events[position]):
+            if not _is_op(events[position]):
+                raise ProfileMismatch(f"event {events[position].name!r} where kernel {kernel.name} "
+                                      f"({kernel.launch} {kernel.extern_op}) was expected")
+            position += 1
+        if position == len(events):
+            raise ProfileMismatch(f"no event for kernel {kernel.name} ({kernel.launch} {kernel.extern_op})")
+        pairs.append((kernel, events[position].seconds))
+        position += 1
+    left = [e.name for e in events[position:] if not _is_op(e)]
+    if left:
+        raise ProfileMismatch(f"{len(left)} kernel events not scheduled in the record ({left[0]!r}, ...)")
+    return pairs
+
+
+def _is_op(event: Event) -> bool:
+    return "::" in event.name
+
+
+def _matches(kernel: Kernel, event: Event) -> bool:
+    if kernel.launch == "extern":
+        return _is_op(event) and (not kernel.extern_op or event.name.split("::")[-1] == kernel.extern_op)
+    return not _is_op(event)
+
+
+def node_seconds(pairs: Iterable[tuple[Kernel, float]], weight: Callable[[str], float | None]) -> dict[str, float]:
+    """Each kernel's seconds split over the nodes it computes that ``weight`` knows (a
+    node's predicted seconds; None: not a node of the graph planned): an extern kernel's
+    all to its op's node where one is named so, a generated kernel's in proportion to the
+    weights (evenly where all are 0). A node in several kernels sums its shares."""
+    found: dict[str, float] = {}
+    for kernel, seconds in pairs:
+        known = {name: weight(name) for name in kernel.origins}
+        known = {name: w for name, w in known.items() if w is not None}
+        if not known:
+            continue
+        if kernel.launch == "extern" and kernel.extern_op:
+            own = [name for name in known if name == kernel.extern_op or name.startswith(kernel.extern_op + "_")]
+            if len(own) == 1:
+                known = {own[0]: 1.0}
+        total = sum(known.values())
+        for name, w in known.items():
+            share = w / total if total > 0 else 1.0 / len(known)
+            found[name] = found.get(name, 0.0) + seconds * share
+    return found
+
+
+def measured_costs(forward: GraphKernels, backward: GraphKernels, calls: Sequence[Sequence[Event]],
+                   model: Callable[[str], float | None], device: str) -> MeasuredCosts:
+    """The table of one profiled step: ``calls`` (``call_events``) holds the forward's call
+    then the backward's. ``model(name)``: the cost model's seconds for a joint-graph node,
+    None for a name the joint graph does not have. Raises ``ProfileMismatch``."""
+    if len(calls) != 2:
+        raise ProfileMismatch(f"{len(calls)} compiled-graph calls profiled in the step, not a forward and a backward")
+    forward_pairs = kernel_seconds(forward, calls[0])
+    backward_pairs = kernel_seconds(backward, calls[1])
+    kernel_total = sum(s for _, s in forward_pairs + backward_pairs)
+    if kernel_total <= 0:
+        raise ProfileMismatch("the profiled kernels took no time")
+    seconds = node_seconds(backward_pairs, model)
+    seconds.update(node_seconds(forward_pairs, model))  # a recomputed node: its forward time
+    attributed = sum(seconds.values())
+    if attributed < MIN_ATTRIBUTED * kernel_total:
+        raise ProfileMismatch(f"only {attributed / kernel_total:.0%} of the kernels' time is in nodes of the graph")
+    predicted = sum(model(name) or 0.0 for name in seconds)
+    scale = attributed / predicted if predicted > 0 else 1.0
+    return MeasuredCosts(device, seconds, scale)
+
+
+class KernelProfile:
+    """One step profiled for its kernels: the forward call and the compiled backward, each
+    a profiler region of its own (as ``StepMeasure`` measures a CPU peak: the autograd
+    engine restores the thread's profiler state when a backward ends). ``calls`` holds,
+    once the backward has ended, the compiled graphs' calls (``call_events``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.calls: list[list[Event]] = []
+        self._region = None
+        self.interrupted = False  # a profiler of someone else's recorded when the backward started
+
+    def _open(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._region = torch.profiler.profile(activities=activities)
+        self._region.__enter__()
+
+    def _close(self) -> None:
+        if self._region is None:
+            return
+        region, self._region = self._region, None
+        region.__exit__(None, None, None)
+        self.calls += call_events(region.events(), self.cuda)
+
+    def forward(self, compiled: Callable, args):
+        self._open()
+        try:
+            return compiled(*args)
+        finally:
+            self._close()
+
+    def start_backward(self) -> None:
+        if profiler_recording():
+            self.interrupted = True
+            return
+        self._open()
+
+    def end_backward(self) -> None:
+        self._close()
