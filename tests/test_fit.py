@@ -63,7 +63,7 @@ def test_everything_on_the_device_when_it_fits():
 
 
 def test_the_state_goes_to_the_host_when_it_does_not_fit():
-    budget = 900 * KIB  # the whole state (1.6 MiB) + activations do not fit
+    budget = 800 * KIB  # neither the whole state (1.6 MiB) nor one block's (400 KiB) fits beside the rest
     plan = plan_step(budget, sizes())
     assert (plan.parameters_on, plan.gradients_on, plan.optimizer_state_on) == ("host",) * 3
     assert plan.fsdp2 and plan.cpu_offload
@@ -74,6 +74,28 @@ def test_the_state_goes_to_the_host_when_it_does_not_fit():
     assert plan.activation_min_bytes == (120 + 3 * 30 + 16) * KIB
     assert plan.per_block_activation_budget_bytes >= 120 * KIB
     assert plan.predicted_device_peak_bytes <= budget
+
+
+def test_between_the_two_placements_the_first_blocks_keep_their_state_on_the_device():
+    host = plan_step(800 * KIB, sizes())
+    block_state = (100 + 100 + 200) * KIB  # parameters, gradients, AdamW state in proportion to the parameters
+    needed_host = host.state_on_device_bytes + host.activation_min_bytes
+    plan = plan_step(needed_host + 2 * block_state + KIB, sizes())
+    assert (plan.parameters_on, plan.gradients_on, plan.optimizer_state_on) == ("split",) * 3
+    assert plan.blocks_on_device == 2 and plan.fsdp2 and plan.cpu_offload
+    assert plan.state_on_device_bytes == host.state_on_device_bytes + 2 * block_state
+    assert plan.activation_min_bytes == host.activation_min_bytes
+    assert plan.predicted_device_peak_bytes <= plan.budget_bytes
+    text = str(plan)
+    assert "on the device for blocks 0-1, on the host for the rest" in text
+    assert "CPUOffloadPolicy after the first 2 blocks" in text
+    # more budget keeps more blocks, never fewer; all of them only where the device placement fits
+    plans = [plan_step(needed_host + k * block_state, sizes()) for k in range(6)]
+    kept = [p.blocks_on_device for p in plans]
+    assert kept == sorted(kept) and kept[0] == 0 and 3 in kept
+    assert all(p.parameters_on == "device" for p in plans if p.blocks_on_device == 4)
+    assert plan_step(4 * 2**20, sizes()).blocks_on_device == 4
+    assert host.blocks_on_device == 0 and host.parameters_on == "host"
 
 
 def test_a_budget_below_the_host_placement_raises_with_its_figures():
@@ -210,6 +232,45 @@ def test_the_printed_plan_says_where_each_kind_of_state_lives(fitted, capsys):
     assert "predicted device peak: " in text
     assert "FSDP2 fully_shard with CPUOffloadPolicy" in text
     assert "one-rank gloo group" in text
+
+
+def test_a_split_placement_trains_like_an_eager_loop():
+    """A budget that holds one block's state beside the host placement: FSDP2 keeps that
+    block's parameters, gradients and AdamW state on the device, offloads the rest, and the
+    parameters after 3 steps are those of a plain eager loop."""
+    from compile_offload.training.fit import measure
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    twin = copy.deepcopy(model)
+    measured = measure(twin, list(twin.blocks), optimizer_fn, (batch(0),), torch.device("cpu"),
+                       {"inner_compiler": "eager"}, 1)
+    host = plan_step(BUDGET, measured)
+    block = measured.block_parameter_bytes[0]
+    block_state = 2 * block + measured.optimizer_state_bytes * block // measured.parameter_bytes
+    budget = host.state_on_device_bytes + host.activation_min_bytes + block_state + block_state // 2
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=budget, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        plan = result.plan
+        assert plan.parameters_on == "split" and plan.blocks_on_device == 1
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        policies = [type(b._get_fsdp_state()._fsdp_param_group.offload_policy) for b in model.blocks]
+        assert policies[0] is not CPUOffloadPolicy and all(p is CPUOffloadPolicy for p in policies[1:])
+        reference_optimizer = optimizer_fn(reference.parameters())
+        for step in range(3):
+            x = batch(step)
+            result.step(x)
+            loss_fn(reference(x)).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        result.close()
+        torch._dynamo.reset()
 
 
 def test_a_budget_too_small_raises_before_anything_is_prepared():

@@ -4,8 +4,8 @@ The model as the user has it (typically on the host), a function that builds its
 a sample batch and one budget. ``fit`` measures the state's sizes and one block's activations
 (``compile_offload.explain`` at ``memory_budget=0.0``), decides the placement
 (``state_plan.plan_step``), prepares the model with torch's own engine where the state goes
-to the host (FSDP2's ``fully_shard`` with ``CPUOffloadPolicy`` on every block and on the
-root), compiles every block with this backend under its share of the budget, builds the
+to the host (FSDP2's ``fully_shard`` with ``CPUOffloadPolicy`` on the root and on every
+block whose state does not fit on the device), compiles every block with this backend under its share of the budget, builds the
 optimizer on the prepared parameters and returns a ``Fitted`` whose ``step`` trains as an
 ordinary loop would.
 """
@@ -247,8 +247,8 @@ def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         pin = device.type == "cuda"
         policy = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
-        for block in blocks:
-            fully_shard(block, mesh=mesh, offload_policy=policy)
+        for index, block in enumerate(blocks):  # the first blocks_on_device keep their state on the device
+            fully_shard(block, mesh=mesh, offload_policy=OffloadPolicy() if index < plan.blocks_on_device else policy)
         fully_shard(model, mesh=mesh, offload_policy=policy)
         if plan.cpu_offload and not pin:
             plan.notes.append("host memory is not pinned: pinning needs CUDA")

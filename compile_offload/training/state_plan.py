@@ -12,7 +12,15 @@ activations' minimum fit the budget. The rest of the budget goes to the activati
 ranks the state is sharded by FSDP2 (without offload), so a rank holds a 1/N share of it plus
 the unsharded parameters and gradients FSDP2 gathers at a time (as below).
 
-*Otherwise all three on the host*, through FSDP2's ``CPUOffloadPolicy``: the sharded
+*Otherwise the first blocks' state on the device, the rest on the host*: FSDP2 shards every
+block, the first ``k`` without offload (their parameters, gradients and optimizer state stay
+on the device, a 1/N share of each on N ranks), the others and the root with
+``CPUOffloadPolicy`` (as below). ``k`` is the largest count of blocks, fewer than all, whose
+state fits beside what the host placement holds and the activations' minimum; a block's
+optimizer state is counted in proportion to its parameters, and its gradients with its
+state (they stay until the optimizer step). Its optimizer step runs where its state lives.
+
+*Otherwise all three on the host* (``k`` = 0), through FSDP2's ``CPUOffloadPolicy``: the sharded
 parameters, the sharded gradients and the optimizer state live in (pinned) host memory and
 the optimizer steps on the host. The device holds, at a time:
 
@@ -42,8 +50,10 @@ can meet.
 
 Limits of the rule
 ------------------
-- All or nothing: parameters are not kept on the device while only the optimizer state goes
-  to the host; a budget between the two placements takes the host one.
+- By block, not by kind: a block's parameters, gradients and optimizer state live together;
+  parameters are not kept on the device while only their optimizer state goes to the host.
+- The blocks on the device are the first ones, not the ones whose host copies would cost
+  the most time.
 - Blocks are assumed alike: one block's activations (the first) stand for every block's.
 - Not counted: FSDP2's communication buffers (the reduce-scatter's input and output, the
   all-gather's copy-in on N ranks), the activations outside the blocks (an embedding's
@@ -65,6 +75,7 @@ from ..passes.plan import format_bytes
 
 DEVICE = "device"
 HOST = "host"
+SPLIT = "split"  # the first ``blocks_on_device`` blocks' on the device, the rest on the host
 
 
 @dataclass(frozen=True)
@@ -102,7 +113,7 @@ class StepPlan:
     """Where each kind of training state lives, and what the activations get (per rank)."""
 
     budget_bytes: int
-    parameters_on: str  # "device" or "host"
+    parameters_on: str  # "device", "host", or "split" (by block: ``blocks_on_device``)
     gradients_on: str
     optimizer_state_on: str
     parameter_bytes: int  # unsharded, the whole model
@@ -117,21 +128,29 @@ class StepPlan:
     blocks: int
     world_size: int = 1
     fsdp2: bool = False  # the model is sharded with fully_shard
-    cpu_offload: bool = False  # ... with CPUOffloadPolicy
+    cpu_offload: bool = False  # ... with CPUOffloadPolicy (the root, and the blocks after ``blocks_on_device``)
+    blocks_on_device: int = 0  # the first blocks whose parameters, gradients and state stay on the device
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         b = format_bytes
+        def where(on: str) -> str:
+            if on != SPLIT:
+                return f"on the {on}"
+            return f"on the device for blocks 0-{self.blocks_on_device - 1}, on the host for the rest"
+
         lines = [
             f"StepPlan: device budget {b(self.budget_bytes)} per rank, {self.world_size} rank(s), {self.blocks} blocks",
-            f"  parameters       {b(self.parameter_bytes):>12}  on the {self.parameters_on}",
-            f"  gradients        {b(self.gradient_bytes):>12}  on the {self.gradients_on}",
-            f"  optimizer state  {b(self.optimizer_state_bytes):>12}  on the {self.optimizer_state_on}",
+            f"  parameters       {b(self.parameter_bytes):>12}  {where(self.parameters_on)}",
+            f"  gradients        {b(self.gradient_bytes):>12}  {where(self.gradients_on)}",
+            f"  optimizer state  {b(self.optimizer_state_bytes):>12}  {where(self.optimizer_state_on)}",
             f"  held on the device at a time (state): {b(self.state_on_device_bytes)}",
             f"  activations: {b(self.activation_budget_bytes)} left, {b(self.per_block_activation_budget_bytes)} "
             f"per block's compiled graph (minimum {b(self.activation_min_bytes)})",
             f"  predicted device peak: {b(self.predicted_device_peak_bytes)}",
-            "  prepared with: " + ("FSDP2 fully_shard with CPUOffloadPolicy" if self.cpu_offload
+            "  prepared with: " + ("FSDP2 fully_shard, CPUOffloadPolicy after the first "
+                                   f"{self.blocks_on_device} blocks" if self.parameters_on == SPLIT
+                                   else "FSDP2 fully_shard with CPUOffloadPolicy" if self.cpu_offload
                                    else "FSDP2 fully_shard" if self.fsdp2 else "the model on the device"),
         ]
         lines += [f"  note: {note}" for note in self.notes]
@@ -201,6 +220,13 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
                 f"blocks (more of them) or a smaller sample (batch). All on the device would need "
                 f"{format_bytes(on_device + device_activation_min)}.")
         where, fsdp2, offload = HOST, True, True
+        kept, kept_bytes = _blocks_that_fit(budget_bytes - state_on_device - activation_min, sizes, ranks)
+        if kept:
+            where = SPLIT
+            state_on_device += kept_bytes
+            notes.append(f"the state of all blocks does not fit: blocks 0-{kept - 1} keep theirs on the device "
+                         f"({format_bytes(kept_bytes)}), the other {n - kept} and the parameters outside the "
+                         "blocks go to the host through FSDP2's CPUOffloadPolicy")
         notes.append(f"parameters + gradients + optimizer state + activations' minimum "
                      f"({format_bytes(on_device + device_activation_min)}) exceed the budget: all three on the host "
                      f"through FSDP2's CPUOffloadPolicy; the device holds {format_bytes(held_params)} of unsharded "
@@ -219,4 +245,19 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
         optimizer_state_bytes=sizes.optimizer_state_bytes, state_on_device_bytes=state_on_device,
         activation_budget_bytes=activation_budget, per_block_activation_budget_bytes=per_block,
         activation_min_bytes=activation_min, predicted_device_peak_bytes=predicted_peak, blocks=n,
-        world_size=ranks, fsdp2=fsdp2, cpu_offload=offload, notes=notes)
+        world_size=ranks, fsdp2=fsdp2, cpu_offload=offload,
+        blocks_on_device=n if where == DEVICE else kept if where == SPLIT else 0, notes=notes)
+
+
+def _blocks_that_fit(room: int, sizes: StateSizes, ranks: int) -> tuple[int, int]:
+    """The most first blocks, fewer than all, whose parameters, gradients and optimizer state
+    (in proportion to its parameters; a 1/``ranks`` share of each) fit in ``room`` bytes,
+    and their bytes."""
+    kept, used = 0, 0
+    for params, grads in list(zip(sizes.block_parameter_bytes, sizes.block_gradient_bytes))[:-1]:
+        state = sizes.optimizer_state_bytes * params // max(1, sizes.parameter_bytes)
+        cost = -(-(params + grads + state) // ranks)
+        if used + cost > room:
+            break
+        kept, used = kept + 1, used + cost
+    return kept, used
