@@ -4,13 +4,13 @@
 # each compiled strategy 10-60 s, and at most 8 files come back from a call).
 #
 #   benchmarks/device_check.sh OUTDIR first    # <= 420 s: the equal-memory tables, GPT-8 then deep-24
-#   benchmarks/device_check.sh OUTDIR second   # <= 400 s: CUDA tests, then the budget contract's CUDA path
+#   benchmarks/device_check.sh OUTDIR second   # <= 400 s: CUDA tests, GPT-8's step attribution, the budget contract
 #
 # "first" writes 6 files (env.txt, bench.log, gpt_equal_memory.md/.jsonl,
 # deep_equal_memory.md/.jsonl: `bench --equal-memory`, torch's strategies first, then ours at
-# each one's measured peak, with and without measured plan choice); "second" 4
-# (cuda_tests.log, contract_cuda.md, its stderr, and live_at_peak.txt: the allocations alive
-# at each measured peak and the lines that made them). Each step has a hard limit, and what
+# each one's measured peak, with and without measured plan choice); "second" 7
+# (cuda_tests.log, attribution.log, gpt_attribution.md/.json, contract_cuda.md, its stderr,
+# and live_at_peak.txt: the allocations alive at each measured peak and the lines that made them). Each step has a hard limit, and what
 # finished is written even when a later step runs out of time. The whole suite with every
 # strategy is benchmarks/gpu.sh (one full call of its own). PYTHON=... picks the interpreter.
 set -uo pipefail
@@ -69,11 +69,17 @@ second)
     timeout -s INT -k 10 170 "$PY" -m pytest -m cuda -q -p no:cacheprovider $per_test -rfEs --durations=10 \
         >"$OUT/cuda_tests.log" 2>&1
     say "CUDA tests: exit $? ($(tail -1 "$OUT/cuda_tests.log"))"
-    # Slots from the third H200 lease (2026-11-27, cold caches): transformer 30 s, mixer 34 s,
-    # conv+BN 24 s, Llama 51 s, GPT-2 57 s; a little more for the snapshots. The two families
-    # whose measured peaks exceed every model (conv+BN, GPT-2) go first, so their
-    # live_at_peak.txt comes back even when time runs out. 245 s in all.
-    for slot in conv_bn:35 hf_gpt2:68 transformer:40 mlp_mixer:42 hf_llama:60; do
+    # Where ours at budget 0.5 spends its extra step time against torch.compile on GPT-8: one
+    # profiled step of each, split into recompute, copies and waits, slower kernels and time
+    # outside kernels (benchmarks/attribution.py; two compiles on cold caches, ~70 s).
+    bench "$OUT/attribution.log" 85 --attribute --model gpt --device cuda --budgets 0.5 --out "$OUT" --tag gpt \
+        --steps 6 --warmup 2 --no-predict
+    # Slots from the third H200 lease (2026-11-27, cold caches): conv+BN 24 s, Llama 51 s,
+    # GPT-2 57 s; a little more for the snapshots. The two families whose measured peaks
+    # exceeded every model's (conv+BN, GPT-2) go first, so their live_at_peak.txt comes back
+    # even when time runs out. 163 s in all (the transformer and the mixer, kept in every
+    # earlier lease, gave way to the attribution).
+    for slot in conv_bn:35 hf_gpt2:68 hf_llama:60; do
         model=${slot%%:*}
         timeout -s INT -k 5 "${slot##*:}" "$PY" -m compile_offload.benchmarks.budget_contract --device cuda \
             --models "$model" --snapshot "$OUT/live_at_peak.txt" >>"$OUT/contract_cuda.md" 2>>"$OUT/contract_cuda.err"

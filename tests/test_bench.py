@@ -307,6 +307,46 @@ def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
     assert table.count("\n| ") >= 3 and "| compile |" in table and "| eager_ckpt |" in table and "budget 0.25" in table
 
 
+def test_attribution_splits_the_extra_time_by_kind_of_kernel_and_adds_up():
+    from compile_offload.benchmarks.attribution import Kernels, attribute, stem
+
+    assert stem("graph_3_cpp_fused_gelu_12") == "cpp_fused_gelu" and stem("triton_poi_fused_add_7") == "triton_poi_fused_add"
+    assert stem("aten::mm") == "aten::mm"
+    reference = Kernels("compile", 0.010, 0.012)
+    for phase, name, seconds in [("forward", "aten::mm", 2e-3), ("forward", "cpp_fused_gelu_0", 1e-3),
+                                 ("backward", "aten::mm", 2e-3), ("backward", "aten::mm", 2e-3),
+                                 ("backward", "cpp_fused_gone_1", 1e-3)]:
+        reference.add(phase, name, seconds)
+    ours = Kernels("ours:0.5", 0.013, 0.016)
+    for phase, name, seconds in [("forward", "aten::mm", 2e-3), ("forward", "cpp_fused_gelu_0", 1.5e-3),
+                                 ("backward", "aten::mm", 2e-3), ("backward", "aten::mm", 2e-3),
+                                 ("backward", "aten::mm", 2.5e-3), ("backward", "cpp_fused_gelu_3", 1e-3),
+                                 ("backward", "compile_offload::offload", 0.5e-3)]:
+        ours.add(phase, name, seconds)
+    split = attribute(reference, ours)
+    assert split["extra calls"] == pytest.approx(2e-3)  # a third backward matmul at compile's 2 ms a call
+    assert split["same kernels, slower"] == pytest.approx(0.5e-3 + 0.5e-3)  # the gelu, and the third mm's extra
+    assert split["new kernels"] == pytest.approx(1e-3)  # the gelu recomputed in the backward
+    assert split["kernels gone"] == pytest.approx(-1e-3)
+    assert split["copies and waits"] == pytest.approx(0.5e-3)
+    assert sum(split.values()) == pytest.approx(ours.profiled_seconds - reference.profiled_seconds)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_bench_attribute_profiles_compile_and_ours_and_writes_the_split(tmp_path):
+    result = _run_bench(tmp_path, "--smoke", "--attribute", "--budgets", "0.25", "--steps", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "gpt_attribution.json").read_text())
+    reference, ours = data["strategies"]
+    assert (reference["strategy"], ours["strategy"]) == ("compile", "ours:0.25")
+    assert reference["kernels"] and ours["kernels"]  # Inductor's kernels were seen in the profile
+    assert {k["phase"] for k in ours["kernels"]} == {"forward", "backward"}
+    assert sum(data["split_seconds"].values()) == pytest.approx(ours["profiled_seconds"] - reference["profiled_seconds"])
+    table = (tmp_path / "gpt_attribution.md").read_text()
+    assert all(category in table for category in data["split_seconds"]) and table in result.stdout
+
+
 def test_equal_memory_refuses_ours_among_the_baselines(capsys, monkeypatch):
     from compile_offload.tools import bench
 
@@ -367,6 +407,7 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--budgets", "lots"], "--budgets lots: .*is not a size"),
     (["--torch-budgets", "2"], "--torch-budgets 2: .*must lie in \\[0, 1\\]"),
     (["--out", "/proc/no_such/out"], "--out /proc/no_such/out: cannot write into it"),
+    (["--attribute", "--equal-memory"], "--attribute and --equal-memory: each is a run of its own"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an

@@ -60,6 +60,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, few strategies: a few minutes at most")
     run.add_argument("--find-max-batch", action="store_true",
                      help="instead of the sweep: the largest batch that fits each byte budget in --budgets")
+    run.add_argument("--attribute", action="store_true",
+                     help="profile one step of torch.compile and of ours at the first of --budgets (default 0.5), "
+                          "and split ours' extra step time by kind of kernel (recompute, copies, slower kernels)")
     run.add_argument("--equal-memory", action="store_true",
                      help="instead of the sweep: the baselines in --strategies (default: compile, torch_budget:0.5, "
                           "torch_sac_offload, eager_ckpt), then ours at each one's measured peak and at --budgets "
@@ -116,6 +119,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             _fail(f"--{flag} {value}: must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         _fail(f"--warmup {args.warmup}: must be at least 0")
+    modes = [flag for flag, on in (("--attribute", args.attribute), ("--equal-memory", args.equal_memory),
+                                   ("--find-max-batch", args.find_max_batch)) if on]
+    if len(modes) > 1:
+        _fail(f"{' and '.join(modes)}: each is a run of its own; pick one")
     if args.time_limit is not None and not args.time_limit > 0:
         _fail(f"--time-limit {args.time_limit}: must be a positive number of seconds")
     if args.device:
@@ -166,6 +173,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _run_max_batch(args, runner, workloads, size, device, dtype, budgets)
     if args.equal_memory:
         return _run_equal_memory(args, runner, workloads, size, device, dtype)
+    if args.attribute:
+        return _run_attribution(args, runner, size, device, dtype, budgets)
     torch_budgets = _parse_flag("--torch-budgets", lambda text: [strategies_mod.parse_torch_budget(t) for t in text.split(",")],
                                 _pick(args.torch_budgets, None, "0.5,0.0"))
     inner_compiler = _pick(args.inner_compiler, "eager" if smoke else None, "inductor")
@@ -220,6 +229,29 @@ def _run_equal_memory(args, runner, workloads, size, device, dtype) -> int:
     print(table)
     print(f"results: {suite.out_dir / (suite.tag + '_equal_memory.md')}", file=sys.stderr)
     return 1 if any(row.get("status") == "error" for row in rows) else 0
+
+
+def _run_attribution(args, runner, size, device, dtype, budgets) -> int:
+    """``--attribute``: where ours at the first of ``--budgets`` spends its extra step time
+    against ``torch.compile`` (``benchmarks/attribution.py``)."""
+    from dataclasses import replace
+
+    from ..benchmarks import attribution
+    from ..benchmarks import strategies as strategies_mod
+
+    if args.strategies:
+        _fail("--attribute compares torch.compile with ours at the first of --budgets; drop --strategies")
+    budget = strategies_mod.parse_budget_list(args.budgets or "0.5")[0]
+    inner_compiler = _pick(args.inner_compiler, None, "inductor")
+    if inner_compiler != "inductor":
+        _fail("--attribute profiles Inductor's kernels: --inner-compiler inductor")
+    (reference,) = strategies_mod.expand(["compile"], [], [])
+    ours = replace(strategies_mod.Strategy("ours", None, inner_compiler, args.device_profile), budget=budget)
+    suite = _suite(args, runner, size, device, dtype, args.smoke, {"attribution": True})
+    _, table = attribution.run_attribution(suite, reference, ours)
+    print(table)
+    print(f"results: {suite.out_dir / (suite.tag + '_attribution.md')}", file=sys.stderr)
+    return 0
 
 
 def _run_max_batch(args, runner, workloads, size, device, dtype, budgets) -> int:
