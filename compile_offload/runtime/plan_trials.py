@@ -3,9 +3,11 @@ plans in turn, and the fastest whose measured peak fits the budget runs from the
 
 Every candidate is a complete compiled graph of the same step, so every trial step is a real
 training step with the gradients eager would give; only its speed and memory differ. The
-schedule is round-robin: one warm-up step per candidate (not counted), on the CPU one step
-each measured for its peak (the profiler it takes would spoil a time), then ``steps``
-timed steps each (on CUDA each timed step gives its peak too). A step is the compiled
+schedule is round-robin: one warm-up step per candidate (not counted); with ``on_profiled``,
+one step of the planner's plan profiled for its kernels (``kernel_costs.KernelProfile``),
+whose events ``on_profiled`` may turn into one more candidate (it joins with a warm-up of its
+own); on the CPU one step each measured for its peak (the profiler it takes would spoil a
+time), then ``steps`` timed steps each (on CUDA each timed step gives its peak too). A step is the compiled
 forward and its compiled backward (``StepMeasure``). Among the candidates whose highest
 peak is within the budget (``verify_budget.TOLERANCE``), a rival replaces the planner's plan
 where its steps are faster beyond their noise (``choose``); where none fits,
@@ -13,7 +15,8 @@ the one with the lowest peak runs, with a warning.
 
 Under ``torch.distributed`` every rank runs the same schedule and the ranks' figures are
 gathered before the choice (each candidate's slowest time and highest peak over the ranks),
-so all ranks choose the same plan. Steps run without grad, or while a profiler of the
+so all ranks choose the same plan; ``on_profiled`` callers agree on the measured costs the
+same way (``agree_on_costs``). Steps run without grad, or while a profiler of the
 user's records on the CPU, run the planner's plan and are not counted; nor is a step whose
 backward has not run when the next one begins.
 """
