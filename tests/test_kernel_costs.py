@@ -82,6 +82,32 @@ def test_the_table_of_a_step_keeps_a_recomputed_nodes_forward_time_and_scales_th
         measured_costs(forward, backward, calls, lambda name: None if name != "relu" else 1.0, "cpu")
 
 
+def test_the_plans_copies_give_the_host_links_bandwidth_each_way():
+    from compile_offload.inductor.kernels import Buffer
+
+    forward = GraphKernels(False, [Kernel("op0", [Buffer("buf0", 4_000_000, "A")], ["x"], origins=["mm"]),
+                                   _extern("op1", "offload", "offload"), _extern("op2", "wait_offload")],
+                           ["x"], [], [], input_bytes={"x": 1000})
+    forward.kernels[1].reads = ["buf0"]
+    backward = GraphKernels(True, [Kernel("op0", [Buffer("buf1", 4_000_000, "A")], ["host"], launch="extern",
+                                          extern_op="reload", origins=["reload"])], ["host"], [], [])
+    calls = [[Event("cpp_fused_0", 1e-3), Event("compile_offload::offload", 2e-3),
+              Event("compile_offload::wait_offload", 1e-5)],
+             [Event("compile_offload::reload", 1e-3)]]
+    costs = measured_costs(forward, backward, calls, lambda name: 1.0 if name in ("mm", "offload", "reload") else None,
+                           "cuda")
+    assert costs.d2h_bandwidth == pytest.approx(4e6 / 2e-3) and costs.h2d_bandwidth == pytest.approx(4e6 / 1e-3)
+    from compile_offload.passes.cost import BUILTIN_PROFILES
+
+    priced = costs.priced_profile(BUILTIN_PROFILES["h100"])
+    assert priced.d2h_bandwidth == costs.d2h_bandwidth and priced.name == "h100"
+    assert MeasuredCosts.from_json(costs.to_json()) == costs
+    without = MeasuredCosts("cpu", {"mm": 1.0})
+    assert without.priced_profile(BUILTIN_PROFILES["h100"]) is BUILTIN_PROFILES["h100"]
+    with pytest.raises(ValueError, match="bandwidth"):
+        MeasuredCosts.from_json({**costs.to_json(), "d2h_bandwidth": -1})
+
+
 def test_measured_costs_price_measured_nodes_and_scale_the_model_elsewhere_and_survive_json():
     costs = MeasuredCosts("cpu", {"mm": 0.5}, scale=2.0)
 

@@ -162,6 +162,8 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     cache_profile = profile.to_dict() if accelerator is None else {**profile.to_dict(), "accelerator": accelerator}
     if measured is not None and keyed:
         cache_profile["measured_costs"] = measured.digest()
+    if measured is not None:  # copies at the host link's speed as the profiled step's copies ran
+        profile = measured.priced_profile(profile)
     key = None if settings.plan_cache_dir is None else plan_cache.cache_key(joint.gm, settings, cache_profile)
     if key is not None:
         cached = plan_cache.lookup(joint.gm, settings, cache_profile, analysis=analysis)
@@ -214,8 +216,11 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     user_policy.annotate(plan, policy, analysis, graph_name)
     if measured is not None:
         plan.cost_source = "measured"
+        links = [f"{way} {rate / 1e9:.1f} GB/s" for way, rate in (("to the host", measured.d2h_bandwidth),
+                                                                   ("back", measured.h2d_bandwidth)) if rate]
         plan.notes.append(f"priced from kernel times measured on {measured.device} ({len(measured.seconds)} nodes; "
-                          f"the cost model's times x{measured.scale:.2f} for the rest)")
+                          f"the cost model's times x{measured.scale:.2f} for the rest)"
+                          + (f"; copies at the measured link speed, {', '.join(links)}" if links else ""))
     if (refinement is not None and refinement.plan is not unrefined.chosen
             and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))

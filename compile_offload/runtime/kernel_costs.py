@@ -12,7 +12,9 @@ in the order it runs them (``inductor/kernels.py``), each with the FX nodes it c
 where the two do not line up. ``node_seconds`` then splits each kernel's time over its
 nodes: an extern kernel's all to the node of its op, a generated kernel's in proportion to
 what the cost model predicts for each of its nodes. A node recomputed in the backward keeps
-the time it took where the forward computed it.
+the time it took where the forward computed it. The plan's own copies (``offload`` to the
+host, ``reload`` back) give the host link's bandwidth as it ran beside the compute
+(``link_bandwidths``): the bytes copied over the copies' time, each way.
 
 The times are the device's: on CUDA the kernels' device time, on the CPU the kernels' own.
 """
@@ -58,13 +60,18 @@ class MeasuredCosts:
     device: str
     seconds: dict[str, float]
     scale: float = 1.0  # measured over predicted, on the nodes measured
+    # bytes/s of the plan's copies to the host and back, as they ran (None: no copy profiled)
+    d2h_bandwidth: float | None = None
+    h2d_bandwidth: float | None = None
 
     def digest(self) -> str:
-        text = json.dumps([self.device, sorted(self.seconds.items()), self.scale])
+        text = json.dumps([self.device, sorted(self.seconds.items()), self.scale, self.d2h_bandwidth,
+                           self.h2d_bandwidth])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
-        return {"schema": MEASURED_COSTS_SCHEMA, "device": self.device, "seconds": self.seconds, "scale": self.scale}
+        return {"schema": MEASURED_COSTS_SCHEMA, "device": self.device, "seconds": self.seconds, "scale": self.scale,
+                "d2h_bandwidth": self.d2h_bandwidth, "h2d_bandwidth": self.h2d_bandwidth}
 
     @classmethod
     def from_json(cls, data: dict) -> "MeasuredCosts":
@@ -74,7 +81,19 @@ class MeasuredCosts:
         if (not isinstance(seconds, dict) or not isinstance(scale, (int, float))
                 or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in seconds.items())):
             raise ValueError("a measured-costs table with fields of the wrong type")
-        return cls(str(data.get("device")), {k: float(v) for k, v in seconds.items()}, float(scale))
+        rates = [data.get("d2h_bandwidth"), data.get("h2d_bandwidth")]
+        if not all(rate is None or (isinstance(rate, (int, float)) and rate > 0) for rate in rates):
+            raise ValueError("a measured-costs table with a bandwidth that is not a positive number")
+        return cls(str(data.get("device")), {k: float(v) for k, v in seconds.items()}, float(scale),
+                   *(None if rate is None else float(rate) for rate in rates))
+
+    def priced_profile(self, profile):
+        """``profile`` (a ``DeviceProfile``) with the link bandwidths measured, where measured."""
+        import dataclasses
+
+        changes = {name: rate for name, rate in (("d2h_bandwidth", self.d2h_bandwidth),
+                                                 ("h2d_bandwidth", self.h2d_bandwidth)) if rate is not None}
+        return dataclasses.replace(profile, **changes) if changes else profile
 
     def price(self, model: Callable) -> Callable:
         """The cost function: a node's measured seconds, else ``scale`` times ``model``'s."""
@@ -177,7 +196,36 @@ def measured_costs(forward: GraphKernels, backward: GraphKernels, calls: Sequenc
         raise ProfileMismatch(f"only {attributed / kernel_total:.0%} of the kernels' time is in nodes of the graph")
     predicted = sum(model(name) or 0.0 for name in seconds)
     scale = attributed / predicted if predicted > 0 else 1.0
-    return MeasuredCosts(device, seconds, scale)
+    d2h, h2d = link_bandwidths([(forward, forward_pairs), (backward, backward_pairs)])
+    return MeasuredCosts(device, seconds, scale, d2h, h2d)
+
+
+# The plan's copy ops (runtime/ops.py): what each moves, and which way.
+COPY_OPS = {"offload": "d2h", "reload": "h2d"}
+
+
+def link_bandwidths(graphs: Iterable[tuple[GraphKernels, Sequence[tuple[Kernel, float]]]]
+                    ) -> tuple[float | None, float | None]:
+    """(device to host, host to device) bytes per second of the plan's copies in the profiled
+    step: each way, the bytes copied over the copies' time; None where none ran. An offload
+    copies the buffer it reads, a reload the device buffer it writes."""
+    moved = {"d2h": [0, 0.0], "h2d": [0, 0.0]}
+    for graph, pairs in graphs:
+        sizes = dict(graph.input_bytes)
+        for kernel in graph.kernels:
+            sizes.update((buffer.name, buffer.bytes) for buffer in kernel.allocates)
+        for kernel, seconds in pairs:
+            way = COPY_OPS.get(kernel.extern_op) if kernel.launch == "extern" else None
+            if way is None or seconds <= 0:
+                continue
+            if way == "d2h":
+                nbytes = sum(sizes.get(graph.aliases.get(name, name), 0) for name in kernel.reads)
+            else:
+                nbytes = sum(buffer.bytes for buffer in kernel.allocates)
+            moved[way][0] += nbytes
+            moved[way][1] += seconds
+    return tuple(nbytes / seconds if nbytes > 0 and seconds > 0 else None
+                 for nbytes, seconds in (moved["d2h"], moved["h2d"]))
 
 
 class KernelProfile:
