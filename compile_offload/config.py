@@ -128,6 +128,15 @@ suppress_errors: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_
 # would bring no plan to compare with). Graphs without a budget are not measured.
 verify_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_VERIFY_BUDGET")
 
+# What a byte memory_budget bounds where Dynamo compiles the model into several graphs
+# (graph breaks): "graph" (default) each graph's forward+backward, so a step of N graphs may
+# use up to N budgets; "step" the whole training step: the graphs first run their
+# minimum-memory plans, and once the first step has ended the budget is split between them
+# by what each can use (runtime/step_budget.py), each graph compiled again under its share.
+# A fraction stays relative to each graph's own activations. DDPOptimizer's bucket graphs
+# are split evenly either way.
+budget_scope: str = Config(default="graph", env_name_default="COMPILE_OFFLOAD_BUDGET_SCOPE")
+
 # Measured plan choice: under a budget, with Inductor, compile a few candidate plans whose
 # Inductor code fits the budget (the planner's plan, plans made a little above and below
 # it, and without offload where it offloads), run the first training steps on them in turn

@@ -19,6 +19,7 @@ from .passes.plan import format_bytes
 
 SOLVERS = ("greedy", "refined", "exact")
 INNER_COMPILERS = ("inductor", "eager")
+BUDGET_SCOPES = ("graph", "step")
 PROFILE_NAMES = tuple(BUILTIN_PROFILES)
 
 _UNITS = {
@@ -53,6 +54,7 @@ class Settings:
     verify_budget: bool = False
     measured_plan_choice: bool = False
     measured_plan_steps: int = 3
+    budget_scope: str = "graph"
 
     @property
     def has_budget(self) -> bool:
@@ -345,6 +347,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         measured_plan_choice=_flag("measured_plan_choice", values["measured_plan_choice"],
                                    from_environment("measured_plan_choice")),
         measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
+        budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
     )
     return settings
 

@@ -28,6 +28,7 @@ from .. import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
 from .result import PartitionResult
+from ..passes.plan import format_bytes
 from ..settings import Settings
 
 log = logging.getLogger("compile_offload")
@@ -47,7 +48,7 @@ def offload_remat_backend(
     ``mode`` is one of Inductor's modes (``torch._inductor.list_mode_options()``)."""
     ours, inductor = split_options(options)
     return compile_graph(gm, example_inputs, settings_mod.resolve(ours), inductor_options(mode, inductor), mode,
-                         fixed_knobs=ours)
+                         fixed_knobs=ours, owner=offload_remat_backend)
 
 
 def offload_remat(**options: Any) -> Callable[..., Any]:
@@ -66,7 +67,7 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
         ours, inductor = split_options(options)
         knobs = {**closure_options, **ours}
         return compile_graph(gm, example_inputs, settings_mod.resolve(knobs), inductor_options(mode, inductor), mode,
-                             fixed_knobs=knobs)
+                             fixed_knobs=knobs, owner=backend)
 
     backend.__name__ = BACKEND_NAME
     return backend
@@ -126,15 +127,21 @@ def _without_offload_under_cuda_graphs(settings: Settings, mode_said: str) -> Se
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
                   inductor_patches: dict | None = None, mode: str | None = None,
-                  fixed_knobs: Iterable[str] = ()) -> Callable[..., Any]:
+                  fixed_knobs: Iterable[str] = (), owner: Any = None) -> Callable[..., Any]:
     """Compile one Dynamo graph under ``settings``; ``inductor_patches``: Inductor config
     from ``torch.compile``'s ``mode`` and ``options`` (``inductor_options``); ``fixed_knobs``:
-    those the backend's options set, which no change of ``compile_offload.config`` can reach.
+    those the backend's options set, which no change of ``compile_offload.config`` can reach;
+    ``owner``: the backend compiling it, whose graphs share one step budget
+    (``budget_scope="step"``, ``runtime/step_budget.py``).
 
     The frame is guarded on the config as read now (``config_guard``): a call under other
     values compiles again and plans for them, never runs a plan made for another budget.
     """
-    compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, settings, dict(inductor_patches or {}), mode)
+    patches = dict(inductor_patches or {})
+    if _step_scoped(settings):
+        compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
+    else:
+        compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, settings, patches, mode)
     if settings.verify_budget:  # measure the first step against the budget (verify_budget.py)
         from ..runtime.verify_budget import verify_first_step
 
@@ -144,8 +151,43 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     return compiled
 
 
+def _step_scoped(settings: Settings) -> bool:
+    """Whether the graph's byte budget is the step's (``budget_scope="step"``): not for a
+    fraction (each graph's own) nor a DDPOptimizer bucket graph (split evenly, ``ddp.py``)."""
+    return settings.budget_scope == "step" and settings.budget_bytes is not None and ddp.bucket_index() is None
+
+
+_warned_measured_off: list[bool] = []
+
+
+def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+                          inductor_patches: dict, mode: str | None, owner: Any):
+    """The graph at its minimum-memory plan, wrapped in its backend's ``StepBudget``, which
+    compiles it again under its share of the step's budget once a step has been counted."""
+    from ..runtime.step_budget import step_budget_for
+
+    if settings.measured_plan_choice and not _warned_measured_off:
+        _warned_measured_off.append(True)
+        warnings.warn("compile_offload: measured_plan_choice is off under budget_scope='step' (the graphs are "
+                      "compiled again once the step's budget is split between them)", stacklevel=4)
+    settings = dataclasses.replace(settings, measured_plan_choice=False)
+    minimum = dataclasses.replace(settings, budget_bytes=None, budget_fraction=0.0)
+    log.info("budget_scope='step': this graph runs its minimum-memory plan (memory_budget 0.0) until a step has "
+             "run; the step's budget %s is then split between its graphs", format_bytes(settings.budget_bytes))
+    compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, minimum, inductor_patches, mode)
+
+    def recompile(budget_bytes: int):
+        share = dataclasses.replace(settings, budget_bytes=budget_bytes)
+        again, again_plan_of, _ = _compile_graph(gm, example_inputs, share, dict(inductor_patches), mode, graph_name)
+        return again, again_plan_of
+
+    budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes)
+    wrapped = budget.add(graph_name, compiled, plan_of, recompile)
+    return wrapped, wrapped.graph_plan_of, graph_name
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                   inductor_patches: dict, mode: str | None):
+                   inductor_patches: dict, mode: str | None, graph_name: str | None = None):
     if settings.inner_compiler == "eager" and inductor_patches:
         raise ValueError(
             f"compile_offload: Inductor options {sorted(inductor_patches)} (from torch.compile's mode or options) "
@@ -169,8 +211,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     results: list[PartitionResult] = []
     # With Inductor and a budget the budget loop reports each plan once its code is known.
     recorder = scheduled_peak.recorder_for(settings) if settings.inner_compiler == "inductor" else None
-    partitioner = OffloadRematPartitioner(settings, graph_name=_graph_name(bucket_graphs), on_result=results.append,
-                                          report=recorder is None)
+    partitioner = OffloadRematPartitioner(settings, graph_name=graph_name or _graph_name(bucket_graphs),
+                                          on_result=results.append, report=recorder is None)
     device = device_of(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)

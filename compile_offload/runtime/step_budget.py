@@ -1,0 +1,213 @@
+"""One byte budget for the whole training step across graph breaks (``budget_scope="step"``).
+
+Where Dynamo compiles a model into several graphs, each is planned on its own, and under
+``budget_scope="graph"`` each gets the whole budget. Under ``"step"`` the budget B bounds the
+step.
+
+The rule, a bound: what a step has allocated above its start is, at any moment, what each
+graph call of the step has allocated and still holds, and a call never holds more than its
+graph's peak. So the step's peak is at most ``sum(c_k * P_k)`` over the graphs, ``c_k`` the
+calls of graph k in one step (a block graph run for every layer is called once per layer)
+and ``P_k`` its peak. The budget is split so that this sum is B, by what each graph can use:
+
+- graph k can use from ``m_k`` (its minimum-memory plan's peak, as Inductor scheduled it) to
+  ``u_k`` (its unconstrained plan's predicted peak);
+- each gets ``B_k = m_k + f * (u_k - m_k)``, one share ``f`` of its range for all graphs:
+  ``f = (B - sum(c_k m_k)) / sum(c_k (u_k - m_k))``; where every graph fits unconstrained
+  (``f >= 1``) what is left is shared per call;
+- where ``sum(c_k m_k)`` exceeds B, every graph keeps its minimum-memory plan, with one
+  warning naming both figures.
+
+When: a graph is first compiled (as the first step reaches it) at its minimum-memory plan,
+the lowest the step can go while the graphs after it are unknown. A step ends when the
+backward of every call made since the last time none was pending has run; the first step
+that began after a graph was added is counted, and at its end the budget is split, and each
+graph whose share changed is compiled again under it at its next call. A graph added later
+(a recompile for new sizes), or first called after the split, runs its minimum-memory plan,
+and the next full step splits again. Calls whose backward never runs keep a step from ending: no split is made until one
+ends. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
+with a warning: their memory is not bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..passes.plan import Plan, format_bytes
+from .step_measure import compiled_backward_node
+
+log = logging.getLogger("compile_offload")
+
+# A graph is compiled again only when its share moved by more than this part of it.
+RESPLIT_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class GraphNeed:
+    """What the split needs of one graph: its calls in a step and its plan range."""
+
+    name: str
+    calls: int
+    min_bytes: int
+    max_bytes: int
+
+
+def split_budget(budget_bytes: int, needs: list[GraphNeed]) -> tuple[dict[str, int], float]:
+    """Each graph's byte budget (by name) and the share ``f`` of its range it got (module
+    docstring); ``f < 0`` where even the minimum-memory plans exceed the budget (each graph
+    then gets its minimum)."""
+    floor = sum(n.calls * n.min_bytes for n in needs)
+    room = sum(n.calls * max(0, n.max_bytes - n.min_bytes) for n in needs)
+    calls = sum(n.calls for n in needs)
+    if floor > budget_bytes:
+        return {n.name: n.min_bytes for n in needs}, -1.0
+    if room <= budget_bytes - floor:
+        extra = (budget_bytes - floor - room) // max(1, calls)
+        return {n.name: max(n.max_bytes, n.min_bytes) + extra for n in needs}, 1.0
+    share = (budget_bytes - floor) / room
+    return {n.name: n.min_bytes + int(share * max(0, n.max_bytes - n.min_bytes)) for n in needs}, share
+
+
+def need_of(name: str, plan: Plan | None, calls: int) -> GraphNeed | None:
+    """A graph's need from the plan it runs now (its minimum-memory plan, at first); None for
+    a graph without a plan of ours (torch's partition: nothing to plan or predict)."""
+    if plan is None or plan.fallback is not None or not plan.decisions:
+        return None
+    low = plan.scheduled_peak_bytes if plan.scheduled_peak_bytes is not None else plan.predicted_peak_bytes
+    low = max(low, plan.min_peak_bytes)
+    return GraphNeed(name, calls, low, max(low, plan.baseline_peak_bytes))
+
+
+@dataclass
+class _Graph:
+    name: str
+    compiled: Callable[..., Any]
+    plan_of: Callable[[], Plan | None]
+    recompile: Callable[[int], tuple[Callable[..., Any], Callable[[], Plan | None]]]
+    calls: int = 0  # in the step being counted
+    most_calls: int = 0  # in any step counted: the split counts a graph as often as it was ever called
+    budget_bytes: int | None = None  # its share, once split
+    pending: bool = False  # compile again under ``budget_bytes`` at the next call
+    wrapper: Any = field(default=None, repr=False)
+
+
+class StepBudget:
+    """The graphs one backend compiled under one byte budget, and the split between them."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._graphs: list[weakref.ref] = []  # of each graph's wrapper: a graph Dynamo dropped drops out
+        self.outstanding = 0  # calls whose backward has not run
+        self.state = "wait"  # "wait" for a step to begin, "count" its calls, "done" once split
+        self.splits = 0
+        self._warned: set[str] = set()
+
+    def graphs(self) -> list[_Graph]:
+        return [wrapper.graph for wrapper in (ref() for ref in self._graphs) if wrapper is not None]
+
+    def add(self, name: str, compiled: Callable[..., Any], plan_of: Callable[[], Plan | None],
+            recompile: Callable[[int], tuple[Callable[..., Any], Callable[[], Plan | None]]]) -> Callable[..., Any]:
+        """``compiled`` (the graph at its minimum-memory plan) wrapped: its calls are counted,
+        and it is compiled again with ``recompile(budget_bytes)`` once its share is known."""
+        graph = _Graph(name, compiled, plan_of, recompile)
+        budget = self
+
+        def run(*args):
+            if graph.pending:
+                graph.pending = False
+                log.info("%s: budget_scope='step': compiling this graph again under its share of the step's "
+                         "budget, %s", graph.name, format_bytes(graph.budget_bytes))
+                try:
+                    graph.compiled, graph.plan_of = graph.recompile(graph.budget_bytes)
+                except Exception as error:  # the plan it runs is correct: keep it, and say so
+                    warnings.warn(f"compile_offload: {graph.name}: budget_scope='step': compiling this graph under "
+                                  f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
+                                  f"{error}); it keeps the plan it runs", stacklevel=2)
+            budget._step_may_begin()
+            outputs = graph.compiled(*args)
+            node = compiled_backward_node(outputs)
+            if node is not None:
+                budget.outstanding += 1
+                if budget.state == "count":
+                    graph.calls += 1
+                elif budget.state == "done" and not graph.most_calls:  # left out of the split: count again
+                    budget.state = "wait"
+                node.register_hook(lambda *_: budget._backward_done())
+            return outputs
+
+        run.graph = graph
+        run.graph_plan_of = lambda: graph.plan_of()  # the plan the graph runs now
+        graph.wrapper = weakref.ref(run)
+        self._graphs.append(weakref.ref(run))
+        if self.state == "done":  # a graph after the split: split again after the next full step
+            self.state = "wait"
+            log.info("%s: budget_scope='step': a graph compiled after the budget was split runs its minimum-memory "
+                     "plan; the next full step splits the budget again", name)
+        return run
+
+    def _step_may_begin(self) -> None:
+        if self.state == "wait" and self.outstanding == 0:
+            self.state = "count"
+            for graph in self.graphs():
+                graph.calls = 0
+
+    def _backward_done(self) -> None:
+        self.outstanding = max(0, self.outstanding - 1)
+        if self.outstanding == 0 and self.state == "count":
+            self.state = "done"
+            self._split()
+
+    def _split(self) -> None:
+        graphs = self.graphs()
+        needs, left_out = [], []
+        for graph in graphs:
+            graph.most_calls = max(graph.most_calls, graph.calls)
+            if not graph.most_calls:  # never called in a step counted
+                continue
+            need = need_of(graph.name, graph.plan_of(), graph.most_calls)
+            if need is None:
+                left_out.append(graph.name)
+                continue
+            needs.append(need)
+        if left_out and tuple(left_out) not in self._warned:
+            self._warned.add(tuple(left_out))
+            warnings.warn(f"compile_offload: budget_scope='step': {', '.join(left_out)} ran torch's own partition "
+                          "(no plan of ours): its memory is outside the split of the step's budget", stacklevel=2)
+        if not needs:
+            return
+        shares, share = split_budget(self.budget_bytes, needs)
+        self.splits += 1
+        rows = "\n".join(f"  {n.name}: {n.calls} call(s), minimum {format_bytes(n.min_bytes)}, unconstrained "
+                         f"{format_bytes(n.max_bytes)} -> {format_bytes(shares[n.name])}" for n in needs)
+        log.info("budget_scope='step': the step's budget %s split over %d graph(s) (%s of each one's range):\n%s",
+                 format_bytes(self.budget_bytes), len(needs), "none" if share < 0 else f"{min(share, 1.0):.0%}", rows)
+        if share < 0:
+            floor = sum(n.calls * n.min_bytes for n in needs)
+            warnings.warn(f"compile_offload: budget_scope='step': the graphs' minimum-memory plans need "
+                          f"{format_bytes(floor)} over a step ({len(needs)} graphs, their calls counted), above the "
+                          f"memory budget {format_bytes(self.budget_bytes)}; each keeps its minimum-memory plan",
+                          stacklevel=2)
+            return
+        by_name = {graph.name: graph for graph in graphs}
+        for name, share_bytes in shares.items():
+            graph = by_name[name]
+            if graph.budget_bytes is not None and abs(share_bytes - graph.budget_bytes) <= RESPLIT_TOLERANCE * graph.budget_bytes:
+                continue
+            graph.budget_bytes = share_bytes
+            graph.pending = True
+
+
+_budgets: "weakref.WeakKeyDictionary[Any, dict[int, StepBudget]]" = weakref.WeakKeyDictionary()
+
+
+def step_budget_for(owner: Any, budget_bytes: int) -> StepBudget:
+    """The ``StepBudget`` of the graphs ``owner`` (a backend) compiles under ``budget_bytes``."""
+    per_budget = _budgets.setdefault(owner, {})
+    if budget_bytes not in per_budget:
+        per_budget[budget_bytes] = StepBudget(budget_bytes)
+    return per_budget[budget_bytes]

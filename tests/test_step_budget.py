@@ -1,0 +1,177 @@
+"""``budget_scope="step"``: one byte budget for a training step Dynamo compiles into several
+graphs (``runtime/step_budget.py``).
+
+The split (each graph the same share of its plan range, calls counted) and its edges on
+figures; the counting of a step's calls and the recompiles on stand-in compiled graphs; and
+a model with two graph breaks on Inductor, whose measured step peak is over the budget with
+each graph given the whole budget and within it once the budget is the step's, with eager's
+gradients throughout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import compile_offload
+from compile_offload.passes.plan import Decision, Plan
+from compile_offload.runtime.step_budget import GraphNeed, StepBudget, need_of, split_budget
+
+from .models import CompiledFunction
+
+MIB = 2**20
+
+
+def test_each_graph_gets_the_same_share_of_its_range_with_its_calls_counted():
+    needs = [GraphNeed("a", 1, 10 * MIB, 20 * MIB), GraphNeed("b", 2, 5 * MIB, 7 * MIB)]
+    shares, share = split_budget(24 * MIB, needs)  # floor 20, room 10 + 2 x 2 = 14
+    assert share == pytest.approx(4 / 14)
+    assert shares["a"] == 10 * MIB + int(share * 10 * MIB) and shares["b"] == 5 * MIB + int(share * 2 * MIB)
+    assert shares["a"] + 2 * shares["b"] <= 24 * MIB  # the bound: calls x share, summed
+    # Room for every graph unconstrained: the rest shared per call.
+    shares, share = split_budget(40 * MIB, needs)
+    assert share == 1.0 and shares == {"a": 22 * MIB, "b": 9 * MIB}
+    # Below the minimum-memory plans: each keeps its minimum.
+    shares, share = split_budget(19 * MIB, needs)
+    assert share < 0 and shares == {"a": 10 * MIB, "b": 5 * MIB}
+
+
+def _plan(min_bytes: int, max_bytes: int, scheduled: int | None = None, fallback: str | None = None) -> Plan:
+    decisions = [] if fallback else [Decision("t", (4,), "float32", 16, "recompute", "r")]
+    return Plan(feasible=True, budget_bytes=None, predicted_peak_bytes=min_bytes, predicted_step_seconds=0.0,
+                baseline_peak_bytes=max_bytes, baseline_step_seconds=0.0, min_peak_bytes=min_bytes,
+                decisions=decisions, scheduled_peak_bytes=scheduled, fallback=fallback)
+
+
+def test_a_graphs_need_is_its_minimum_plans_scheduled_peak_up_to_its_unconstrained_one():
+    assert need_of("g", _plan(100, 300, scheduled=120), 2) == GraphNeed("g", 2, 120, 300)
+    assert need_of("g", _plan(100, 300), 1) == GraphNeed("g", 1, 100, 300)
+    assert need_of("g", _plan(0, 0, fallback="UnsupportedGraph"), 1) is None
+    assert need_of("g", None, 1) is None
+
+
+def _stand_in(calls: list[str], name: str):
+    def compiled(x):
+        calls.append(name)
+        return CompiledFunction.apply(x, 0.0)
+
+    return compiled
+
+
+def test_the_first_step_is_counted_then_each_graph_compiles_again_under_its_share(caplog):
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    recompiled: list[tuple[str, int]] = []
+
+    def add(name: str, low: int, high: int):
+        def recompile(share: int):
+            recompiled.append((name, share))
+            return _stand_in(calls, f"{name}@{share // MIB}"), lambda: _plan(low, high, scheduled=low)
+
+        return budget.add(name, _stand_in(calls, name), lambda: _plan(low, high, scheduled=low), recompile)
+
+    block = add("block", 5 * MIB, 10 * MIB)  # called for each of 2 layers
+    head = add("head", 10 * MIB, 20 * MIB)
+    x = torch.ones(4, requires_grad=True)
+
+    def step():
+        head(block(block(x))).sum().backward()
+
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        step()
+    assert budget.state == "done" and [g.most_calls for g in budget.graphs()] == [2, 1]
+    assert recompiled == []  # at the next call of each, not inside the backward
+    step()
+    # floor 2 x 5 + 10 = 20, room 2 x 5 + 10 = 20: half of each range
+    assert recompiled == [("block", int(7.5 * MIB)), ("head", 15 * MIB)]
+    assert calls[-3:] == ["block@7", "block@7", "head@15"]
+    assert "split over 2 graph(s)" in caplog.text
+    assert torch.equal(x.grad, torch.full((4,), 16.0))  # every step a real step: 2 x 8 per step
+
+    # A graph compiled later (new sizes): its minimum plan now, a new split after the next full step.
+    extra = add("extra", 1 * MIB, 3 * MIB)
+    assert budget.state == "wait"
+    extra(head(block(block(x)))).sum().backward()
+    assert budget.splits == 2 and budget.state == "done"
+    # floor 2 x 5 + 10 + 1 = 21 of 30, room 10 + 10 + 2 = 22: each graph a share of 9/22 of its range
+    shares = {g.name: g.budget_bytes for g in budget.graphs()}
+    assert shares["extra"] == 1 * MIB + int(9 / 22 * 2 * MIB) and all(g.pending for g in budget.graphs())
+    assert 2 * shares["block"] + shares["head"] + shares["extra"] <= 30 * MIB
+
+
+def test_a_step_ends_only_when_every_backward_has_run():
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    def failing(share):
+        raise RuntimeError("no compiler here")
+
+    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB), failing)
+    x = torch.ones(4, requires_grad=True)
+    first, second = graph(x), graph(x)  # two micro-batches in flight
+    first.sum().backward()
+    assert budget.state == "count"
+    second.sum().backward()
+    assert budget.state == "done" and budget.graphs()[0].most_calls == 2
+    late = budget.add("late", _stand_in(calls, "late"), lambda: _plan(MIB, 2 * MIB), failing)
+    budget.state = "done"  # as if it had been compiled before the split, and not called in the step counted
+    late(x).sum().backward()
+    assert budget.state == "wait"  # first called after the split: the next step is counted again
+    with torch.no_grad(), pytest.warns(UserWarning, match="failed .*no compiler here.*keeps the plan it runs"):
+        graph(x)  # no backward to wait for: not counted; the recompile fails, the graph runs on
+    assert budget.outstanding == 0 and calls == ["g", "g", "late", "g"]
+
+
+class _ThreeGraphs(nn.Module):
+    """Three residual blocks with a graph break after each of the first two: three graphs
+    whose activations dwarf their weights."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                                  nn.Linear(4 * d, d), nn.GELU()) for _ in range(3))
+
+    def forward(self, x):
+        x = x + self.blocks[0](x)
+        torch._dynamo.graph_break()
+        x = x + self.blocks[1](x)
+        torch._dynamo.graph_break()
+        return x + self.blocks[2](x)
+
+
+def _peaks(model, eager, x, steps: int, **options) -> list[int]:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(**options))
+    peaks = []
+    for _ in range(steps):
+        for p in (*model.parameters(), *eager.parameters()):
+            p.grad = None
+        with compile_offload.measure_peak("cpu") as measured:
+            compiled(x).square().mean().backward()
+        peaks.append(measured.peak_bytes)
+        eager(x).square().mean().backward()
+        for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    return peaks
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_step_of_three_graphs_keeps_one_budget_where_three_budgets_would_not(caplog):
+    torch.manual_seed(0)
+    model = _ThreeGraphs()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2048, 64)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        unconstrained = _peaks(model, eager, x, 1, memory_budget="1GiB")[0]
+        budget = int(unconstrained * 0.92)
+        per_graph = _peaks(model, eager, x, 2, memory_budget=budget)
+        with caplog.at_level(logging.INFO, logger="compile_offload"):
+            per_step = _peaks(model, eager, x, 3, memory_budget=budget, budget_scope="step")
+    assert min(per_graph) > budget  # each graph under the whole budget: the step over it
+    assert "split over 3 graph(s)" in caplog.text, caplog.text
+    assert max(per_step[1:]) <= budget * 1.01, (per_step, budget)  # after the split
+    assert per_step[0] <= budget * 1.01  # the first step, at the minimum-memory plans
