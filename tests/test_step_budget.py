@@ -50,6 +50,9 @@ def _plan(min_bytes: int, max_bytes: int, scheduled: int | None = None, fallback
 def test_a_graphs_need_is_its_minimum_plans_scheduled_peak_up_to_its_unconstrained_one():
     assert need_of("g", _plan(100, 300, scheduled=120), 2) == GraphNeed("g", 2, 120, 300)
     assert need_of("g", _plan(100, 300), 1) == GraphNeed("g", 1, 100, 300)
+    above = _plan(100, 300, scheduled=280)
+    above.predicted_peak_bytes = 270  # not the minimum-memory plan: its scheduled peak says nothing of the minimum
+    assert need_of("g", above, 1) == GraphNeed("g", 1, 100, 300)
     assert need_of("g", _plan(0, 0, fallback="UnsupportedGraph"), 1) is None
     assert need_of("g", None, 1) is None
 
@@ -175,3 +178,18 @@ def test_a_step_of_three_graphs_keeps_one_budget_where_three_budgets_would_not(c
     assert "split over 3 graph(s)" in caplog.text, caplog.text
     assert max(per_step[1:]) <= budget * 1.01, (per_step, budget)  # after the split
     assert per_step[0] <= budget * 1.01  # the first step, at the minimum-memory plans
+
+
+@pytest.mark.inductor
+def test_explain_all_shows_each_graph_under_its_share_of_the_step():
+    torch.manual_seed(0)
+    model, x = _ThreeGraphs(), torch.randn(2048, 64)
+    whole = compile_offload.explain_all(model, x, memory_budget="17MiB")
+    assert all(p.budget_bytes == 17 * MIB for p in whole)
+    shared = compile_offload.explain_all(model, x, memory_budget="17MiB", budget_scope="step")
+    assert len(shared) == 3 and sum(p.budget_bytes for p in shared) <= 17 * MIB
+    assert all(p.min_peak_bytes <= p.budget_bytes < 17 * MIB for p in shared)
+    assert all("planned under this graph's share" in p.notes[-1] for p in shared)
+    with pytest.warns(UserWarning, match="minimum-memory plans sum to .* above the memory budget 4.00 MiB"):
+        lowest = compile_offload.explain_all(model, x, memory_budget="4MiB", budget_scope="step")
+    assert all(p.predicted_peak_bytes == p.min_peak_bytes for p in lowest)

@@ -74,12 +74,15 @@ def split_budget(budget_bytes: int, needs: list[GraphNeed]) -> tuple[dict[str, i
 
 
 def need_of(name: str, plan: Plan | None, calls: int) -> GraphNeed | None:
-    """A graph's need from the plan it runs now (its minimum-memory plan, at first); None for
-    a graph without a plan of ours (torch's partition: nothing to plan or predict)."""
+    """A graph's need from a plan of it: from its minimum-memory peak (the scheduled one where
+    the plan is the minimum-memory plan, as the backend's first compile is, else the predicted
+    one) to its unconstrained predicted peak; None for a graph without a plan of ours (torch's
+    partition: nothing to plan or predict)."""
     if plan is None or plan.fallback is not None or not plan.decisions:
         return None
-    low = plan.scheduled_peak_bytes if plan.scheduled_peak_bytes is not None else plan.predicted_peak_bytes
-    low = max(low, plan.min_peak_bytes)
+    low = plan.min_peak_bytes
+    if plan.predicted_peak_bytes <= plan.min_peak_bytes and plan.scheduled_peak_bytes is not None:
+        low = max(low, plan.scheduled_peak_bytes)
     return GraphNeed(name, calls, low, max(low, plan.baseline_peak_bytes))
 
 

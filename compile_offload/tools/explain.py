@@ -24,6 +24,7 @@ host tensors here).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 import warnings
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from ..passes.cost import BUILTIN_PROFILE_MEMORY_BYTES
-from ..passes.plan import Plan
+from ..passes.plan import Plan, format_bytes
 
 from .. import settings as settings_mod
 from ..pipeline.device_profile import device_of
@@ -210,14 +211,24 @@ def explain_all(
     # memory model groups them as Triton would. With the budget loop the graph's own device
     # decides (it is lowered for real).
     for_gpu_here = _gpu_profile_on_host(settings, device)
+    step_scoped = settings.budget_scope == "step" and settings.budget_bytes is not None
+    # budget_scope="step": the graphs' minimum-memory plans first (as the backend's first
+    # step runs them), then each graph under its share of the step's budget
+    shares: list[int] | None = None
 
     def planning_backend(gm: torch.fx.GraphModule, inputs):
+        if shares is not None:
+            own = dataclasses.replace(settings, budget_bytes=shares[len(plans)])
+        elif step_scoped:
+            own = dataclasses.replace(settings, budget_bytes=None, budget_fraction=0.0)
+        else:
+            own = settings
         if lowers is None:
-            return compile_with_the_budget_loop(gm, inputs, settings, f"graph_{len(plans)}", plans)
+            return compile_with_the_budget_loop(gm, inputs, own, f"graph_{len(plans)}", plans)
         made: list = []
-        partitioner = OffloadRematPartitioner(settings, graph_name=f"graph_{len(plans)}", on_result=made.append,
+        partitioner = OffloadRematPartitioner(own, graph_name=f"graph_{len(plans)}", on_result=made.append,
                                               accelerator=True if for_gpu_here else None)
-        compiled = compile_like_backend(gm, inputs, partitioner, settings)
+        compiled = compile_like_backend(gm, inputs, partitioner, own)
         for result in made:
             if lowers and result.plan.decisions:
                 result.plan.notes.append(lowers)
@@ -239,14 +250,28 @@ def explain_all(
         def run(*args):
             return model_or_fn(*args)
 
-    compiled = torch.compile(_with_own_code(run), backend=planning_backend)
-    if lowers is None:
-        # The generated forward runs on the real tensors: leave the model's buffers (a
-        # BatchNorm's running statistics) and the random state as they were.
-        with _state_kept(module):
+    def plan_every_graph() -> None:
+        # A backend of its own each time: Dynamo keeps the code it compiled for the frames after
+        # a graph break per backend, and would run the first pass's again.
+        compiled = torch.compile(_with_own_code(run), backend=lambda gm, inputs: planning_backend(gm, inputs))
+        if lowers is None:
+            # The generated forward runs on the real tensors: leave the model's buffers (a
+            # BatchNorm's running statistics) and the random state as they were.
+            with _state_kept(module):
+                compiled(*inputs)
+        else:
             compiled(*inputs)
-    else:
-        compiled(*inputs)
+
+    plan_every_graph()
+    if step_scoped:
+        shares = _step_shares(plans, settings.budget_bytes)
+        if shares is not None:  # each graph again under its share, as the backend does after a step
+            plans.clear()
+            plan_every_graph()
+        what = "planned under this graph's share" if shares else "the minimum-memory plan, above its share"
+        for plan in plans:
+            plan.notes.append(f"budget_scope='step': {what} of the step's budget {format_bytes(settings.budget_bytes)} "
+                              "(each graph assumed called once per step; the backend counts a real step's calls)")
     recurrence = _eager_recurrence(module)
     if not plans:
         raise ValueError(
@@ -260,6 +285,26 @@ def explain_all(
     if recurrence:
         warnings.warn(f"compile_offload.tools.explain: {recurrence}", stacklevel=2)
     return plans
+
+
+def _step_shares(plans: list[Plan], budget_bytes: int) -> list[int] | None:
+    """Each graph's share of a step's budget (``runtime/step_budget.split_budget``) from its
+    minimum-memory plan ``plans``, one call per graph; None where a graph has no plan of ours
+    or the minimums exceed the budget (then the minimum-memory plans are shown, with a
+    warning, as the backend keeps them)."""
+    from ..runtime.step_budget import need_of, split_budget
+
+    needs = [need_of(f"{index}", plan, 1) for index, plan in enumerate(plans)]
+    if any(need is None for need in needs):
+        return None
+    shares, share = split_budget(budget_bytes, needs)
+    if share < 0:
+        warnings.warn(f"compile_offload.tools.explain: budget_scope='step': the graphs' minimum-memory plans sum "
+                      f"to {format_bytes(sum(n.min_bytes for n in needs))}, above the memory budget "
+                      f"{format_bytes(budget_bytes)}; each graph keeps its minimum-memory plan",
+                      stacklevel=3)
+        return None
+    return [shares[f"{index}"] for index in range(len(plans))]
 
 
 def _eager_recurrence(module: torch.nn.Module | None) -> str | None:
