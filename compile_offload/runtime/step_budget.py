@@ -96,6 +96,7 @@ class _Graph:
     most_calls: int = 0  # in any step counted: the split counts a graph as often as it was ever called
     budget_bytes: int | None = None  # its share, once split
     pending: bool = False  # compile again under ``budget_bytes`` at the next call
+    need: GraphNeed | None = None  # its range, read off its minimum-memory plan at the first split
     wrapper: Any = field(default=None, repr=False)
 
 
@@ -176,7 +177,11 @@ class StepBudget:
             if need is None:
                 left_out.append(graph.name)
                 continue
-            needs.append(need)
+            # The first need is its minimum-memory plan's; a plan under a share knows only the
+            # lowest peak its own search simulated, not the minimum.
+            graph.need = need if graph.need is None else GraphNeed(graph.name, need.calls, graph.need.min_bytes,
+                                                                   graph.need.max_bytes)
+            needs.append(graph.need)
         if left_out and tuple(left_out) not in self._warned:
             self._warned.add(tuple(left_out))
             warnings.warn(f"compile_offload: budget_scope='step': {', '.join(left_out)} ran torch's own partition "
