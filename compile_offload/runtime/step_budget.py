@@ -145,7 +145,9 @@ class StepBudget:
             return outputs
 
         run.graph = graph
-        run.graph_plan_of = lambda: graph.plan_of()  # the plan the graph runs now
+        # The plan the graph runs under its share (None before: ``verify_budget`` then waits, as
+        # the minimum-memory plan's budget is not the step's).
+        run.graph_plan_of = lambda: graph.plan_of() if graph.budget_bytes is not None and not graph.pending else None
         graph.wrapper = weakref.ref(run)
         self._graphs.append(weakref.ref(run))
         if self.state == "done":  # a graph after the split: split again after the next full step
