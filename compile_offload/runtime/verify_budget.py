@@ -69,10 +69,12 @@ def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str)
     ``TOLERANCE``."""
     if plan is None or plan.budget_bytes is None or measured_bytes <= plan.budget_bytes * (1 + TOLERANCE):
         return False
+    # memory_budget=0.0 asks for the minimum-memory plan: its budget is 0 bytes
+    over = f"+{measured_bytes / plan.budget_bytes - 1:.1%}" if plan.budget_bytes else "a budget of 0"
     warnings.warn(
         f"compile_offload: {graph_name}: verify_budget: the first compiled step measured "
         f"{format_bytes(measured_bytes)} at the allocator, above the memory budget "
-        f"{format_bytes(plan.budget_bytes)} (+{measured_bytes / plan.budget_bytes - 1:.1%}; predicted peak "
+        f"{format_bytes(plan.budget_bytes)} ({over}; predicted peak "
         f"{format_bytes(plan.predicted_peak_bytes)}). "
         + _why_over(plan)
         + "docs/troubleshooting.md, 'When memory surprises you'",
