@@ -146,12 +146,12 @@ def table(reference: Kernels, ours: Kernels, split: dict[str, float]) -> str:
 def profile(strategy: Strategy, suite: runner.Suite, inputs: Sequence, loss_fn: Callable) -> Kernels:
     """``strategy``'s step time (median of ``suite.steps``, after ``suite.warmup``) and the
     kernels of one more step, profiled."""
-    from compile_offload.torch_api import dynamo
+    from compile_offload.torch_api import dynamo, inductor
 
     dynamo.reset()
     runner.release_memory(suite.device)
     cuda = suite.device.type == "cuda"
-    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}), strategy.run_context():
+    with inductor.config.patch({"cpp.enable_kernel_profile": True}), strategy.run_context():
         model, _, _ = workloads.build(suite.workload, suite.size, suite.device, suite.dtype)
         fn = strategy.prepare(model)
 
