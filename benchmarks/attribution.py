@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compile_offload.runtime.kernel_costs import children_of, compiled_calls
+
 from . import runner, workloads
 from .strategies import Strategy
 
-CALL_MARK = "## Call CompiledFxGraph"
 OUR_OPS = "compile_offload::"
 CATEGORIES = ("copies and waits", "extra calls", "new kernels", "kernels gone", "same kernels, slower",
               "outside kernels")
@@ -92,13 +93,10 @@ def _phase(event) -> str:
 def kernels_of(events: Iterable, strategy: str, step_seconds: float, profiled_seconds: float, cuda: bool) -> Kernels:
     """The kernels of one profiled step (a profiler's ``FunctionEvent``s)."""
     found = Kernels(strategy, step_seconds, profiled_seconds)
-    for event in events:
-        if not event.name.startswith(CALL_MARK):
-            continue
-        phase = _phase(event)
-        for child in event.cpu_children:
-            seconds = (child.device_time_total if cuda else child.cpu_time_total) * 1e-6
-            found.add(phase, child.name, seconds)
+    for call in compiled_calls(events):
+        phase = _phase(call)
+        for child in children_of(call, cuda):
+            found.add(phase, child.name, child.seconds)
     return found
 
 

@@ -106,16 +106,21 @@ class MeasuredCosts:
         return seconds
 
 
+def compiled_calls(events: Iterable) -> list:
+    """The compiled graphs' calls among ``events`` (a profiler's ``FunctionEvent``s), in order."""
+    return [event for event in events if event.name.startswith(CALL_MARK)]
+
+
+def children_of(call, cuda: bool) -> list[Event]:
+    """The direct children of a compiled graph's call, in order, with their time (device time
+    on CUDA): its kernels and the wrapper's ops."""
+    children = sorted(call.cpu_children, key=lambda e: e.time_range.start)
+    return [Event(e.name, (e.device_time_total if cuda else e.cpu_time_total) * 1e-6) for e in children]
+
+
 def call_events(events: Iterable, cuda: bool) -> list[list[Event]]:
-    """For each compiled graph's call among ``events`` (a profiler's ``FunctionEvent``s), in
-    order: its direct children with their time (device time on CUDA)."""
-    calls = []
-    for event in events:
-        if not event.name.startswith(CALL_MARK):
-            continue
-        children = sorted(event.cpu_children, key=lambda e: e.time_range.start)
-        calls.append([Event(e.name, (e.device_time_total if cuda else e.cpu_time_total) * 1e-6) for e in children])
-    return calls
+    """For each compiled graph's call among ``events``, in order: ``children_of`` it."""
+    return [children_of(call, cuda) for call in compiled_calls(events)]
 
 
 def kernel_seconds(graph: GraphKernels, events: Sequence[Event]) -> list[tuple[Kernel, float]]:
