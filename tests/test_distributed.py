@@ -252,12 +252,12 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
 
     x = _batch(rank, 0, tokens=512)
 
-    def measure(ddp_module, budget, optimize_ddp):
+    def measure(ddp_module, budget, optimize_ddp, scope="graph"):
         torch._dynamo.reset()
         capture.graphs.clear()
         torch._dynamo.config.optimize_ddp = optimize_ddp
         step = torch.compile(ddp_module, backend=compile_offload.offload_remat(
-            memory_budget=budget, offload=False, inner_compiler="eager", device_profile="cpu"))
+            memory_budget=budget, offload=False, inner_compiler="eager", device_profile="cpu", budget_scope=scope))
         handler, logger = _ListHandler(), logging.getLogger("compile_offload")
         level = logger.level
         logger.addHandler(handler)
@@ -293,6 +293,9 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
         uncounted = measure(memory_ddp, fitting, True)
     finally:
         ddp_support.bucket_graph_count = counter
+    # budget_scope="step": the same budget split between the bucket graphs by what each needs
+    # (their minimum-memory plans in the first step, then each compiled again under its share).
+    step_scope = measure(memory_ddp, fitting, True, scope="step")
     single = {budget: measure(memory_ddp, budget, False) for budget in (0.0, 0.75)}
     torch._dynamo.config.optimize_ddp = True
 
@@ -303,7 +306,7 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     reference_grads = {n: p.grad.clone() for n, p in reference_model.named_parameters()}
     return {"eager": eager, "compiled": compiled, "graphs": parity_graphs,
             "warnings": [str(w.message) for w in caught], "split": split, "uncounted": uncounted,
-            "fitting": fitting, "single": single, "reference_grads": reference_grads}
+            "fitting": fitting, "single": single, "step_scope": step_scope, "reference_grads": reference_grads}
 
 
 class _ListHandler(logging.Handler):
@@ -464,6 +467,33 @@ def test_ddp_budget_falls_back_to_per_graph_with_a_warning_when_bucket_graphs_ca
     messages = [m for m in run["warnings"] if "DDPOptimizer" in m]
     assert len(messages) == 1, run["warnings"]
     assert "optimize_ddp = False" in messages[0]
+
+
+def test_ddp_step_scope_splits_the_budget_between_bucket_graphs_by_need(ddp_results):
+    """``budget_scope="step"`` under DDPOptimizer: the bucket graphs run their minimum-memory
+    plans in the first step, then each is planned under its share of its own range (not B // N),
+    the shares sum to at most B, the measured step stays within B, and gradients equal eager."""
+    fitting = ddp_results[0]["fitting"]
+    for result in ddp_results:
+        run = result["step_scope"]
+        plans = run["plans"]
+        assert len(plans) >= 6 and len(plans) % 2 == 0, [p.summary() for p in plans]
+        minimum, shared = plans[:len(plans) // 2], plans[len(plans) // 2:]
+        assert all(p.budget_bytes == 0 for p in minimum), [p.summary() for p in plans]  # memory_budget 0.0
+        shares = {p.graph_name: p for p in shared}
+        assert len(shares) == len(minimum), [p.summary() for p in plans]
+        assert set(shares) == {p.graph_name for p in minimum}
+        budgets = [p.budget_bytes for p in shares.values()]
+        assert sum(budgets) <= fitting, (budgets, fitting)
+        assert len(set(budgets)) > 1 and budgets != [fitting // len(budgets)] * len(budgets), budgets
+        for low in minimum:  # each share lies in its graph's range, its minimum first
+            assert low.min_peak_bytes <= shares[low.graph_name].budget_bytes, (low.summary(), budgets)
+        assert all(p.feasible for p in shares.values()), [p.summary() for p in shares.values()]
+        assert not [m for m in run["warnings"] if "split evenly" in m or "DDPOptimizer" in m], run["warnings"]
+        assert [m for m in run["info"] if "split over" in m], run["info"]
+        torch.testing.assert_close(run["grads"], result["reference_grads"], rtol=1e-5, atol=1e-6)
+    measured = ddp_results[0]["step_scope"]["measured"]
+    assert measured <= 1.1 * fitting, (measured, fitting)
 
 
 def test_ddp_step_peak_is_bounded_by_the_sum_of_the_bucket_graphs_peaks(ddp_results):

@@ -129,6 +129,21 @@ def test_a_step_ends_only_when_every_backward_has_run():
     assert budget.outstanding == 0 and calls == ["g", "g", "late", "g"]
 
 
+def test_a_call_on_fake_tensors_is_not_part_of_a_step():
+    """DDPOptimizer runs each bucket graph on fake tensors while it compiles the next: such a
+    call's backward never runs, and counted it would keep every step from ending."""
+    from compile_offload.torch_api.fake_tensors import FakeTensorMode
+
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB), lambda share: None)
+    with FakeTensorMode() as mode:
+        graph(mode.from_tensor(torch.ones(4, requires_grad=True)))
+    assert budget.outstanding == 0 and budget.state == "wait"
+    graph(torch.ones(4, requires_grad=True)).sum().backward()
+    assert budget.state == "done" and budget.graphs()[0].most_calls == 1 and calls == ["g", "g"]
+
+
 class _ThreeGraphs(nn.Module):
     """Three residual blocks with a graph break after each of the first two: three graphs
     whose activations dwarf their weights."""

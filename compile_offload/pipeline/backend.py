@@ -152,9 +152,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
 
 def _step_scoped(settings: Settings) -> bool:
-    """Whether the graph's byte budget is the step's (``budget_scope="step"``): not for a
-    fraction (each graph's own) nor a DDPOptimizer bucket graph (split evenly, ``ddp.py``)."""
-    return settings.budget_scope == "step" and settings.budget_bytes is not None and ddp.bucket_index() is None
+    """Whether the graph's byte budget is the step's (``budget_scope="step"``), not for a
+    fraction (each graph's own). A DDPOptimizer bucket graph is one of the step's graphs like
+    any other: split by what it needs, where ``"graph"`` splits a byte budget evenly (``ddp.py``)."""
+    return settings.budget_scope == "step" and settings.budget_bytes is not None
 
 
 _warned_measured_off: list[bool] = []
@@ -207,7 +208,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     bucket_graphs = None
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()
-        settings = ddp.budget_per_bucket(settings, bucket_graphs)
+        if settings.budget_scope != "step":  # under "step" the StepBudget splits it (by need, not evenly)
+            settings = ddp.budget_per_bucket(settings, bucket_graphs)
     results: list[PartitionResult] = []
     # With Inductor and a budget the budget loop reports each plan once its code is known.
     recorder = scheduled_peak.recorder_for(settings) if settings.inner_compiler == "inductor" else None

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..passes.plan import Plan, format_bytes
+from ..torch_api.utils import tree_leaves
 from .step_measure import compiled_backward_node
 
 log = logging.getLogger("compile_offload")
@@ -122,6 +123,8 @@ class StepBudget:
         budget = self
 
         def run(*args):
+            if _fake(args):  # DDPOptimizer runs each bucket graph on fake tensors while compiling: not a step
+                return graph.compiled(*args)
             if graph.pending:
                 graph.pending = False
                 log.info("%s: budget_scope='step': compiling this graph again under its share of the step's "
@@ -210,6 +213,12 @@ class StepBudget:
                 continue
             graph.budget_bytes = share_bytes
             graph.pending = True
+
+
+def _fake(args: tuple) -> bool:
+    from ..torch_api.fake_tensors import FakeTensor
+
+    return any(isinstance(arg, FakeTensor) for arg in tree_leaves(args))
 
 
 _budgets: "weakref.WeakKeyDictionary[Any, dict[int, StepBudget]]" = weakref.WeakKeyDictionary()
