@@ -129,6 +129,124 @@ def test_a_step_ends_only_when_every_backward_has_run():
     assert budget.outstanding == 0 and calls == ["g", "g", "late", "g"]
 
 
+class _Meter:
+    """A stand-in whole-step meter (CUDA's in the backend) reading out the peaks given."""
+
+    def __init__(self, peaks: list[int]) -> None:
+        self.peaks, self.started = list(peaks), 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def peak_bytes(self) -> int:
+        return self.peaks.pop(0)
+
+
+def test_a_measured_step_over_the_budget_holds_its_excess_back_and_splits_again(caplog):
+    """On CUDA the first step run wholly under the shares is measured; memory outside the
+    graphs (FSDP2's gradients, a loss outside them) took it 4 MiB over, so 4 MiB is held
+    back and the graphs split the rest; the next step measured within the budget."""
+    meter = _Meter([34 * MIB, 29 * MIB])
+    budget = StepBudget(30 * MIB, meter)
+    calls: list[str] = []
+    shares: list[tuple[str, int]] = []
+
+    def add(name: str, low: int, high: int):
+        def recompile(share: int):
+            shares.append((name, share))
+            return _stand_in(calls, name), lambda: _plan(low, high, scheduled=low)
+
+        return budget.add(name, _stand_in(calls, name), lambda: _plan(low, high, scheduled=low), recompile)
+
+    block, head = add("block", 5 * MIB, 10 * MIB), add("head", 10 * MIB, 20 * MIB)
+    x = torch.ones(4, requires_grad=True)
+
+    def step():
+        head(block(block(x))).sum().backward()
+
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        step()  # counted: the split, half of each range
+        step()  # each graph compiles again under its share: not measured
+        assert meter.started == 0 and shares == [("block", int(7.5 * MIB)), ("head", 15 * MIB)]
+        step()  # wholly under the shares: measured, 34 MiB
+        assert meter.started == 1 and budget.measured_excess == 4 * MIB and budget.corrections == 1
+        assert {g.name: g.budget_bytes for g in budget.graphs()} == {"block": int(6.5 * MIB), "head": 13 * MIB}
+        step()  # compiles again under 26 MiB's split (floor 20, room 20: 30%)
+        step()  # measured again: 29 MiB, within
+    assert meter.started == 2 and not meter.peaks and budget.corrections == 1
+    assert "4.00 MiB more is held back" in caplog.text and "measured 29.00 MiB at the allocator, within" in caplog.text
+    step()  # nothing more is measured
+    assert meter.started == 2
+
+
+def test_a_step_still_over_after_the_corrections_warns_with_its_measured_peak():
+    meter = _Meter([40 * MIB, 40 * MIB, 40 * MIB])
+    budget = StepBudget(30 * MIB, meter)
+    graph = budget.add("g", _stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB),
+                       lambda share: (_stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB)))
+    x = torch.ones(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            graph(x).sum().backward()
+    messages = [str(w.message) for w in caught]
+    # 10 MiB held back, then 20 in all: the graph's share went 30, 20, 10 MiB, each step measured 40
+    assert budget.corrections == 2 and budget.measured_excess == 20 * MIB
+    over = [m for m in messages if "measured 40.00 MiB at the allocator" in m]
+    assert len(over) == 1 and "after 2 correction(s)" in over[0] and "+33.3%" in over[0], messages
+    assert not meter.peaks
+
+
+def test_parameters_gathered_for_the_step_and_freed_in_it_are_held_back_from_the_split(caplog):
+    """FSDP2 all-gathers a module's parameters before its graph runs and frees their storage
+    after (resize to 0): graph inputs, in no graph's peak. Here two "modules" of 1 MiB and
+    2 MiB, each gathered for its own call and backward, and a persistent 4 MiB parameter
+    (not gathered: counted for nothing). The most gathered at once, 3 MiB (in the backward
+    of the first, the second not yet freed), is held back from the split."""
+    budget = StepBudget(30 * MIB)
+    small, large = (nn.Parameter(torch.zeros(n * MIB // 4)) for n in (1, 2))
+    persistent = nn.Parameter(torch.zeros(MIB))
+    graphs = {}
+
+    def gathered(x, weight, also):
+        return CompiledFunction.apply(x, 0.0)
+
+    for name in ("first", "second"):
+        graphs[name] = budget.add(name, gathered, lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB),
+                                  lambda share: (gathered, lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)))
+
+    def free(parameter):
+        def hook(*_):
+            parameter.untyped_storage().resize_(0)
+
+        return hook
+
+    x = torch.ones(4, requires_grad=True)
+    h = graphs["first"](x, small, persistent)
+    h.grad_fn.register_hook(free(small))  # freed after its backward, the last to run
+    y = graphs["second"](h, large, persistent)
+    y.grad_fn.register_hook(free(large))
+    with caplog.at_level(logging.INFO, logger="compile_offload"), pytest.warns(UserWarning) as caught:
+        y.sum().backward()
+    assert budget.splits == 1 and budget.gathered_bytes == 3 * MIB and budget.reserved == 3 * MIB
+    # their gradients are not held back, and without a meter nothing says how much they took: one warning
+    (message,) = [str(w.message) for w in caught]
+    assert "not the gradients FSDP2 reduce-scatters" in message and "up to 3.00 MiB unsharded" in message
+    assert "less 3.00 MiB of parameters gathered outside the graphs (FSDP2)" in caplog.text
+    # the split is of what is left: floor 10, room 10 of 27 MiB: both unconstrained, 7 MiB to share
+    assert {g.name: g.budget_bytes for g in budget.graphs()} == {"first": 13.5 * MIB, "second": 13.5 * MIB}
+
+
+def test_without_a_meter_nothing_is_measured():
+    budget = StepBudget(30 * MIB)
+    graph = budget.add("g", _stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB),
+                       lambda share: (_stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB)))
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(4):
+        graph(x).sum().backward()
+    assert budget.splits == 1 and budget.to_check and not budget.measuring
+
+
 def test_a_call_on_fake_tensors_is_not_part_of_a_step():
     """DDPOptimizer runs each bucket graph on fake tensors while it compiles the next: such a
     call's backward never runs, and counted it would keep every step from ending."""

@@ -182,7 +182,8 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         again, again_plan_of, _ = _compile_graph(gm, example_inputs, share, dict(inductor_patches), mode, graph_name)
         return again, again_plan_of
 
-    budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes)
+    budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes,
+                             device_of(example_inputs))
     wrapped = budget.add(graph_name, compiled, plan_of, recompile)
     return wrapped, wrapped.graph_plan_of, graph_name
 

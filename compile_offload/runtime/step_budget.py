@@ -27,6 +27,18 @@ graph whose share changed is compiled again under it at its next call. A graph a
 and the next full step splits again. Calls whose backward never runs keep a step from ending: no split is made until one
 ends. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
 with a warning: their memory is not bounded.
+
+Memory outside the graphs is held back from B before the split:
+
+- parameters gathered for the step (FSDP2 all-gathers a module's parameters before its graph
+  runs and frees their storage after): graph inputs, so in no graph's peak. The most of them
+  alive at once in the step counted (``GatheredParameters``) is held back.
+- on CUDA, whatever else a measured step shows: the first step run wholly under the shares is
+  measured at the allocator; where it is over B by more than ``TOLERANCE``, the excess is held
+  back too and the budget split again, at most ``MAX_CORRECTIONS`` times, then one warning names
+  the measured peak. On the CPU no step is measured (its measure is a profiler, which cannot stay
+  open across several graphs and their backwards); where FSDP2 gathers parameters, one warning
+  says its reduce-scattered gradients are not held back.
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..passes.plan import Plan, format_bytes
-from ..torch_api.utils import tree_leaves
+from ..torch_api.utils import queue_backward_callback, tree_leaves
 from .step_measure import compiled_backward_node
 
 log = logging.getLogger("compile_offload")
@@ -101,15 +115,51 @@ class _Graph:
     wrapper: Any = field(default=None, repr=False)
 
 
-class StepBudget:
-    """The graphs one backend compiled under one byte budget, and the split between them."""
+# After a split, the first step run wholly under the shares is measured (where the device has a
+# cheap whole-step measure: CUDA); a step over the budget by more than TOLERANCE takes its excess
+# off the budget and splits again, at most this many times.
+TOLERANCE = 0.01
+MAX_CORRECTIONS = 2
 
-    def __init__(self, budget_bytes: int) -> None:
+
+class CudaStepMeter:
+    """A step's peak above its start at the CUDA caching allocator (its peak counter is reset
+    at the start, as ``measure_peak`` and ``verify_budget`` do)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start = 0
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._start = torch.cuda.memory_allocated(self.device)
+
+    def peak_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
+
+
+class StepBudget:
+    """The graphs one backend compiled under one byte budget, and the split between them.
+    ``meter`` measures a whole step's peak (``CudaStepMeter``; None where the device has no
+    cheap measure: the CPU's is a profiler, which a step spanning several graphs and their
+    backwards cannot hold open)."""
+
+    def __init__(self, budget_bytes: int, meter: Any = None) -> None:
         self.budget_bytes = budget_bytes
+        self.meter = meter
+        self.measuring = False  # the step under way is measured
+        self.to_check = False  # the first step wholly under the shares is still to be measured
+        self.corrections = 0
+        self.gathered_bytes = 0  # FSDP2's gathered parameters, the most held at once in the step counted
+        self.measured_excess = 0  # taken off the budget after a measured step exceeded it
+        self._needs: list[GraphNeed] = []
         self._graphs: list[weakref.ref] = []  # of each graph's wrapper: a graph Dynamo dropped drops out
         self.outstanding = 0  # calls whose backward has not run
         self.state = "wait"  # "wait" for a step to begin, "count" its calls, "done" once split
         self.splits = 0
+        self.gathered = GatheredParameters()  # of the step being counted
         self._warned: set[str] = set()
 
     def graphs(self) -> list[_Graph]:
@@ -136,12 +186,15 @@ class StepBudget:
                                   f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
                                   f"{error}); it keeps the plan it runs", stacklevel=2)
             budget._step_may_begin()
+            if budget.state == "count":
+                budget.gathered.see(args)
             outputs = graph.compiled(*args)
             node = compiled_backward_node(outputs)
             if node is not None:
                 budget.outstanding += 1
                 if budget.state == "count":
                     graph.calls += 1
+                    node.register_prehook(lambda *_: budget.gathered.sample())
                 elif budget.state == "done" and not graph.most_calls:  # left out of the split: count again
                     budget.state = "wait"
                 node.register_hook(lambda *_: budget._backward_done())
@@ -159,17 +212,60 @@ class StepBudget:
                      "plan; the next full step splits the budget again", name)
         return run
 
+    @property
+    def reserved(self) -> int:
+        """Bytes of the budget held back from the graphs' split: FSDP2's gathered parameters,
+        and what a measured step was over."""
+        return self.gathered_bytes + self.measured_excess
+
     def _step_may_begin(self) -> None:
-        if self.state == "wait" and self.outstanding == 0:
+        if self.outstanding:
+            return
+        if self.state == "wait":
             self.state = "count"
+            self.gathered = GatheredParameters()
             for graph in self.graphs():
                 graph.calls = 0
+        elif (self.state == "done" and self.to_check and self.meter is not None
+              and not any(graph.pending for graph in self.graphs())):
+            self.to_check, self.measuring = False, True
+            self.meter.start()
 
     def _backward_done(self) -> None:
         self.outstanding = max(0, self.outstanding - 1)
-        if self.outstanding == 0 and self.state == "count":
+        if self.state == "count":
+            self.gathered.sample()
+        if self.outstanding:
+            return
+        # At the end of the backward, not in it: FSDP2 frees the last module's gathered
+        # parameters (and reduce-scatters its gradients) in a callback queued at its start.
+        if self.state == "count":
             self.state = "done"
-            self._split()
+            _after_backward(self._split)
+        elif self.measuring:
+            self.measuring = False
+            _after_backward(lambda: self._checked(self.meter.peak_bytes()))
+
+    def _checked(self, peak: int) -> None:
+        """The first step under the shares measured ``peak``: within the budget, done; over it,
+        its excess is taken off the budget and the graphs split it again."""
+        if peak <= self.budget_bytes * (1 + TOLERANCE):
+            log.info("budget_scope='step': the first step under the split measured %s at the allocator, within the "
+                     "budget %s", format_bytes(peak), format_bytes(self.budget_bytes))
+            return
+        if self.corrections < MAX_CORRECTIONS and self.reserved < self.budget_bytes:
+            self.corrections += 1
+            self.measured_excess += peak - self.budget_bytes
+            log.info("budget_scope='step': the step measured %s at the allocator, over the budget %s: %s more is held "
+                     "back from the graphs (memory outside them) and the budget split again", format_bytes(peak),
+                     format_bytes(self.budget_bytes), format_bytes(peak - self.budget_bytes))
+            self._share(self._needs)
+            return
+        warnings.warn(f"compile_offload: budget_scope='step': the step measured {format_bytes(peak)} at the allocator, "
+                      f"above the memory budget {format_bytes(self.budget_bytes)} (+{peak / self.budget_bytes - 1:.1%}) "
+                      f"after {self.corrections} correction(s) of the split; memory outside the compiled graphs "
+                      "(FSDP2's gathered parameters and gradients, a loss outside them) is in no graph's plan",
+                      stacklevel=2)
 
     def _split(self) -> None:
         graphs = self.graphs()
@@ -193,18 +289,44 @@ class StepBudget:
                           "(no plan of ours): its memory is outside the split of the step's budget", stacklevel=2)
         if not needs:
             return
-        shares, share = split_budget(self.budget_bytes, needs)
+        self.gathered_bytes = self.gathered.most_held()
+        if self.gathered_bytes and self.meter is None and "gradients" not in self._warned:
+            self._warned.add("gradients")
+            warnings.warn(f"compile_offload: budget_scope='step': parameters gathered outside the graphs (FSDP2, "
+                          f"{format_bytes(self.gathered_bytes)} at most at once) are held back from the split of "
+                          f"the budget, but not the gradients FSDP2 reduce-scatters outside them (up to "
+                          f"{format_bytes(self.gathered.total())} unsharded), and on this device the step is not "
+                          "measured: it may exceed the budget by up to that much", stacklevel=2)
+        self.gathered = GatheredParameters()  # holds the parameters: let them go
+        self._needs = needs
+        self._share(needs)
+
+    def _share(self, needs: list[GraphNeed]) -> None:
+        """Split what the reserve leaves of the budget between ``needs``; mark each graph whose
+        share moved to compile again, and the next step wholly under the shares to be measured."""
+        graphs = self.graphs()
+        shares, share = split_budget(max(0, self.budget_bytes - self.reserved), needs)
         self.splits += 1
         rows = "\n".join(f"  {n.name}: {n.calls} call(s), minimum {format_bytes(n.min_bytes)}, unconstrained "
                          f"{format_bytes(n.max_bytes)} -> {format_bytes(shares[n.name])}" for n in needs)
-        log.info("budget_scope='step': the step's budget %s split over %d graph(s) (%s of each one's range):\n%s",
-                 format_bytes(self.budget_bytes), len(needs), "none" if share < 0 else f"{min(share, 1.0):.0%}", rows)
+        held = "".join(f", less {format_bytes(n)} {what}" for n, what in (
+            (self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2)"),
+            (self.measured_excess, "a measured step was over")) if n)
+        log.info("budget_scope='step': the step's budget %s%s split over %d graph(s) (%s of each one's range):\n%s",
+                 format_bytes(self.budget_bytes), held, len(needs), "none" if share < 0 else f"{min(share, 1.0):.0%}",
+                 rows)
         if share < 0:
             floor = sum(n.calls * n.min_bytes for n in needs)
+            plus = "".join(f" plus {format_bytes(n)} {what}" for n, what in (
+                (self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2: the most it held at once)"),
+                (self.measured_excess, "outside the graphs (a measured step was over by that)")) if n)
             warnings.warn(f"compile_offload: budget_scope='step': the graphs' minimum-memory plans need "
-                          f"{format_bytes(floor)} over a step ({len(needs)} graphs, their calls counted), above the "
-                          f"memory budget {format_bytes(self.budget_bytes)}; each keeps its minimum-memory plan",
+                          f"{format_bytes(floor)} over a step ({len(needs)} graphs, their calls counted){plus}, above "
+                          f"the memory budget {format_bytes(self.budget_bytes)}; each keeps its minimum-memory plan",
                           stacklevel=2)
+            for graph in graphs:  # a graph under an earlier share goes back down to its minimum
+                if graph.name in shares and graph.budget_bytes is not None:
+                    graph.budget_bytes, graph.pending = shares[graph.name], True
             return
         by_name = {graph.name: graph for graph in graphs}
         for name, share_bytes in shares.items():
@@ -213,6 +335,56 @@ class StepBudget:
                 continue
             graph.budget_bytes = share_bytes
             graph.pending = True
+        self.to_check = True
+
+
+class GatheredParameters:
+    """Parameters the graphs of a step take as inputs that are gathered for the step and freed
+    within it (FSDP2: all-gathered before a module's forward and backward, their storage
+    resized to 0 after), and the most of them alive at once.
+
+    Such parameters are in no graph's peak: they are graph inputs. Parameters that live
+    across steps (a model without FSDP2, or FSDP2's sharded ones) are not gathered and count
+    for nothing here. Which are gathered is known only at the step's end (their storage is
+    empty then), so each sample (a graph call's start, each backward's start and end) records
+    how much of every parameter seen so far is allocated, and ``most_held`` keeps the samples'
+    sums over the gathered ones. A parameter gathered before any graph has taken it (FSDP2's
+    root module, gathered for the whole step, first read by the last graph of the forward) is
+    counted from that graph's call on: in the backward, where every graph's peak is, it is."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, torch.Tensor] = {}
+        self._samples: list[dict[int, int]] = []
+
+    def see(self, args: tuple) -> None:
+        for arg in tree_leaves(args):
+            if isinstance(arg, torch.nn.Parameter):
+                self._seen.setdefault(id(arg), arg)
+        self.sample()
+
+    def sample(self) -> None:
+        if self._seen:
+            self._samples.append({key: _storage_bytes(tensor) for key, tensor in self._seen.items()})
+
+    def total(self) -> int:
+        """Bytes of every gathered parameter, each counted once."""
+        return sum(max((sample.get(key, 0) for sample in self._samples), default=0) for key in self._gathered())
+
+    def _gathered(self) -> set[int]:
+        return {key for key, tensor in self._seen.items() if _storage_bytes(tensor) == 0}
+
+    def most_held(self) -> int:
+        gathered = self._gathered()
+        return max((sum(n for key, n in sample.items() if key in gathered) for sample in self._samples), default=0)
+
+
+def _after_backward(callback: Callable[[], None]) -> None:
+    if not queue_backward_callback(callback):  # not inside a backward: now
+        callback()
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
 
 
 def _fake(args: tuple) -> bool:
@@ -224,9 +396,11 @@ def _fake(args: tuple) -> bool:
 _budgets: "weakref.WeakKeyDictionary[Any, dict[int, StepBudget]]" = weakref.WeakKeyDictionary()
 
 
-def step_budget_for(owner: Any, budget_bytes: int) -> StepBudget:
-    """The ``StepBudget`` of the graphs ``owner`` (a backend) compiles under ``budget_bytes``."""
+def step_budget_for(owner: Any, budget_bytes: int, device: torch.device | None = None) -> StepBudget:
+    """The ``StepBudget`` of the graphs ``owner`` (a backend) compiles under ``budget_bytes``;
+    on a CUDA ``device`` it measures the first step under each split."""
     per_budget = _budgets.setdefault(owner, {})
     if budget_bytes not in per_budget:
-        per_budget[budget_bytes] = StepBudget(budget_bytes)
+        meter = CudaStepMeter(device) if device is not None and device.type == "cuda" else None
+        per_budget[budget_bytes] = StepBudget(budget_bytes, meter)
     return per_budget[budget_bytes]

@@ -1,7 +1,8 @@
 """Private utilities of torch outside the compiler stack: ``torch.utils._config_module`` (the
 config machinery ``compile_offload.config`` is built on), ``torch.utils._pytree``,
 ``torch.utils._python_dispatch``, ``torch.utils._sympy``, ``torch.utils._triton``,
-``torch.fx._lazy_graph_module``, ``torch._logging`` and ``torch._ops``.
+``torch.fx._lazy_graph_module``, ``torch._logging``, ``torch._ops`` and the autograd engine's
+``queue_callback``.
 (``torch._prims_common`` is wrapped in ``passes/compat.py``: ``is_non_overlapping_and_dense``.)
 
 Checked on torch 2.11-2.14 (installed: 2.13).
@@ -18,8 +19,24 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 from torch.utils._sympy import functions as sympy_functions  # noqa: F401  (FloorDiv, Mod, ... as torch prints them)
 
 __all__ = ["Config", "ContextDecorator", "OpOverload", "OpOverloadPacket", "UNSET_SENTINEL", "disable_current_modes",
-           "install_config_module", "register_log", "sympy_functions", "trace_structured", "tree_leaves", "tree_map",
+           "install_config_module", "queue_backward_callback", "register_log", "sympy_functions", "trace_structured", "tree_leaves", "tree_map",
            "triton_utils", "use_lazy_graph_module"]
+
+# --- the autograd engine ------------------------------------------------------------------------
+
+
+def queue_backward_callback(callback) -> bool:
+    """Run ``callback`` once the backward under way has finished, after the callbacks queued
+    before it (FSDP2 queues its final post-backward from the backward's start); False, and
+    nothing queued, outside a backward."""
+    import torch
+
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    return True
+
 
 # --- torch.utils._config_module -----------------------------------------------------------------
 
