@@ -109,6 +109,9 @@ INVENTORY = {
     "torch.fx._lazy_graph_module._use_lazy_graph_module",
     # torch.fx.graph
     "torch.fx.graph._BoxedCodeGen",
+    # torch.autograd: the engine's final-callback queue (FSDP2 uses it too)
+    "torch.autograd.Variable._execution_engine",
+    "torch.autograd.Variable._execution_engine.queue_callback",
     # torch.utils._config_module
     "torch.utils._config_module.Config",
     "torch.utils._config_module.ContextDecorator",
@@ -146,6 +149,7 @@ AREA_MODULES = {
     "torch.fx": "utils",
     "torch._logging": "utils",
     "torch._ops": "utils",
+    "torch.autograd": "utils",
     "torch._prims_common": "utils",
 }
 TORCH_API = REPO / "compile_offload" / "torch_api"
