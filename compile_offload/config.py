@@ -133,9 +133,17 @@ verify_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_VE
 # use up to N budgets; "step" the whole training step: the graphs first run their
 # minimum-memory plans, and once the first step has ended the budget is split between them
 # by what each can use (runtime/step_budget.py), each graph compiled again under its share.
-# A fraction stays relative to each graph's own activations. DDPOptimizer's bucket graphs
-# are split evenly either way.
+# A fraction stays relative to each graph's own activations. DDPOptimizer's bucket graphs are
+# split by need under "step" (evenly under "graph"); the parameters FSDP2 gathers outside the
+# graphs are held back first, and on CUDA the first step under the split is measured and
+# the split corrected where it is over.
 budget_scope: str = Config(default="graph", env_name_default="COMPILE_OFFLOAD_BUDGET_SCOPE")
+
+# Bytes another user of the host link copies host->device as each backward of the graph
+# starts (FSDP2 uploading the next module's CPU-offloaded parameters; compile_offload.fit sets
+# it): the plan's reloads queue behind that copy, so it offloads less where the link is busy.
+# An int or a size string; 0 (default): the link is the plan's alone.
+shared_h2d_bytes = Config(default=0, env_name_default="COMPILE_OFFLOAD_SHARED_H2D_BYTES", value_type=Optional[str])
 
 # Measured plan choice: under a budget, with Inductor, compile a few candidate plans whose
 # Inductor code fits the budget (the planner's plan, plans made a little above and below

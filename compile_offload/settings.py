@@ -55,6 +55,7 @@ class Settings:
     measured_plan_choice: bool = False
     measured_plan_steps: int = 3
     budget_scope: str = "graph"
+    shared_h2d_bytes: int = 0
 
     @property
     def has_budget(self) -> bool:
@@ -348,6 +349,8 @@ def resolve(overrides: dict | None = None) -> Settings:
                                    from_environment("measured_plan_choice")),
         measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
+        shared_h2d_bytes=0 if values["shared_h2d_bytes"] is None else parse_bytes(values["shared_h2d_bytes"],
+                                                                                   "shared_h2d_bytes"),
     )
     return settings
 

@@ -45,7 +45,9 @@ class DeviceProfile:
 
     ``flops_per_second`` maps dtype names ("bfloat16", "float32", ...) to the matmul rate;
     a dtype not listed uses the ``float32`` rate (see :meth:`peak_flops`). Transfer
-    bandwidths are for pinned host memory.
+    bandwidths are for pinned host memory. ``shared_h2d_bytes``: what another user of the
+    link copies host->device at the start of each backward (FSDP2 uploading the next
+    module's offloaded parameters): the graph's reloads queue behind it.
     """
 
     name: str
@@ -54,6 +56,7 @@ class DeviceProfile:
     d2h_bandwidth: float  # bytes/s, device -> pinned host
     h2d_bandwidth: float  # bytes/s, pinned host -> device
     launch_overhead_seconds: float
+    shared_h2d_bytes: int = 0
     _frozen_flops: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,13 +71,16 @@ class DeviceProfile:
         overhead = self.launch_overhead_seconds
         if not (isinstance(overhead, (int, float)) and math.isfinite(overhead) and overhead >= 0):
             raise ValueError(f"DeviceProfile {self.name!r}: launch_overhead_seconds must be >= 0, got {overhead!r}")
+        shared = self.shared_h2d_bytes
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"DeviceProfile {self.name!r}: shared_h2d_bytes must be an int >= 0, got {shared!r}")
         # A private copy, so that mutating the caller's dict cannot change a frozen profile.
         object.__setattr__(self, "flops_per_second", flops)
         object.__setattr__(self, "_frozen_flops", tuple(sorted(flops.items())))
 
     def __hash__(self) -> int:  # the generated hash would fail on the dict field
         return hash((self.name, self._frozen_flops, self.memory_bandwidth, self.d2h_bandwidth,
-                     self.h2d_bandwidth, self.launch_overhead_seconds))
+                     self.h2d_bandwidth, self.launch_overhead_seconds, self.shared_h2d_bytes))
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         """FLOP/s for matmuls in ``dtype``.
@@ -90,8 +96,9 @@ class DeviceProfile:
         return min(self.flops_per_second.values())
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; :meth:`from_dict` rebuilds an equal profile."""
-        return {
+        """A JSON-ready dict; :meth:`from_dict` rebuilds an equal profile (``shared_h2d_bytes``
+        only where it is not 0, so that a device's stored profile reads the same)."""
+        data = {
             "name": self.name,
             "flops_per_second": dict(self.flops_per_second),
             "memory_bandwidth": self.memory_bandwidth,
@@ -99,6 +106,9 @@ class DeviceProfile:
             "h2d_bandwidth": self.h2d_bandwidth,
             "launch_overhead_seconds": self.launch_overhead_seconds,
         }
+        if self.shared_h2d_bytes:
+            data["shared_h2d_bytes"] = self.shared_h2d_bytes
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
@@ -107,7 +117,7 @@ class DeviceProfile:
             raise ValueError(f"a device profile must be a dict, got {type(data).__name__}")
         expected = {"name", "flops_per_second", "memory_bandwidth", "d2h_bandwidth", "h2d_bandwidth",
                     "launch_overhead_seconds"}
-        if set(data) != expected:
+        if set(data) - {"shared_h2d_bytes"} != expected:
             raise ValueError(f"device profile keys {sorted(data)} differ from {sorted(expected)}")
         if not isinstance(data["name"], str) or not isinstance(data["flops_per_second"], dict):
             raise ValueError("device profile: 'name' must be a string and 'flops_per_second' a dict")

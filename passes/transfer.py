@@ -19,7 +19,11 @@ the next reload on the link begins, whichever is earlier, and is issued before t
 node whose predicted start is no later than that. A reload issued later holds its device
 memory for a shorter time; one issued earlier would only add to the peak. Without
 prefetch (``prefetch=False``, a debugging switch) each reload is issued right before its
-first use, and its whole copy is exposed.
+first use, and its whole copy is exposed. Where another user shares the link
+(``DeviceProfile.shared_h2d_bytes``: FSDP2 uploading the next module's offloaded parameters
+as the backward starts), the host->device direction is busy with its copy first, and the
+reloads queue behind it; the shared copy's own time is not the plan's, only the delay it
+causes the reloads.
 
 The *exposed* time is what the compute stream spends waiting for copies; with the
 launches of the copy and wait ops, it is all that offloading adds to a step.
@@ -237,7 +241,7 @@ def _plan_reloads(a: JointAnalysis, backward: Schedule, offloaded: set[fx.Node],
         plan.reload_distance[tensor] = use - at
         plan.hidden_behind_seconds[tensor] = backward.starts[use] - backward.starts[at]
     plan.copies.extend(_simulate_reloads(backward, order, issue, [first_use[t] for t in order],
-                                         [duration[t] for t in order]))
+                                         [duration[t] for t in order], shared_h2d_seconds(profile)))
     plan.backward_exposed_seconds = sum(c.stall for c in plan.copies if c.direction == "h2d")
 
 
@@ -264,16 +268,22 @@ def latest_hidden_issue(schedule: Schedule, uses: Sequence[int], durations: Sequ
     return issue
 
 
+def shared_h2d_seconds(profile: DeviceProfile) -> float:
+    """How long the host->device link is busy with another user's copy as the backward starts."""
+    return transfer_seconds(profile.shared_h2d_bytes, profile, "h2d")
+
+
 def _simulate_reloads(backward: Schedule, order: list[fx.Node], issue: list[int], uses: list[int],
-                      durations: list[float]) -> list[Copy]:
-    """Run the backward with the reloads issued at ``issue``; stalls delay later compute."""
+                      durations: list[float], link_busy: float = 0.0) -> list[Copy]:
+    """Run the backward with the reloads issued at ``issue``, the link busy until
+    ``link_busy``; stalls delay later compute."""
     issued_at: dict[int, list[int]] = {}
     waited_at: dict[int, list[int]] = {}
     for k, (at, use) in enumerate(zip(issue, uses)):
         issued_at.setdefault(at, []).append(k)
         waited_at.setdefault(use, []).append(k)
     begin, end, stall = [0.0] * len(order), [0.0] * len(order), [0.0] * len(order)
-    now = link_free = 0.0
+    now, link_free = 0.0, link_busy
     starts = backward.starts
     ends = (*starts[1:], backward.total)  # backward.end(i), without a call per node
     for i in range(len(backward.nodes)):
@@ -302,7 +312,8 @@ class LinkEstimate:
     less than ``max_i(durations due by use_i - use_i)`` (the maximum lateness of the
     earliest-deadline-first order), and ``plan_transfers`` exposes some time exactly when
     that is positive. Both maxima are kept as prefix and suffix maxima over the sorted
-    copies, so one more copy costs a binary search.
+    copies, so one more copy costs a binary search. A link shared at the backward's start
+    (``shared_h2d_seconds``) moves every due time that much earlier.
     """
 
     def __init__(self, a: JointAnalysis, forward: Schedule, backward: Schedule, offloaded: Iterable[fx.Node],
@@ -310,6 +321,7 @@ class LinkEstimate:
         """``first_use``: ``first_backward_uses(a, backward, forward.index)``, when the
         caller keeps it (it depends on the schedules alone)."""
         self.a, self.profile, self.prefetch = a, profile, prefetch
+        self.link_busy = shared_h2d_seconds(profile)
         self.forward, self.backward = forward, backward
         self.forward_index = forward.index
         offloaded = [t for t in offloaded if t in self.forward_index]
@@ -329,7 +341,7 @@ class LinkEstimate:
         return self.forward.end(self.forward_index[tensor])
 
     def _due(self, tensor: fx.Node) -> float:
-        return self.backward.starts[self.first_use[tensor]]
+        return self.backward.starts[self.first_use[tensor]] - self.link_busy
 
     @staticmethod
     def _release_queue(copies: list[tuple[float, float]]) -> "_Queue":

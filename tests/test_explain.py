@@ -400,3 +400,19 @@ def test_explain_says_where_recurrent_modules_run_eagerly_outside_the_budget():
         plans = compile_offload.explain_all(model, x, memory_budget=0.5, device_profile="h100")
     assert plans and not [w for w in traced if "run eagerly" in str(w.message)]
     assert not any("allow_rnn" in note for plan in plans for note in plan.notes)
+
+
+def test_a_busy_host_link_makes_the_plan_offload_less():
+    """``shared_h2d_bytes``: with the link held at each backward's start by another user's
+    copy (FSDP2's parameter uploads), a reload can no longer hide behind the backward's first
+    kernels. With a gigabyte ahead of them the planner recomputes instead; the plan is no
+    faster and no larger for it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                                      torch.nn.Linear(2048, 512)) for _ in range(4)])
+    x = torch.randn(8192, 512)
+    free, busy = (compile_offload.explain(model, x, memory_budget=0.4, device_profile="h100", shared_h2d_bytes=shared)
+                  for shared in (0, "1GiB"))
+    assert free.count("offload") > 0 and busy.count("offload") < free.count("offload")
+    assert busy.predicted_step_seconds >= free.predicted_step_seconds
+    assert busy.feasible and busy.predicted_peak_bytes <= busy.budget_bytes

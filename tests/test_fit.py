@@ -60,6 +60,7 @@ def test_everything_on_the_device_when_it_fits():
     assert plan.per_block_activation_budget_bytes == 120 * KIB + slack // 4
     # each block uses at most its unconstrained peak
     assert plan.predicted_device_peak_bytes == plan.state_on_device_bytes + plan.activation_min_bytes + 4 * 80 * KIB
+    assert plan.shared_h2d_bytes == 0 and "host link" not in str(plan)  # nothing comes up the link
 
 
 def test_the_state_goes_to_the_host_when_it_does_not_fit():
@@ -74,6 +75,10 @@ def test_the_state_goes_to_the_host_when_it_does_not_fit():
     assert plan.activation_min_bytes == (120 + 3 * 30 + 16) * KIB
     assert plan.per_block_activation_budget_bytes >= 120 * KIB
     assert plan.predicted_device_peak_bytes <= budget
+    # the next block's parameters come up the host link as each block's backward starts
+    assert plan.shared_h2d_bytes == 100 * KIB and "host link: 100.00 KiB of parameters uploaded" in str(plan)
+    two_ranks = plan_step(600 * KIB, sizes(world_size=2))
+    assert two_ranks.parameters_on == "host" and two_ranks.shared_h2d_bytes == 50 * KIB  # each rank its shard
 
 
 def test_between_the_two_placements_the_first_blocks_keep_their_state_on_the_device():
@@ -83,6 +88,12 @@ def test_between_the_two_placements_the_first_blocks_keep_their_state_on_the_dev
     plan = plan_step(needed_host + 2 * block_state + KIB, sizes())
     assert (plan.parameters_on, plan.gradients_on, plan.optimizer_state_on) == ("split",) * 3
     assert plan.blocks_on_device == 2 and plan.fsdp2 and plan.cpu_offload
+    unequal = (100 * KIB, 100 * KIB, 60 * KIB, 50 * KIB)
+    blocks = sizes(parameter_bytes=320 * KIB, gradient_bytes=320 * KIB, optimizer_state_bytes=640 * KIB,
+                   block_parameter_bytes=unequal, block_gradient_bytes=unequal)
+    splits = [plan_step(budget, blocks) for budget in range(600 * KIB, 2048 * KIB, 8 * KIB)]
+    split = next(p for p in splits if p.parameters_on == "split" and p.blocks_on_device == 2)
+    assert split.shared_h2d_bytes == 60 * KIB  # the largest host block's: blocks 2 and 3 are on the host
     assert plan.state_on_device_bytes == host.state_on_device_bytes + 2 * block_state
     assert plan.activation_min_bytes == host.activation_min_bytes
     assert plan.predicted_device_peak_bytes <= plan.budget_bytes
@@ -221,6 +232,25 @@ def test_a_model_over_the_budget_trains_like_an_eager_loop(fitted):
 
     budgets = {p.budget_bytes for p in logs.latest_plans()}
     assert plan.per_block_activation_budget_bytes in budgets, budgets
+
+
+def test_the_blocks_are_planned_with_the_link_fsdp2_shares(monkeypatch):
+    """fit hands the plan's shared_h2d_bytes to the backend, so that the blocks' reloads are
+    planned behind FSDP2's parameter uploads; an explicit option wins."""
+    from compile_offload.pipeline import backend
+
+    asked = []
+    real = backend.offload_remat
+    monkeypatch.setattr(backend, "offload_remat", lambda **options: asked.append(options) or real(**options))
+    for options in ({}, {"shared_h2d_bytes": 0}):
+        torch.manual_seed(0)
+        result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                     inner_compiler="eager", **options)
+        result.close()
+        torch._dynamo.reset()
+    largest_block = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in Net().blocks)
+    assert result.plan.shared_h2d_bytes == largest_block
+    assert [a["shared_h2d_bytes"] for a in asked] == [largest_block, 0]
 
 
 def test_the_printed_plan_says_where_each_kind_of_state_lives(fitted, capsys):

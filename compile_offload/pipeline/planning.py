@@ -7,6 +7,7 @@ needs (the pinned pool's limit is set by the backend).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -76,6 +77,8 @@ def plan_partition(
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
         device = device_of(tensor_value(n) for n in joint_gm.graph.nodes)
         profile = resolve_profile(settings.device_profile, device)
+        if settings.shared_h2d_bytes:  # the link as this graph's reloads find it
+            profile = dataclasses.replace(profile, shared_h2d_bytes=settings.shared_h2d_bytes)
         if not compat.has_backward(joint):
             fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
             plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,

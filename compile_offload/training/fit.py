@@ -215,7 +215,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     had_group = dist.is_available() and dist.is_initialized()
     try:
         created = _prepare(model, blocks, plan, device)
-        backend = offload_remat(memory_budget=plan.per_block_activation_budget_bytes, **options)
+        # the blocks' reloads share the host link with FSDP2's parameter uploads (StepPlan.shared_h2d_bytes)
+        link = {"shared_h2d_bytes": plan.shared_h2d_bytes} if plan.shared_h2d_bytes else {}
+        backend = offload_remat(memory_budget=plan.per_block_activation_budget_bytes, **{**link, **options})
         for block in blocks:
             block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
         optimizer = optimizer_fn(model.parameters())

@@ -130,6 +130,9 @@ class StepPlan:
     fsdp2: bool = False  # the model is sharded with fully_shard
     cpu_offload: bool = False  # ... with CPUOffloadPolicy (the root, and the blocks after ``blocks_on_device``)
     blocks_on_device: int = 0  # the first blocks whose parameters, gradients and state stay on the device
+    # What FSDP2 uploads from the host as a block's backward starts (the next block's parameter
+    # shard, the largest of the host blocks'): the blocks' reloads share the link with it.
+    shared_h2d_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -148,6 +151,8 @@ class StepPlan:
             f"  activations: {b(self.activation_budget_bytes)} left, {b(self.per_block_activation_budget_bytes)} "
             f"per block's compiled graph (minimum {b(self.activation_min_bytes)})",
             f"  predicted device peak: {b(self.predicted_device_peak_bytes)}",
+            *([f"  host link: {b(self.shared_h2d_bytes)} of parameters uploaded as each block's backward starts, "
+               "ahead of the activations' reloads"] if self.shared_h2d_bytes else []),
             "  prepared with: " + ("FSDP2 fully_shard, CPUOffloadPolicy after the first "
                                    f"{self.blocks_on_device} blocks" if self.parameters_on == SPLIT
                                    else "FSDP2 fully_shard with CPUOffloadPolicy" if self.cpu_offload
@@ -232,6 +237,8 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
                      f"through FSDP2's CPUOffloadPolicy; the device holds {format_bytes(held_params)} of unsharded "
                      f"parameters ({held_how}) and {format_bytes(held_grads)} of gradients outside the blocks")
 
+    host_blocks = sizes.block_parameter_bytes[kept:] if where == SPLIT else sizes.block_parameter_bytes
+    shared_h2d = -(-max(host_blocks) // ranks) if offload else 0  # each rank uploads its shard, then all-gathers
     activation_budget = budget_bytes - state_on_device
     slack = activation_budget - activation_min
     per_block = sizes.block_activation_min_bytes + slack // n
@@ -246,7 +253,8 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
         activation_budget_bytes=activation_budget, per_block_activation_budget_bytes=per_block,
         activation_min_bytes=activation_min, predicted_device_peak_bytes=predicted_peak, blocks=n,
         world_size=ranks, fsdp2=fsdp2, cpu_offload=offload,
-        blocks_on_device=n if where == DEVICE else kept if where == SPLIT else 0, notes=notes)
+        blocks_on_device=n if where == DEVICE else kept if where == SPLIT else 0, shared_h2d_bytes=shared_h2d,
+        notes=notes)
 
 
 def _blocks_that_fit(room: int, sizes: StateSizes, ranks: int) -> tuple[int, int]:

@@ -13,11 +13,12 @@ from compile_offload.passes.transfer import LinkEstimate, backward_schedule, for
 from .joint_capture import Tower, capture_analysis
 
 
-def profile(link: float) -> DeviceProfile:
+def profile(link: float, shared_h2d_bytes: int = 0) -> DeviceProfile:
     """Slow compute, a link of ``link`` bytes/s each way, no launch overhead (so the
-    arithmetic below is exact)."""
+    arithmetic below is exact); ``shared_h2d_bytes`` copied by another user as the backward
+    starts."""
     return DeviceProfile(f"test-{link:g}", {"float32": 1e9}, memory_bandwidth=1e10, d2h_bandwidth=link,
-                         h2d_bandwidth=link, launch_overhead_seconds=0.0)
+                         h2d_bandwidth=link, launch_overhead_seconds=0.0, shared_h2d_bytes=shared_h2d_bytes)
 
 
 @functools.cache
@@ -140,6 +141,43 @@ def test_reloads_are_issued_as_late_as_still_hides_them():
     assert plan.backward_exposed_seconds == 0.0
 
 
+def test_a_link_shared_as_the_backward_starts_delays_the_reloads_behind_it():
+    """A reload hidden alone (issued half the compute before its use) waits, where FSDP2's
+    upload of the next module's parameters holds the link until its first use, its whole
+    copy; the forward's copies are not touched (the other direction)."""
+    analysis, saved = tower()
+    tensor = activations(analysis, saved)[1]
+    seconds = seconds_for(profile(1.0))
+    nodes, starts = backward_starts(analysis, saved, seconds)
+    use = first_use(analysis, nodes, tensor)
+    copy_seconds = 0.5 * starts[use]
+    link = analysis.bytes_of[tensor] / copy_seconds
+    alone = plan_transfers(analysis, saved, {tensor}, seconds_for(profile(link)), profile(link))
+    shared_bytes = int(link * starts[use])
+    busy = shared_bytes / link  # starts[use], to the byte
+    shared_device = profile(link, shared_h2d_bytes=shared_bytes)
+    shared = plan_transfers(analysis, saved, {tensor}, seconds_for(shared_device), shared_device)
+    assert alone.backward_exposed_seconds == 0.0
+    assert shared.backward_exposed_seconds == pytest.approx(busy + copy_seconds - starts[use])
+    assert shared.backward_exposed_seconds == pytest.approx(copy_seconds, rel=1e-4)
+    assert shared.forward_exposed_seconds == alone.forward_exposed_seconds
+    (reload,) = [c for c in shared.copies if c.direction == "h2d"]
+    assert reload.begin == pytest.approx(busy), "it begins once the shared copy is done"
+    estimate = LinkEstimate(analysis, forward_schedule(analysis, saved, seconds), backward_schedule(analysis, saved, seconds),
+                            set(), shared_device)
+    assert estimate.marginal(tensor)[1] == pytest.approx(busy + copy_seconds - starts[use])
+    assert LinkEstimate(analysis, forward_schedule(analysis, saved, seconds), backward_schedule(analysis, saved, seconds),
+                        set(), profile(link)).marginal(tensor)[1] == 0.0
+
+
+def test_a_profile_round_trips_its_shared_link_and_rejects_a_negative_one():
+    device = profile(1e9, shared_h2d_bytes=4096)
+    assert DeviceProfile.from_dict(device.to_dict()) == device and device.to_dict()["shared_h2d_bytes"] == 4096
+    assert "shared_h2d_bytes" not in profile(1e9).to_dict()  # stored profiles read as before
+    with pytest.raises(ValueError, match="shared_h2d_bytes must be an int >= 0"):
+        profile(1e9, shared_h2d_bytes=-1)
+
+
 def test_without_prefetch_every_reload_waits_its_whole_copy():
     analysis, saved = tower()
     offloaded = set(activations(analysis, saved)[:3])
@@ -168,14 +206,15 @@ def test_deferred_forward_wait_holds_the_device_copy():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(subset=st.lists(st.booleans(), min_size=4, max_size=4), extra=st.integers(0, 3),
-       link_exponent=st.floats(3.0, 9.0))
-def test_link_estimate_agrees_with_the_simulation(subset, extra, link_exponent):
+       link_exponent=st.floats(3.0, 9.0), shared=st.sampled_from([0, 1 << 12, 1 << 18]))
+def test_link_estimate_agrees_with_the_simulation(subset, extra, link_exponent, shared):
     """The solver's cheap estimate: forward exposure exact, its marginal the exact
-    difference; backward exposure a lower bound, positive exactly when the simulation's is."""
+    difference; backward exposure a lower bound, positive exactly when the simulation's is,
+    with or without a link shared as the backward starts."""
     analysis, saved = tower()
     tensors = activations(analysis, saved)
     offloaded = {t for t, chosen in zip(tensors, subset) if chosen}
-    device = profile(10**link_exponent)
+    device = profile(10**link_exponent, shared_h2d_bytes=shared)
     seconds = seconds_for(device)
     estimate = LinkEstimate(analysis, forward_schedule(analysis, saved, seconds),
                             backward_schedule(analysis, saved, seconds), offloaded, device)
