@@ -5,18 +5,22 @@
 #
 #   benchmarks/device_check.sh OUTDIR first    # <= 420 s: the equal-memory tables, GPT-8 then deep-24
 #   benchmarks/device_check.sh OUTDIR second   # <= 400 s: CUDA tests, GPT-8's step attribution, the budget contract
+#   benchmarks/device_check.sh OUTDIR fit      # <= 300 s: the whole step of a 1B GPT under one budget (a third call,
+#                                              #   where the lease has time left after the first two)
 #
 # "first" writes 6 files (env.txt, bench.log, gpt_equal_memory.md/.jsonl,
 # deep_equal_memory.md/.jsonl: `bench --equal-memory`, torch's strategies first, then ours at
 # each one's measured peak, with and without measured plan choice); "second" 7
 # (cuda_tests.log, attribution.log, gpt_attribution.md/.json, contract_cuda.md, its stderr,
-# and live_at_peak.txt: the allocations alive at each measured peak and the lines that made them). Each step has a hard limit, and what
+# and live_at_peak.txt: the allocations alive at each measured peak and the lines that made them); "fit" 3
+# (fit.log, gpt_fit.md/.jsonl: `bench --fit`, FSDP2 CPU offload with per-block checkpointing,
+# then compile_offload.fit at its device peak and at 4 GiB). Each step has a hard limit, and what
 # finished is written even when a later step runs out of time. The whole suite with every
 # strategy is benchmarks/gpu.sh (one full call of its own). PYTHON=... picks the interpreter.
 set -uo pipefail
 
-OUT=${1:?usage: benchmarks/device_check.sh OUTDIR first|second}
-PART=${2:?usage: benchmarks/device_check.sh OUTDIR first|second}
+OUT=${1:?usage: benchmarks/device_check.sh OUTDIR first|second|fit}
+PART=${2:?usage: benchmarks/device_check.sh OUTDIR first|second|fit}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -86,8 +90,17 @@ second)
         say "contract $model: exit $?"
     done
     ;;
+fit)
+    # A GPT of 20 blocks of width 2048 (1.0B parameters; bf16 parameters, gradients and
+    # AdamW state about 8 GB) under budgets below its parameters plus optimizer state: FSDP2's
+    # CPU offload with per-block checkpointing (its measured device peak is ours' first
+    # budget), then fit at that peak and at 4 GiB. AdamW steps on the host for the offloaded
+    # state: seconds per step on 16 cores, so few steps.
+    bench "$OUT/fit.log" 290 --fit --model gpt --device cuda --layers 20 --width 2048 --heads 16 --seq 1024 \
+        --batch 4 --budgets 4GiB --steps 3 --warmup 1 --out "$OUT" --tag gpt --no-predict
+    ;;
 *)
-    echo "device_check.sh: unknown part '$PART' (first or second)" >&2
+    echo "device_check.sh: unknown part '$PART' (first, second or fit)" >&2
     exit 2
     ;;
 esac

@@ -291,6 +291,23 @@ def test_bench_compares_hugging_face_offload_with_ours_on_a_tiny_hf_model(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.inductor
+def test_bench_fit_times_the_whole_step_against_fsdp2_cpu_offload_with_checkpointing(tmp_path):
+    """``bench --fit`` on the CPU: the baseline (per-block checkpointing, FSDP2 CPUOffloadPolicy)
+    and fit at each budget, optimizer steps included; a budget that holds the state on the
+    device and one that sends it to the host. Times only: the CPU has no device peak."""
+    result = _run_bench(tmp_path, "--smoke", "--fit", "--device", "cpu", "--budgets", "1MiB,64MiB")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "gpt_fit.jsonl").read_text().splitlines()]
+    assert [(r["strategy"], r["status"]) for r in rows] == [
+        ("fsdp2_offload_ckpt", "ok"), (f"fit:{2**20}", "ok"), (f"fit:{64 * 2**20}", "ok")]
+    assert [r.get("parameters_on") for r in rows[1:]] == ["host", "device"]
+    assert all(r["ms_median"] > 0 and r["device_peak_bytes"] is None for r in rows)
+    assert rows[1]["ms_vs_baseline"] == round(rows[1]["ms_median"] / rows[0]["ms_median"], 4)
+    table = (tmp_path / "gpt_fit.md").read_text()
+    assert "FSDP2 CPU offload + per-block checkpointing" in table and "64.00 MiB (--budgets)" in table
+    assert "fit at 1.00 MiB" in result.stderr  # progress, one line per strategy
+
+
 def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
     result = _run_bench(tmp_path, "--smoke", "--equal-memory", "--strategies", "compile,eager_ckpt",
                         "--budgets", "0.25", "--no-predict")
@@ -408,6 +425,11 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--torch-budgets", "2"], "--torch-budgets 2: .*must lie in \\[0, 1\\]"),
     (["--out", "/proc/no_such/out"], "--out /proc/no_such/out: cannot write into it"),
     (["--attribute", "--equal-memory"], "--attribute and --equal-memory: each is a run of its own"),
+    (["--fit", "--equal-memory"], "--equal-memory and --fit: each is a run of its own"),
+    (["--fit", "--budgets", "0.5"], "--fit --budgets 0.5: fit takes a byte budget"),
+    (["--fit", "--model", "resnet", "--budgets", "1MiB"], "--fit --model resnet: fit shards a model's blocks"),
+    (["--fit", "--device", "cpu"], "--fit on the CPU: give --budgets"),
+    (["--fit", "--strategies", "compile", "--budgets", "1MiB"], "--fit compares compile_offload.fit"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an

@@ -67,6 +67,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                      help="instead of the sweep: the baselines in --strategies (default: compile, torch_budget:0.5, "
                           "torch_sac_offload, eager_ckpt), then ours at each one's measured peak and at --budgets "
                           "(default: 0.25), with and without measured plan choice; one table of ratios to torch.compile")
+    run.add_argument("--fit", action="store_true",
+                     help="instead of the sweep: the whole training step (optimizer included) of FSDP2's CPU offload "
+                          "with per-block checkpointing, then compile_offload.fit at its device peak (CUDA) and at "
+                          "--budgets (sizes); one table of step times against that baseline")
     run.add_argument("--out", default="bench_out", help="folder for the results (default: bench_out)")
     run.add_argument("--tag", help="file name prefix of the results (default: the model name)")
 
@@ -120,9 +124,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.warmup is not None and args.warmup < 0:
         _fail(f"--warmup {args.warmup}: must be at least 0")
     modes = [flag for flag, on in (("--attribute", args.attribute), ("--equal-memory", args.equal_memory),
-                                   ("--find-max-batch", args.find_max_batch)) if on]
+                                   ("--find-max-batch", args.find_max_batch), ("--fit", args.fit)) if on]
     if len(modes) > 1:
         _fail(f"{' and '.join(modes)}: each is a run of its own; pick one")
+    if args.fit:
+        _check_fit_arguments(args)
     if args.time_limit is not None and not args.time_limit > 0:
         _fail(f"--time-limit {args.time_limit}: must be a positive number of seconds")
     if args.device:
@@ -155,6 +161,25 @@ def check_arguments(args: argparse.Namespace) -> None:
         _fail(f"--out {args.out}: {problem}")
 
 
+def _check_fit_arguments(args: argparse.Namespace) -> None:
+    from ..benchmarks import strategies as strategies_mod
+
+    if args.strategies:
+        _fail("--fit compares compile_offload.fit with FSDP2's CPU offload and per-block checkpointing; "
+              "drop --strategies")
+    if args.model not in ("gpt", "deep"):
+        _fail(f"--fit --model {args.model}: fit shards a model's blocks (an nn.ModuleList); use gpt or deep")
+    budgets = _parse_flag("--budgets", strategies_mod.parse_budget_list, args.budgets or "")
+    if any(b is None or isinstance(b, float) for b in budgets):
+        _fail(f"--fit --budgets {args.budgets}: fit takes a byte budget for the whole step (sizes such as 8GiB), "
+              "not a fraction")
+    import torch
+
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if not budgets and not on_cuda:
+        _fail("--fit on the CPU: give --budgets (sizes); fit runs at the baseline's device peak only on CUDA")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the sweep (or the max-batch search); 0 when every strategy ran or was
     unavailable here, 1 when some failed (their errors are in the results)."""
@@ -173,6 +198,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _run_max_batch(args, runner, workloads, size, device, dtype, budgets)
     if args.equal_memory:
         return _run_equal_memory(args, runner, workloads, size, device, dtype)
+    if args.fit:
+        return _run_fit(args, runner, size, device, dtype)
     if args.attribute:
         return _run_attribution(args, runner, size, device, dtype, budgets)
     torch_budgets = _parse_flag("--torch-budgets", lambda text: [strategies_mod.parse_torch_budget(t) for t in text.split(",")],
@@ -228,6 +255,24 @@ def _run_equal_memory(args, runner, workloads, size, device, dtype) -> int:
     rows, table = equal_memory.run_equal_memory(suite, baselines, extra, template)
     print(table)
     print(f"results: {suite.out_dir / (suite.tag + '_equal_memory.md')}", file=sys.stderr)
+    return 1 if any(row.get("status") == "error" for row in rows) else 0
+
+
+def _run_fit(args, runner, size, device, dtype) -> int:
+    """``--fit``: the whole step under one device budget, fit against FSDP2's CPU offload with
+    per-block checkpointing (``benchmarks/fit_step.py``)."""
+    from ..benchmarks import fit_step
+    from ..benchmarks import strategies as strategies_mod
+
+    budgets = _parse_flag("--budgets", strategies_mod.parse_budget_list, args.budgets or "")
+    inner_compiler = _pick(args.inner_compiler, "eager" if args.smoke else None, "inductor")
+    suite = _suite(args, runner, size, device, dtype, args.smoke, {"fit": True})
+    from ..settings import parse_bytes
+
+    rows, table = fit_step.run_fit_bench(suite, [parse_bytes(b, "memory_budget") for b in budgets], inner_compiler,
+                                         progress=lambda line: print(line, file=sys.stderr))
+    print(table)
+    print(f"results: {suite.out_dir / (suite.tag + '_fit.md')}", file=sys.stderr)
     return 1 if any(row.get("status") == "error" for row in rows) else 0
 
 
