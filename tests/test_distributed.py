@@ -29,6 +29,7 @@ a 1-rank NCCL run (``cuda``; skipped without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -258,23 +259,14 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
         torch._dynamo.config.optimize_ddp = optimize_ddp
         step = torch.compile(ddp_module, backend=compile_offload.offload_remat(
             memory_budget=budget, offload=False, inner_compiler="eager", device_profile="cpu", budget_scope=scope))
-        handler, logger = _ListHandler(), logging.getLogger("compile_offload")
-        level = logger.level
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(2):
-                    step(x).square().mean().backward()
-                ddp_module.zero_grad(set_to_none=True)
-                with measure_peak("cpu") as tracker:
-                    step(x).square().mean().backward()
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
+        with _logged() as (info, caught):
+            for _ in range(2):
+                step(x).square().mean().backward()
+            ddp_module.zero_grad(set_to_none=True)
+            with measure_peak("cpu") as tracker:
+                step(x).square().mean().backward()
         return {"measured": tracker.peak_bytes, "plans": capture.plans(), "warnings": [str(w.message) for w in caught],
-                "info": handler.messages, "grads": {n: p.grad.clone() for n, p in ddp_module.module.named_parameters()}}
+                "info": info, "grads": {n: p.grad.clone() for n, p in ddp_module.module.named_parameters()}}
 
     memory_model = copy.deepcopy(model)
     memory_ddp = _ddp(memory_model, bucket)
@@ -307,6 +299,23 @@ def ddp_scenario(rank: int, capture: _Capture) -> dict:
     return {"eager": eager, "compiled": compiled, "graphs": parity_graphs,
             "warnings": [str(w.message) for w in caught], "split": split, "uncounted": uncounted,
             "fitting": fitting, "single": single, "step_scope": step_scope, "reference_grads": reference_grads}
+
+
+@contextlib.contextmanager
+def _logged():
+    """The compile_offload INFO lines and the warnings raised inside the block:
+    ``(handler.messages, caught)``."""
+    handler, logger = _ListHandler(), logging.getLogger("compile_offload")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield handler.messages, caught
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class _ListHandler(logging.Handler):
@@ -627,18 +636,9 @@ def fsdp_scenario(rank: int, capture: _Capture) -> dict:
     step_model = shard(copy.deepcopy(model))
     step_scope = torch.compile(step_model, backend=compile_offload.offload_remat(
         memory_budget="4MiB", budget_scope="step", inner_compiler="eager", device_profile="cpu"))
-    handler, logger = _ListHandler(), logging.getLogger("compile_offload")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        with warnings.catch_warnings(record=True) as step_warnings:
-            warnings.simplefilter("always")
-            step_scoped = _train(step_scope, step_model, rank)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    step_run = {"trained": step_scoped, "info": handler.messages, "warnings": [str(w.message) for w in step_warnings],
+    with _logged() as (info, step_warnings):
+        step_scoped = _train(step_scope, step_model, rank)
+    step_run = {"trained": step_scoped, "info": info, "warnings": [str(w.message) for w in step_warnings],
                 "block_bytes": _bytes(model.blocks[0]), "model_bytes": _bytes(model)}
 
     # Collectives inside the graph: a hand-written FSDP all-gathering two weight shards.
