@@ -179,6 +179,52 @@ def test_a_measured_step_over_the_budget_holds_its_excess_back_and_splits_again(
     assert meter.started == 2
 
 
+def _two_graphs(budget: StepBudget):
+    """A block graph called twice and a head graph, both with room above their minimum."""
+    def add(name: str, low: int, high: int):
+        plan = lambda: _plan(low, high, scheduled=low)  # noqa: E731
+        return budget.add(name, _stand_in([], name), plan, lambda share: (_stand_in([], name), plan))
+
+    block, head = add("block", 5 * MIB, 10 * MIB), add("head", 10 * MIB, 20 * MIB)
+    x = torch.ones(4, requires_grad=True)
+    return lambda: head(block(block(x))).sum().backward()
+
+
+def test_a_measured_step_well_under_the_budget_gives_the_graphs_the_rest_once(caplog):
+    """The sum of peaks over-counts: the step under a split of 30 MiB measured 20. The 10 MiB
+    left are split too (the graphs compile again under more) and the next step measured 28:
+    kept; nothing more is measured or given."""
+    meter = _Meter([20 * MIB, 28 * MIB])
+    budget = StepBudget(30 * MIB, meter)
+    step = _two_graphs(budget)
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        for _ in range(3):
+            step()  # counted, recompiled, measured: 20 MiB
+        assert budget.measured_excess == -10 * MIB and budget.relaxations == 1
+        # 40 MiB split (floor 20, room 20): every graph unconstrained
+        assert {g.name: g.budget_bytes for g in budget.graphs()} == {"block": 10 * MIB, "head": 20 * MIB}
+        for _ in range(4):
+            step()  # recompiled, measured: 28 MiB, within; then nothing more
+    assert meter.started == 2 and not meter.peaks and budget.relaxed_from is None
+    assert "plus 10.00 MiB a measured step was under" in caplog.text
+    assert "measured 28.00 MiB at the allocator, within" in caplog.text
+
+
+def test_a_relaxed_split_that_measures_over_the_budget_goes_back_to_the_one_that_fit(caplog):
+    meter = _Meter([20 * MIB, 33 * MIB])
+    budget = StepBudget(30 * MIB, meter)
+    step = _two_graphs(budget)
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        for _ in range(5):
+            step()  # counted, recompiled, measured 20, recompiled, measured 33: back
+    assert budget.measured_excess == 0 and budget.relaxed_from is None and not budget.to_check
+    assert {g.name: g.budget_bytes for g in budget.graphs()} == {"block": int(7.5 * MIB), "head": 15 * MIB}
+    assert "back to the split that measured within it" in caplog.text
+    for _ in range(3):
+        step()
+    assert meter.started == 2 and budget.corrections == 0
+
+
 def test_a_step_still_over_after_the_corrections_warns_with_its_measured_peak():
     meter = _Meter([40 * MIB, 40 * MIB, 40 * MIB])
     budget = StepBudget(30 * MIB, meter)

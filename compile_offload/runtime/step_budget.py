@@ -36,9 +36,11 @@ Memory outside the graphs is held back from B before the split:
 - on CUDA, whatever else a measured step shows: the first step run wholly under the shares is
   measured at the allocator; where it is over B by more than ``TOLERANCE``, the excess is held
   back too and the budget split again, at most ``MAX_CORRECTIONS`` times, then one warning names
-  the measured peak. On the CPU no step is measured (its measure is a profiler, which cannot stay
-  open across several graphs and their backwards); where FSDP2 gathers parameters, one warning
-  says its reduce-scattered gradients are not held back.
+  the measured peak. Under ``RELAX_BELOW`` of B, the rest is given to the graphs once (the sum
+  of peaks over-counts), and taken back if the next measured step is over B. On the CPU no
+  step is measured (its measure is a profiler, which cannot stay open across several graphs
+  and their backwards); where FSDP2 gathers parameters, one warning says its reduce-scattered
+  gradients are not held back.
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ class _Graph:
 # off the budget and splits again, at most this many times.
 TOLERANCE = 0.01
 MAX_CORRECTIONS = 2
+# A first measured step under this part of the budget gives the rest to the graphs, once: the
+# sum of peaks over-counts (graphs do not peak at once). If the step then measures over the
+# budget, the split that measured within comes back.
+RELAX_BELOW = 0.95
 
 
 class CudaStepMeter:
@@ -152,6 +158,9 @@ class StepBudget:
         self.measuring = False  # the step under way is measured
         self.to_check = False  # the first step wholly under the shares is still to be measured
         self.corrections = 0
+        self.relaxations = 0
+        self.relaxed_from: int | None = None  # measured_excess before the relaxation being measured
+        self.last_share = -1.0  # the share of their ranges the graphs got at the last split
         self.gathered_bytes = 0  # FSDP2's gathered parameters, the most held at once in the step counted
         self.measured_excess = 0  # taken off the budget after a measured step exceeded it
         self._needs: list[GraphNeed] = []
@@ -247,11 +256,31 @@ class StepBudget:
             _after_backward(lambda: self._checked(self.meter.peak_bytes()))
 
     def _checked(self, peak: int) -> None:
-        """The first step under the shares measured ``peak``: within the budget, done; over it,
-        its excess is taken off the budget and the graphs split it again."""
-        if peak <= self.budget_bytes * (1 + TOLERANCE):
+        """The first step under the shares measured ``peak``: within the budget, done (well
+        under it, once, the rest is given to the graphs and measured again); over it, its excess
+        is taken off the budget and the graphs split it again (after a relaxation: the split
+        that measured within comes back)."""
+        budget = self.budget_bytes
+        if peak > budget * (1 + TOLERANCE) and self.relaxed_from is not None:
+            log.info("budget_scope='step': with the room given to the graphs the step measured %s, over the budget "
+                     "%s: back to the split that measured within it", format_bytes(peak), format_bytes(budget))
+            self.measured_excess, self.relaxed_from = self.relaxed_from, None
+            self._share(self._needs)
+            self.to_check = False  # measured already
+            return
+        if peak <= budget * (1 + TOLERANCE):
+            if peak < RELAX_BELOW * budget and not self.relaxations and 0 <= self.last_share < 1:
+                self.relaxations += 1
+                self.relaxed_from = self.measured_excess
+                self.measured_excess -= budget - peak
+                log.info("budget_scope='step': the first step under the split measured %s at the allocator, %s under "
+                         "the budget %s: the graphs share that too, and the next step is measured again",
+                         format_bytes(peak), format_bytes(budget - peak), format_bytes(budget))
+                self._share(self._needs)
+                return
+            self.relaxed_from = None
             log.info("budget_scope='step': the first step under the split measured %s at the allocator, within the "
-                     "budget %s", format_bytes(peak), format_bytes(self.budget_bytes))
+                     "budget %s", format_bytes(peak), format_bytes(budget))
             return
         if self.corrections < MAX_CORRECTIONS and self.reserved < self.budget_bytes:
             self.corrections += 1
@@ -307,11 +336,13 @@ class StepBudget:
         graphs = self.graphs()
         shares, share = split_budget(max(0, self.budget_bytes - self.reserved), needs)
         self.splits += 1
+        self.last_share = share
         rows = "\n".join(f"  {n.name}: {n.calls} call(s), minimum {format_bytes(n.min_bytes)}, unconstrained "
                          f"{format_bytes(n.max_bytes)} -> {format_bytes(shares[n.name])}" for n in needs)
-        held = "".join(f", less {format_bytes(n)} {what}" for n, what in (
-            (self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2)"),
-            (self.measured_excess, "a measured step was over")) if n)
+        held = "".join(f", {how} {format_bytes(n)} {what}" for how, n, what in (
+            ("less", self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2)"),
+            ("less", self.measured_excess, "a measured step was over"),
+            ("plus", -self.measured_excess, "a measured step was under")) if n > 0)
         log.info("budget_scope='step': the step's budget %s%s split over %d graph(s) (%s of each one's range):\n%s",
                  format_bytes(self.budget_bytes), held, len(needs), "none" if share < 0 else f"{min(share, 1.0):.0%}",
                  rows)
@@ -319,7 +350,7 @@ class StepBudget:
             floor = sum(n.calls * n.min_bytes for n in needs)
             plus = "".join(f" plus {format_bytes(n)} {what}" for n, what in (
                 (self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2: the most it held at once)"),
-                (self.measured_excess, "outside the graphs (a measured step was over by that)")) if n)
+                (self.measured_excess, "outside the graphs (a measured step was over by that)")) if n > 0)
             warnings.warn(f"compile_offload: budget_scope='step': the graphs' minimum-memory plans need "
                           f"{format_bytes(floor)} over a step ({len(needs)} graphs, their calls counted){plus}, above "
                           f"the memory budget {format_bytes(self.budget_bytes)}; each keeps its minimum-memory plan",
