@@ -135,7 +135,7 @@ verify_budget: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_VE
 # by what each can use (runtime/step_budget.py), each graph compiled again under its share.
 # A fraction stays relative to each graph's own activations. DDPOptimizer's bucket graphs are
 # split by need under "step" (evenly under "graph"); the parameters FSDP2 gathers outside the
-# graphs are held back first, and on CUDA the first step under the split is measured and
+# graphs are held back first, and on CUDA the second step under the split is measured and
 # the split corrected where it is over.
 budget_scope: str = Config(default="graph", env_name_default="COMPILE_OFFLOAD_BUDGET_SCOPE")
 

@@ -33,8 +33,8 @@ Memory outside the graphs is held back from B before the split:
 - parameters gathered for the step (FSDP2 all-gathers a module's parameters before its graph
   runs and frees their storage after): graph inputs, so in no graph's peak. The most of them
   alive at once in the step counted (``GatheredParameters``) is held back.
-- on CUDA, whatever else a measured step shows: the first step run wholly under the shares is
-  measured at the allocator; where it is over B by more than ``TOLERANCE``, the excess is held
+- on CUDA, whatever else a measured step shows: the second step run wholly under the shares (the first may
+  allocate once) is measured at the allocator; where it is over B by more than ``TOLERANCE``, the excess is held
   back too and the budget split again, at most ``MAX_CORRECTIONS`` times, then one warning names
   the measured peak. Under ``RELAX_BELOW`` of B, the rest is given to the graphs once (the sum
   of peaks over-counts), and taken back if the next measured step is over B. On the CPU no
@@ -117,7 +117,7 @@ class _Graph:
     wrapper: Any = field(default=None, repr=False)
 
 
-# After a split, the first step run wholly under the shares is measured (where the device has a
+# After a split, the second step run wholly under the shares is measured (where the device has a
 # cheap whole-step measure: CUDA); a step over the budget by more than TOLERANCE takes its excess
 # off the budget and splits again, at most this many times.
 TOLERANCE = 0.01
@@ -126,6 +126,9 @@ MAX_CORRECTIONS = 2
 # sum of peaks over-counts (graphs do not peak at once). If the step then measures over the
 # budget, the split that measured within comes back.
 RELAX_BELOW = 0.95
+# Steps run wholly under new shares before one is measured: the first run of new code may
+# allocate once (cuBLAS workspaces, autotuning), and verify_budget measures that step itself.
+SETTLING_STEPS = 1
 
 
 class CudaStepMeter:
@@ -156,7 +159,8 @@ class StepBudget:
         self.budget_bytes = budget_bytes
         self.meter = meter
         self.measuring = False  # the step under way is measured
-        self.to_check = False  # the first step wholly under the shares is still to be measured
+        self.to_check = False  # a step wholly under the shares is still to be measured
+        self.settling = 0  # steps wholly under the shares still to run before the one measured
         self.corrections = 0
         self.relaxations = 0
         self.relaxed_from: int | None = None  # measured_excess before the relaxation being measured
@@ -237,6 +241,9 @@ class StepBudget:
                 graph.calls = 0
         elif (self.state == "done" and self.to_check and self.meter is not None
               and not any(graph.pending for graph in self.graphs())):
+            if self.settling:  # new code's first run: one-time workspaces, verify_budget's own measure
+                self.settling -= 1
+                return
             self.to_check, self.measuring = False, True
             self.meter.start()
 
@@ -273,13 +280,13 @@ class StepBudget:
                 self.relaxations += 1
                 self.relaxed_from = self.measured_excess
                 self.measured_excess -= budget - peak
-                log.info("budget_scope='step': the first step under the split measured %s at the allocator, %s under "
+                log.info("budget_scope='step': the step measured under the split took %s at the allocator, %s under "
                          "the budget %s: the graphs share that too, and the next step is measured again",
                          format_bytes(peak), format_bytes(budget - peak), format_bytes(budget))
                 self._share(self._needs)
                 return
             self.relaxed_from = None
-            log.info("budget_scope='step': the first step under the split measured %s at the allocator, within the "
+            log.info("budget_scope='step': the step measured under the split took %s at the allocator, within the "
                      "budget %s", format_bytes(peak), format_bytes(budget))
             return
         if self.corrections < MAX_CORRECTIONS and self.reserved < self.budget_bytes:
@@ -366,7 +373,7 @@ class StepBudget:
                 continue
             graph.budget_bytes = share_bytes
             graph.pending = True
-        self.to_check = True
+        self.to_check, self.settling = True, SETTLING_STEPS
 
 
 class GatheredParameters:
