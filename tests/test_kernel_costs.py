@@ -173,3 +173,20 @@ def test_the_plan_cache_keeps_one_table_per_graph_and_device_and_ignores_a_broke
     path.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the measured-costs table .*planning from the cost model"):
         assert plan_cache.load_measured_costs(graph, settings, "cpu") is None
+
+
+def test_an_extern_node_is_named_by_its_op_not_its_overload():
+    """Inductor's CPU max-pool backward falls back to ``aten.scatter_reduce_.two``: its event
+    is ``aten::scatter_reduce_``, so the kernel's op is ``scatter_reduce_`` (the overload name
+    ``two`` paired with nothing, and measured costs failed on every conv net with pooling)."""
+    from types import SimpleNamespace
+
+    from compile_offload.inductor.kernels import extern_op_name
+
+    fallback = SimpleNamespace(op_overload=torch.ops.aten.scatter_reduce_.two,
+                               python_kernel_name="aten.scatter_reduce_.two")
+    assert extern_op_name(fallback) == "scatter_reduce_"
+    assert extern_op_name(SimpleNamespace(python_kernel_name="extern_kernels.mm")) == "mm"
+    assert extern_op_name(SimpleNamespace(op_overload=None,
+                                          python_kernel_name="torch.ops.aten.convolution_backward.default")) == \
+        "convolution_backward"

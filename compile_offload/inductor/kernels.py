@@ -341,7 +341,9 @@ def _calls(nodes: list) -> list[list[int]] | None:
 def _launch(node) -> tuple[str, str]:
     """``Kernel.launch`` and ``Kernel.extern_op`` of a scheduler node: a no-op node
     (``NopKernelSchedulerNode``) and the ``MultiOutput`` parts of an extern op's result run
-    nothing; an extern node runs its op (``python_kernel_name``, ``extern_kernels.mm`` or
+    nothing; an extern node runs its op, named as the profiler names it: an aten fallback by
+    its overload's op (``aten.scatter_reduce_.two`` is ``scatter_reduce_``), else by its
+    ``python_kernel_name`` (``extern_kernels.mm`` or
     ``torch.ops.aten.convolution_backward.default``, reduced to ``mm``); the rest is a kernel
     Inductor generated."""
     if type(node).__name__ == "NopKernelSchedulerNode":
@@ -350,10 +352,18 @@ def _launch(node) -> tuple[str, str]:
         ir_node = getattr(node, "node", None)
         if type(ir_node).__name__ == "MultiOutput":
             return "", ""
-        name = str(getattr(ir_node, "python_kernel_name", None) or "")
-        parts = [part for part in name.split(".") if part not in ("default", "out", "Tensor")]
-        return "extern", parts[-1] if parts else ""
+        return "extern", extern_op_name(ir_node)
     return "fused", ""
+
+
+def extern_op_name(ir_node) -> str:
+    """The op an extern IR node runs, as its profiler event names it (``aten::<op>``)."""
+    overload = getattr(ir_node, "op_overload", None)
+    if callable(getattr(overload, "name", None)):  # an OpOverload: "aten::scatter_reduce_.two"
+        return overload.name().split("::")[-1].split(".")[0]
+    name = str(getattr(ir_node, "python_kernel_name", None) or "")
+    parts = [part for part in name.split(".") if part not in ("default", "out", "Tensor")]
+    return parts[-1] if parts else ""
 
 
 def _joined(kernels: list[Kernel]) -> Kernel:
