@@ -33,14 +33,14 @@ Memory outside the graphs is held back from B before the split:
 - parameters gathered for the step (FSDP2 all-gathers a module's parameters before its graph
   runs and frees their storage after): graph inputs, so in no graph's peak. The most of them
   alive at once in the step counted (``GatheredParameters``) is held back.
-- on CUDA, whatever else a measured step shows: the second step run wholly under the shares (the first may
-  allocate once) is measured at the allocator; where it is over B by more than ``TOLERANCE``, the excess is held
-  back too and the budget split again, at most ``MAX_CORRECTIONS`` times, then one warning names
-  the measured peak. Under ``RELAX_BELOW`` of B, the rest is given to the graphs once (the sum
-  of peaks over-counts), and taken back if the next measured step is over B. On the CPU no
-  step is measured (its measure is a profiler, which cannot stay open across several graphs
-  and their backwards); where FSDP2 gathers parameters, one warning says its reduce-scattered
-  gradients are not held back.
+- on CUDA, whatever else a measured step shows: the second step run wholly under the shares
+  (the first may allocate once) is measured at the allocator; where it is over B by more than
+  ``TOLERANCE``, the excess is held back too and the budget split again, at most
+  ``MAX_CORRECTIONS`` times, then one warning names the measured peak. Under ``RELAX_BELOW``
+  of B, the rest is given to the graphs once (the sum of peaks over-counts), and taken back if
+  the next measured step is over B. On the CPU no step is measured (its measure is a profiler,
+  which cannot stay open across several graphs and their backwards); where FSDP2 gathers
+  parameters, one warning says its reduce-scattered gradients are not held back.
 """
 
 from __future__ import annotations
