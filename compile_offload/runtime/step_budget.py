@@ -298,7 +298,8 @@ class StepBudget:
             self._share(self._needs)
             return
         warnings.warn(f"compile_offload: budget_scope='step': the step measured {format_bytes(peak)} at the allocator, "
-                      f"above the memory budget {format_bytes(self.budget_bytes)} (+{peak / self.budget_bytes - 1:.1%}) "
+                      f"above the memory budget {format_bytes(self.budget_bytes)} "
+                      f"(+{peak / self.budget_bytes - 1:.1%}) "
                       f"after {self.corrections} correction(s) of the split; memory outside the compiled graphs "
                       "(FSDP2's gathered parameters and gradients, a loss outside them) is in no graph's plan",
                       stacklevel=2)
