@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from ..passes.plan import Plan, format_bytes
+from ..torch_api.fake_tensors import FakeTensor
 from ..torch_api.utils import queue_backward_callback, tree_leaves
 from .step_measure import compiled_backward_node
 
@@ -427,9 +428,8 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
 
 
 def _fake(args: tuple) -> bool:
-    from ..torch_api.fake_tensors import FakeTensor
-
-    return any(isinstance(arg, FakeTensor) for arg in tree_leaves(args))
+    """Whether a call is on fake tensors (a compiled graph's arguments are a flat list)."""
+    return any(isinstance(arg, FakeTensor) for arg in args)
 
 
 _budgets: "weakref.WeakKeyDictionary[Any, dict[int, StepBudget]]" = weakref.WeakKeyDictionary()
