@@ -301,10 +301,12 @@ def test_bench_fit_times_the_whole_step_against_fsdp2_cpu_offload_with_checkpoin
     assert [(r["strategy"], r["status"]) for r in rows] == [
         ("fsdp2_offload_ckpt", "ok"), (f"fit:{2**20}", "ok"), (f"fit:{64 * 2**20}", "ok")]
     assert [r.get("parameters_on") for r in rows[1:]] == ["host", "device"]
+    assert [r.get("optimizer_step") for r in rows[1:]] == ["host", "device"]  # on the CPU: never streamed
     assert all(r["ms_median"] > 0 and r["device_peak_bytes"] is None for r in rows)
     assert rows[1]["ms_vs_baseline"] == round(rows[1]["ms_median"] / rows[0]["ms_median"], 4)
     table = (tmp_path / "gpt_fit.md").read_text()
     assert "FSDP2 CPU offload + per-block checkpointing" in table and "64.00 MiB (--budgets)" in table
+    assert "| optimizer step |" in table
     assert "fit at 1.00 MiB" in result.stderr  # progress, one line per strategy
 
 

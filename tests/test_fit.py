@@ -320,32 +320,43 @@ def test_a_fraction_is_not_a_budget_here():
 # --------------------------------------------------------------------------- 2 ranks
 
 
-def two_rank_scenario(rank: int) -> dict:
-    """On each of 2 gloo ranks: fit (the group exists), 3 steps on this rank's batches; the
+def two_rank_scenario(rank: int, optimizer_step: str = "auto", tokens: int = 8, budget: int = BUDGET,
+                      steps: int = 3) -> dict:
+    """On each of 2 gloo ranks: fit (the group exists), ``steps`` steps on this rank's batches; the
     reference is a plain loop on the mean of both ranks' losses (FSDP2 averages gradients)."""
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
-    result = compile_offload.fit(model, optimizer_fn, batch(0, rank), memory_budget=BUDGET, loss_fn=loss_fn,
-                                 inner_compiler="eager")
+    result = compile_offload.fit(model, optimizer_fn, batch(0, rank, tokens), memory_budget=budget, loss_fn=loss_fn,
+                                 optimizer_step=optimizer_step, inner_compiler="eager")
     reference_optimizer = optimizer_fn(reference.parameters())
-    for step in range(3):
-        result.step(batch(step, rank))
-        expected = (loss_fn(reference(batch(step, 0))) + loss_fn(reference(batch(step, 1)))) / 2
+    for step in range(steps):
+        result.step(batch(step, rank, tokens))
+        expected = (loss_fn(reference(batch(step, 0, tokens))) + loss_fn(reference(batch(step, 1, tokens)))) / 2
         expected.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     gathered = {name: full(p).detach().clone() for name, p in result.model.named_parameters()}
     return {"plan": result.plan, "created": result.created_process_group, "parameters": gathered,
+            "optimizer_step": result.optimizer_step.chosen,
             "reference": {name: q.detach().clone() for name, q in reference.named_parameters()}}
 
 
+def two_rank_streamed_scenario(rank: int) -> dict:
+    """The host state streamed through the device (groups of shards), 4 steps: the ranks check
+    together that their shards fit a group."""
+    return two_rank_scenario(rank, optimizer_step="device", tokens=64, budget=5 * BUDGET // 2, steps=4)
+
+
 @pytest.mark.slow
-def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path):
+@pytest.mark.parametrize("scenario,optimizer_step", [(two_rank_scenario, "host"),
+                                                     (two_rank_streamed_scenario, "device")])
+def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path, scenario, optimizer_step):
     from tests.test_distributed import _spawn
 
-    for result in _spawn(two_rank_scenario, tmp_path):
+    for result in _spawn(scenario, tmp_path):
         plan = result["plan"]
         assert plan.world_size == 2 and plan.cpu_offload and not result["created"]
+        assert result["optimizer_step"] == plan.optimizer_step == optimizer_step
         for name, expected in result["reference"].items():
             torch.testing.assert_close(result["parameters"][name], expected, rtol=1e-4, atol=1e-5, msg=name)

@@ -23,6 +23,7 @@ from torch import nn
 from ..passes.plan import format_bytes
 from ..torch_api.utils import tree_map
 from .optimizer_state import optimizer_state_bytes
+from .optimizer_step import MODES, OptimizerStep
 from .state_plan import StateSizes, StepPlan, plan_step
 
 
@@ -37,6 +38,8 @@ class Fitted:
     loss_fn: Callable[..., torch.Tensor] | None
     device: torch.device
     created_process_group: bool = False
+    # steps the optimizer: the host state where the plan says (``optimizer_step.OptimizerStep``)
+    optimizer_step: OptimizerStep | None = None
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
@@ -51,7 +54,14 @@ class Fitted:
             raise TypeError("compile_offload.fit: the loss must be a one-element tensor; pass loss_fn= when the "
                             f"model's output is not its loss (got {type(loss).__name__})")
         loss.backward()
-        self.optimizer.step()
+        if self.optimizer_step is None:
+            self.optimizer.step()
+        else:
+            measuring = self.optimizer_step.chosen is None
+            self.optimizer_step.step()
+            if measuring and self.optimizer_step.chosen is not None:  # the first steps just measured it
+                self.plan.optimizer_step = self.optimizer_step.chosen
+                self.plan.notes.append(self.optimizer_step.describe())
         self.optimizer.zero_grad()
         return loss.detach()
 
@@ -181,7 +191,7 @@ def _one_rank_group(device: torch.device) -> str:
 def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], sample: Any, *,
         memory_budget: int | str, loss_fn: Callable[..., torch.Tensor] | None = None,
         blocks: Iterable[nn.Module] | None = None, device: torch.device | str | None = None,
-        **options: Any) -> Fitted:
+        optimizer_step: str = "auto", **options: Any) -> Fitted:
     """Prepare ``model`` to train under ``memory_budget`` bytes of device memory (per rank)
     for parameters, gradients, optimizer state and activations together.
 
@@ -189,7 +199,10 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     ``sample``: the model's inputs for one batch (a tensor or a tuple), used to plan the
     activations; ``blocks``: the modules sharded and compiled one by one (default: the
     children of the first ``nn.ModuleList``); ``device``: default the current CUDA device,
-    else the CPU; other keyword ``options`` are the backend's knobs (``inner_compiler=...``).
+    else the CPU; ``optimizer_step``: where the state on the host steps, ``"auto"`` (measured
+    over the first steps), ``"host"`` or ``"device"`` (streamed through it; see
+    ``training/optimizer_step.py``); other keyword ``options`` are the backend's knobs
+    (``inner_compiler=...``).
     The model is prepared in place (``Fitted.model is model``). Without a process group and
     where FSDP2 is needed, a one-rank group is created (``Fitted.close()`` destroys it).
     Raises ``ValueError`` when the budget cannot hold even the host placement.
@@ -204,6 +217,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     if isinstance(memory_budget, float):
         raise TypeError("compile_offload.fit: memory_budget is bytes (an int or a size such as '20GiB'), not a fraction")
     budget = parse_bytes(memory_budget, "memory_budget", label="compile_offload.fit(memory_budget=...)")
+    if optimizer_step not in MODES:
+        raise ValueError(f"compile_offload.fit: optimizer_step must be one of {', '.join(map(repr, MODES))}, "
+                         f"not {optimizer_step!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -221,6 +237,11 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         for block in blocks:
             block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
         optimizer = optimizer_fn(model.parameters())
+        stepper = None
+        if plan.cpu_offload:
+            stepper = OptimizerStep(optimizer, device, mode=optimizer_step, chunk_bytes=plan.optimizer_step_chunk_bytes)
+            plan.optimizer_step = "measured" if stepper.chosen is None else stepper.chosen
+            plan.notes.append(stepper.describe())
     except BaseException:
         if not had_group and dist.is_initialized():  # the one-rank group fit made
             dist.destroy_process_group()
@@ -228,7 +249,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     plan.notes.append(f"each of the {plan.blocks} blocks compiled with memory_budget "
                       f"{format_bytes(plan.per_block_activation_budget_bytes)}")
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
-                  created_process_group=created)
+                  created_process_group=created, optimizer_step=stepper)
 
 
 def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:

@@ -133,6 +133,13 @@ class StepPlan:
     # What FSDP2 uploads from the host as a block's backward starts (the next block's parameter
     # shard, the largest of the host blocks'): the blocks' reloads share the link with it.
     shared_h2d_bytes: int = 0
+    # Where the host state's optimizer step runs: "host", "device" (streamed through it, a group
+    # of parameters at a time) or "measured" (decided by timing both over the first steps;
+    # ``Fitted.step`` writes the winner here); "device" when the state is all on the device.
+    optimizer_step: str = "device"
+    # The most device memory one group of the streamed step takes (a third of what the budget
+    # leaves beside the state held: three groups are in flight at once).
+    optimizer_step_chunk_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -151,6 +158,7 @@ class StepPlan:
             f"  activations: {b(self.activation_budget_bytes)} left, {b(self.per_block_activation_budget_bytes)} "
             f"per block's compiled graph (minimum {b(self.activation_min_bytes)})",
             f"  predicted device peak: {b(self.predicted_device_peak_bytes)}",
+            *([f"  optimizer step of the host state: {self._optimizer_step_text()}"] if self.cpu_offload else []),
             *([f"  host link: {b(self.shared_h2d_bytes)} of parameters uploaded as each block's backward starts, "
                "ahead of the activations' reloads"] if self.shared_h2d_bytes else []),
             "  prepared with: " + ("FSDP2 fully_shard, CPUOffloadPolicy after the first "
@@ -160,6 +168,13 @@ class StepPlan:
         ]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+    def _optimizer_step_text(self) -> str:
+        streamed = f"streamed through the device, {format_bytes(self.optimizer_step_chunk_bytes)} groups"
+        return {"host": "on the host", "device": streamed,
+                "measured": f"on the host or {streamed}, whichever the first steps measure faster"}.get(
+                    self.optimizer_step, self.optimizer_step)
 
 
 def _held_unsharded(sizes: StateSizes) -> tuple[int, str]:
@@ -254,7 +269,8 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
         activation_min_bytes=activation_min, predicted_device_peak_bytes=predicted_peak, blocks=n,
         world_size=ranks, fsdp2=fsdp2, cpu_offload=offload,
         blocks_on_device=n if where == DEVICE else kept if where == SPLIT else 0, shared_h2d_bytes=shared_h2d,
-        notes=notes)
+        optimizer_step="measured" if offload else "device",
+        optimizer_step_chunk_bytes=max(0, budget_bytes - state_on_device) // 3 if offload else 0, notes=notes)
 
 
 def _blocks_that_fit(room: int, sizes: StateSizes, ranks: int) -> tuple[int, int]:

@@ -1,0 +1,305 @@
+"""Where the optimizer steps the state that lives on the host: on the host, or streamed
+through the device, whichever the first steps measure faster.
+
+FSDP2's ``CPUOffloadPolicy`` leaves the optimizer step on the host: the optimizer the user
+built steps the host shards of the parameters with their host gradients and state. The
+device is often faster at the arithmetic, the copies are not free, and which wins depends on
+the host's cores, the link and the optimizer. ``OptimizerStep`` runs the step either way:
+
+- **host**: ``optimizer.step()`` as torch runs it;
+- **device** (streamed): the parameters whose local tensors are on the host, a group of them
+  at a time (``chunk_bytes`` of parameters, gradients and state), are copied to the device,
+  stepped there by a copy of the same optimizer with the same hyperparameters, and copied
+  back. On CUDA the next group's upload (one copy stream) overlaps this group's step, and its
+  download (another) the next group's; each group's step waits for its upload's event, its
+  download for the step's, and the step ends with the download stream synchronized, so the
+  host tensors are complete before anything reads them. The parameters already on the device
+  (FSDP2 groups without offload) are stepped by the user's ``optimizer.step()``, with the host
+  ones' gradients set aside, so that its hooks and LR schedulers see one step as usual.
+
+``mode="auto"`` decides by measurement: the first step runs on the host (it creates the
+state as torch's optimizer does), then ``TRIALS`` steps each way alternate, timed with the
+device synchronized before and after, and the faster mean wins (on N ranks the times are
+summed over the ranks first, so that every rank picks the same). Every trial step is a real
+step: training is the same either way, within the arithmetic's rounding.
+
+Limits: the streamed path handles torch.optim's own optimizers (the state of a parameter:
+tensors of its shape, and scalar step counters kept where the optimizer keeps them); other
+optimizers step on the host. One parameter's group never splits: a parameter whose
+parameter + gradient + state exceed ``chunk_bytes`` keeps the step on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..passes.plan import format_bytes
+
+log = logging.getLogger(__name__)
+
+HOST, DEVICE, AUTO = "host", "device", "auto"
+MODES = (AUTO, HOST, DEVICE)
+TRIALS = 2  # timed steps each way under mode="auto"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a tensor aliasing its storage), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class _Staged:
+    """One group of host parameters with their device copies."""
+
+    params: list[nn.Parameter]
+    shadows: list[nn.Parameter]  # the device copies, with their gradients
+    states: list[dict]  # per parameter: its state, tensors of its shape on the device
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class OptimizerStep:
+    """``step()`` steps ``optimizer``, its host state where ``mode`` says (module docstring).
+
+    ``device``: where the streamed step runs; ``chunk_bytes``: the most device memory one
+    group of parameters may take (three groups are in flight at once on CUDA: uploading,
+    stepping, downloading); ``timer``: the clock the trials read."""
+
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    mode: str = AUTO
+    chunk_bytes: int = 0
+    timer: Callable[[], float] = time.perf_counter
+    chosen: str | None = None  # where the host state steps; None while measuring
+    times: dict[str, list[float]] = field(default_factory=lambda: {HOST: [], DEVICE: []})
+    why: str = ""  # why the step stays on the host, when it does without measuring
+    calls: int = 0
+    checked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"compile_offload.fit: optimizer_step must be one of {', '.join(map(repr, MODES))}, "
+                             f"not {self.mode!r}")
+        self.device = torch.device(self.device)
+        self._streams = None
+        if self.mode == HOST:
+            self.chosen = HOST
+        elif not type(self.optimizer).__module__.startswith("torch.optim"):
+            self.chosen, self.why = HOST, (f"{type(self.optimizer).__name__} is not one of torch.optim's optimizers, "
+                                           "whose state the streamed step knows")
+        elif self.mode == AUTO and self.device.type != "cuda":
+            self.chosen, self.why = HOST, "on the CPU the host is the device: streaming would copy memory to itself"
+        elif self.mode == DEVICE:
+            self.chosen = DEVICE
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.calls == 1 or not self.optimizer.state:
+            self.optimizer.step()  # the first step creates the state, as torch's optimizer does
+            return
+        if not self.checked:  # the first step with state: can every rank stream its parameters?
+            self.checked = True
+            if self.chosen != HOST and not self._fits_on_every_rank():
+                self.chosen = HOST
+        if self.chosen is not None:
+            self._streamed() if self.chosen == DEVICE else self.optimizer.step()
+            return
+        where = DEVICE if len(self.times[DEVICE]) <= len(self.times[HOST]) else HOST
+        self._synchronize()
+        start = self.timer()
+        self._streamed() if where == DEVICE else self.optimizer.step()
+        self._synchronize()
+        self.times[where].append(self.timer() - start)
+        if min(len(t) for t in self.times.values()) >= TRIALS:
+            self._choose()
+
+    def _fits(self) -> bool:
+        largest = max((self._footprint(p) for p in self._host_params()), default=0)
+        if largest > self.chunk_bytes:
+            self.why = (f"a parameter's shard with its gradient and state takes {format_bytes(largest)}, more than "
+                        f"the {format_bytes(self.chunk_bytes)} the budget leaves for one group of the streamed step")
+            return False
+        return True
+
+    def _fits_on_every_rank(self) -> bool:
+        """Whether every rank's largest parameter fits a group (ranks hold shards of different
+        sizes; all must take the same path, or the trials' sums would wait on each other)."""
+        fits = self._fits()
+        if self._summed_over_ranks([0.0 if fits else 1.0])[0] > 0 and fits:
+            self.why = "on another rank a parameter's shard with its gradient and state does not fit one group"
+            return False
+        return fits
+
+    def _summed_over_ranks(self, values: list[float]) -> list[float]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return values
+        summed = torch.tensor(values, dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(summed)
+        return summed.tolist()
+
+    def _choose(self) -> None:
+        host, device = self._summed_over_ranks([sum(self.times[w]) / len(self.times[w]) for w in (HOST, DEVICE)])
+        self.chosen = DEVICE if device < host else HOST
+        log.info("compile_offload.fit: optimizer step measured, host %.2f ms, streamed through the device %.2f ms "
+                 "(mean of %d each): %s", host * 1e3, device * 1e3, TRIALS, self.chosen)
+
+    def describe(self) -> str:
+        """Where the host state steps, and why, in one line (for the plan's notes)."""
+        if self.chosen is None:
+            return (f"optimizer step: measuring, host against streamed through the device ({TRIALS} steps each, "
+                    "after the first)")
+        where = "on the host" if self.chosen == HOST else (
+            f"streamed through the device, {format_bytes(self.chunk_bytes)} of parameters, gradients and state "
+            "at a time")
+        if self.times[HOST] and self.times[DEVICE]:
+            host, device = (sum(t) / len(t) * 1e3 for t in (self.times[HOST], self.times[DEVICE]))
+            return f"optimizer step {where}: measured host {host:.2f} ms, streamed {device:.2f} ms"
+        return f"optimizer step {where}" + (f" ({self.why})" if self.why else "")
+
+    # ------------------------------------------------------------------ streamed through the device
+
+    def _host_params(self) -> list[nn.Parameter]:
+        """The parameters with a gradient whose local tensors are on the host (all of them on
+        a CPU device, where the streamed step copies memory to itself)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.grad is not None and (self.device.type == "cpu" or _local(p).device.type == "cpu")]
+
+    def _footprint(self, param: nn.Parameter) -> int:
+        state = self.optimizer.state.get(param, {})
+        tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return _nbytes(_local(param)) * 2 + sum(_nbytes(_local(v)) for v in tensors)
+
+    def _streamed(self) -> None:
+        host = {id(p) for p in self._host_params()}
+        set_aside = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in host:
+                    set_aside[p], p.grad = p.grad, None
+        try:
+            self.optimizer.step()  # the parameters on the device, the hooks, the schedulers' count
+        finally:
+            for p, grad in set_aside.items():
+                p.grad = grad
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                chunks = self._chunks([p for p in group["params"] if id(p) in host])
+                self._step_chunks(group, chunks)
+
+    def _chunks(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        chunks: list[list[nn.Parameter]] = []
+        used = 0
+        for p in params:
+            size = self._footprint(p)
+            if not chunks or used + size > self.chunk_bytes:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(p)
+            used += size
+        return chunks
+
+    def _moves(self, value: object, group: dict) -> bool:
+        """Whether a state entry goes to the device: tensors of the parameter's shape, and
+        scalar step counters only where the optimizer keeps them on the device (fused,
+        capturable)."""
+        if not isinstance(value, torch.Tensor):
+            return False
+        return value.dim() > 0 or bool(group.get("fused") or group.get("capturable"))
+
+    def _step_chunks(self, group: dict, chunks: list[list[nn.Parameter]]) -> None:
+        if not chunks:
+            return
+        cuda = self.device.type == "cuda"
+        if cuda and self._streams is None:
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        compute = torch.cuda.current_stream(self.device) if cuda else None
+        staged = self._stage(chunks[0], group)
+        for index in range(len(chunks)):
+            current = staged
+            staged = self._stage(chunks[index + 1], group) if index + 1 < len(chunks) else None
+            if current.ready is not None:
+                compute.wait_event(current.ready)
+            inner = copy.copy(self.optimizer)  # same class and defaults, none of the user's hooks
+            inner.param_groups = [{**group, "params": current.shadows}]
+            inner.state = defaultdict(dict, zip(current.shadows, current.states))
+            inner.step()
+            self._unstage(current, group)
+        if cuda:
+            self._streams[1].synchronize()
+
+    def _stage(self, params: list[nn.Parameter], group: dict) -> _Staged:
+        cuda = self.device.type == "cuda"
+        shadows, states = [], []
+        context = contextlib.nullcontext()
+        if cuda:
+            upload = self._streams[0]
+            upload.wait_stream(torch.cuda.current_stream(self.device))  # the memory may be the last group's
+            context = torch.cuda.stream(upload)
+        with context:
+            for p in params:
+                shadow = nn.Parameter(self._to_device(_local(p)), requires_grad=p.requires_grad)
+                shadow.grad = self._to_device(_local(p.grad))
+                state = self.optimizer.state[p]
+                if cuda:
+                    self._pin(state)
+                shadows.append(shadow)
+                states.append({k: self._to_device(_local(v)) if self._moves(v, group) else v for k, v in state.items()})
+        ready = upload.record_event() if cuda else None
+        return _Staged(params=params, shadows=shadows, states=states, ready=ready)
+
+    def _unstage(self, staged: _Staged, group: dict) -> None:
+        cuda = self.device.type == "cuda"
+        context = contextlib.nullcontext()
+        if cuda:
+            compute, download = torch.cuda.current_stream(self.device), self._streams[1]
+            download.wait_stream(compute)  # after this group's step
+            context = torch.cuda.stream(download)
+        with context:
+            for p, shadow, state in zip(staged.params, staged.shadows, staged.states):
+                _local(p).copy_(shadow.detach(), non_blocking=cuda)
+                host_state = self.optimizer.state[p]
+                for key, value in state.items():
+                    if self._moves(host_state[key], group):
+                        _local(host_state[key]).copy_(value, non_blocking=cuda)
+                if cuda:  # allocated on the upload stream, read by the step's and the download's
+                    for tensor in (shadow, shadow.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))):
+                        if tensor.device.type == "cuda":
+                            tensor.record_stream(compute)
+                            tensor.record_stream(download)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` on the device (a copy even where the device is the host)."""
+        out = torch.empty_like(tensor, device=self.device)
+        out.copy_(tensor, non_blocking=self.device.type == "cuda")
+        return out
+
+    @staticmethod
+    def _pin(state: dict) -> None:
+        """Pin the host state once, so that its copies are asynchronous (torch's optimizer
+        makes it with ``zeros_like``, which does not pin)."""
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = _local(value)
+                if local.device.type == "cpu" and not local.is_pinned():
+                    local.data = local.pin_memory()
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,224 @@
+"""Where the host state's optimizer step runs (compile_offload/training/optimizer_step.py):
+the streamed step updates parameters and state as torch's optimizer does on the host,
+group by group; the measured choice keeps the faster; what cannot stream stays on the host."""
+
+from __future__ import annotations
+
+import copy
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import compile_offload
+from compile_offload.training.optimizer_step import DEVICE, HOST, TRIALS, OptimizerStep
+from tests.test_fit import BUDGET, Net, batch, full, loss_fn, optimizer_fn
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "adam-amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, centered=True, momentum=0.5),
+}
+
+
+def _train(model: nn.Module, step_fn, steps: int, scheduler=None) -> list[torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        loss = loss_fn(model(batch(step)))
+        loss.backward()
+        step_fn()
+        if scheduler is not None:
+            scheduler.step()
+        for p in model.parameters():
+            p.grad = None
+        losses.append(loss.detach())
+    return losses
+
+
+def _chunk(optimizer: torch.optim.Optimizer, parameters: int) -> int:
+    """Room for ``parameters`` of the largest parameter's footprint (parameter, gradient, state)."""
+    largest = max(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"])
+    return parameters * largest * 5  # AdamW with amsgrad: parameter + gradient + 3 state tensors
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_streamed_step_trains_like_the_host_step(name):
+    """Several groups of parameters at a time, a learning-rate schedule: the parameters and
+    the state after 4 steps equal torch's optimizer stepping them in place."""
+    torch.manual_seed(0)
+    model, reference = Net(), None
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](reference.parameters())
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (optimizer, reference_optimizer)]
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 2))
+    streamed = []
+    real = stepper._step_chunks
+    stepper._step_chunks = lambda group, chunks: streamed.append(len(chunks)) or real(group, chunks)
+
+    losses = _train(model, stepper.step, 4, schedules[0])
+    expected = _train(reference, reference_optimizer.step, 4, schedules[1])
+
+    assert stepper.chosen == DEVICE and len(streamed) == 3 and all(n > 1 for n in streamed), streamed
+    torch.testing.assert_close(losses, expected)
+    for (label, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=label)
+        for key, value in reference_optimizer.state[q].items():
+            torch.testing.assert_close(optimizer.state[p][key], value, msg=f"{label} {key}")
+
+
+def test_the_first_step_runs_on_the_host_and_creates_the_state():
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = optimizer_fn(model.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
+    stepper._streamed = lambda: pytest.fail("the first step streamed")
+    _train(model, stepper.step, 1)
+    assert len(optimizer.state) == len(list(model.parameters()))
+
+
+def test_auto_times_both_and_keeps_the_faster():
+    """With a stand-in clock under which the streamed step takes 1 s and the host's 3 s:
+    the first step untimed, then TRIALS of each alternating, then the streamed one; every
+    step's update is right."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = optimizer_fn(model.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode="auto", chunk_bytes=_chunk(optimizer, 4))
+    assert stepper.chosen == HOST and "on the CPU" in stepper.why
+    stepper.chosen = None  # measure here as on a GPU
+    ran, now, streaming = [], [0.0], [False]
+    stepper.timer = lambda: now[0]
+    real_streamed, real_host = stepper._streamed, optimizer.step
+
+    def streamed():
+        ran.append(DEVICE)
+        streaming[0] = True
+        real_streamed()
+        streaming[0] = False
+        now[0] += 1.0
+
+    def host_step():
+        if streaming[0]:  # the streamed step's own optimizer.step() (the parameters on the device: none)
+            return real_host()
+        ran.append(HOST)
+        real_host()
+        now[0] += 3.0
+
+    stepper._streamed, optimizer.step = streamed, host_step
+
+    _train(model, stepper.step, 2 + 2 * TRIALS + 2)
+    reference_optimizer = optimizer_fn(reference.parameters())
+    _train(reference, reference_optimizer.step, 2 + 2 * TRIALS + 2)
+
+    assert stepper.chosen == DEVICE
+    assert ran[0] == HOST and ran[1:1 + 2 * TRIALS] == [DEVICE, HOST] * TRIALS
+    assert all(where == DEVICE for where in ran[1 + 2 * TRIALS:]), ran  # the host step of the device's params
+    assert [len(stepper.times[w]) for w in (HOST, DEVICE)] == [TRIALS, TRIALS]
+    assert stepper.times[DEVICE][0] < stepper.times[HOST][0]
+    assert "measured host" in stepper.describe()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_parameter_over_the_group_size_keeps_the_step_on_the_host():
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = optimizer_fn(model.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=1024)
+    _train(model, stepper.step, 2)
+    assert stepper.chosen == HOST and "more than" in stepper.why, stepper.why
+
+
+def test_an_optimizer_outside_torch_optim_steps_on_the_host():
+    class Mine(torch.optim.SGD):
+        pass
+
+    Mine.__module__ = "my_project.optim"
+    stepper = OptimizerStep(Mine(Net().parameters(), lr=0.1), torch.device("cpu"), mode=DEVICE, chunk_bytes=1 << 30)
+    assert stepper.chosen == HOST and "Mine" in stepper.why
+
+
+def test_a_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="optimizer_step must be one of"):
+        OptimizerStep(optimizer_fn(Net().parameters()), torch.device("cpu"), mode="gpu")
+    model = Net()
+    with pytest.raises(ValueError, match="optimizer_step must be one of"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            optimizer_step="gpu", inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert not hasattr(model.blocks[0], "_get_fsdp_state")  # refused before anything was prepared
+
+
+def test_fit_streams_the_host_state_through_the_device_like_an_eager_loop():
+    """fit(optimizer_step="device") with the state on the host (FSDP2's CPUOffloadPolicy):
+    the host shards step streamed, and the parameters after 4 steps are an eager loop's."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    tokens = 128  # activations that need more than the host placement's budget, less than the whole state's
+    result = compile_offload.fit(model, optimizer_fn, batch(0, tokens=tokens), memory_budget=4 * BUDGET,
+                                 loss_fn=loss_fn, optimizer_step="device", inner_compiler="eager")
+    try:
+        assert result.plan.cpu_offload and result.plan.optimizer_step == DEVICE
+        assert result.plan.optimizer_step_chunk_bytes >= result.optimizer_step.chunk_bytes > 0
+        assert "streamed through the device" in str(result.plan)
+        reference_optimizer = optimizer_fn(reference.parameters())
+        streamed = []
+        real = result.optimizer_step._step_chunks
+        result.optimizer_step._step_chunks = lambda group, chunks: streamed.append(len(chunks)) or real(group, chunks)
+        for step in range(4):
+            result.step(batch(step, tokens=tokens))
+            loss_fn(reference(batch(step, tokens=tokens))).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        assert result.optimizer_step.chosen == DEVICE, result.optimizer_step.why
+        assert len(streamed) == 3 and all(n > 1 for n in streamed), streamed  # steps 2-4, in several groups
+        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_fit_on_the_cpu_keeps_the_step_on_the_host_and_says_why():
+    result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert result.plan.optimizer_step == HOST
+        assert any("on the CPU the host is the device" in note for note in result.plan.notes), result.plan.notes
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adamw", "adamw-fused", "sgd-momentum"])
+def test_on_cuda_the_streamed_step_of_host_parameters_equals_the_host_step(name):
+    """Parameters on the host (pinned, as FSDP2 offloads them) and on the device, in one
+    optimizer: the host ones stream through the GPU in groups on copy streams, the device ones
+    step in place; parameters and state after 3 steps equal the same optimizer's steps on a
+    copy, and the host tensors are complete when step() returns."""
+    torch.manual_seed(0)
+    shapes = [(256, 512), (512,), (1024, 256), (256,)] * 3
+    host = [nn.Parameter(torch.randn(s).pin_memory()) for s in shapes]
+    device = [nn.Parameter(torch.randn(s, device="cuda")) for s in shapes[:2]]
+    params = host + device
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    optimizer, reference_optimizer = OPTIMIZERS[name](params), OPTIMIZERS[name](reference)
+    stepper = OptimizerStep(optimizer, torch.device("cuda"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 2))
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        for p, q, g in zip(params, reference, grads):
+            p.grad, q.grad = g.to(p.device), g.to(q.device)
+        stepper.step()
+        reference_optimizer.step()
+    assert stepper.chosen == DEVICE
+    for p, q in zip(params, reference):
+        assert p.device == q.device
+        torch.testing.assert_close(p, q)
+        for key, value in reference_optimizer.state[q].items():
+            torch.testing.assert_close(optimizer.state[p][key], value, msg=key)
