@@ -22,7 +22,10 @@ state (they stay until the optimizer step). Its optimizer step runs where its st
 
 *Otherwise all three on the host* (``k`` = 0), through FSDP2's ``CPUOffloadPolicy``: the sharded
 parameters, the sharded gradients and the optimizer state live in (pinned) host memory and
-the optimizer steps on the host. The device holds, at a time:
+the optimizer steps that state on the host or streamed through the device
+(``optimizer_step.py``: the first steps measure which is faster; a streamed group takes at
+most ``optimizer_step_chunk_bytes``, a third of what the budget leaves beside the state held,
+which the activations have freed by then). The device holds, at a time:
 
 - the unsharded parameters of the largest block and of the next one (FSDP2 prefetches one
   block ahead), plus that block's unsharded gradients (see below: they are counted in the
