@@ -5,6 +5,8 @@ group by group; the measured choice keeps the faster; what cannot stream stays o
 from __future__ import annotations
 
 import copy
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,8 +59,12 @@ def test_the_streamed_step_trains_like_the_host_step(name):
     real = stepper._step_chunks
     stepper._step_chunks = lambda group, chunks: streamed.append(len(chunks)) or real(group, chunks)
 
-    losses = _train(model, stepper.step, 4, schedules[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _train(model, stepper.step, 4, schedules[0])
     expected = _train(reference, reference_optimizer.step, 4, schedules[1])
+    # the scheduler saw the optimizer step (torch warns when lr_scheduler.step() comes first)
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
 
     assert stepper.chosen == DEVICE and len(streamed) == 3 and all(n > 1 for n in streamed), streamed
     torch.testing.assert_close(losses, expected)
@@ -190,6 +196,18 @@ def test_fit_on_the_cpu_keeps_the_step_on_the_host_and_says_why():
     try:
         assert result.plan.optimizer_step == HOST
         assert any("on the CPU the host is the device" in note for note in result.plan.notes), result.plan.notes
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_a_forced_optimizer_step_with_no_host_state_says_it_changes_nothing():
+    result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="64MiB", loss_fn=loss_fn,
+                                 optimizer_step="host", inner_compiler="eager")
+    try:
+        assert result.plan.parameters_on == "device" and result.optimizer_step is None
+        assert result.plan.optimizer_step == DEVICE
+        assert any("optimizer_step='host' changes nothing" in note for note in result.plan.notes), result.plan.notes
     finally:
         result.close()
         torch._dynamo.reset()

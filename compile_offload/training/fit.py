@@ -242,6 +242,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
             stepper = OptimizerStep(optimizer, device, mode=optimizer_step, chunk_bytes=plan.optimizer_step_chunk_bytes)
             plan.optimizer_step = "measured" if stepper.chosen is None else stepper.chosen
             plan.notes.append(stepper.describe())
+        elif optimizer_step != "auto":
+            plan.notes.append(f"optimizer_step={optimizer_step!r} changes nothing: no state is on the host, and the "
+                              "optimizer steps it on the device")
     except BaseException:
         if not had_group and dist.is_initialized():  # the one-rank group fit made
             dist.destroy_process_group()
