@@ -241,3 +241,35 @@ def test_on_cuda_the_streamed_step_of_host_parameters_equals_the_host_step(name)
         torch.testing.assert_close(p, q)
         for key, value in reference_optimizer.state[q].items():
             torch.testing.assert_close(optimizer.state[p][key], value, msg=key)
+
+
+def test_the_host_step_uses_torchs_fused_kernels_where_the_implementation_was_left_to_torch():
+    """AdamW(fused=None, foreach=None) with its state on the host: fit sets fused=True (torch's
+    for-loop default is several times slower there), says so, and trains like an eager loop;
+    an implementation the user chose is kept."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert result.plan.cpu_offload
+        assert all(group["fused"] is True for group in result.optimizer.param_groups)
+        assert any("fused=True" in note for note in result.plan.notes), result.plan.notes
+        reference_optimizer = optimizer_fn(reference.parameters())
+        for step in range(3):
+            result.step(batch(step))
+            loss_fn(reference(batch(step))).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+    from compile_offload.training.optimizer_step import prefer_fused
+
+    chosen = torch.optim.AdamW(Net().parameters(), foreach=False)
+    assert prefer_fused(chosen) is None and chosen.param_groups[0]["fused"] is None
+    assert prefer_fused(torch.optim.RMSprop(Net().parameters())) is None  # no fused kernel on the host

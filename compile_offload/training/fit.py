@@ -23,7 +23,7 @@ from torch import nn
 from ..passes.plan import format_bytes
 from ..torch_api.utils import tree_map
 from .optimizer_state import optimizer_state_bytes
-from .optimizer_step import MODES, OptimizerStep
+from .optimizer_step import MODES, OptimizerStep, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
 
 
@@ -239,6 +239,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         optimizer = optimizer_fn(model.parameters())
         stepper = None
         if plan.cpu_offload:
+            fused_note = prefer_fused(optimizer)
+            if fused_note:
+                plan.notes.append(fused_note)
             stepper = OptimizerStep(optimizer, device, mode=optimizer_step, chunk_bytes=plan.optimizer_step_chunk_bytes)
             plan.optimizer_step = "measured" if stepper.chosen is None else stepper.chosen
             plan.notes.append(stepper.describe())

@@ -24,6 +24,13 @@ the host's fastest (faster beyond the trials' spread; otherwise torch's own way 
 ranks the times are summed over the ranks first, so that every rank picks the same. Every trial step is a real
 step: training is the same either way, within the arithmetic's rounding.
 
+Whichever way it runs, where the state is on the host and the optimizer is torch's Adam,
+AdamW or SGD with its implementation left to torch (``fused`` and ``foreach`` unset),
+``prefer_fused`` sets ``fused=True``: torch's default on the host is its for-loop
+implementation, several times slower than the fused one (AdamW over 34M parameters on two
+cores: 478 ms a step, 56 ms fused); on the device the fused kernels are torch's fastest too.
+A ``fused`` or ``foreach`` the user set is kept.
+
 Limits: the streamed path handles torch.optim's own optimizers (the state of a parameter:
 tensors of its shape, and scalar step counters kept where the optimizer keeps them); other
 optimizers step on the host. One parameter's group never splits: a parameter whose
@@ -50,6 +57,29 @@ log = logging.getLogger(__name__)
 HOST, DEVICE, AUTO = "host", "device", "auto"
 MODES = (AUTO, HOST, DEVICE)
 TRIALS = 2  # timed steps each way under mode="auto"
+
+
+# torch.optim's classes with a fused implementation on both the CPU and CUDA.
+FUSED_ON_HOST_AND_DEVICE = ("Adam", "AdamW", "SGD")
+
+
+def prefer_fused(optimizer: torch.optim.Optimizer) -> str | None:
+    """Set ``fused=True`` in each parameter group that leaves the implementation to torch
+    (``fused`` and ``foreach`` None, not ``differentiable``, floating-point parameters) of a
+    torch.optim Adam, AdamW or SGD; a note saying so, or None where nothing changed."""
+    cls = type(optimizer)
+    if cls.__name__ not in FUSED_ON_HOST_AND_DEVICE or not cls.__module__.startswith("torch.optim"):
+        return None
+    changed = 0
+    for group in optimizer.param_groups:
+        if (group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable")
+                and all(torch.is_floating_point(p) for p in group["params"])):
+            group["fused"] = True
+            changed += 1
+    if not changed:
+        return None
+    return (f"{cls.__name__}: fused=True in {changed} of {len(optimizer.param_groups)} parameter group(s) that left "
+            "the implementation to torch: its fused kernels, not its default for-loop, step the state on the host")
 
 
 def _ms(seconds: list[float]) -> str:
