@@ -130,13 +130,39 @@ def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_th
         torch.testing.assert_close(p, q)
 
 
-def test_a_parameter_over_the_group_size_keeps_the_step_on_the_host():
+def test_where_no_parameter_fits_a_group_the_step_stays_on_the_host():
     torch.manual_seed(0)
     model = Net()
     optimizer = optimizer_fn(model.parameters())
-    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=1024)
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=16)
     _train(model, stepper.step, 2)
-    assert stepper.chosen == HOST and "more than" in stepper.why, stepper.why
+    assert stepper.chosen == HOST and "18 of 18 host parameters step on the host" in stepper.why, stepper.why
+
+
+def test_parameters_too_large_for_a_group_step_on_the_host_while_the_rest_streams():
+    """A group too small for the weights (parameter + gradient + AdamW's two moments) but
+    large enough for the biases: the biases stream, the weights step through the user's
+    optimizer, the plan's note says so, and training is unchanged."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = optimizer_fn(model.parameters())
+    largest_bias = max(4 * p.numel() * p.element_size() for name, p in model.named_parameters() if "bias" in name)
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=largest_bias)
+    streamed = []
+    real = stepper._step_chunks
+    stepper._step_chunks = lambda group, chunks: streamed.extend(p for chunk in chunks for p in chunk) or real(
+        group, chunks)
+    _train(model, stepper.step, 3)
+    reference_optimizer = optimizer_fn(reference.parameters())
+    _train(reference, reference_optimizer.step, 3)
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert stepper.chosen == DEVICE and streamed
+    assert {names[id(p)].rsplit(".", 1)[-1] for p in streamed} == {"bias"}
+    assert "step on the host" in stepper.describe() and "of 18 host parameters" in stepper.describe()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
 
 
 def test_an_optimizer_outside_torch_optim_steps_on_the_host():

@@ -13,9 +13,11 @@ the host's cores, the link and the optimizer. ``OptimizerStep`` runs the step ei
   back. On CUDA the next group's upload (one copy stream) overlaps this group's step, and its
   download (another) the next group's; each group's step waits for its upload's event, its
   download for the step's, and the step ends with the download stream synchronized, so the
-  host tensors are complete before anything reads them. The parameters already on the device
-  (FSDP2 groups without offload) are stepped by the user's ``optimizer.step()``, with the host
-  ones' gradients set aside, so that its hooks and LR schedulers see one step as usual.
+  host tensors are complete before anything reads them. Once the streamed groups are issued,
+  the user's ``optimizer.step()`` steps the rest (the parameters already on the device, FSDP2
+  groups without offload; host parameters too large for a group, while the device works),
+  with the streamed ones' gradients set aside, so that its hooks and LR schedulers see one
+  step as usual.
 
 ``mode="auto"`` decides by measurement: the first step runs on the host (it creates the
 state as torch's optimizer does), then ``TRIALS`` steps each way alternate, timed with the
@@ -32,8 +34,9 @@ fused kernels are torch's fastest too. A ``fused`` or ``foreach`` the user set i
 
 Limits: the streamed path handles torch.optim's own optimizers (the state of a parameter:
 tensors of its shape, and scalar step counters kept where the optimizer keeps them); other
-optimizers step on the host. One parameter's group never splits: a parameter whose
-parameter + gradient + state exceed ``chunk_bytes`` keeps the step on the host.
+optimizers step on the host. A parameter is never split across groups: one whose parameter +
+gradient + state exceed ``chunk_bytes`` steps on the host (through the user's optimizer,
+while the device steps the rest); where none fits, the whole step stays on the host.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class OptimizerStep:
     chosen: str | None = None  # where the host state steps; None while measuring
     times: dict[str, list[float]] = field(default_factory=lambda: {HOST: [], DEVICE: []})
     why: str = ""  # why the step stays on the host, when it does without measuring
+    too_large: str = ""  # which host parameters step on the host even when the rest streams
     calls: int = 0
     checked: bool = False
 
@@ -163,21 +167,32 @@ class OptimizerStep:
             self._choose()
 
     def _fits(self) -> bool:
-        largest = max((self._footprint(p) for p in self._host_params()), default=0)
-        if largest > self.chunk_bytes:
-            self.why = (f"a parameter's shard with its gradient and state takes {format_bytes(largest)}, more than "
-                        f"the {format_bytes(self.chunk_bytes)} the budget leaves for one group of the streamed step")
+        """Whether any host parameter fits one group (those that do not step on the host)."""
+        host = self._host_params()
+        streamed = self._streamable(host)
+        too_large = [p for p in host if id(p) not in streamed]
+        if too_large:
+            largest = max(self._footprint(p) for p in too_large)
+            self.too_large = (f"{len(too_large)} of {len(host)} host parameters step on the host: with its gradient "
+                              f"and state each takes more than one group's {format_bytes(self.chunk_bytes)} (the "
+                              f"largest {format_bytes(largest)})")
+        if not streamed:
+            self.why = self.too_large
             return False
         return True
 
     def _fits_on_every_rank(self) -> bool:
-        """Whether every rank's largest parameter fits a group (ranks hold shards of different
-        sizes; all must take the same path, or the trials' sums would wait on each other)."""
+        """Whether every rank has host parameters that fit a group (ranks hold shards of
+        different sizes; all must take the same path, or the trials' sums would wait on each
+        other)."""
         fits = self._fits()
         if self._summed_over_ranks([0.0 if fits else 1.0])[0] > 0 and fits:
-            self.why = "on another rank a parameter's shard with its gradient and state does not fit one group"
+            self.why = "on another rank no parameter's shard with its gradient and state fits one group"
             return False
         return fits
+
+    def _streamable(self, params: list[nn.Parameter]) -> set[int]:
+        return {id(p) for p in params if self._footprint(p) <= self.chunk_bytes}
 
     def _summed_over_ranks(self, values: list[float]) -> list[float]:
         import torch.distributed as dist
@@ -202,10 +217,11 @@ class OptimizerStep:
         where = "on the host" if self.chosen == HOST else (
             f"streamed through the device, {format_bytes(self.chunk_bytes)} of parameters, gradients and state "
             "at a time")
+        partly = f"; {self.too_large}" if self.chosen == DEVICE and self.too_large else ""
         if self.times[HOST] and self.times[DEVICE]:
             host, device = (sum(t) / len(t) * 1e3 for t in (self.times[HOST], self.times[DEVICE]))
-            return f"optimizer step {where}: measured host {host:.2f} ms, streamed {device:.2f} ms"
-        return f"optimizer step {where}" + (f" ({self.why})" if self.why else "")
+            return f"optimizer step {where}: measured host {host:.2f} ms, streamed {device:.2f} ms{partly}"
+        return f"optimizer step {where}" + (f" ({self.why})" if self.why and self.chosen == HOST else "") + partly
 
     # ------------------------------------------------------------------ streamed through the device
 
@@ -221,21 +237,28 @@ class OptimizerStep:
         return _nbytes(_local(param)) * 2 + sum(_nbytes(_local(v)) for v in tensors)
 
     def _streamed(self) -> None:
-        host = {id(p) for p in self._host_params()}
+        """The host parameters that fit a group streamed through the device (issued first: on
+        CUDA asynchronous), then the user's ``optimizer.step()`` for the rest with the streamed
+        ones' gradients set aside (the parameters on the device, host parameters too large for
+        a group: on the host this runs while the device works; the hooks and the schedulers'
+        count), then the downloads waited for."""
+        streamed = self._streamable(self._host_params())
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                chunks = self._chunks([p for p in group["params"] if id(p) in streamed])
+                self._step_chunks(group, chunks)
         set_aside = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if id(p) in host:
+                if id(p) in streamed:
                     set_aside[p], p.grad = p.grad, None
         try:
-            self.optimizer.step()  # the parameters on the device, the hooks, the schedulers' count
+            self.optimizer.step()
         finally:
             for p, grad in set_aside.items():
                 p.grad = grad
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                chunks = self._chunks([p for p in group["params"] if id(p) in host])
-                self._step_chunks(group, chunks)
+            if self._streams is not None:
+                self._streams[1].synchronize()  # the host tensors complete before anything reads them
 
     def _chunks(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         chunks: list[list[nn.Parameter]] = []
@@ -275,8 +298,6 @@ class OptimizerStep:
             inner.state = defaultdict(dict, zip(current.shadows, current.states))
             inner.step()
             self._unstage(current, group)
-        if cuda:
-            self._streams[1].synchronize()
 
     def _stage(self, params: list[nn.Parameter], group: dict) -> _Staged:
         cuda = self.device.type == "cuda"
