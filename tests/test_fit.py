@@ -17,6 +17,7 @@ check the plan and the arithmetic of training, not a device peak.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -360,3 +361,60 @@ def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path, scenario
         assert result["optimizer_step"] == plan.optimizer_step == optimizer_step
         for name, expected in result["reference"].items():
             torch.testing.assert_close(result["parameters"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _Meter:
+    """A stand-in for ``CudaStepMeter``: the peak a test says, and which steps were measured."""
+
+    def __init__(self, peak: int) -> None:
+        self.peak, self.started = peak, 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def absolute_peak_bytes(self) -> int:
+        return self.peak
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_one_whole_step_is_measured_and_a_peak_over_the_budget_is_named_once(fitted, over):
+    """On CUDA ``fit`` measures one step at the allocator once the first steps have compiled
+    and placed the optimizer step; over the budget (beyond 1%), one warning names the peak."""
+    result, _ = fitted
+    peak = int(BUDGET * (1.05 if over else 0.9))
+    result.meter = meter = _Meter(peak)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            result.step(batch(step))
+    named = [w for w in caught if "measured" in str(w.message) and "above the memory budget" in str(w.message)]
+    assert meter.started == 1 and result.plan.measured_device_peak_bytes == peak
+    assert len(named) == (1 if over else 0) and (not over or f"{peak} bytes" in str(named[0].message))
+    assert "measured " in str(result.plan)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_measured_step_keeps_the_budget_or_one_warning_names_its_peak():
+    """The user's contract on a GPU, for the whole step (parameters, gradients, optimizer state,
+    activations): measured at the allocator, within the budget + 1%, or one warning with the
+    measured peak. The state goes to the host (pinned), the optimizer step is measured both ways."""
+    torch.manual_seed(0)
+    model = Net(width=256, blocks=6)
+    budget = 16 * 2**20  # the whole state is 48 MiB: all of it on the host
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = compile_offload.fit(model, optimizer_fn, torch.randn(64, 256), memory_budget=budget, loss_fn=loss_fn,
+                                     device="cuda")
+        try:
+            for step in range(8):
+                result.step(torch.randn(64, 256, generator=torch.Generator().manual_seed(step)))
+        finally:
+            result.close()
+            torch._dynamo.reset()
+    plan = result.plan
+    assert plan.cpu_offload and plan.optimizer_step in ("host", "device")
+    peak = plan.measured_device_peak_bytes
+    named = [w for w in caught if "above the memory budget" in str(w.message) and "compile_offload.fit" in str(w.message)]
+    assert peak is not None
+    assert (peak <= budget * 1.01 and not named) or (len(named) == 1 and f"{peak} bytes" in str(named[0].message)), (
+        peak, [str(w.message) for w in named])

@@ -149,6 +149,11 @@ class CudaStepMeter:
         torch.cuda.synchronize(self.device)
         return max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
 
+    def absolute_peak_bytes(self) -> int:
+        """The allocator's peak since ``start``, counting what was allocated before it."""
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
 
 class StepBudget:
     """The graphs one backend compiled under one byte budget, and the split between them.

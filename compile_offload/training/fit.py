@@ -13,6 +13,7 @@ ordinary loop would.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +41,18 @@ class Fitted:
     created_process_group: bool = False
     # steps the optimizer: the host state where the plan says (``optimizer_step.OptimizerStep``)
     optimizer_step: OptimizerStep | None = None
+    # measures one whole step's device peak at the allocator (CUDA: ``CudaStepMeter``; None on the CPU)
+    meter: Any = None
+    steps: int = 0
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
         ``loss_fn(output, target)`` when a target is given; without ``loss_fn`` the model's
         output is the loss (a scalar tensor, or an object with a ``.loss``)."""
+        self.steps += 1
+        metered = self._measures_this_step()
+        if metered:
+            self.meter.start()
         output = self.model(*_to(inputs, self.device), **_to(kwargs, self.device))
         if self.loss_fn is not None:
             loss = self.loss_fn(output) if target is None else self.loss_fn(output, _to(target, self.device))
@@ -57,13 +65,34 @@ class Fitted:
         if self.optimizer_step is None:
             self.optimizer.step()
         else:
-            measuring = self.optimizer_step.chosen is None
+            trying = self.optimizer_step.chosen is None
             self.optimizer_step.step()
-            if measuring and self.optimizer_step.chosen is not None:  # the first steps just measured it
+            if trying and self.optimizer_step.chosen is not None:  # the first steps just measured it
                 self.plan.optimizer_step = self.optimizer_step.chosen
                 self.plan.notes.append(self.optimizer_step.describe())
         self.optimizer.zero_grad()
+        if metered:
+            self._check(self.meter.absolute_peak_bytes())
         return loss.detach()
+
+    def _measures_this_step(self) -> bool:
+        """The first step after the first (which compiles and creates the optimizer state) and
+        after the optimizer step's placement is measured is measured at the allocator, once."""
+        return (self.meter is not None and self.plan.measured_device_peak_bytes is None and self.steps >= 2
+                and (self.optimizer_step is None or self.optimizer_step.chosen is not None))
+
+    def _check(self, peak: int) -> None:
+        """The user's contract: the step's device peak within the budget, or one warning that
+        names it."""
+        from ..runtime.verify_budget import TOLERANCE
+
+        self.plan.measured_device_peak_bytes = peak
+        budget = self.plan.budget_bytes
+        if peak > budget * (1 + TOLERANCE):
+            warnings.warn(f"compile_offload.fit: step {self.steps} measured {format_bytes(peak)} ({peak} bytes) at the "
+                          f"device's allocator, above the memory budget {format_bytes(budget)} "
+                          f"(+{peak / budget - 1:.1%}; predicted {format_bytes(self.plan.predicted_device_peak_bytes)}); "
+                          "what the prediction leaves out is in the plan's notes", stacklevel=3)
 
     def close(self) -> None:
         """Destroy the one-rank process group ``fit`` created (nothing when it made none)."""
@@ -254,8 +283,13 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         raise
     plan.notes.append(f"each of the {plan.blocks} blocks compiled with memory_budget "
                       f"{format_bytes(plan.per_block_activation_budget_bytes)}")
+    meter = None
+    if device.type == "cuda":
+        from ..runtime.step_budget import CudaStepMeter
+
+        meter = CudaStepMeter(device)
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
-                  created_process_group=created, optimizer_step=stepper)
+                  created_process_group=created, optimizer_step=stepper, meter=meter)
 
 
 def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:

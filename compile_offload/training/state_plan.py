@@ -143,6 +143,9 @@ class StepPlan:
     # The most device memory one group of the streamed step takes (a third of what the budget
     # leaves beside the state held: three groups are in flight at once).
     optimizer_step_chunk_bytes: int = 0
+    # The device peak of one whole step measured at the allocator (CUDA), once the first steps
+    # have compiled and settled where the optimizer steps; None until then, and on the CPU.
+    measured_device_peak_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -160,7 +163,9 @@ class StepPlan:
             f"  held on the device at a time (state): {b(self.state_on_device_bytes)}",
             f"  activations: {b(self.activation_budget_bytes)} left, {b(self.per_block_activation_budget_bytes)} "
             f"per block's compiled graph (minimum {b(self.activation_min_bytes)})",
-            f"  predicted device peak: {b(self.predicted_device_peak_bytes)}",
+            f"  predicted device peak: {b(self.predicted_device_peak_bytes)}"
+            + ("" if self.measured_device_peak_bytes is None
+               else f", measured {b(self.measured_device_peak_bytes)} (one whole step, at the allocator)"),
             *([f"  optimizer step of the host state: {self._optimizer_step_text()}"] if self.cpu_offload else []),
             *([f"  host link: {b(self.shared_h2d_bytes)} of parameters uploaded as each block's backward starts, "
                "ahead of the activations' reloads"] if self.shared_h2d_bytes else []),
