@@ -364,33 +364,71 @@ def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path, scenario
 
 
 class _Meter:
-    """A stand-in for ``CudaStepMeter``: the peak a test says, and which steps were measured."""
+    """A stand-in for ``CudaStepMeter``: the peaks a test says, one per measured step (the
+    last repeats), and the steps measured."""
 
-    def __init__(self, peak: int) -> None:
-        self.peak, self.started = peak, 0
+    def __init__(self, *peaks: int) -> None:
+        self.peaks, self.measured = list(peaks), []
 
     def start(self) -> None:
-        self.started += 1
+        self.measured.append(None)
 
     def absolute_peak_bytes(self) -> int:
-        return self.peak
+        peak = self.peaks[min(len(self.measured), len(self.peaks)) - 1]
+        self.measured[-1] = peak
+        return peak
 
 
-@pytest.mark.parametrize("over", [False, True])
-def test_one_whole_step_is_measured_and_a_peak_over_the_budget_is_named_once(fitted, over):
-    """On CUDA ``fit`` measures one step at the allocator once the first steps have compiled
-    and placed the optimizer step; over the budget (beyond 1%), one warning names the peak."""
-    result, _ = fitted
-    peak = int(BUDGET * (1.05 if over else 0.9))
-    result.meter = meter = _Meter(peak)
+def _steps_with(result, meter: _Meter, steps: int) -> tuple[list[int], list[str]]:
+    """Run ``steps`` steps under ``meter``: (the steps measured, the over-budget warnings)."""
+    result.meter = meter
+    measured = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(4):
+        for step in range(steps):
+            before = len(meter.measured)
             result.step(batch(step))
-    named = [w for w in caught if "measured" in str(w.message) and "above the memory budget" in str(w.message)]
-    assert meter.started == 1 and result.plan.measured_device_peak_bytes == peak
-    assert len(named) == (1 if over else 0) and (not over or f"{peak} bytes" in str(named[0].message))
+            if len(meter.measured) > before:
+                measured.append(result.steps)
+    return measured, [str(w.message) for w in caught if "above the memory budget" in str(w.message)]
+
+
+def test_one_whole_step_is_measured_and_within_the_budget_nothing_changes(fitted):
+    """On CUDA ``fit`` measures one step at the allocator once the first steps have compiled
+    and placed the optimizer step (here the second: on the CPU the step stays on the host)."""
+    result, _ = fitted
+    per_block = result.plan.per_block_activation_budget_bytes
+    measured, named = _steps_with(result, _Meter(int(BUDGET * 0.9)), 5)
+    assert measured == [2] and not named and result.plan.measured_device_peak_bytes == int(BUDGET * 0.9)
+    assert result.plan.per_block_activation_budget_bytes == per_block and result.corrections == 0
     assert "measured " in str(result.plan)
+
+
+def test_a_step_over_the_budget_recompiles_the_blocks_lower_and_measures_again(fitted):
+    """Over the budget: the blocks are compiled again under a budget lowered by the excess over
+    the blocks, the step after the recompiling one is measured; within it now, no warning."""
+    result, _ = fitted
+    per_block, blocks = result.plan.per_block_activation_budget_bytes, result.plan.blocks
+    over = BUDGET + 8 * blocks * 1024
+    measured, named = _steps_with(result, _Meter(over, int(BUDGET * 0.95)), 7)
+    assert measured == [2, 4] and not named and result.corrections == 1
+    lowered = result.plan.per_block_activation_budget_bytes
+    assert lowered == max(result.block_min_bytes, per_block - 8 * 1024)
+    from compile_offload.reporting import logs
+
+    assert lowered in {p.budget_bytes for p in logs.latest_plans()}  # the blocks run plans made under it
+    assert any("compiled again with memory_budget" in note for note in result.plan.notes)
+
+
+def test_still_over_after_the_corrections_one_warning_names_the_peak(fitted):
+    from compile_offload.training.fit import MAX_CORRECTIONS
+
+    result, _ = fitted
+    over = int(BUDGET * 1.05)
+    measured, named = _steps_with(result, _Meter(over), 10)
+    assert result.corrections == MAX_CORRECTIONS and measured == [2, 4, 6]  # each after its recompiling step
+    assert len(named) == 1 and f"{over} bytes" in named[0] and "correction(s)" in named[0]
+    assert result.plan.per_block_activation_budget_bytes >= result.block_min_bytes
 
 
 @pytest.mark.cuda

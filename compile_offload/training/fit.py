@@ -27,6 +27,9 @@ from .optimizer_state import optimizer_state_bytes
 from .optimizer_step import MODES, OptimizerStep, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
 
+# Times the blocks are compiled again under a lower budget after a measured step over it.
+MAX_CORRECTIONS = 2
+
 
 @dataclass
 class Fitted:
@@ -44,6 +47,12 @@ class Fitted:
     # measures one whole step's device peak at the allocator (CUDA: ``CudaStepMeter``; None on the CPU)
     meter: Any = None
     steps: int = 0
+    # compiles the blocks again under a lower per-block budget (``_compile_blocks``), and the
+    # lowest one they can take (their minimum-memory plan's peak)
+    recompile: Callable[[int], None] | None = None
+    block_min_bytes: int = 0
+    corrections: int = 0
+    settling: int = 0  # steps to run after a recompile before the next measured one
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
@@ -77,22 +86,46 @@ class Fitted:
 
     def _measures_this_step(self) -> bool:
         """The first step after the first (which compiles and creates the optimizer state) and
-        after the optimizer step's placement is measured is measured at the allocator, once."""
-        return (self.meter is not None and self.plan.measured_device_peak_bytes is None and self.steps >= 2
-                and (self.optimizer_step is None or self.optimizer_step.chosen is not None))
+        after the optimizer step's placement is measured is measured at the allocator, once;
+        after a correction, the first step after the one that compiled the blocks again."""
+        if self.meter is None or self.plan.measured_device_peak_bytes is not None or self.steps < 2:
+            return False
+        if self.optimizer_step is not None and self.optimizer_step.chosen is None:
+            return False
+        if self.settling:
+            self.settling -= 1
+            return False
+        return True
 
     def _check(self, peak: int) -> None:
         """The user's contract: the step's device peak within the budget, or one warning that
-        names it."""
+        names it. Over it, the blocks are first compiled again under a budget lowered by the
+        excess shared between them (at most ``MAX_CORRECTIONS`` times, never below their
+        minimum-memory plan), and the step after the recompiling one is measured again."""
         from ..runtime.verify_budget import TOLERANCE
 
         self.plan.measured_device_peak_bytes = peak
         budget = self.plan.budget_bytes
-        if peak > budget * (1 + TOLERANCE):
-            warnings.warn(f"compile_offload.fit: step {self.steps} measured {format_bytes(peak)} ({peak} bytes) at the "
-                          f"device's allocator, above the memory budget {format_bytes(budget)} "
-                          f"(+{peak / budget - 1:.1%}; predicted {format_bytes(self.plan.predicted_device_peak_bytes)}); "
-                          "what the prediction leaves out is in the plan's notes", stacklevel=3)
+        if peak <= budget * (1 + TOLERANCE):
+            return
+        per_block = self.plan.per_block_activation_budget_bytes
+        lowered = max(self.block_min_bytes, per_block - -(-(peak - budget) // self.plan.blocks))
+        if self.recompile is not None and self.corrections < MAX_CORRECTIONS and lowered < per_block:
+            self.corrections += 1
+            self.plan.notes.append(f"step {self.steps} measured {format_bytes(peak)} at the allocator, over the budget "
+                                   f"by {format_bytes(peak - budget)}: the blocks compiled again with memory_budget "
+                                   f"{format_bytes(lowered)} (was {format_bytes(per_block)})")
+            self.recompile(lowered)
+            self.plan.per_block_activation_budget_bytes = lowered
+            self.plan.measured_device_peak_bytes = None
+            self.settling = 1  # the next step compiles (and verify_budget resets the peak counter in it)
+            return
+        warnings.warn(f"compile_offload.fit: step {self.steps} measured {format_bytes(peak)} ({peak} bytes) at the "
+                      f"device's allocator, above the memory budget {format_bytes(budget)} "
+                      f"(+{peak / budget - 1:.1%}; predicted {format_bytes(self.plan.predicted_device_peak_bytes)}) "
+                      f"after {self.corrections} correction(s) of the blocks' budget (now "
+                      f"{format_bytes(per_block)}, their minimum {format_bytes(self.block_min_bytes)}); what the "
+                      "prediction leaves out is in the plan's notes", stacklevel=3)
 
     def close(self) -> None:
         """Destroy the one-rank process group ``fit`` created (nothing when it made none)."""
@@ -256,15 +289,20 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     blocks = list(blocks) if blocks is not None else default_blocks(model)
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    plan = plan_step(budget, measure(model, blocks, optimizer_fn, inputs, device, options, world_size))
+    sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size)
+    plan = plan_step(budget, sizes)
     had_group = dist.is_available() and dist.is_initialized()
     try:
         created = _prepare(model, blocks, plan, device)
         # the blocks' reloads share the host link with FSDP2's parameter uploads (StepPlan.shared_h2d_bytes)
         link = {"shared_h2d_bytes": plan.shared_h2d_bytes} if plan.shared_h2d_bytes else {}
-        backend = offload_remat(memory_budget=plan.per_block_activation_budget_bytes, **{**link, **options})
-        for block in blocks:
-            block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
+
+        def compile_blocks(block_budget: int) -> None:
+            backend = offload_remat(memory_budget=block_budget, **{**link, **options})
+            for block in blocks:
+                block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
+
+        compile_blocks(plan.per_block_activation_budget_bytes)
         optimizer = optimizer_fn(model.parameters())
         stepper = None
         if plan.cpu_offload:
@@ -289,7 +327,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
 
         meter = CudaStepMeter(device)
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
-                  created_process_group=created, optimizer_step=stepper, meter=meter)
+                  created_process_group=created, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
+                  block_min_bytes=sizes.block_activation_min_bytes)
 
 
 def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:
