@@ -398,7 +398,10 @@ def test_one_whole_step_is_measured_and_within_the_budget_nothing_changes(fitted
     and placed the optimizer step (here the second: on the CPU the step stays on the host)."""
     result, _ = fitted
     per_block = result.plan.per_block_activation_budget_bytes
-    measured, named = _steps_with(result, _Meter(int(BUDGET * 0.9)), 5)
+    result.meter = _Meter(int(BUDGET * 0.9))
+    assert not result.settled  # a step is still to be measured
+    measured, named = _steps_with(result, result.meter, 5)
+    assert result.settled
     assert measured == [2] and not named and result.plan.measured_device_peak_bytes == int(BUDGET * 0.9)
     assert result.plan.per_block_activation_budget_bytes == per_block and result.corrections == 0
     assert "measured " in str(result.plan)
@@ -410,8 +413,12 @@ def test_a_step_over_the_budget_recompiles_the_blocks_lower_and_measures_again(f
     result, _ = fitted
     per_block, blocks = result.plan.per_block_activation_budget_bytes, result.plan.blocks
     over = BUDGET + 8 * blocks * 1024
-    measured, named = _steps_with(result, _Meter(over, int(BUDGET * 0.95)), 7)
-    assert measured == [2, 4] and not named and result.corrections == 1
+    meter = _Meter(over, int(BUDGET * 0.95))
+    measured, named = _steps_with(result, meter, 3)
+    assert measured == [2] and not result.settled  # corrected at step 2, step 3 recompiles
+    more, named = _steps_with(result, meter, 4)
+    measured += more
+    assert measured == [2, 4] and not named and result.corrections == 1 and result.settled
     lowered = result.plan.per_block_activation_budget_bytes
     assert lowered == max(result.block_min_bytes, per_block - 8 * 1024)
     from compile_offload.reporting import logs

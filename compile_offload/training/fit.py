@@ -84,6 +84,14 @@ class Fitted:
             self._check(self.meter.absolute_peak_bytes())
         return loss.detach()
 
+    @property
+    def settled(self) -> bool:
+        """Whether the first steps' measurements are done: where the optimizer steps, and on
+        CUDA the step's device peak with any correction of the blocks' budget. Steps after
+        this run what was chosen (a benchmark's timed steps start here)."""
+        placed = self.optimizer_step is None or self.optimizer_step.chosen is not None
+        return placed and (self.meter is None or self.plan.measured_device_peak_bytes is not None)
+
     def _measures_this_step(self) -> bool:
         """The first step after the first (which compiles and creates the optimizer state) and
         after the optimizer step's placement is measured is measured at the allocator, once;
