@@ -24,7 +24,7 @@ from torch import nn
 from ..passes.plan import format_bytes
 from ..torch_api.utils import tree_map
 from .optimizer_state import optimizer_state_bytes
-from .optimizer_step import MODES, OptimizerStep, prefer_fused
+from .optimizer_step import OptimizerStep, check_mode, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
 
 # Times the blocks are compiled again under a lower budget after a measured step over it.
@@ -47,8 +47,8 @@ class Fitted:
     # measures one whole step's device peak at the allocator (CUDA: ``CudaStepMeter``; None on the CPU)
     meter: Any = None
     steps: int = 0
-    # compiles the blocks again under a lower per-block budget (``_compile_blocks``), and the
-    # lowest one they can take (their minimum-memory plan's peak)
+    # compiles the blocks again under a per-block budget (``fit``'s ``compile_blocks``), and
+    # the lowest one they can take (their minimum-memory plan's peak)
     recompile: Callable[[int], None] | None = None
     block_min_bytes: int = 0
     corrections: int = 0
@@ -287,9 +287,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     if isinstance(memory_budget, float):
         raise TypeError("compile_offload.fit: memory_budget is bytes (an int or a size such as '20GiB'), not a fraction")
     budget = parse_bytes(memory_budget, "memory_budget", label="compile_offload.fit(memory_budget=...)")
-    if optimizer_step not in MODES:
-        raise ValueError(f"compile_offload.fit: optimizer_step must be one of {', '.join(map(repr, MODES))}, "
-                         f"not {optimizer_step!r}")
+    check_mode(optimizer_step)  # before anything is prepared
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

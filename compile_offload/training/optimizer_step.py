@@ -84,6 +84,12 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> str | None:
             "the implementation to torch: its fused kernels, not its default for-loop, step the state on the host")
 
 
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"compile_offload.fit: optimizer_step must be one of {', '.join(map(repr, MODES))}, "
+                         f"not {mode!r}")
+
+
 def _ms(seconds: list[float]) -> str:
     return ", ".join(f"{1e3 * s:.2f}" for s in seconds)
 
@@ -128,9 +134,7 @@ class OptimizerStep:
     checked: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"compile_offload.fit: optimizer_step must be one of {', '.join(map(repr, MODES))}, "
-                             f"not {self.mode!r}")
+        check_mode(self.mode)
         self.device = torch.device(self.device)
         self._streams = None
         if self.mode == HOST:
