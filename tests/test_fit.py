@@ -192,6 +192,20 @@ def full(parameter: torch.Tensor) -> torch.Tensor:
 BUDGET = 550 * KIB  # the whole state is about 2 MiB
 
 
+def assert_trains_like_an_eager_loop(result, reference: nn.Module, steps: int, tokens: int = 8) -> None:
+    """``steps`` steps of the fitted model and of a plain eager loop (AdamW) on ``reference``,
+    on the same batches; then their parameters are equal."""
+    reference_optimizer = optimizer_fn(reference.parameters())
+    for step in range(steps):
+        x = batch(step, tokens=tokens)
+        result.step(x)
+        loss_fn(reference(x)).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.fixture
 def fitted():
     torch.manual_seed(0)
@@ -290,15 +304,7 @@ def test_a_split_placement_trains_like_an_eager_loop():
 
         policies = [type(b._get_fsdp_state()._fsdp_param_group.offload_policy) for b in model.blocks]
         assert policies[0] is not CPUOffloadPolicy and all(p is CPUOffloadPolicy for p in policies[1:])
-        reference_optimizer = optimizer_fn(reference.parameters())
-        for step in range(3):
-            x = batch(step)
-            result.step(x)
-            loss_fn(reference(x)).backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+        assert_trains_like_an_eager_loop(result, reference, 3)
     finally:
         result.close()
         torch._dynamo.reset()

@@ -14,7 +14,7 @@ from torch import nn
 
 import compile_offload
 from compile_offload.training.optimizer_step import DEVICE, HOST, TRIALS, OptimizerStep
-from tests.test_fit import BUDGET, Net, batch, full, loss_fn, optimizer_fn
+from tests.test_fit import BUDGET, Net, assert_trains_like_an_eager_loop, batch, loss_fn, optimizer_fn
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -198,19 +198,12 @@ def test_fit_streams_the_host_state_through_the_device_like_an_eager_loop():
         assert result.plan.cpu_offload and result.plan.optimizer_step == DEVICE
         assert result.plan.optimizer_step_chunk_bytes >= result.optimizer_step.chunk_bytes > 0
         assert "streamed through the device" in str(result.plan)
-        reference_optimizer = optimizer_fn(reference.parameters())
         streamed = []
         real = result.optimizer_step._step_chunks
         result.optimizer_step._step_chunks = lambda group, chunks: streamed.append(len(chunks)) or real(group, chunks)
-        for step in range(4):
-            result.step(batch(step, tokens=tokens))
-            loss_fn(reference(batch(step, tokens=tokens))).backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
+        assert_trains_like_an_eager_loop(result, reference, 4, tokens=tokens)
         assert result.optimizer_step.chosen == DEVICE, result.optimizer_step.why
         assert len(streamed) == 3 and all(n > 1 for n in streamed), streamed  # steps 2-4, in several groups
-        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
     finally:
         result.close()
         torch._dynamo.reset()
@@ -282,14 +275,7 @@ def test_the_host_step_uses_torchs_fused_kernels_where_the_implementation_was_le
         assert result.plan.cpu_offload
         assert all(group["fused"] is True for group in result.optimizer.param_groups)
         assert any("fused=True" in note for note in result.plan.notes), result.plan.notes
-        reference_optimizer = optimizer_fn(reference.parameters())
-        for step in range(3):
-            result.step(batch(step))
-            loss_fn(reference(batch(step))).backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+        assert_trains_like_an_eager_loop(result, reference, 3)
     finally:
         result.close()
         torch._dynamo.reset()
