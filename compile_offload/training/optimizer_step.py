@@ -130,7 +130,6 @@ class OptimizerStep:
     times: dict[str, list[float]] = field(default_factory=lambda: {HOST: [], DEVICE: []})
     why: str = ""  # why the step stays on the host, when it does without measuring
     too_large: str = ""  # which host parameters step on the host even when the rest streams
-    calls: int = 0
     checked: bool = False
 
     def __post_init__(self) -> None:
@@ -150,8 +149,7 @@ class OptimizerStep:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
-        self.calls += 1
-        if self.calls == 1 or not self.optimizer.state:
+        if not self.optimizer.state:
             self.optimizer.step()  # the first step creates the state, as torch's optimizer does
             return
         if not self.checked:  # the first step with state: can every rank stream its parameters?
