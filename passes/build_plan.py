@@ -49,6 +49,10 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     if solution.lowered_steps:
         notes.append(f"lowered: {solution.lowered_steps} step{'s' * (solution.lowered_steps != 1)} below the "
                      "greedy's lowest plan (passes/solve/lower_peak.py)")
+    if solution.from_segments:
+        notes.append("from per-segment checkpointing: the greedy's plans did not fit, so the search started again "
+                      "from the forward cut where one tensor is live, each segment recomputed from the cut before it "
+                      "(passes/solve/segments.py)")
     order = a.position.__getitem__
     timeline = solution.chosen.timeline
     return Plan(

@@ -77,6 +77,7 @@ from .recompute import (
 from ..progress import Progress
 from .search_sequence import first_fitting, lowest
 from .peak import peak_moves
+from .segments import segment_sequence
 from ..transfer import LinkEstimate, Schedule, TransferPlan, first_backward_uses, plan_schedules, plan_transfers
 
 
@@ -128,7 +129,7 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         if solution.feasible or solution.budget_bytes is None:
             return solution
         evaluate = Evaluator(a, seconds, None, base_saved)  # recompute only: no plan has copies
-        return lowered_solution(a, solution, base_saved, evaluate, evaluate.with_timeline, progress)
+        return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete)
     saved_sets = SavedSetCache(a, seconds)
     evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     with_timeline = evaluate.with_timeline
@@ -179,8 +180,47 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         candidates = search_sequences(sequences, evaluate, budget_bytes, progress)
     candidates += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
     solution = select(a, candidates, budget_bytes, None, with_timeline, evaluate.results.values())
-    # Nothing fitted: the lowest plan found, lowered step by step where it can be.
-    return lowered_solution(a, solution, base_saved, evaluate, with_timeline, progress)
+
+    def offloading_from(branch: Prefix) -> list[Prefix]:
+        return [branch, *prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets, offloadable_now),
+                                  granularity)]
+
+    return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete, offloading_from)
+
+
+def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.Node], seconds: Seconds,
+                    evaluate: "Evaluator", progress: Progress, complete: bool,
+                    offloading_from: Callable[[Prefix], list[Prefix]] | None = None) -> Solution:
+    """``solution`` where it fits its budget. Where nothing fitted, the lowest plan found is
+    lowered step by step where it can be (``lower_peak``), and so is the lowest plan of
+    per-segment checkpointing (``passes.solve.segments``: that plan, the greedy moves from it
+    and, with ``offloading_from``, the mixed sequence from it): the fastest of the two that
+    fits, else the lower."""
+    lowered = lowered_solution(a, solution, base_saved, evaluate, evaluate.with_timeline, progress)
+    budget_bytes = solution.budget_bytes
+    if lowered.feasible or budget_bytes is None or progress.out_of_time:
+        return lowered
+    sequence = segment_sequence(a, base_saved, seconds)
+    if not sequence:
+        return lowered
+    start = sequence[0]
+    alternatives: list[Prefix] = []  # every plan the peak-ordered sequence simulated
+    peak = [start, *until_fitting(prefixes(a, start, peak_moves(a, start.saved, seconds, evaluate, alternatives)),
+                                  evaluate, None if complete else budget_bytes)]
+    sequences = [sequence, peak] + ([offloading_from(start)] if offloading_from is not None else [])
+    if complete:
+        found = [evaluate(plan) for plan in unique_plans([plan for s in sequences for plan in s])]
+    else:
+        found = search_sequences(sequences, evaluate, budget_bytes, progress)
+    found += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
+    segments = select(a, [solution.baseline, *found], budget_bytes, None, evaluate.with_timeline)
+    if not segments.feasible:
+        segments = lowered_solution(a, segments, base_saved, evaluate, evaluate.with_timeline, progress)
+    if segments.feasible or segments.chosen.peak_bytes < lowered.chosen.peak_bytes:
+        segments.candidates_evaluated += lowered.candidates_evaluated
+        segments.from_segments = True
+        return segments
+    return lowered
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, search: bool = True) -> list[Prefix]:

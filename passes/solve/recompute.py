@@ -125,6 +125,7 @@ class Solution:
     candidates_evaluated: int = 0
     offloaded: dict[fx.Node, str] = field(default_factory=dict)  # offloaded tensor -> how its copies run
     lowered_steps: int = 0  # steps below the greedy's lowest plan (``passes.solve.lower_peak``)
+    from_segments: bool = False  # chosen from per-segment checkpointing (``passes.solve.segments``)
 
 
 def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
