@@ -129,6 +129,31 @@ def test_parity_with_every_saved_tensor_offloaded(name, budget, captured_plans):
     assert sum(plan.count("offload") for plan in captured_plans) > 0, "something was offloaded"
 
 
+class CheckpointedDropout(torch.nn.Module):
+    """A dropout block under non-reentrant ``checkpoint``: AOTAutograd saves the RNG state
+    for its recomputation, a forward output the backward takes under another name."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def block(self, x):
+        return x + self.fc2(torch.nn.functional.dropout(torch.tanh(self.fc1(x)), 0.1, True))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False).square().mean()
+
+
+def test_every_saved_tensor_offloaded_beside_a_checkpointed_dropouts_rng_state(captured_plans):
+    """``debug_force_offload`` offloads what the backward reloads; the saved RNG state stays
+    (it once stopped the compile: no backward placeholder of its name)."""
+    backend = compile_offload.offload_remat(memory_budget=0.3, debug_force_offload=True, inner_compiler="eager")
+    result = check_training_parity(CheckpointedDropout, lambda: (torch.randn(4, 8, 16),), backend,
+                                   loss_fn=lambda out: out)
+    assert result.graphs_compiled == 1
+    assert sum(plan.count("offload") for plan in captured_plans) > 0
+
+
 @pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
 @pytest.mark.parametrize("name", ["conv_bn", "autocast_bf16"])
 def test_parity_with_planned_offload(name, prefetch, captured_plans, monkeypatch):

@@ -45,7 +45,10 @@ def force_offload(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, plan: Plan, sett
     which has no analysis) each reload goes one node ahead of its use."""
     if not (settings.offload and settings.debug_force_offload):
         return fw_gm, bw_gm
-    names = eligible_saved_tensors(fw_gm, num_fwd_outputs)
+    # A saved tensor the backward takes under no name of its own (AOTAutograd's saved
+    # RNG state of a checkpointed dropout) has nothing to reload into: it stays.
+    received = {node.name for node in bw_gm.graph.nodes if node.op == "placeholder"}
+    names = [name for name in eligible_saved_tensors(fw_gm, num_fwd_outputs) if name in received]
     placed = transfers_for(names) if transfers_for is not None else None
     if placed is not None:
         tensors, transfers = placed
