@@ -909,7 +909,7 @@ def test_a_replayed_record_of_a_plan_kept_over_its_budget_warns_again():
     settings = resolve({"memory_budget": 1000})
     # The record's typed outcome says so (no note is read back); a saved record round-trips it.
     over = Plan.from_dict(plan("over_budget", 2).to_json())
-    with pytest.warns(UserWarning, match=r"predicted to peak at 1\.17 KiB \(scheduled peak\).*2 re-plans tried"):
+    with pytest.warns(UserWarning, match=r"predicted to peak at 1\.17 KiB \(scheduled peak\).*2 other plans compiled"):
         graph_reports.replay([graph_reports.GraphRecord(over, None)], settings, "graph_0_0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -126,7 +126,8 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
     best = _lower_of(*attempts)
     tried = len(attempts) - 1
     best.plan.notes.append(f"scheduled peak {format_bytes(best.plan.scheduled_peak_bytes)} over the budget after "
-                           f"{tried} re-plan{'s' * (tried != 1)}")
+                           f"{tried} other plan{'s' * (tried != 1)} compiled (re-plans under lower budgets, and the "
+                           "unconstrained plan where every one was over)")
     _outcome(best, "over_budget", tried)
     budget_report.warn_over_budget(best.plan, stacklevel=6)
     return best

@@ -51,12 +51,12 @@ def report_budget(plan: Plan, settings: Settings) -> None:
 def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
     """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
     (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
-    tried = f"{plan.replans} re-plan{'s' * (plan.replans != 1)}"
+    tried = f"{plan.replans} other plan{'s' * (plan.replans != 1)} compiled"
     warnings.warn(
         f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
         f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
         f"{format_bytes(plan.budget_bytes)}, though the plan predicts {format_bytes(plan.predicted_peak_bytes)}"
-        f" ({tried} tried; the lowest scheduled peak is kept). Not measured: config.verify_budget=True measures "
+        f" ({tried}; the lowest scheduled peak is kept). Not measured: config.verify_budget=True measures "
         "the first step",
         stacklevel=stacklevel,
     )
