@@ -14,7 +14,11 @@ is the workspace. Measured once per signature per process, for the plan
 ``measured_workspace`` in the strides Inductor gives the op's arguments). The CPU attention backward
 (``_scaled_dot_product_flash_attention_for_cpu_backward``) is measured the same way (in the
 traced layouts): it holds per-thread fp32 buffers for the scores and their gradient, which
-made an attention block with seq 512 predicted 33% low (to a few bytes with it).
+made an attention block with seq 512 predicted 33% low (to a few bytes with it). So is ATen's
+``native_dropout``, which Inductor calls instead of its own random kernels under
+``fallback_random`` (and the eager inner compiler calls as traced): it draws its noise into a
+temporary of the input's size; a dropout transformer measured 5% over its byte budget
+without it.
 
 Only for static shapes, and on the CPU only where the op's inputs are small enough to copy
 (``MAX_INPUT_BYTES``). On a GPU the convolution backward and cuDNN attention's backward are
@@ -73,6 +77,7 @@ EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_back
 MEASURED_OPS = frozenset({
     torch.ops.aten.convolution_backward.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    torch.ops.aten.native_dropout.default,
 })
 
 
