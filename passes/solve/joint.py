@@ -194,11 +194,15 @@ def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.No
     """``solution`` where it fits its budget. Where nothing fitted, the lowest plan found is
     lowered step by step where it can be (``lower_peak``), and so is the lowest plan of
     per-segment checkpointing (``passes.solve.segments``: that plan, the greedy moves from it
-    and, with ``offloading_from``, the mixed sequence from it): the fastest of the two that
-    fits, else the lower."""
-    lowered = lowered_solution(a, solution, base_saved, evaluate, evaluate.with_timeline, progress)
+    and, with ``offloading_from``, the mixed sequence from it): the faster of the two where
+    both fit, the one that fits, else the lower. (Both are looked at whenever the greedy's
+    sequences met nothing, also where the lowering alone meets the budget: so a lower budget
+    never gets a faster plan.)"""
     budget_bytes = solution.budget_bytes
-    if lowered.feasible or budget_bytes is None or progress.out_of_time:
+    if solution.feasible or budget_bytes is None:
+        return solution
+    lowered = lowered_solution(a, solution, base_saved, evaluate, evaluate.with_timeline, progress)
+    if progress.out_of_time:
         return lowered
     sequence = segment_sequence(a, base_saved, seconds)
     if not sequence:
@@ -216,11 +220,15 @@ def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.No
     segments = select(a, [solution.baseline, *found], budget_bytes, None, evaluate.with_timeline)
     if not segments.feasible:
         segments = lowered_solution(a, segments, base_saved, evaluate, evaluate.with_timeline, progress)
-    if segments.feasible or segments.chosen.peak_bytes < lowered.chosen.peak_bytes:
-        segments.candidates_evaluated += lowered.candidates_evaluated
-        segments.from_segments = True
-        return segments
-    return lowered
+    if segments.feasible and lowered.feasible:
+        better = segments.chosen.extra_seconds < lowered.chosen.extra_seconds
+    else:
+        better = segments.feasible or (not lowered.feasible and segments.chosen.peak_bytes < lowered.chosen.peak_bytes)
+    if not better:
+        return lowered
+    segments.candidates_evaluated += lowered.candidates_evaluated
+    segments.from_segments = True
+    return segments
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, search: bool = True) -> list[Prefix]:

@@ -191,3 +191,25 @@ def test_the_per_segment_plan_trains_like_eager():
     assert result.graphs_compiled == 1
     from compile_offload.reporting.logs import latest_plans
     assert any("per-segment checkpointing" in note for note in latest_plans()[-1].notes)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute-only", "offload"])
+def test_the_choice_stays_monotone_in_the_budget(monkeypatch, offload):
+    """Falling budgets across the range where the second start decides (from above the
+    greedy's lowest plan to below per-segment checkpointing's): the predicted peak never
+    rises and the predicted step time never falls."""
+    a, base = _conv_net()
+    options = joint.OffloadOptions(BUILTIN_PROFILES["h100"], lambda node: eligible_for_offload(node)[0]) if offload else None
+    with monkeypatch.context() as patch:
+        _without_segments(patch)
+        greedy_lowest = solve_joint(a, base, SECONDS, 0, None, options).chosen.peak_bytes
+    lowest = solve_joint(a, base, SECONDS, 0, None, options).chosen.peak_bytes
+    top, bottom = int(greedy_lowest * 1.1), int(lowest * 0.95)
+    budgets = [top - (top - bottom) * i // 11 for i in range(12)]
+    solutions = [solve_joint(a, base, SECONDS, budget, None, options) for budget in budgets]
+    peaks = [s.chosen.peak_bytes for s in solutions]
+    seconds = [s.chosen.extra_seconds for s in solutions]
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), peaks
+    assert all(later >= earlier - 1e-12 for earlier, later in zip(seconds, seconds[1:])), seconds
+    assert all(s.chosen.peak_bytes <= b for s, b in zip(solutions, budgets) if s.feasible)
+    assert any(s.from_segments for s in solutions) or offload
