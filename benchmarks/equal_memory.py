@@ -92,4 +92,22 @@ def equal_memory_table(rows: list[dict], baselines: list[str], extra_budgets: li
         lines.append("")
         lines.append(f"torch.compile: {reference['ms_median']:.2f} ms per step, peak "
                      f"{format_bytes(reference['peak_bytes'] or 0)} above the steady state.")
+    kept = _measured_choices(rows, baselines, extra_budgets)
+    if kept:
+        lines.append("")
+        lines.append("Measured choice kept " + "; ".join(kept) + ".")
     return "\n".join(lines)
+
+
+def _measured_choices(rows: list[dict], baselines: list[str], extra_budgets: list[Budget]) -> list[str]:
+    """Which candidate measured plan choice kept at each memory (``Plan.measured_choice``):
+    where it is the planner's plan, the two columns ran one plan and differ by noise alone."""
+    by_name = {r["strategy"]: r for r in rows}
+    places = [(name, str(by_name[name]["peak_bytes"])) for name in baselines]
+    places += [(f"budget {b:g}" if isinstance(b, float) else f"budget {b}", b) for b in extra_budgets]
+    found = []
+    for label, budget in places:
+        row = _ours_row(rows, budget, True)
+        if row is not None and row.get("status") == "ok" and row.get("measured_choice"):
+            found.append(f"{', '.join(row['measured_choice'])} at {label}")
+    return found

@@ -309,7 +309,9 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
         if strategy.measured_choice:
             from compile_offload.reporting.logs import latest_plans
 
-            row["measured_candidates"] = max((p.measured_candidates for p in latest_plans()), default=0)
+            measured = [p for p in latest_plans() if p.measured_candidates]
+            row["measured_candidates"] = max((p.measured_candidates for p in measured), default=0)
+            row["measured_choice"] = sorted({p.measured_choice for p in measured if p.measured_choice})
         row["status"] = "ok"
     except Exception as error:  # OOM or a compile failure: record it, keep going
         row.update(status="error", error=_describe(error))

@@ -96,6 +96,9 @@ class Plan:
     measured_candidates: int = 0
     measured_step_seconds: float | None = None
     measured_peak_bytes: int | None = None
+    # ... and which candidate it is: "the planner's plan", or a rival ("planned under 1.20 MiB",
+    # "offload off", "planned from measured costs").
+    measured_choice: str | None = None
     # What priced the nodes: "model" (the device profile's roofline) or "measured" (kernel
     # times profiled on the device the graph runs on, by measured plan choice).
     cost_source: str = "model"
@@ -164,7 +167,8 @@ class Plan:
             return priced
         step = "" if self.measured_step_seconds is None else f" step {self.measured_step_seconds * 1e3:.3f} ms"
         peak = "" if self.measured_peak_bytes is None else f" peak {format_bytes(self.measured_peak_bytes)}"
-        return f"{priced}; measured the fastest of {self.measured_candidates} candidates:{step}{peak}"
+        chosen = f" ({self.measured_choice})" if self.measured_choice else ""
+        return f"{priced}; measured the fastest of {self.measured_candidates} candidates{chosen}:{step}{peak}"
 
     def table(self) -> str:
         header = f"{'tensor':<32} {'shape':<22} {'dtype':<9} {'size':>11}  {'decision':<9} {'cost ms':>8}  reason"

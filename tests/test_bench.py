@@ -324,6 +324,11 @@ def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
     assert all(r["measured_candidates"] >= 0 for r in rows if r["strategy"].endswith("+measured"))
     table = (tmp_path / "gpt_equal_memory.md").read_text()
     assert table.count("\n| ") >= 3 and "| compile |" in table and "| eager_ckpt |" in table and "budget 0.25" in table
+    # Which candidate measured choice kept, where it measured some: the planner's plan or a named rival.
+    chose = [r for r in rows if r["strategy"].endswith("+measured") and r["measured_candidates"]]
+    assert all(r["measured_choice"] for r in chose)
+    for row in chose:
+        assert all(name in table for name in row["measured_choice"]) and "Measured choice kept " in table
 
 
 def test_attribution_splits_the_extra_time_by_kind_of_kernel_and_adds_up():

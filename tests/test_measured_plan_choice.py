@@ -247,6 +247,7 @@ def test_measured_choice_trains_like_eager_and_the_plan_cache_keeps_the_choice(t
     assert plan.measured_candidates == candidates
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes * 1.01
     assert plan.measured_step_seconds is not None and plan.measured_step_seconds > 0
+    assert plan.measured_choice == "the planner's plan" or plan.measured_choice in said, (plan.measured_choice, said)
 
     # A new compile of the same graph: the plan cache gives the choice, and no trials run.
     torch._dynamo.reset()
@@ -258,6 +259,7 @@ def test_measured_choice_trains_like_eager_and_the_plan_cache_keeps_the_choice(t
     (cached,) = [p for p in logs.latest_plans() if p.graph_name == plan.graph_name]
     assert cached.measured_candidates == candidates
     assert cached.saved == plan.saved and cached.offloaded == plan.offloaded
+    assert cached.measured_choice == plan.measured_choice
 
     # Another budget for the same graph on the same device: planned from the measured costs at once.
     torch._dynamo.reset()

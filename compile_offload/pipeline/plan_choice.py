@@ -200,6 +200,7 @@ def _adopt(loop, chosen: Trial, measured: int, compile_seconds: float, cache_key
     it was planned under)."""
     plan = chosen.plan
     plan.measured_candidates = measured
+    plan.measured_choice = chosen.name
     plan.measured_step_seconds = chosen.median_seconds()
     plan.measured_peak_bytes = chosen.peak_bytes
     plan.notes.append(f"measured plan choice: the fastest of {measured} candidate plans that fits the budget "
