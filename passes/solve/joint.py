@@ -77,7 +77,7 @@ from .recompute import (
 from ..progress import Progress
 from .search_sequence import first_fitting, lowest
 from .peak import peak_moves
-from .segments import segment_sequence
+from .segments import masks_kept, segment_sequence
 from ..transfer import LinkEstimate, Schedule, TransferPlan, first_backward_uses, plan_schedules, plan_transfers
 
 
@@ -181,16 +181,16 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     candidates += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
     solution = select(a, candidates, budget_bytes, None, with_timeline, evaluate.results.values())
 
-    def offloading_from(branch: Prefix) -> list[Prefix]:
-        return [branch, *prefixes(a, branch, mixed_moves(a, branch.saved, seconds, offload, saved_sets, offloadable_now),
-                                  granularity)]
+    def offloading_from(analysis: JointAnalysis, branch: Prefix) -> list[Prefix]:
+        return [branch, *prefixes(analysis, branch, mixed_moves(analysis, branch.saved, seconds, offload, saved_sets,
+                                                                offloadable_now), granularity)]
 
     return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete, offloading_from)
 
 
 def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.Node], seconds: Seconds,
                     evaluate: "Evaluator", progress: Progress, complete: bool,
-                    offloading_from: Callable[[Prefix], list[Prefix]] | None = None) -> Solution:
+                    offloading_from: Callable[[JointAnalysis, Prefix], list[Prefix]] | None = None) -> Solution:
     """``solution`` where it fits its budget. Where nothing fitted, the lowest plan found is
     lowered step by step where it can be (``lower_peak``), and so is the lowest plan of
     per-segment checkpointing (``passes.solve.segments``: that plan, the greedy moves from it
@@ -204,14 +204,15 @@ def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.No
     lowered = lowered_solution(a, solution, base_saved, evaluate, evaluate.with_timeline, progress)
     if progress.out_of_time:
         return lowered
-    sequence = segment_sequence(a, base_saved, seconds)
+    kept = masks_kept(a)  # the plans from it recompute no mask (``segments.masks_kept``)
+    sequence = segment_sequence(kept, base_saved, seconds)
     if not sequence:
         return lowered
     start = sequence[0]
     alternatives: list[Prefix] = []  # every plan the peak-ordered sequence simulated
-    peak = [start, *until_fitting(prefixes(a, start, peak_moves(a, start.saved, seconds, evaluate, alternatives)),
+    peak = [start, *until_fitting(prefixes(kept, start, peak_moves(kept, start.saved, seconds, evaluate, alternatives)),
                                   evaluate, None if complete else budget_bytes)]
-    sequences = [sequence, peak] + ([offloading_from(start)] if offloading_from is not None else [])
+    sequences = [sequence, peak] + ([offloading_from(kept, start)] if offloading_from is not None else [])
     if complete:
         found = [evaluate(plan) for plan in unique_plans([plan for s in sequences for plan in s])]
     else:
@@ -219,7 +220,7 @@ def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.No
     found += [evaluate(plan) for plan in unique_plans(alternatives)]  # simulated already
     segments = select(a, [solution.baseline, *found], budget_bytes, None, evaluate.with_timeline)
     if not segments.feasible:
-        segments = lowered_solution(a, segments, base_saved, evaluate, evaluate.with_timeline, progress)
+        segments = lowered_solution(kept, segments, base_saved, evaluate, evaluate.with_timeline, progress)
     if segments.feasible and lowered.feasible:
         better = segments.chosen.extra_seconds < lowered.chosen.extra_seconds
     else:

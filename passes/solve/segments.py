@@ -31,8 +31,10 @@ checkpointing every other block is left to the moves from it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
+import torch
 import torch.fx as fx
 
 from ..analyze import JointAnalysis, is_compute_intensive, tensor_value
@@ -113,11 +115,34 @@ def segment_saved(a: JointAnalysis, base_saved: Iterable[fx.Node]) -> list[fx.No
     first, last = position[cuts[0]], position[cuts[-1]]
     outside = [t for t in base_saved if not first < _place(a, a.roots.get(t, t), position) < last]
     saved = {*cuts, *outside}
-    while True:
-        banned = [n for n in recomputed_nodes(a, saved) if n in a.ban]
+    while True:  # (a tuple is reached only through its items, which are saved in its place)
+        banned = [n for n in recomputed_nodes(a, saved) if n in a.ban and tensor_value(n) is not None]
         if not banned:
             return sorted(saved, key=a.position.__getitem__)
         saved.update(banned)
+
+
+def masks_kept(a: JointAnalysis) -> JointAnalysis:
+    """``a`` with the forward's masks (boolean values: a ReLU's ``x <= 0`` for its backward)
+    banned from recomputation, for the plans made from per-segment checkpointing, which
+    recompute whole blocks. A value recomputed in another fused kernel may differ from the
+    forward's in its last bits; a mask recomputed from it then flips where the forward's
+    input was that close to zero, and the gradient takes another path there. Found on a
+    float32 ResNet (BatchNorm, then ReLU): one flipped element put the gradients 6e-4 off
+    eager at the second step, 1.3e-4 off float64 where eager was 1.7e-7; with the masks
+    saved from the forward, as eager recomputation makes them bit for bit, they agree. A
+    mask costs one byte an element."""
+    masks = {node: MASK for node in a.forward_side
+             if node.op == "call_function" and node not in a.ban and _is_mask(node)}
+    return dataclasses.replace(a, ban={**a.ban, **masks}) if masks else a
+
+
+MASK = "a mask: recomputed, it may flip where the forward's input was within rounding of the threshold"
+
+
+def _is_mask(node: fx.Node) -> bool:
+    value = tensor_value(node)
+    return value is not None and value.dtype == torch.bool
 
 
 def _place(a: JointAnalysis, node: fx.Node, position: dict[fx.Node, int]) -> int:
