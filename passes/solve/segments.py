@@ -25,8 +25,10 @@ the lower.
 
 Limits: the narrow points are those of the graph as traced; a forward with fewer than two
 segments between them (a U-Net's skip connections, a model reading one mask in every block,
-keep two storages live everywhere between its ends) gets no second start. Every run's boundary is one, not a chosen subset:
-checkpointing every other block is left to the moves from it.
+keep two storages live everywhere between its ends) gets no second start. Every run's
+boundary is one, not a chosen subset: checkpointing every other block is left to the moves
+from it. The masks kept cost time on the CPU backend: the ResNet's plan ran 45.9 ms where
+the model predicts 18.2 (28 ms with its masks recomputed).
 """
 
 from __future__ import annotations
