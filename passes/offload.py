@@ -35,6 +35,8 @@ Eligibility (``eligible_for_offload``), and why:
 * a tensor (``meta["val"]``) with strided layout on a CPU or CUDA device, not a tensor
   subclass: the ops copy plain dense memory;
 * not a graph input (primals, RNG seeds): the caller holds inputs, offloading frees nothing;
+* not a constant of the graph (``get_attr``, a tensor made in the forward from literals):
+  the compiled graph holds it for its lifetime, so offloading frees nothing;
 * not a view or alias of a graph input (shares a placeholder's storage): same reason, and
   the input's storage would be read after the caller may have mutated it;
 * not the output of a collective, nor a view of one (``passes.analyze.collective_source``):
@@ -172,6 +174,8 @@ def eligible_for_offload(node: fx.Node) -> tuple[bool, str]:
     """Whether ``node``'s value may be offloaded, and the reason when not (see module doc)."""
     if node.op == "placeholder":
         return False, "graph input"
+    if node.op == "get_attr":
+        return False, "a constant of the graph (get_attr): it lives as long as the graph"
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return False, "not a tensor" if val is not None else "no tensor metadata (meta['val'])"

@@ -390,6 +390,41 @@ def test_inductor_keeps_offload_sources_alive_under_each_reorder_method(method, 
     assert_close(actual, expected)
 
 
+class _ConstantIndex(nn.Module):
+    """Indexes with a tensor made from literals in the forward: Dynamo lifts it into a graph
+    constant (``get_attr``) that the backward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.tanh(torch.sin(self.linear(x))[:, torch.tensor([0, 2, 5])]).sum()
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_forced_offload_keeps_a_graph_constant_and_inductor_compiles_it():
+    """A graph constant the backward reads is not offloaded (the graph holds it for its
+    lifetime): offloaded, Inductor's lowering met a real tensor among fake ones and the
+    compile failed, even with ``suppress_errors``."""
+    torch.manual_seed(0)
+    model, x = _ConstantIndex(), torch.randn(32, 64)
+    compiled_model = copy.deepcopy(model)
+    model(x).backward()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(compiled_model, backend=compile_offload.offload_remat(debug_force_offload=True))
+        compiled(x).backward()
+    decisions = {d.name: d for d in logs.latest_plans()[-1].decisions}
+    constants = [d for name, d in decisions.items() if name.startswith("_tensor_constant")]
+    assert constants and all(d.decision == "keep" for d in constants)
+    assert any(d.decision == "offload" for d in decisions.values())  # the rest is forced off the device
+    for eager, ours in zip(model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(ours.grad, eager.grad)
+
+
 # --------------------------------------------------------------------------- §5.4 RNG
 
 
