@@ -56,6 +56,9 @@ class Settings:
     measured_plan_steps: int = 3
     budget_scope: str = "graph"
     shared_h2d_bytes: int = 0
+    # Not a knob: the budget loop's compile of the other start's lowest plan, where the budget is
+    # below the minimum (``passes.solve.joint.lowest_solution``; None: the model's choice).
+    lowest_start: str | None = None
 
     @property
     def has_budget(self) -> bool:

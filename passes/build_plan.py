@@ -73,6 +73,9 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
         solve_seconds=solve_seconds,
         graph_name=graph_name,
         notes=notes,
+        lowest_start=(None if solution.rival_peak_bytes is None
+                      else "segments" if solution.from_segments else "greedy"),
+        rival_peak_bytes=solution.rival_peak_bytes,
     )
 
 

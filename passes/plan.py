@@ -102,6 +102,12 @@ class Plan:
     # What priced the nodes: "model" (the device profile's roofline) or "measured" (kernel
     # times profiled on the device the graph runs on, by measured plan choice).
     cost_source: str = "model"
+    # Where no plan fits the budget and the search's two starts each gave a lowest plan: which
+    # start this plan is the lowest of ("greedy", or "segments": per-segment checkpointing),
+    # and the other one's predicted peak. The budget loop compiles the other where its
+    # prediction is near, and keeps the lower scheduled peak. None elsewhere.
+    lowest_start: str | None = None
+    rival_peak_bytes: int | None = None
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
@@ -145,7 +151,7 @@ class Plan:
         """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
         it is known), step time, decision counts."""
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
-        if self.planned_budget_bytes is not None:
+        if self.planned_budget_bytes not in (None, self.budget_bytes):
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
         # Known once Inductor generated the code (after the INFO line at planning time): the

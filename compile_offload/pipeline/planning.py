@@ -196,7 +196,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
                 exact_failed.append(str(error))
                 warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=5)
         return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload,
-                           progress)
+                           progress, lowest_start=settings.lowest_start)
 
     solution = solve(seconds)
     refinement = None

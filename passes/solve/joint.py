@@ -112,7 +112,7 @@ LINK_REFRESH = 0.05
 
 def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, budget_bytes: int | None,
                 budget_fraction: float | None = None, offload: OffloadOptions | None = None,
-                progress: Progress | None = None, complete: bool = False) -> Solution:
+                progress: Progress | None = None, complete: bool = False, lowest_start: str | None = None) -> Solution:
     """Keep, recompute or offload each saved tensor so the simulated peak fits the budget
     at the least predicted step time. ``offload=None`` is recompute only
     (``passes.solve.recompute.solve_greedy``).
@@ -121,7 +121,8 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
     the sequences of candidate plans are generated, then searched (``search_sequences``):
     only the plans a search reads are priced and simulated. ``Solution.minimum`` is the
     lowest peak simulated. ``complete=True`` simulates every plan (the reference the tests
-    compare with)."""
+    compare with). ``lowest_start``: where nothing fits, which start's lowest plan to return
+    (``lowest_solution``)."""
     progress = progress or Progress()
     seconds = node_durations(seconds)  # the same values, looked up: every saved set sums them
     if offload is None:
@@ -129,7 +130,8 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         if solution.feasible or solution.budget_bytes is None:
             return solution
         evaluate = Evaluator(a, seconds, None, base_saved)  # recompute only: no plan has copies
-        return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete)
+        return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete,
+                               lowest_start=lowest_start)
     saved_sets = SavedSetCache(a, seconds)
     evaluate = Evaluator(a, seconds, offload, base_saved, saved_sets)
     with_timeline = evaluate.with_timeline
@@ -185,19 +187,34 @@ def solve_joint(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds, b
         return [branch, *prefixes(analysis, branch, mixed_moves(analysis, branch.saved, seconds, offload, saved_sets,
                                                                 offloadable_now), granularity)]
 
-    return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete, offloading_from)
+    return lowest_solution(a, solution, base_saved, seconds, evaluate, progress, complete, offloading_from,
+                           lowest_start)
+
+
+# Which start's lowest plan ``lowest_solution`` returns where nothing fits: the model's choice
+# (None), the greedy's, or per-segment checkpointing's.
+LOWEST_STARTS = (None, "greedy", "segments")
 
 
 def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.Node], seconds: Seconds,
                     evaluate: "Evaluator", progress: Progress, complete: bool,
-                    offloading_from: Callable[[JointAnalysis, Prefix], list[Prefix]] | None = None) -> Solution:
+                    offloading_from: Callable[[JointAnalysis, Prefix], list[Prefix]] | None = None,
+                    lowest_start: str | None = None) -> Solution:
     """``solution`` where it fits its budget. Where nothing fitted, the lowest plan found is
     lowered step by step where it can be (``lower_peak``), and so is the lowest plan of
     per-segment checkpointing (``passes.solve.segments``: that plan, the greedy moves from it
     and, with ``offloading_from``, the mixed sequence from it): the faster of the two where
     both fit, the one that fits, else the lower. (Both are looked at whenever the greedy's
     sequences met nothing, also where the lowering alone meets the budget: so a lower budget
-    never gets a faster plan.)"""
+    never gets a faster plan.)
+
+    Where neither fits and the two differ, the model's lower one is returned with the other's
+    predicted peak (``Solution.rival_peak_bytes``): the model ranks these plans less surely
+    than Inductor's code does, so the budget loop may compile both and keep the lower.
+    ``lowest_start`` (``"greedy"`` or ``"segments"``) returns that start's lowest plan instead
+    of the model's choice (the greedy's where there are no segments)."""
+    if lowest_start not in LOWEST_STARTS:
+        raise ValueError(f"lowest_solution: lowest_start={lowest_start!r}; accepted: {LOWEST_STARTS}")
     budget_bytes = solution.budget_bytes
     if solution.feasible or budget_bytes is None:
         return solution
@@ -225,11 +242,15 @@ def lowest_solution(a: JointAnalysis, solution: Solution, base_saved: list[fx.No
         better = segments.chosen.extra_seconds < lowered.chosen.extra_seconds
     else:
         better = segments.feasible or (not lowered.feasible and segments.chosen.peak_bytes < lowered.chosen.peak_bytes)
-    if not better:
-        return lowered
+    if lowest_start is not None and not segments.feasible and not lowered.feasible:
+        better = lowest_start == "segments"
     segments.candidates_evaluated += lowered.candidates_evaluated
     segments.from_segments = True
-    return segments
+    chosen, rival = (segments, lowered) if better else (lowered, segments)
+    same = (chosen.chosen.saved, chosen.chosen.offloaded) == (rival.chosen.saved, rival.chosen.offloaded)
+    if not chosen.feasible and not rival.feasible and not same:
+        chosen.rival_peak_bytes = rival.chosen.peak_bytes
+    return chosen
 
 
 def branch_points(sequence: list[Prefix], evaluate: "Evaluator", levels: int, search: bool = True) -> list[Prefix]:

@@ -126,6 +126,9 @@ class Solution:
     offloaded: dict[fx.Node, str] = field(default_factory=dict)  # offloaded tensor -> how its copies run
     lowered_steps: int = 0  # steps below the greedy's lowest plan (``passes.solve.lower_peak``)
     from_segments: bool = False  # chosen from per-segment checkpointing (``passes.solve.segments``)
+    # Where no plan fits and the search's two starts (the greedy's, per-segment checkpointing)
+    # each gave a lowest plan: the predicted peak of the one not chosen (``joint.lowest_solution``).
+    rival_peak_bytes: int | None = None
 
 
 def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list[fx.Node]:
