@@ -617,6 +617,28 @@ def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits
         report_budget(over, settings)
 
 
+def test_the_over_budget_warning_says_though_only_where_the_plan_predicted_a_fit():
+    """A plan kept with its scheduled peak over the budget may be one the planner predicted
+    over it as well: the warning then does not set the prediction against the code."""
+    from compile_offload.passes.plan import Plan
+    from compile_offload.pipeline.budget_report import warn_over_budget
+
+    def warned(predicted: int) -> str:
+        plan = Plan(feasible=predicted <= 1000, budget_bytes=1000, predicted_peak_bytes=predicted,
+                    predicted_step_seconds=1.0, baseline_peak_bytes=2000, baseline_step_seconds=1.0,
+                    min_peak_bytes=900, scheduled_peak_bytes=1200)
+        plan.replans = 2
+        with pytest.warns(UserWarning) as caught:
+            warn_over_budget(plan)
+        (warning,) = caught
+        return str(warning.message)
+
+    fits = warned(950)
+    assert "over the memory budget 1000 B, though the plan predicts 950 B (2 other plans compiled" in fits
+    over = warned(1100)
+    assert "though" not in over and "over the memory budget 1000 B, as the plan predicts (1.07 KiB)" in over
+
+
 def test_the_unconstrained_plan_kept_below_the_minimum_is_reported_at_its_scheduled_peak():
     """Where the plans made to lower memory peaked higher in Inductor's code than the
     unconstrained plan, the loop keeps that plan, and the minimum the step can reach is its

@@ -52,10 +52,15 @@ def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
     """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
     (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
     tried = f"{plan.replans} other plan{'s' * (plan.replans != 1)} compiled"
+    # "though" only where the planner's prediction fits: a plan kept over the budget may be
+    # one (the unconstrained plan, re-planned) that the planner predicted over it as well
+    predicted = format_bytes(plan.predicted_peak_bytes)
+    against = (f"though the plan predicts {predicted}" if plan.predicted_peak_bytes <= plan.budget_bytes
+               else f"as the plan predicts ({predicted})")
     warnings.warn(
         f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
         f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
-        f"{format_bytes(plan.budget_bytes)}, though the plan predicts {format_bytes(plan.predicted_peak_bytes)}"
+        f"{format_bytes(plan.budget_bytes)}, {against}"
         f" ({tried}; the lowest scheduled peak is kept). Not measured: config.verify_budget=True measures "
         "the first step",
         stacklevel=stacklevel,
