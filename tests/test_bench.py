@@ -318,7 +318,10 @@ def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
     by_name = {r["strategy"]: r for r in rows}
     peaks = [by_name[name]["peak_bytes"] for name in ("compile", "eager_ckpt")]
     assert all(isinstance(peak, int) and peak > 0 for peak in peaks)
-    expected = [f"ours:{budget}{suffix}" for budget in (*peaks, "0.25") for suffix in ("", "+measured")]
+    # Without measured choice first, then with it (each slower: it compiles several plans), so a
+    # time limit keeps the plain comparisons; in each half torch.compile's own peak comes last.
+    points = [peaks[1], "0.25", peaks[0]]
+    expected = [f"ours:{budget}{suffix}" for suffix in ("", "+measured") for budget in points]
     assert [r["strategy"] for r in rows[2:]] == expected
     assert all(r["status"] == "ok" and r["ms_vs_compile"] > 0 for r in rows)
     assert all(r["measured_candidates"] >= 0 for r in rows if r["strategy"].endswith("+measured"))
