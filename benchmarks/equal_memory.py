@@ -6,6 +6,8 @@ policy where it runs, eager per-block checkpointing), each measured as ``runner`
 baseline's *measured* peak as a byte budget, and at the extra budgets asked for, each with
 and without measured plan choice. The table pairs each baseline with ours at its peak: the
 step time and the peak, both as ratios to ``torch.compile``'s, measured in the same run.
+With ``--in-turn`` every strategy is kept ready and, once all have run, timed again one step
+of each in turn (``runner.time_in_turn``), so that a drift of the machine reaches all alike.
 
     python -m compile_offload bench --equal-memory --model gpt --device cpu --layers 2 --width 256 \\
         --seq 256 --batch 4 --out out/eq
@@ -48,10 +50,13 @@ def run_equal_memory(suite: runner.Suite, baselines: list[Strategy], extra_budge
                      template: Strategy) -> tuple[list[dict], str]:
     """The rows of every strategy, and the equal-memory table."""
     tag = suite.tag
-    first = runner.run_suite(replace(suite, tag=f"{tag}_baselines"), baselines)
+    ready = [] if suite.in_turn else None  # both halves, timed again in turn at the end
+    first = runner.run_suite(replace(suite, tag=f"{tag}_baselines"), baselines, ready)
     peaks = [(row["strategy"], row["peak_bytes"]) for row in first
              if row.get("status") == "ok" and row.get("peak_bytes")]
-    second = runner.run_suite(replace(suite, tag=f"{tag}_ours"), ours_in_order(peaks, extra_budgets, template))
+    second = runner.run_suite(replace(suite, tag=f"{tag}_ours"), ours_in_order(peaks, extra_budgets, template), ready)
+    if ready is not None:
+        runner.time_in_turn(ready, suite)
     rows = first + second
     runner.add_ratios(rows)
     out = suite.out_dir / f"{tag}_equal_memory.jsonl"
@@ -97,8 +102,11 @@ def equal_memory_table(rows: list[dict], baselines: list[str], extra_budgets: li
     reference = by_name.get(REFERENCE)
     if reference is not None and reference.get("status") == "ok":
         lines.append("")
+        timed = reference.get("timed", "alone")
+        how = ("every strategy timed again, one step of each in turn" if timed == "in turn"
+               else f"each strategy timed {timed}, one after another")
         lines.append(f"torch.compile: {reference['ms_median']:.2f} ms per step, peak "
-                     f"{format_bytes(reference['peak_bytes'] or 0)} above the steady state.")
+                     f"{format_bytes(reference['peak_bytes'] or 0)} above the steady state ({how}).")
     kept = _measured_choices(rows, baselines, extra_budgets)
     if kept:
         lines.append("")

@@ -9,6 +9,11 @@ extra step recorded by ``torch.profiler``). Gradients stay allocated between ste
 (``zero_grad(set_to_none=False)``), so the steady state includes them and the peak counts
 what the step adds: saved activations, transient buffers and gradient temporaries.
 
+With ``in_turn`` every strategy is kept ready once measured, and at the end all are timed
+again, one step of each in turn for ``steps`` rounds (``time_in_turn``): a drift of the
+machine between strategies then reaches all of them alike. The step times reported are those;
+the peaks stay those measured alone.
+
 For ``ours`` the planner's prediction comes from ``compile_offload.explain`` when the
 installed package has it. A strategy that fails (out of memory, a compile error) is
 recorded with its error and the sweep goes on.
@@ -19,6 +24,7 @@ Outputs in ``out_dir``: ``{tag}.jsonl`` (one object per strategy, each with ``st
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -59,6 +65,7 @@ class Suite:
     cpu_peak: bool = True  # CPU only: record one extra step with the profiler for its peak
     predict: bool = True  # ours only: ask compile_offload.explain for the plan
     time_limit_s: float | None = None  # start no new strategy after this many seconds
+    in_turn: bool = False  # time every strategy again at the end, one step of each in turn
     extra_meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +130,7 @@ def describe_environment(suite: Suite) -> dict:
         "commit": git_commit(),
         "steps": suite.steps,
         "warmup": suite.warmup,
+        "timed": "in turn" if suite.in_turn else "alone",
         **suite.extra_meta,
     }
 
@@ -280,13 +288,27 @@ def _fresh_model(suite: Suite) -> torch.nn.Module:
     return model
 
 
-def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Callable) -> dict:
-    """Measure one strategy; never raises except on KeyboardInterrupt."""
+@dataclass
+class Ready:
+    """A measured strategy, kept ready to step again (``Suite.in_turn``)."""
+
+    strategy: Strategy
+    step: Callable[[], None]
+    row: dict
+
+
+def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Callable,
+                 ready: list[Ready] | None = None) -> dict:
+    """Measure one strategy; never raises except on KeyboardInterrupt. With ``ready`` (a
+    list), a strategy that ran is appended to it, its model kept, and Dynamo's caches are
+    kept too (resetting them would make the kept models compile again)."""
     row = {"strategy": strategy.name, "family": strategy.family, "budget": strategy.budget}
     reason = strategy.unavailable_reason(suite.device, suite.workload)
     if reason is not None:
         return {**row, "status": "unavailable", "error": reason}
-    dynamo.reset()
+    keep = ready is not None
+    if not keep:
+        dynamo.reset()
     release_memory(suite.device)
     for tensor in inputs:
         if isinstance(tensor, torch.Tensor):
@@ -295,7 +317,7 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
         model = _fresh_model(suite)
         if strategy.family == "ours" and suite.predict:
             row.update(_safe_predict(strategy, model, inputs))
-        fn = strategy.prepare(model)
+        fn = strategy.prepare(model, own_backend=keep)
         if strategy.detail:
             row["detail"] = strategy.detail
 
@@ -304,22 +326,28 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
                 loss = loss_fn(fn(*inputs))
             loss.backward()
 
-        with strategy.run_context():
+        from compile_offload.reporting.logs import latest_plans
+
+        earlier = {id(p) for p in latest_plans()}  # without a reset, other strategies' plans stay listed
+        # Kept side by side, the models of one class add cache entries to one forward's code.
+        room = dynamo.config.patch(recompile_limit=1024) if keep else contextlib.nullcontext()
+        with strategy.run_context(), room:
             row.update(measure_steps(step, model, inputs, suite, strategy.trial_steps))
         if strategy.measured_choice:
-            from compile_offload.reporting.logs import latest_plans
-
-            measured = [p for p in latest_plans() if p.measured_candidates]
+            measured = [p for p in latest_plans() if p.measured_candidates and id(p) not in earlier]
             row["measured_candidates"] = max((p.measured_candidates for p in measured), default=0)
             row["measured_choice"] = sorted({p.measured_choice for p in measured if p.measured_choice})
         row["status"] = "ok"
+        if keep:
+            ready.append(Ready(strategy, step, row))
     except Exception as error:  # OOM or a compile failure: record it, keep going
         row.update(status="error", error=_describe(error))
         if os.environ.get("COMPILE_OFFLOAD_BENCH_TRACEBACK"):
             traceback.print_exc()
     finally:
-        model = fn = step = None  # drop references before freeing cached memory
-        dynamo.reset()
+        if not keep:  # a kept step reads ``fn`` from here
+            model = fn = step = None  # drop references before freeing cached memory
+            dynamo.reset()
         release_memory(suite.device)
     _add_prediction_checks(row)
     return row
@@ -378,10 +406,16 @@ def summarize(row: dict) -> str:
     return text
 
 
-def run_suite(suite: Suite, strategies: list[Strategy]) -> list[dict]:
+def run_suite(suite: Suite, strategies: list[Strategy], ready: list[Ready] | None = None) -> list[dict]:
     """Measure ``strategies`` on ``suite``; write JSON lines as they finish, then the
     ratios, the markdown table and the plot. Interrupting (Ctrl-C, ``timeout -s INT``)
-    or ``time_limit_s`` ends the sweep early; what was measured is still written."""
+    or ``time_limit_s`` ends the sweep early; what was measured is still written. With
+    ``suite.in_turn`` the strategies are timed again in turn before the tables are written;
+    where ``ready`` is given (a list several suites share) they are appended to it instead,
+    for the caller's ``time_in_turn``."""
+    own = suite.in_turn and ready is None
+    if own:
+        ready = []
     suite.out_dir.mkdir(parents=True, exist_ok=True)
     meta = describe_environment(suite)
     common = {k: meta[k] for k in ("workload", "size", "device", "device_name", "dtype", "torch")}
@@ -397,7 +431,8 @@ def run_suite(suite: Suite, strategies: list[Strategy]) -> list[dict]:
                 break
             progress.start(strategy.name)
             try:
-                row = {**run_strategy(strategy, suite, inputs, loss_fn), **common}
+                row = run_strategy(strategy, suite, inputs, loss_fn, ready if suite.in_turn else None)
+                row.update(common)  # in place: a kept strategy's ``Ready.row`` is this dict
             except KeyboardInterrupt:
                 rows += _skipped(strategies[index:], common, "interrupted")
                 break
@@ -405,6 +440,8 @@ def run_suite(suite: Suite, strategies: list[Strategy]) -> list[dict]:
             progress.finish(row)
             stream.write(json.dumps(row, default=str) + "\n")
             stream.flush()
+    if own:
+        time_in_turn(ready, suite)
     add_ratios(rows)
     write_jsonl(rows, suite.jsonl_path)
     suite.markdown_path.write_text(markdown_report(rows, meta))
@@ -414,6 +451,45 @@ def run_suite(suite: Suite, strategies: list[Strategy]) -> list[dict]:
         print(f"bench: no {suite.plot_path.name} (needs matplotlib: pip install 'compile_offload[plot]')",
               file=sys.stderr)
     return rows
+
+
+def time_in_turn(ready: list[Ready], suite: Suite) -> None:
+    """Time the ready strategies again: one round untimed, then ``suite.steps`` rounds of one
+    step of each in turn. Each row's ``ms_median``, ``ms_min`` and ``ms_all`` become these
+    (``timed``: "in turn"); the figures measured alone stay as ``ms_median_alone`` and
+    ``ms_all_alone``. Where a step compiles a graph (it would time its compiler), fails, or
+    the run is interrupted, every row keeps its figures measured alone and ``timed`` says
+    why. The models are released at the end."""
+    if not ready:
+        return
+    print(f"timing {len(ready)} strategies again, one step of each in turn, {suite.steps} rounds", file=sys.stderr)
+    graphs = dynamo.compiled_graph_count()
+    times: list[list[float]] = [[] for _ in ready]
+    why = None
+    try:
+        for timed in [False] + [True] * suite.steps:
+            for kept, measured in zip(ready, times):
+                with kept.strategy.run_context():
+                    ms = time_steps_ms(kept.step, 1, suite.device)
+                if timed:
+                    measured += ms
+    except KeyboardInterrupt:
+        why = "interrupted"
+    except Exception as error:  # out of memory with every model kept, say
+        why = f"{kept.strategy.name} failed: {_describe(error)}"
+    if why is None and dynamo.compiled_graph_count() != graphs:
+        why = "a strategy compiled a graph while timed in turn"
+    for kept, measured in zip(ready, times):
+        row = kept.row
+        if why is not None:
+            row["timed"] = f"alone ({why})"
+            continue
+        row.update(ms_median_alone=row["ms_median"], ms_all_alone=row["ms_all"], ms_median=statistics.median(measured),
+                   ms_min=min(measured), ms_all=[round(t, 4) for t in measured], timed="in turn")
+    if why is not None:
+        print(f"bench: timing in turn: {why}; the step times are those measured alone", file=sys.stderr)
+    ready.clear()
+    release_memory(suite.device)
 
 
 def _skipped(strategies: list[Strategy], common: dict, why: str) -> list[dict]:

@@ -285,8 +285,11 @@ class Strategy:
             options["device_profile"] = self.device_profile
         return options
 
-    def prepare(self, model: nn.Module) -> Callable:
-        """The callable one step runs; wraps blocks and compiles as the strategy says."""
+    def prepare(self, model: nn.Module, own_backend: bool = False) -> Callable:
+        """The callable one step runs; wraps blocks and compiles as the strategy says. With
+        ``own_backend``, torch's compiled strategies get a backend object of their own, so
+        that models kept side by side in one process never share a graph compiled under
+        another strategy's config (``inductor.fresh_backend``)."""
         if self.family == "hf_ckpt_offload":
             self.detail = enable_hf_checkpoint_offload(model)
             return model
@@ -298,6 +301,10 @@ class Strategy:
 
             return torch.compile(model, backend=compile_offload.offload_remat(**self.ours_options()))
         if self.compiled:
+            if own_backend:
+                from compile_offload.torch_api import inductor
+
+                return torch.compile(model, backend=inductor.fresh_backend())
             return torch.compile(model)
         return model
 

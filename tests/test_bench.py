@@ -312,7 +312,7 @@ def test_bench_fit_times_the_whole_step_against_fsdp2_cpu_offload_with_checkpoin
 
 def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
     result = _run_bench(tmp_path, "--smoke", "--equal-memory", "--strategies", "compile,eager_ckpt",
-                        "--budgets", "0.25", "--no-predict")
+                        "--budgets", "0.25", "--no-predict", "--in-turn")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "gpt_equal_memory.jsonl").read_text().splitlines()]
     by_name = {r["strategy"]: r for r in rows}
@@ -325,7 +325,10 @@ def test_bench_equal_memory_runs_ours_at_each_baselines_measured_peak(tmp_path):
     assert [r["strategy"] for r in rows[2:]] == expected
     assert all(r["status"] == "ok" and r["ms_vs_compile"] > 0 for r in rows)
     assert all(r["measured_candidates"] >= 0 for r in rows if r["strategy"].endswith("+measured"))
+    # --in-turn: every strategy timed again, 2 smoke steps each, after all had run
+    assert all(r["timed"] == "in turn" and len(r["ms_all"]) == 2 and "ms_median_alone" in r for r in rows)
     table = (tmp_path / "gpt_equal_memory.md").read_text()
+    assert "one step of each in turn" in table
     assert table.count("\n| ") >= 3 and "| compile |" in table and "| eager_ckpt |" in table and "budget 0.25" in table
     # Which candidate measured choice kept, where it measured some: the planner's plan or a named rival.
     chose = [r for r in rows if r["strategy"].endswith("+measured") and r["measured_candidates"]]
@@ -440,6 +443,7 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--fit", "--model", "resnet", "--budgets", "1MiB"], "--fit --model resnet: fit shards a model's blocks"),
     (["--fit", "--device", "cpu"], "--fit on the CPU: give --budgets"),
     (["--fit", "--strategies", "compile", "--budgets", "1MiB"], "--fit compares compile_offload.fit"),
+    (["--attribute", "--in-turn"], "--in-turn with --attribute: it times the sweep's"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an
@@ -453,6 +457,61 @@ def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message
         bench.main(["--smoke", *arguments])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def _ready(name: str, calls: list[str], fail_at: int | None = None) -> runner.Ready:
+    def step() -> None:
+        calls.append(name)
+        if fail_at is not None and calls.count(name) == fail_at:
+            raise RuntimeError("out of memory")
+
+    row = {"strategy": name, "ms_median": 100.0, "ms_all": [100.0]}
+    return runner.Ready(strategies.Strategy("eager"), step, row)
+
+
+def test_timing_in_turn_steps_each_strategy_in_turn_and_keeps_the_figures_measured_alone():
+    suite = runner.Suite(workload="gpt", size=workloads.SMOKE_SIZES["gpt"], device=torch.device("cpu"),
+                         dtype=torch.float32, steps=3, in_turn=True)
+    calls: list[str] = []
+    ready = [_ready("a", calls), _ready("b", calls)]
+    rows = [kept.row for kept in ready]
+    runner.time_in_turn(ready, suite)
+    assert calls == ["a", "b"] * 4  # one round untimed, then the 3 timed ones
+    for row in rows:
+        assert row["timed"] == "in turn" and len(row["ms_all"]) == 3
+        assert row["ms_median_alone"] == 100.0 and row["ms_all_alone"] == [100.0]
+        assert row["ms_min"] <= row["ms_median"] < 100.0
+    assert ready == []  # the models are let go
+
+
+def test_a_failed_step_in_turn_keeps_every_row_at_its_figures_measured_alone(capsys):
+    suite = runner.Suite(workload="gpt", size=workloads.SMOKE_SIZES["gpt"], device=torch.device("cpu"),
+                         dtype=torch.float32, steps=2, in_turn=True)
+    calls: list[str] = []
+    ready = [_ready("a", calls), _ready("b", calls, fail_at=2)]
+    rows = [kept.row for kept in ready]
+    runner.time_in_turn(ready, suite)
+    for row in rows:
+        assert row["ms_median"] == 100.0 and "ms_median_alone" not in row
+        assert row["timed"].startswith("alone (eager failed: RuntimeError: out of memory")
+    assert "the step times are those measured alone" in capsys.readouterr().err
+
+
+def test_strategies_kept_side_by_side_compile_graphs_of_their_own():
+    """Two default torch.compile calls on two instances of one module class share one graph
+    in Dynamo's cache, whatever functorch config was patched around each first call; kept
+    side by side (no reset between them), torch's budget would then time torch.compile's
+    plan. With backends of their own each compiles its own."""
+    from compile_offload.torch_api import dynamo
+
+    model_inputs = workloads.build("gpt", workloads.SMOKE_SIZES["gpt"], torch.device("cpu"), torch.float32)[1]
+    before = dynamo.compiled_graph_count()
+    for strategy in (strategies.Strategy("compile"), strategies.Strategy("torch_budget", 0.5)):
+        model = workloads.build("gpt", workloads.SMOKE_SIZES["gpt"], torch.device("cpu"), torch.float32)[0]
+        fn = strategy.prepare(model, own_backend=True)
+        with strategy.run_context():
+            fn(*model_inputs)
+    assert dynamo.compiled_graph_count() == before + 2
 
 
 def test_a_suite_of_zero_steps_is_refused():

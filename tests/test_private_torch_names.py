@@ -47,6 +47,7 @@ INVENTORY = {
     "torch._dynamo.device_interface",
     "torch._dynamo.reset",
     "torch._dynamo.source.GlobalStateSource",
+    "torch._dynamo.utils.counters",
     # torch._functorch
     "torch._functorch._aot_autograd.runtime_wrappers",
     "torch._functorch.aot_autograd.aot_module_simplified",

@@ -54,6 +54,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--steps", type=int, help="timed steps (default 8; 2 with --smoke)")
     sweep.add_argument("--warmup", type=int, help="steps after the first call before timing (default 2; 1 with --smoke)")
     sweep.add_argument("--time-limit", type=float, help="start no new strategy after this many seconds")
+    sweep.add_argument("--in-turn", action="store_true",
+                       help="the sweep and --equal-memory: keep every strategy's model, and once all have run "
+                            "time them again, one step of each in turn for --steps rounds (a drift of the machine "
+                            "then reaches all alike); the tables give these times")
     sweep.add_argument("--no-cpu-peak", action="store_true", help="on CPU, skip the profiled step that measures peak memory")
     sweep.add_argument("--no-predict", action="store_true", help="ours: do not call compile_offload.tools.explain")
     run = parser.add_argument_group("run")
@@ -129,6 +133,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         _fail(f"{' and '.join(modes)}: each is a run of its own; pick one")
     if args.fit:
         _check_fit_arguments(args)
+    if args.in_turn and (args.fit or args.attribute or args.find_max_batch):
+        _fail(f"--in-turn with {modes[0]}: it times the sweep's or --equal-memory's strategies in turn")
     if args.time_limit is not None and not args.time_limit > 0:
         _fail(f"--time-limit {args.time_limit}: must be a positive number of seconds")
     if args.device:
@@ -233,6 +239,7 @@ def _suite(args, runner, size, device, dtype, smoke: bool, extra_meta: dict):
         cpu_peak=not args.no_cpu_peak,
         predict=not args.no_predict,
         time_limit_s=args.time_limit,
+        in_turn=args.in_turn,
         extra_meta=extra_meta,
     )
 

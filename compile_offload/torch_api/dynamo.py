@@ -1,5 +1,6 @@
 """torch._dynamo: the backend registry, ``reset``, Dynamo's config, the device interface,
-``GlobalStateSource`` (guards on global state) and the ``aot_autograd`` backend helper.
+``GlobalStateSource`` (guards on global state), the ``aot_autograd`` backend helper and the
+count of graphs compiled.
 
 Checked on torch 2.11-2.14 (installed: 2.13).
 """
@@ -11,8 +12,8 @@ from typing import Any
 import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
-__all__ = ["DDP_OPTIMIZER_MODULE", "aot_autograd", "backend_registered", "config", "device_interface",
-           "global_state_source", "register_backend", "reset"]
+__all__ = ["DDP_OPTIMIZER_MODULE", "aot_autograd", "backend_registered", "compiled_graph_count", "config",
+           "device_interface", "global_state_source", "register_backend", "reset"]
 
 
 def reset() -> None:
@@ -53,3 +54,10 @@ def aot_autograd(**kwargs: Any):
     from torch._dynamo.backends.common import aot_autograd as make
 
     return make(**kwargs)
+
+
+def compiled_graph_count() -> int:
+    """How many graphs Dynamo has compiled in this process (``counters["stats"]["unique_graphs"]``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

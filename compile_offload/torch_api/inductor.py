@@ -19,7 +19,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: F401
 from torch._inductor.virtualized import V  # noqa: F401
 
 __all__ = ["CustomPartitionerFn", "V", "cache_dir", "compile_fx", "compile_fx_inner", "compile_fx_module", "config",
-           "decomposition_table", "graph", "hints", "ir", "list_mode_options", "memory", "scheduler",
+           "decomposition_table", "fresh_backend", "graph", "hints", "ir", "list_mode_options", "memory", "scheduler",
            "scheduler_pass_base", "triton_codegen", "wrapper_lines"]
 
 # --- compiling ----------------------------------------------------------------------------------
@@ -35,6 +35,19 @@ def compile_fx_inner(*args: Any, **kwargs: Any):
     from torch._inductor.compile_fx import compile_fx_inner as compile
 
     return compile(*args, **kwargs)
+
+
+def fresh_backend():
+    """A backend that compiles as ``torch.compile``'s default does (Inductor, default mode)
+    and is a new object at each call. Dynamo serves a second instance of a module class the
+    graph it compiled for the first where their backends compare equal, as two default
+    ``torch.compile`` calls do, whatever config was patched around each first call: models
+    compiled side by side in one process under different configs need backends of their own."""
+
+    def inductor(gm, example_inputs):
+        return compile_fx(gm, example_inputs)
+
+    return inductor
 
 
 def compile_fx_module():
