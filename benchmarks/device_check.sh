@@ -61,11 +61,13 @@ PY
     # then ours at each measured peak and at 0.25: all without measured plan choice first (about
     # 13 s each on cold caches, compile's own peak last), then with it (its trials compile
     # several plans). --time-limit applies to each half (baselines, ours): no strategy starts
-    # after it, and what finished is in the table.
+    # after it, and what finished is in the table. --in-turn: then every strategy that ran is
+    # timed again, one step of each in turn (~10 s for GPT-8; every model stays on the GPU,
+    # about 2 GB each); should that fail, the rows keep the times measured alone and say why.
     bench "$OUT/bench.log" 250 --equal-memory --model gpt --device cuda --out "$OUT" --tag gpt --steps 8 \
-        --warmup 2 --time-limit 100 --budgets 0.25 --no-predict
+        --warmup 2 --time-limit 100 --budgets 0.25 --no-predict --in-turn
     bench "$OUT/bench.log" 160 --equal-memory --model deep --device cuda --out "$OUT" --tag deep --steps 6 \
-        --warmup 2 --time-limit 60 --budgets 0.25 --no-predict --strategies compile,eager_ckpt,torch_budget:0.5
+        --warmup 2 --time-limit 60 --budgets 0.25 --no-predict --strategies compile,eager_ckpt,torch_budget:0.5 --in-turn
     rm -f "$OUT"/*.png "$OUT"/*_baselines.* "$OUT"/*_ours.*  # 6 files: the halves are in the *_equal_memory.jsonl
     ;;
 second)
