@@ -262,13 +262,16 @@ def predict(strategy: Strategy, model: torch.nn.Module, inputs: Sequence) -> dic
     }
 
 
-def _safe_predict(strategy: Strategy, model: torch.nn.Module, inputs: Sequence) -> dict:
+def _safe_predict(strategy: Strategy, model: torch.nn.Module, inputs: Sequence, reset: bool = True) -> dict:
+    """``predict``, its error recorded instead of raised; then Dynamo's caches reset unless
+    ``reset`` is False (models kept ready to time in turn would compile again)."""
     try:
         return predict(strategy, model, inputs)
     except Exception as error:  # a planner bug must not hide the measurement
         return {"predicted_peak_bytes": None, "predicted_step_ms": None, "explain_error": _describe(error)}
     finally:
-        dynamo.reset()
+        if reset:
+            dynamo.reset()
 
 
 # --- one strategy ------------------------------------------------------------------------------
@@ -313,10 +316,17 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
     for tensor in inputs:
         if isinstance(tensor, torch.Tensor):
             tensor.grad = None
+
+    def room() -> contextlib.AbstractContextManager:
+        # Kept side by side, the models of one class (and explain's traces of them) add cache
+        # entries to one forward's code: past Dynamo's recompile_limit it would run eager.
+        return dynamo.config.patch(recompile_limit=1024) if keep else contextlib.nullcontext()
+
     try:
         model = _fresh_model(suite)
         if strategy.family == "ours" and suite.predict:
-            row.update(_safe_predict(strategy, model, inputs))
+            with room():
+                row.update(_safe_predict(strategy, model, inputs, reset=not keep))
         fn = strategy.prepare(model, own_backend=keep)
         if strategy.detail:
             row["detail"] = strategy.detail
@@ -329,9 +339,7 @@ def run_strategy(strategy: Strategy, suite: Suite, inputs: Sequence, loss_fn: Ca
         from compile_offload.reporting.logs import latest_plans
 
         earlier = {id(p) for p in latest_plans()}  # without a reset, other strategies' plans stay listed
-        # Kept side by side, the models of one class add cache entries to one forward's code.
-        room = dynamo.config.patch(recompile_limit=1024) if keep else contextlib.nullcontext()
-        with strategy.run_context(), room:
+        with strategy.run_context(), room():
             row.update(measure_steps(step, model, inputs, suite, strategy.trial_steps))
         if strategy.measured_choice:
             measured = [p for p in latest_plans() if p.measured_candidates and id(p) not in earlier]
