@@ -467,7 +467,7 @@ def time_in_turn(ready: list[Ready], suite: Suite) -> None:
     (``timed``: "in turn"); the figures measured alone stay as ``ms_median_alone`` and
     ``ms_all_alone``. Where a step compiles a graph (it would time its compiler), fails, or
     the run is interrupted, every row keeps its figures measured alone and ``timed`` says
-    why. The models are released at the end."""
+    why. The models and Dynamo's caches are released at the end."""
     if not ready:
         return
     print(f"timing {len(ready)} strategies again, one step of each in turn, {suite.steps} rounds", file=sys.stderr)
@@ -497,6 +497,7 @@ def time_in_turn(ready: list[Ready], suite: Suite) -> None:
     if why is not None:
         print(f"bench: timing in turn: {why}; the step times are those measured alone", file=sys.stderr)
     ready.clear()
+    dynamo.reset()  # the kept models' cache entries
     release_memory(suite.device)
 
 
