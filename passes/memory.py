@@ -91,6 +91,9 @@ class Timeline:
     labels: list[str]
     kinds: list[str]
     backward_start: int
+    # What stays allocated between the forward's last step and the backward's first (the
+    # saved tensors and the forward's outputs): every order of the two graphs' steps holds it.
+    held_at_backward_start: int = 0
 
     @property
     def peak_label(self) -> str:
@@ -103,6 +106,7 @@ def simulate(program: Program) -> Timeline:
     size: dict[Hashable, int] = {}
     live = 0
     live_bytes, labels, kinds = [], [], []
+    held = 0
     for index, step in enumerate(program.steps):
         for key, nbytes in step.allocates:
             key = storage_of.get(key, key)
@@ -114,8 +118,11 @@ def simulate(program: Program) -> Timeline:
         kinds.append(step.kind)
         for key in frees_after.get(index, ()):
             live -= size.pop(key, 0)
+        if index == program.backward_start - 1:
+            held = live
     peak = max(live_bytes, default=0)
-    return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start)
+    return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start,
+                    held)
 
 
 def live_at(program: Program, index: int) -> dict[Hashable, tuple[int, str]]:

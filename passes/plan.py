@@ -79,14 +79,19 @@ class Plan:
     # What the budget loop did (Inductor compiling under a budget; None where no loop ran):
     # "kept" the plan first made (its scheduled peak fits, or the planner's minimum-memory
     # plan was the least it could do), "replanned" to the plan kept (``replans`` re-plans),
-    # kept "unconstrained" (torch.compile's saved set, which fit where every plan made for
-    # the budget peaked higher in Inductor's code), or kept the lowest "over_budget" after
-    # ``replans`` re-plans: over by ``scheduled_peak_bytes - budget_bytes``.
+    # kept "unconstrained" (torch.compile's saved set compiled as torch.compile compiles it,
+    # whose code fits the budget, or peaks lower than every plan made for it), or kept the
+    # lowest "over_budget" after ``replans`` re-plans: over by ``scheduled_peak_bytes -
+    # budget_bytes``.
     budget_outcome: BudgetOutcome | None = None
     replans: int = 0
     # The plan is the unconstrained plan compiled as without a budget (Inductor's peak-memory
     # reordering on): a compile served from a cache compiles it so again.
     unconstrained: bool = False
+    # Predicted bytes the unconstrained plan holds between its forward and its backward (its
+    # saved tensors and the forward's outputs): no order of its kernels peaks lower, so a
+    # budget below it is never met by torch.compile's own code. None where not simulated.
+    baseline_held_bytes: int | None = None
     # Why torch's own partition was used for the graph instead of a plan; None when planned.
     fallback: str | None = None
     # Measured plan choice (``config.measured_plan_choice``): the number of candidate plans

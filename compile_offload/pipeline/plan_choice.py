@@ -48,12 +48,13 @@ RIVAL_STEP = 0.1
 def applies(loop) -> bool:
     """Whether measured plan choice runs for the graph ``loop`` (a ``BudgetLoop``) compiled:
     the knob on, one plan with decisions, its scheduled peak known, not a plan already chosen
-    by measurement, a training graph, and sizes that do not change between calls."""
+    by measurement nor the unconstrained plan (it recomputes and copies nothing: no rival is
+    faster), a training graph, and sizes that do not change between calls."""
     if not loop.settings.measured_plan_choice or len(loop.results) != 1:
         return False
     plan = loop.results[0].plan
     if (not plan.decisions or plan.budget_bytes is None or plan.scheduled_peak_bytes is None
-            or plan.measured_candidates or not graph_reports.trains(loop.example_inputs)):
+            or plan.measured_candidates or plan.unconstrained or not graph_reports.trains(loop.example_inputs)):
         return False
     if _dynamic(loop.example_inputs):
         log.info("%s: measured plan choice is off for this graph: its sizes are dynamic (steps of other sizes "
