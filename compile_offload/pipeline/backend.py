@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-from . import budget_loop, ddp, dynamic_check, graph_reports
+from . import budget_loop, ddp, dynamic_check, graph_reports, inductor_compile
 from .. import config_guard
 from ..inductor import scheduled_peak
 from ..runtime import pinned_pool
@@ -99,14 +99,6 @@ def inductor_options(mode: str | None, options: dict) -> dict:
         raise ValueError(f"compile_offload: torch.compile(mode={mode!r}) is not an Inductor mode; accepted: "
                          f"{', '.join(sorted(modes))} (or leave mode unset)")
     return {**modes[mode], **options}
-
-
-def _cuda_graphs_requested(patches: dict) -> bool:
-    """Whether Inductor will capture CUDA graphs: ``triton.cudagraphs`` from the mode or
-    options, else its global config."""
-    from ..torch_api.inductor import config as inductor_config
-
-    return bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
 
 
 def _without_offload_under_cuda_graphs(settings: Settings, mode_said: str) -> Settings:
@@ -195,7 +187,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
             f"compile_offload: Inductor options {sorted(inductor_patches)} (from torch.compile's mode or options) "
             "need inner_compiler='inductor'; with inner_compiler='eager' no Inductor code runs"
         )
-    if settings.inner_compiler == "inductor" and _cuda_graphs_requested(inductor_patches):
+    if settings.inner_compiler == "inductor" and inductor_compile.captures_cuda_graphs(inductor_patches):
         if "triton.cudagraphs" not in inductor_patches:
             said = "torch._inductor.config.triton.cudagraphs=True"
         elif mode not in (None, "default"):  # torch.compile takes a mode or options, not both

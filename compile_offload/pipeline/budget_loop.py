@@ -68,11 +68,15 @@ def fits_below_the_minimum(plan: Plan) -> bool:
     return _judged(plan) and not plan.feasible and plan.scheduled_peak_bytes <= plan.budget_bytes
 
 
-def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None]) -> Attempt:
+def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None],
+                       torch_code: bool = True) -> Attempt:
     """``first``, or a re-planned compile of the same graph whose scheduled peak fits
     (``_within_budget``); where the plan so kept recomputes or offloads, the unconstrained plan
-    as ``torch.compile`` compiles it, where its code fits the budget too (``_as_torch_compiles``)."""
-    return _as_torch_compiles(_within_budget(first, replan), replan)
+    as ``torch.compile`` compiles it, where its code fits the budget too (``_as_torch_compiles``;
+    not with ``torch_code=False``: under CUDA graphs, whose partition reordering moves that
+    code's kernels after they were recorded)."""
+    kept = _within_budget(first, replan)
+    return _as_torch_compiles(kept, replan) if torch_code else kept
 
 
 def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None]) -> Attempt:
@@ -429,7 +433,8 @@ class BudgetLoop:
         if first.plan.measured_candidates and first.plan.meets_budget():
             return compiled, records  # measured the fastest that fits (from the plan cache): kept as it is
         replans_before = self.replans_made
-        kept = keep_within_budget(first, self.replan)
+        kept = keep_within_budget(first, self.replan,
+                                  torch_code=not inductor_compile.captures_cuda_graphs(self.inductor_patches))
         looped = acts_on(records[0].plan) or self.replans_made > replans_before
         if looped and kept.result is not None:
             # Each re-plan's dump went over the graph's folder as it was made, before the loop

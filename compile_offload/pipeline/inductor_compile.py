@@ -51,6 +51,14 @@ def inductor_config_patches(settings: Settings, partitioner: OffloadRematPartiti
     return patches
 
 
+def captures_cuda_graphs(patches: dict) -> bool:
+    """Whether Inductor will capture CUDA graphs: ``triton.cudagraphs`` from the mode or
+    options, else its global config."""
+    from ..torch_api.inductor import config as inductor_config
+
+    return bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+
 _SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
 _PARTITION_REORDER = "triton.reorder_for_reducing_graph_partitions"
 
