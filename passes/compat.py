@@ -340,10 +340,22 @@ def realize_thresholds(cpu: bool) -> tuple[int, int]:
 
 
 def size_hint(value) -> int:
-    """A concrete int for a possibly symbolic size."""
+    """A concrete int for a possibly symbolic size: the size the graph is optimized for.
+    That is the size of the call that compiled it, or the size a user named with
+    ``torch._dynamo.mark_dynamic(x, dim, hint_override=n)``: torch 2.13 makes that
+    override the symbol's hint; it is substituted here too, so a torch that records the
+    override beside the hint (``ShapeEnv.var_to_hint_override``) plans for it alike."""
     if isinstance(value, int):
         return value
     from torch.fx.experimental import symbolic_shapes
+
+    overrides = getattr(value.node.shape_env, "var_to_hint_override", None)
+    if overrides:
+        import sympy
+
+        expr = value.node.expr.xreplace({symbol: sympy.Integer(n) for symbol, n in overrides.items()})
+        if expr.is_number:
+            return int(expr)
 
     # optimization_hint in torch >= 2.12; 2.11 has size_hint (its hint_int is a deprecated
     # alias that warns FutureWarning on every call).

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import compile_offload
 from compile_offload import config
@@ -252,6 +253,45 @@ def test_a_dynamic_size_over_the_budget_warns_once(eager_inner, captured_plans):
     (message,) = caught_per_batch[1024]
     assert "=1024" in message and "above the memory budget 1.00 MiB" in message
     assert caught_per_batch[2048] == []  # once per graph
+
+
+def _deep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 256), nn.GELU()]
+    for _ in range(4):
+        layers += [nn.Linear(256, 256), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(256, 8))
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["hint_override", "first_call"])
+def test_a_size_named_with_hint_override_is_the_size_planned_for(eager_inner, captured_plans, named):
+    """mark_dynamic(x, 0, hint_override=2048) with a first call at batch 16: the plan is
+    made for batch 2048 (its recomputes keep the byte budget there, no warning at any
+    size); without the override it is made for 16 and batch 2048 warns."""
+    large = torch.randn(2048, 64)
+    high, low = (compile_offload.explain(_deep_mlp(), large, memory_budget=b).predicted_peak_bytes
+                 for b in (None, 0.0))
+    budget = (high + low) // 2
+    captured_plans.clear()
+    compiled = torch.compile(_deep_mlp(), backend=compile_offload.offload_remat(memory_budget=budget))
+    first = torch.randn(16, 64)
+    torch._dynamo.mark_dynamic(first, 0, **({"hint_override": 2048} if named else {}))
+    caught = []
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")
+        for x in (first, torch.randn(64, 64), large):
+            _train_step(compiled, x)
+        caught = [str(w.message) for w in recorded if "compile_offload" in str(w.message)]
+    (plan,) = captured_plans  # one graph served every size
+    planned_batch = {d.shape[0] for d in plan.decisions}
+    if named:
+        assert planned_batch == {2048}, plan.table()
+        assert plan.count("recompute") > 0 and plan.predicted_peak_bytes <= budget, plan.summary()
+        assert caught == []
+    else:
+        assert planned_batch == {16}, plan.table()
+        (message,) = caught
+        assert "dynamic shapes" in message and "=2048" in message and "hint_override" in message
 
 
 def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, captured_plans):

@@ -1,8 +1,9 @@
 """Dynamic shapes: check the plan's predicted peak at each new size against the budget.
 
 With ``torch.compile(dynamic=True)`` (or a dimension Dynamo made dynamic after a
-recompile) one graph serves every size, and its plan is made once, for the sizes of the
-call that compiled it. A byte budget met at batch 512 can then be exceeded several times
+recompile) one graph serves every size, and its plan is made once, for the sizes the
+graph is optimized for: those of the call that compiled it, or those named with
+``mark_dynamic(..., hint_override=n)``. A byte budget met at batch 512 can then be exceeded several times
 over at batch 4096. The plan's memory program (the steps of the forward and backward and
 what each allocates) is kept with every allocation as an expression in the graph's size
 symbols; at the first call with new sizes the program is simulated again at those sizes
@@ -180,8 +181,9 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                         f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
                         f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
                         f"{format_bytes(budget_bytes)} (warned once per graph). The plan is made for the sizes of "
-                        "the call that compiled the graph: call it first with the largest size, or compile with "
-                        "dynamic=False so that each size gets a plan of its own",
+                        "the call that compiled the graph: call it first with the largest size, name that size with "
+                        "torch._dynamo.mark_dynamic(x, dim, hint_override=largest) before the first call, or compile "
+                        "with dynamic=False so that each size gets a plan of its own",
                         stacklevel=2,
                     )
         return compiled(*args, **kwargs)
