@@ -185,9 +185,7 @@ def _unconstrained(over: Attempt, replan: Callable[[int | None], Attempt | None]
     (``replan(None)``), for a graph whose plans all exceed the budget in their generated code
     (``over`` has the lowest scheduled peak of them); None where ``over`` is that plan
     already, or the re-plan gave no scheduled peak. A plan made for the budget that keeps
-    everything is compiled without the reordering, so it is compiled again too (the custom
-    autograd function of ``benchmarks/families.py`` at its unconstrained peak, 328200 bytes:
-    361992 bytes scheduled and measured so, 328200 as ``torch.compile`` compiles it).
+    everything is compiled without the reordering, so it is compiled again too.
 
     Every plan the loop tries is chosen by the planner's model, and where that model misses
     what Inductor does the plan made to lower memory can hold more than the plan that
