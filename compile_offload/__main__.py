@@ -18,7 +18,9 @@ VERBS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m compile_offload", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m compile_offload",
+        description="Plan, explain and benchmark the offload_remat backend. Each verb's --help says more.")
     sub = parser.add_subparsers(dest="command", required=True)
     for verb, (module_name, help_text) in VERBS.items():
         module = importlib.import_module(f".{module_name}", __package__)
