@@ -433,3 +433,28 @@ def test_on_cuda_a_measured_step_over_the_budget_corrects_the_split(caplog):
     assert "the step measured under the split took" in caplog.text or "more is held back" in caplog.text
     assert peaks[-1] <= budget * 1.01 or over, (peaks, budget, caplog.text)
 
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
+def test_a_dynamic_graph_compiled_again_under_its_share_still_serves_every_size(inner_compiler, caplog):
+    """The share's compile runs outside Dynamo and so is specialized to the first call's
+    sizes: it runs for those, and the graph as Dynamo compiled it (its minimum-memory plan,
+    for every size) for the others. It used to be called with any size, and the backward
+    failed at the first other batch."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+
+    caplog.set_level(logging.INFO, logger="compile_offload")
+    model, eager = make(), make()
+    backend = compile_offload.offload_remat(memory_budget="40MiB", budget_scope="step", inner_compiler=inner_compiler,
+                                            device_profile="cpu")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for batch in (512, 512, 512, 1024, 256, 512):
+        x = torch.randn(batch, 64)
+        compiled(x).sum().backward()
+        eager(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
+        model.zero_grad(), eager.zero_grad()
+    assert any("compiling this graph again under its share" in r.getMessage() for r in caplog.records)

@@ -191,6 +191,31 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     return run
 
 
+def for_the_sizes_of(example_inputs: Sequence[Any], compiled: Callable[..., Any], *,
+                     otherwise: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, where ``example_inputs`` have no symbolic size; else a function that
+    runs ``compiled`` for calls with exactly their sizes and strides (those it was compiled
+    for, compiled again outside Dynamo: ``budget_scope="step"``) and ``otherwise`` (the graph
+    as Dynamo compiled it, for every size) for the rest."""
+    if not _symbol_locations(example_inputs):
+        return compiled
+    expected = _signature(example_inputs)
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        return (compiled if _signature(args) == expected else otherwise)(*args)
+
+    return run
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    """Each argument's sizes and strides, or value where it is an int."""
+    return tuple(
+        (tuple(size_hint(s) for s in a.shape), tuple(size_hint(s) for s in a.stride())) if isinstance(a, torch.Tensor)
+        else size_hint(a) if isinstance(a, (int, torch.SymInt)) and not isinstance(a, bool) else None
+        for a in args)
+
+
 def _read(inputs: Sequence[Any], location: tuple[int, int | None], to_int: Callable[[Any], int] = int) -> int:
     position, dim = location
     value = inputs[position]
