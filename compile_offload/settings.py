@@ -59,6 +59,9 @@ class Settings:
     # Not a knob: the budget loop's compile of the other start's lowest plan, where the budget is
     # below the minimum (``passes.solve.joint.lowest_solution``; None: the model's choice).
     lowest_start: str | None = None
+    # Not a knob: a dynamic graph's size symbols planned at a size other than their hint, by
+    # name: the largest its frame was compiled at (``pipeline/dynamic_check.plan_at_largest_sizes``).
+    planning_sizes: tuple[tuple[str, int], ...] = ()
 
     @property
     def has_budget(self) -> bool:

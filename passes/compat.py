@@ -13,6 +13,7 @@ exercises each wrapper on the installed torch.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 from dataclasses import dataclass
@@ -339,23 +340,54 @@ def realize_thresholds(cpu: bool) -> tuple[int, int]:
 # --- torch.fx (its private _BoxedCodeGen; size hints of torch.fx.experimental) -------------------
 
 
+_planning_sizes: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("planning_sizes", default={})
+
+
+@contextlib.contextmanager
+def planning_sizes(sizes: dict[str, int]):
+    """Plan with these size symbols (by name) at these sizes in place of their hints
+    (``size_hint``, ``at_planning_sizes``) while the block runs."""
+    token = _planning_sizes.set(dict(sizes))
+    try:
+        yield
+    finally:
+        _planning_sizes.reset(token)
+
+
+def at_planning_sizes(expr):
+    """``expr`` (a sympy expression) with the symbols ``planning_sizes`` names at its sizes."""
+    sizes = _planning_sizes.get()
+    if not sizes or not hasattr(expr, "free_symbols"):
+        return expr
+    import sympy
+
+    return expr.xreplace({s: sympy.Integer(sizes[s.name]) for s in expr.free_symbols if s.name in sizes})
+
+
 def size_hint(value) -> int:
-    """A concrete int for a possibly symbolic size: the size the graph is optimized for.
-    That is the size of the call that compiled it, or the size a user named with
-    ``torch._dynamo.mark_dynamic(x, dim, hint_override=n)``: torch 2.13 makes that
-    override the symbol's hint; it is substituted here too, so a torch that records the
-    override beside the hint (``ShapeEnv.var_to_hint_override``) plans for it alike."""
+    """A concrete int for a possibly symbolic size: the size the graph is planned for. That
+    is the size of the call that compiled it, the size a user named with
+    ``torch._dynamo.mark_dynamic(x, dim, hint_override=n)`` (torch 2.13 makes that override
+    the symbol's hint; it is substituted here too, so a torch that records the override
+    beside the hint, ``ShapeEnv.var_to_hint_override``, plans for it alike), or else one
+    that ``planning_sizes`` names."""
     if isinstance(value, int):
         return value
     from torch.fx.experimental import symbolic_shapes
 
-    overrides = getattr(value.node.shape_env, "var_to_hint_override", None)
-    if overrides:
+    overrides = getattr(value.node.shape_env, "var_to_hint_override", None) or {}
+    expr = value.node.expr
+    if overrides or _planning_sizes.get():
         import sympy
 
-        expr = value.node.expr.xreplace({symbol: sympy.Integer(n) for symbol, n in overrides.items()})
+        expr = at_planning_sizes(expr.xreplace({symbol: sympy.Integer(n) for symbol, n in overrides.items()}))
         if expr.is_number:
             return int(expr)
+        if expr != value.node.expr:  # other symbols left: theirs are hints
+            env = value.node.shape_env
+            if hasattr(env, "optimization_hint"):
+                return int(env.optimization_hint(expr, fallback=4096))
+            return int(env.size_hint(expr))
 
     # optimization_hint in torch >= 2.12; 2.11 has size_hint (its hint_int is a deprecated
     # alias that warns FutureWarning on every call).

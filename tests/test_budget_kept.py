@@ -269,9 +269,7 @@ def test_a_size_named_with_hint_override_is_the_size_planned_for(eager_inner, ca
     made for batch 2048 (its recomputes keep the byte budget there, no warning at any
     size); without the override it is made for 16 and batch 2048 warns."""
     large = torch.randn(2048, 64)
-    high, low = (compile_offload.explain(_deep_mlp(), large, memory_budget=b).predicted_peak_bytes
-                 for b in (None, 0.0))
-    budget = (high + low) // 2
+    budget = _half_way_budget(2048)
     captured_plans.clear()
     compiled = torch.compile(_deep_mlp(), backend=compile_offload.offload_remat(memory_budget=budget))
     first = torch.randn(16, 64)
@@ -292,6 +290,62 @@ def test_a_size_named_with_hint_override_is_the_size_planned_for(eager_inner, ca
         assert planned_batch == {16}, plan.table()
         (message,) = caught
         assert "dynamic shapes" in message and "=2048" in message and "hint_override" in message
+
+
+def _half_way_budget(batch: int) -> int:
+    """A byte budget between the deep MLP's minimum and unconstrained peaks at ``batch``."""
+    x = torch.randn(batch, 64)
+    high, low = (compile_offload.explain(_deep_mlp(), x, memory_budget=b).predicted_peak_bytes for b in (None, 0.0))
+    return (high + low) // 2
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
+def test_a_graph_made_dynamic_by_a_smaller_batch_is_planned_for_the_larger(inner_compiler, captured_plans):
+    """A training loop whose last batch is smaller: Dynamo compiles batch 2048, then
+    recompiles with a size symbol at batch 100, and that graph serves the full batches after
+    it. It is planned for 2048 (the largest its frame was compiled at): the same plan as the
+    static graph's, no warning at any batch, gradients as eager's."""
+    with config.patch(inner_compiler=inner_compiler, device_profile="cpu"):
+        budget = _half_way_budget(2048)
+        captured_plans.clear()
+        model, eager = _deep_mlp(), _deep_mlp()
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=budget))
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            for batch in (2048, 100, 2048):
+                x = torch.randn(batch, 64)
+                _train_step(compiled, x)
+                _train_step(eager, x)
+                for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"batch {batch} {name}: {m}")
+                model.zero_grad(), eager.zero_grad()
+        caught = [str(w.message) for w in recorded if "compile_offload" in str(w.message)]
+    static, dynamic = captured_plans
+    assert {d.shape[0] for d in static.decisions} == {d.shape[0] for d in dynamic.decisions} == {2048}
+    assert [d.decision for d in dynamic.decisions] == [d.decision for d in static.decisions]
+    assert dynamic.count("recompute") > 0 and dynamic.predicted_peak_bytes <= budget, dynamic.summary()
+    if inner_compiler == "inductor":  # Inductor's code checked at the planned size too
+        assert dynamic.scheduled_peak_bytes == static.scheduled_peak_bytes <= budget
+    assert any("dynamic sizes planned at" in note and "=2048" in note for note in dynamic.notes), dynamic.notes
+    assert caught == []
+
+
+def test_a_reset_forgets_the_sizes_a_frame_was_compiled_at(eager_inner, captured_plans):
+    """torch._dynamo.reset() numbers frames from 0 again: a frame compiled dynamic at batch
+    16 after it is planned for 16, not for the batch 2048 an earlier frame 0 saw."""
+    budget = _half_way_budget(2048)
+    captured_plans.clear()
+    torch._dynamo.reset()
+    _train_step(torch.compile(_deep_mlp(), backend=compile_offload.offload_remat(memory_budget=budget)),
+                torch.randn(2048, 64))
+    torch._dynamo.reset()
+    _train_step(torch.compile(_deep_mlp(), backend=compile_offload.offload_remat(memory_budget=budget), dynamic=True),
+                torch.randn(16, 64))
+    static, dynamic = captured_plans
+    assert static.graph_name == "graph_0_0" and dynamic.graph_name == "graph_0_0"
+    assert {d.shape[0] for d in dynamic.decisions} == {16}
+    assert not any("dynamic sizes planned at" in note for note in dynamic.notes)
 
 
 def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, captured_plans):

@@ -42,6 +42,7 @@ from .op_workspace import (
     measured_cuda_workspace,
     measured_workspace,
 )
+from ..passes import compat
 from ..torch_api import functorch, inductor
 
 log = logging.getLogger("compile_offload")
@@ -633,7 +634,7 @@ def _buffer_bytes(buf, device: str, sizevars) -> tuple[int, str]:
 
 
 def _hint(sizevars, expr) -> int:
-    """A size expression at this compile's sizes (``optimization_hint`` on torch >= 2.13,
-    ``size_hint`` before)."""
+    """A size expression at the sizes the graph is planned for (``compat.planning_sizes``,
+    else this compile's: ``optimization_hint`` on torch >= 2.13, ``size_hint`` before)."""
     hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint
-    return int(hint(expr, fallback=0))
+    return int(hint(compat.at_planning_sizes(expr), fallback=0))

@@ -28,6 +28,7 @@ from .. import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
 from .result import PartitionResult
+from ..passes import compat
 from ..passes.plan import format_bytes
 from ..settings import Settings
 
@@ -130,6 +131,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     values compiles again and plans for them, never runs a plan made for another budget.
     """
     patches = dict(inductor_patches or {})
+    # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
+    settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())
     if _step_scoped(settings):
         compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
     else:
@@ -217,15 +220,17 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         # The pool is one per process: the latest offloading compile's limit applies (config.py). Set
         # here, not while planning, so that a compile served from a cache sets it too.
         pinned_pool.set_limit(settings.pinned_pool_limit)
-    if settings.inner_compiler == "eager":
-        compiled = _compile_eager(gm, example_inputs, partitioner)
-        records = graph_reports.records_of(results)
-    else:
-        compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results, inductor_patches,
-                                              recorder)
-    # With dynamic sizes the plan is made for this call's sizes: check the others' peaks.
-    compiled = dynamic_check.check_sizes(compiled, example_inputs, [r.program for r in records if r.program is not None],
-                                         settings.budget_bytes, partitioner.graph_name)
+    with compat.planning_sizes(dict(settings.planning_sizes)):  # Inductor's scheduled peak, the sizes checked
+        if settings.inner_compiler == "eager":
+            compiled = _compile_eager(gm, example_inputs, partitioner)
+            records = graph_reports.records_of(results)
+        else:
+            compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results,
+                                                  inductor_patches, recorder)
+        # With dynamic sizes the plan is made for one set of sizes: check the others' peaks.
+        compiled = dynamic_check.check_sizes(compiled, example_inputs,
+                                             [r.program for r in records if r.program is not None],
+                                             settings.budget_bytes, partitioner.graph_name)
 
     def plan_of():  # the eager path partitions at the first call; Inductor's, or its records, now
         return results[-1].plan if results else (records[-1].plan if records else None)

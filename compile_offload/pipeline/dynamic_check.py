@@ -3,19 +3,24 @@
 With ``torch.compile(dynamic=True)`` (or a dimension Dynamo made dynamic after a
 recompile) one graph serves every size, and its plan is made once, for the sizes the
 graph is optimized for: those of the call that compiled it, or those named with
-``mark_dynamic(..., hint_override=n)``. A byte budget met at batch 512 can then be exceeded several times
-over at batch 4096. The plan's memory program (the steps of the forward and backward and
+``mark_dynamic(..., hint_override=n)``. A byte budget met at batch 512 can then be
+exceeded several times over at batch 4096. The plan's memory program (the steps of the forward and backward and
 what each allocates) is kept with every allocation as an expression in the graph's size
 symbols; at the first call with new sizes the program is simulated again at those sizes
 (``passes.memory.simulate``) and, when the predicted peak exceeds the budget, one warning
 says so. Nothing is re-planned: the plan stays correct, only its peak moved.
+
+A graph Dynamo makes dynamic after a smaller call is planned for the larger size its frame
+was compiled at before (``plan_at_largest_sizes``, below).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +32,9 @@ from ..passes.analyze import JointAnalysis, tensor_value
 from ..passes.compat import size_hint
 from ..passes.memory import Program, Step, plan_program, simulate
 from ..passes.plan import format_bytes
+from ..settings import Settings
+from ..torch_api.dynamo import graph_input_sources
+from ..torch_api.guards import CompileContext
 
 log = logging.getLogger("compile_offload")
 
@@ -180,10 +188,10 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                     warnings.warn(
                         f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
                         f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
-                        f"{format_bytes(budget_bytes)} (warned once per graph). The plan is made for the sizes of "
-                        "the call that compiled the graph: call it first with the largest size, name that size with "
-                        "torch._dynamo.mark_dynamic(x, dim, hint_override=largest) before the first call, or compile "
-                        "with dynamic=False so that each size gets a plan of its own",
+                        f"{format_bytes(budget_bytes)} (warned once per graph). A dynamic graph has one plan, made "
+                        "for one size: name the largest with torch._dynamo.mark_dynamic(x, dim, "
+                        "hint_override=largest) before the first call, make the first call with the largest size, "
+                        "or compile with dynamic=False so that each size gets a plan of its own",
                         stacklevel=2,
                     )
         return compiled(*args, **kwargs)
@@ -236,3 +244,86 @@ def program_of(result: Any) -> SymbolicProgram | None:
         return symbolic_program(a, set(chosen.saved), set(chosen.offloaded), chosen.transfers)
     by_name = {node.name: node for node in a.joint.gm.graph.nodes}  # a plan from the plan cache
     return symbolic_program(a, {by_name[n] for n in result.plan.saved}, {by_name[n] for n in result.plan.offloaded})
+
+
+# --- the sizes a dynamic graph is planned for ----------------------------------------------------
+#
+# Dynamo compiles a frame for the sizes of its first call and, when a call comes with another
+# size, compiles it again with that dimension as a size symbol (automatic dynamic shapes),
+# hinted at the size of that call. A training loop whose last batch is smaller (a
+# ``DataLoader`` without ``drop_last``) thus gets its dynamic graph at the small batch, and that
+# graph then serves every full batch after it: a plan made for the small batch exceeds a byte
+# budget at the full one. So each compile records the sizes of its tensor inputs by source
+# (``L['x']``) and dimension, per frame, and a graph with a size symbol is planned with that
+# symbol at the largest size recorded for it (``Settings.planning_sizes``, read through
+# ``passes.compat.planning_sizes``) where that is above the symbol's hint, within its range, and
+# no ``hint_override`` names another. Frames are Dynamo's, so instances of one module class
+# share them, as they share Dynamo's compiled code; ``torch._dynamo.reset()`` numbers frames
+# from 0 again, so a frame's first compile in a new compile context forgets what its number
+# recorded before.
+
+# (Dynamo frame id, input source, dimension) -> the largest size a compile of the frame saw
+_largest: dict[tuple[int, str, int], int] = {}
+# Dynamo frame id -> the compile context of its first compile (DDPOptimizer's bucket graphs share one)
+_first_compile: dict[int, weakref.ref] = {}
+
+
+def plan_at_largest_sizes(gm: torch.fx.GraphModule, settings: Settings, graph_name: str) -> Settings:
+    """``settings`` with ``planning_sizes`` naming the size symbols of ``gm``'s inputs that an
+    earlier compile of the same frame saw larger, where there is a budget; records ``gm``'s
+    sizes."""
+    frame = _frame_id()
+    if frame is None:
+        return settings
+    larger: dict[str, int] = {}
+    for source, value in graph_input_sources(gm):
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            key, hint = (frame, source, dim), size_hint(size)
+            seen = _largest.get(key, 0)
+            symbol = _plain_symbol(size)
+            if symbol is not None and seen > hint and _may_plan_at(size, symbol, seen):
+                larger[symbol.name] = seen
+            _largest[key] = max(seen, hint)
+    if not larger or not settings.has_budget:
+        return settings
+    log.info("%s: dynamic sizes planned at the largest this frame was compiled at: %s", graph_name,
+             ", ".join(f"{name}={size}" for name, size in sorted(larger.items())))
+    return dataclasses.replace(settings, planning_sizes=tuple(sorted(larger.items())))
+
+
+def _frame_id() -> int | None:
+    """The Dynamo frame being compiled; at its first compile in a new context (after
+    ``torch._dynamo.reset()``, which numbers frames from 0 again), what was recorded under its
+    number is forgotten."""
+    context = CompileContext.try_get()
+    compile_id = getattr(context, "compile_id", None)
+    frame = getattr(compile_id, "frame_id", None)
+    if frame is None:
+        return None
+    if getattr(compile_id, "frame_compile_id", None) == 0:
+        first = _first_compile.get(frame)
+        if first is None or first() is not context:
+            for key in [key for key in _largest if key[0] == frame]:
+                del _largest[key]
+            _first_compile[frame] = weakref.ref(context)
+    return frame
+
+
+def _plain_symbol(size: Any):
+    """The size symbol ``size`` is, or None (an int, or an expression of symbols)."""
+    if not isinstance(size, torch.SymInt):
+        return None
+    expr = size.node.expr
+    return expr if getattr(expr, "is_Symbol", False) else None
+
+
+def _may_plan_at(size: torch.SymInt, symbol: Any, value: int) -> bool:
+    """Whether ``symbol`` may be planned at ``value``: no ``hint_override`` names its size,
+    and ``value`` is within the range Dynamo allows it."""
+    env = size.node.shape_env
+    if symbol in (getattr(env, "var_to_hint_override", None) or {}):
+        return False
+    allowed = getattr(env, "var_to_range", {}).get(symbol)
+    return allowed is None or bool(allowed.lower <= value <= allowed.upper)

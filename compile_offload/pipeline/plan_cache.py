@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from .fingerprint import source_hash
 from ..passes.analyze import JointAnalysis
+from ..passes.compat import size_hint
 from ..passes.memory import recomputed_nodes
 from ..passes.offload import eligible_for_offload
 from ..passes.plan import Plan
@@ -52,7 +53,9 @@ def _graph_digest(joint_gm: fx.GraphModule):
     for node in joint_gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            digest.update(f"{node.name}:{tuple(val.shape)}:{val.stride()}:{val.dtype}:{val.device.type}".encode())
+            # A symbolic size with the size it is planned at (a dynamic graph's plan is made for one).
+            shape = tuple(s if isinstance(s, int) else f"{s}={size_hint(s)}" for s in val.shape)
+            digest.update(f"{node.name}:{shape}:{val.stride()}:{val.dtype}:{val.device.type}".encode())
         policy = node.meta.get("recompute")  # checkpoint policies change decisions, not the code
         if policy is not None:
             digest.update(f"{node.name}:{getattr(policy, 'name', policy)}:{node.meta.get('ac_graph_id')}".encode())

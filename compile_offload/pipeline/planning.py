@@ -39,6 +39,9 @@ from ..runtime.kernel_costs import MeasuredCosts
 from ..settings import Settings
 
 
+PLANNED_AT_NOTE = "dynamic sizes planned at"
+
+
 def plan_partition(
     joint_gm: fx.GraphModule,
     joint_inputs: Sequence[object],
@@ -67,7 +70,7 @@ def plan_partition(
     budget below the minimum is reported by the caller (``budget_report.report_budget``).
     """
     # Collections walking the whole heap were ~40% of planning (collection_paused.py).
-    with collection_paused():
+    with collection_paused(), compat.planning_sizes(dict(settings.planning_sizes)):
         started = time.perf_counter()
         policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
         # The order the plan holds to (Inductor's peak-memory reordering is off under a
@@ -229,6 +232,9 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))
     if progress.out_of_time:
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
+    if settings.planning_sizes:
+        sizes = ", ".join(f"{name}={size}" for name, size in settings.planning_sizes)
+        plan.notes.append(f"{PLANNED_AT_NOTE} {sizes}: the largest this frame was compiled at, above this call's")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
                                  planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
     if key is not None and not progress.out_of_time:  # a complete search may do better

@@ -13,7 +13,7 @@ import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
 __all__ = ["DDP_OPTIMIZER_MODULE", "aot_autograd", "backend_registered", "compiled_graph_count", "config",
-           "device_interface", "global_state_source", "register_backend", "reset"]
+           "device_interface", "global_state_source", "graph_input_sources", "register_backend", "reset"]
 
 
 def reset() -> None:
@@ -61,3 +61,20 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def graph_input_sources(gm: torch.fx.GraphModule) -> list[tuple[str, Any]]:
+    """Each input of a graph Dynamo gives a backend, as (its source's name, such as
+    ``L['x']``, its fake value: a tensor whose sizes may be symbolic), from the placeholders'
+    ``grapharg`` and ``example_value`` meta; inputs without them are left out."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg, value = node.meta.get("grapharg"), node.meta.get("example_value")
+        source = getattr(arg, "source", None)
+        if source is None or value is None:
+            continue
+        name = source.name() if callable(source.name) else source.name  # a method before torch 2.13
+        found.append((str(name), value))
+    return found
