@@ -331,6 +331,21 @@ def test_a_graph_made_dynamic_by_a_smaller_batch_is_planned_for_the_larger(inner
     assert caught == []
 
 
+def test_an_evaluation_at_a_larger_batch_is_not_a_size_to_plan_for(eager_inner, captured_plans):
+    """Only training compiles count: batch 2048 trained, 4096 evaluated under no_grad, then
+    a smaller last batch makes the training graph dynamic: it is planned for 2048."""
+    budget = _half_way_budget(2048)
+    captured_plans.clear()
+    model = _deep_mlp()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=budget))
+    _train_step(compiled, torch.randn(2048, 64))
+    with torch.no_grad():
+        compiled(torch.randn(4096, 64))
+    _train_step(compiled, torch.randn(100, 64))
+    static, dynamic = captured_plans  # the no_grad graph has no backward: not partitioned
+    assert {d.shape[0] for d in dynamic.decisions} == {2048}, dynamic.table()
+
+
 def test_a_reset_forgets_the_sizes_a_frame_was_compiled_at(eager_inner, captured_plans):
     """torch._dynamo.reset() numbers frames from 0 again: a frame compiled dynamic at batch
     16 after it is planned for 16, not for the batch 2048 an earlier frame 0 saw."""

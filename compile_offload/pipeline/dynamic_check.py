@@ -1,17 +1,15 @@
 """Dynamic shapes: check the plan's predicted peak at each new size against the budget.
 
 With ``torch.compile(dynamic=True)`` (or a dimension Dynamo made dynamic after a
-recompile) one graph serves every size, and its plan is made once, for the sizes the
-graph is optimized for: those of the call that compiled it, or those named with
-``mark_dynamic(..., hint_override=n)``. A byte budget met at batch 512 can then be
-exceeded several times over at batch 4096. The plan's memory program (the steps of the forward and backward and
-what each allocates) is kept with every allocation as an expression in the graph's size
+recompile) one graph serves every size, and its plan is made once, for one size of each
+size symbol: the one named with ``mark_dynamic(..., hint_override=n)``, else the largest its
+frame was compiled at before (``plan_at_largest_sizes``, below), else the size of the call
+that compiled it. A byte budget met at batch 512 can then be exceeded several times over
+at batch 4096. The plan's memory program (the steps of the forward and backward and what
+each allocates) is kept with every allocation as an expression in the graph's size
 symbols; at the first call with new sizes the program is simulated again at those sizes
 (``passes.memory.simulate``) and, when the predicted peak exceeds the budget, one warning
 says so. Nothing is re-planned: the plan stays correct, only its peak moved.
-
-A graph Dynamo makes dynamic after a smaller call is planned for the larger size its frame
-was compiled at before (``plan_at_largest_sizes``, below).
 """
 
 from __future__ import annotations
@@ -253,14 +251,15 @@ def program_of(result: Any) -> SymbolicProgram | None:
 # hinted at the size of that call. A training loop whose last batch is smaller (a
 # ``DataLoader`` without ``drop_last``) thus gets its dynamic graph at the small batch, and that
 # graph then serves every full batch after it: a plan made for the small batch exceeds a byte
-# budget at the full one. So each compile records the sizes of its tensor inputs by source
-# (``L['x']``) and dimension, per frame, and a graph with a size symbol is planned with that
-# symbol at the largest size recorded for it (``Settings.planning_sizes``, read through
-# ``passes.compat.planning_sizes``) where that is above the symbol's hint, within its range, and
-# no ``hint_override`` names another. Frames are Dynamo's, so instances of one module class
-# share them, as they share Dynamo's compiled code; ``torch._dynamo.reset()`` numbers frames
-# from 0 again, so a frame's first compile in a new compile context forgets what its number
-# recorded before.
+# budget at the full one. So each training compile (grad on, an input that requires grad)
+# records the sizes of its tensor inputs by source (``L['x']``) and dimension, per frame (an
+# evaluation under ``no_grad`` at a larger batch is not counted), and a graph with a size
+# symbol is planned with that symbol at the largest size recorded for it
+# (``Settings.planning_sizes``, read through ``passes.compat.planning_sizes``) where that is
+# above the symbol's hint, within its range, and no ``hint_override`` names another. Frames
+# are Dynamo's, so instances of one module class share them, as they share Dynamo's compiled
+# code; ``torch._dynamo.reset()`` numbers frames from 0 again, so a frame's first compile in a
+# new compile context forgets what its number recorded before.
 
 # (Dynamo frame id, input source, dimension) -> the largest size a compile of the frame saw
 _largest: dict[tuple[int, str, int], int] = {}
@@ -273,18 +272,17 @@ def plan_at_largest_sizes(gm: torch.fx.GraphModule, settings: Settings, graph_na
     earlier compile of the same frame saw larger, where there is a budget; records ``gm``'s
     sizes."""
     frame = _frame_id()
-    if frame is None:
-        return settings
+    tensors = [(source, value) for source, value in graph_input_sources(gm) if isinstance(value, torch.Tensor)]
+    if frame is None or not torch.is_grad_enabled() or not any(value.requires_grad for _, value in tensors):
+        return settings  # not a training graph
     larger: dict[str, int] = {}
-    for source, value in graph_input_sources(gm):
-        if not isinstance(value, torch.Tensor):
-            continue
+    for source, value in tensors:
         for dim, size in enumerate(value.shape):
             key, hint = (frame, source, dim), size_hint(size)
             seen = _largest.get(key, 0)
             symbol = _plain_symbol(size)
             if symbol is not None and seen > hint and _may_plan_at(size, symbol, seen):
-                larger[symbol.name] = seen
+                larger[symbol.name] = max(seen, larger.get(symbol.name, 0))
             _largest[key] = max(seen, hint)
     if not larger or not settings.has_budget:
         return settings
