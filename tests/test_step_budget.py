@@ -458,3 +458,47 @@ def test_a_dynamic_graph_compiled_again_under_its_share_still_serves_every_size(
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
         model.zero_grad(), eager.zero_grad()
     assert any("compiling this graph again under its share" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
+def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compiled(inner_compiler, monkeypatch):
+    """mark_dynamic(x, 0, hint_override=2048) with calls at 512: the share's compile
+    (specialized to the 512 of the first call) runs for every call at 512, and the
+    minimum-memory plan for the others. The dispatch used to expect the size argument at
+    its hint, 2048, where the tensors were 512, so no call ever ran the share's plan."""
+    from compile_offload.pipeline import dynamic_check
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+
+    ran: list[str] = []
+    dispatch = dynamic_check.for_the_sizes_of
+
+    def counted(gm, example_inputs, share, *, otherwise):
+        def run_share(*args):
+            ran.append("share")
+            return share(*args)
+
+        def run_minimum(*args):
+            ran.append("minimum")
+            return otherwise(*args)
+        return dispatch(gm, example_inputs, run_share, otherwise=run_minimum)
+
+    monkeypatch.setattr(dynamic_check, "for_the_sizes_of", counted)
+    model, eager = make(), make()
+    backend = compile_offload.offload_remat(memory_budget="40MiB", budget_scope="step", inner_compiler=inner_compiler,
+                                            device_profile="cpu")
+    compiled = torch.compile(model, backend=backend)
+    for step, batch in enumerate((512, 512, 512, 2048, 512, 300)):
+        x = torch.randn(batch, 64)
+        if step == 0:
+            torch._dynamo.mark_dynamic(x, 0, hint_override=2048)
+        before = len(ran)
+        compiled(x).sum().backward()
+        eager(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
+        model.zero_grad(), eager.zero_grad()
+        if step >= 2:  # the first step is counted, the second compiles the share
+            assert ran[before:] == ["share" if batch == 512 else "minimum"], (step, batch, ran)

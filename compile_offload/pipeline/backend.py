@@ -177,7 +177,7 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         again, again_plan_of, _ = _compile_graph(gm, example_inputs, share, dict(inductor_patches), mode, graph_name)
         # Compiled outside Dynamo, a graph with dynamic sizes is specialized to the first call's:
         # other sizes run the minimum-memory plan, which serves every size.
-        return dynamic_check.for_the_sizes_of(example_inputs, again, otherwise=compiled), again_plan_of
+        return dynamic_check.for_the_sizes_of(gm, example_inputs, again, otherwise=compiled), again_plan_of
 
     budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes,
                              device_of(example_inputs))

@@ -197,29 +197,56 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     return run
 
 
-def for_the_sizes_of(example_inputs: Sequence[Any], compiled: Callable[..., Any], *,
+def for_the_sizes_of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiled: Callable[..., Any], *,
                      otherwise: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, where ``example_inputs`` have no symbolic size; else a function that
-    runs ``compiled`` for calls with exactly their sizes and strides (those it was compiled
-    for, compiled again outside Dynamo: ``budget_scope="step"``) and ``otherwise`` (the graph
-    as Dynamo compiled it, for every size) for the rest."""
-    if not _symbol_locations(example_inputs):
+    """``compiled``, where ``gm`` has no symbolic size; else a function that runs
+    ``compiled`` for calls with exactly the sizes and strides of ``example_inputs`` (those it
+    was compiled for, compiled again outside Dynamo: ``budget_scope="step"``) and
+    ``otherwise`` (the graph as Dynamo compiled it, for every size) for the rest.
+
+    Only the arguments whose sizes Dynamo made symbolic are compared: Dynamo's guards hold
+    the others. A size argument is expected at the size of the example tensor it sizes, not
+    at its hint, which ``mark_dynamic(..., hint_override=n)`` sets to n."""
+    traced = _traced_values(gm, len(example_inputs))
+    if not any(_symbolic(value if value is not None else real) for real, value in zip(example_inputs, traced)):
         return compiled
-    expected = _signature(example_inputs)
+    # An input the graph does not describe is compared whole.
+    checked = [i for i, (real, value) in enumerate(zip(example_inputs, traced))
+               if _symbolic(value) or (value is None and isinstance(real, (torch.Tensor, int, torch.SymInt)))]
+    real_sizes = {str(size.node.expr): example_inputs[i].shape[dim]
+                  for i, value in enumerate(traced) if isinstance(value, torch.Tensor)
+                  and isinstance(example_inputs[i], torch.Tensor)
+                  for dim, size in enumerate(value.shape) if _plain_symbol(size) is not None
+                  and isinstance(example_inputs[i].shape[dim], int)}
+    expected = tuple(real_sizes.get(str(a.node.expr), size_hint(a)) if isinstance(a, torch.SymInt) else _key(a)
+                     for a in (example_inputs[i] for i in checked))
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
-        return (compiled if _signature(args) == expected else otherwise)(*args)
+        return (compiled if tuple(_key(args[i]) for i in checked) == expected else otherwise)(*args)
 
     return run
 
 
-def _signature(args: Sequence[Any]) -> tuple:
-    """Each argument's sizes and strides, or value where it is an int."""
-    return tuple(
-        (tuple(size_hint(s) for s in a.shape), tuple(size_hint(s) for s in a.stride())) if isinstance(a, torch.Tensor)
-        else size_hint(a) if isinstance(a, (int, torch.SymInt)) and not isinstance(a, bool) else None
-        for a in args)
+def _traced_values(gm: torch.fx.GraphModule, count: int) -> list[Any]:
+    """Each input's value as Dynamo traced it (a fake tensor or a SymInt, from the
+    placeholder's ``example_value``), None where the graph does not say."""
+    values = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+    return values if len(values) == count else [None] * count
+
+
+def _symbolic(value: Any) -> bool:
+    """Whether ``value`` is a size symbol, or a tensor with a symbolic size or stride."""
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride()))
+    return isinstance(value, torch.SymInt)
+
+
+def _key(value: Any) -> Any:
+    """A tensor's sizes and strides, an int's value (``size_hint`` for a symbolic one)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(size_hint(s) for s in value.shape), tuple(size_hint(s) for s in value.stride())
+    return size_hint(value) if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) else None
 
 
 def _read(inputs: Sequence[Any], location: tuple[int, int | None], to_int: Callable[[Any], int] = int) -> int:
