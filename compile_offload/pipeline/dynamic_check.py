@@ -213,11 +213,7 @@ def for_the_sizes_of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], co
     # An input the graph does not describe is compared whole.
     checked = [i for i, (real, value) in enumerate(zip(example_inputs, traced))
                if _symbolic(value) or (value is None and isinstance(real, (torch.Tensor, int, torch.SymInt)))]
-    real_sizes = {str(size.node.expr): example_inputs[i].shape[dim]
-                  for i, value in enumerate(traced) if isinstance(value, torch.Tensor)
-                  and isinstance(example_inputs[i], torch.Tensor)
-                  for dim, size in enumerate(value.shape) if _plain_symbol(size) is not None
-                  and isinstance(example_inputs[i].shape[dim], int)}
+    real_sizes = _real_sizes(traced, example_inputs)
     expected = tuple(real_sizes.get(str(a.node.expr), size_hint(a)) if isinstance(a, torch.SymInt) else _key(a)
                      for a in (example_inputs[i] for i in checked))
 
@@ -233,6 +229,17 @@ def _traced_values(gm: torch.fx.GraphModule, count: int) -> list[Any]:
     placeholder's ``example_value``), None where the graph does not say."""
     values = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
     return values if len(values) == count else [None] * count
+
+
+def _real_sizes(traced: list[Any], example_inputs: Sequence[Any]) -> dict[str, int]:
+    """Each size symbol of a traced tensor, at the size of the example tensor it stands for."""
+    sizes = {}
+    for value, real in zip(traced, example_inputs):
+        if isinstance(value, torch.Tensor) and isinstance(real, torch.Tensor):
+            for symbolic, size in zip(value.shape, real.shape):
+                if _plain_symbol(symbolic) is not None and isinstance(size, int):
+                    sizes.setdefault(str(symbolic.node.expr), size)
+    return sizes
 
 
 def _symbolic(value: Any) -> bool:
