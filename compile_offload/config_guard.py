@@ -8,8 +8,8 @@ call after ``config.memory_budget`` changed, would run the plan made for the old
 knobs that planned the graph, else Dynamo compiles the frame again (and our backend plans
 again, under the new values). ``TORCH_LOGS=recompiles`` names it.
 
-The guard is a lambda guard on Dynamo's root guard manager, the way Dynamo guards its own
-global state (grad mode, functorch state); that is private API, so where it is missing
+The guard is a lambda guard on Dynamo's root guard manager (``torch_api.dynamo.add_frame_guard``),
+the way Dynamo guards its own global state; that is private API, so where it is missing
 (another torch) the compiled graph is wrapped instead, and its first call under changed
 knobs warns once that the running plan was made for other values.
 """
@@ -44,17 +44,9 @@ def install(skip: Iterable[str] = ()) -> bool:
     """Guard the frame Dynamo is compiling on the knobs read now; False where this torch
     offers no way to (then use ``warn_when_changed``)."""
     from .torch_api import dynamo
-    from .torch_api.guards import Guard, TracingContext
 
-    GlobalStateSource = dynamo.global_state_source()
-    if GlobalStateSource is None:  # pragma: no cover - another torch
-        return False
-    context = TracingContext.try_get()
-    if context is None or getattr(context, "guards_context", None) is None:
-        return False
     skip = frozenset(skip)
     planned = knob_values(skip)
-    verbose = [f"compile_offload.config as when planned ({_describe(planned)}; every knob compared)"]
 
     # Reading every knob costs ~80 us; the guard runs at every call of the frame. A context
     # that found the knobs as planned at some change count need not read them again until
@@ -71,15 +63,8 @@ def install(skip: Iterable[str] = ()) -> bool:
             checked_at.set(changes)
         return matches
 
-    def COMPILE_OFFLOAD_CONFIG_MATCH(builder: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's guard naming)
-        add = builder.guard_manager.root.add_lambda_guard
-        try:
-            add(check, verbose, None)  # torch >= 2.12: (fn, verbose code parts, user stack)
-        except TypeError:
-            add(check, verbose)
-
-    context.guards_context.dynamo_guards.add(Guard(GlobalStateSource(), COMPILE_OFFLOAD_CONFIG_MATCH))
-    return True
+    return dynamo.add_frame_guard(
+        check, f"compile_offload.config as when planned ({_describe(planned)}; every knob compared)")
 
 
 def warn_when_changed(compiled: Callable[..., Any], graph_name: str, skip: Iterable[str] = ()) -> Callable[..., Any]:

@@ -1,5 +1,5 @@
 """torch._dynamo: the backend registry, ``reset``, Dynamo's config, the device interface,
-``GlobalStateSource`` (guards on global state), the ``aot_autograd`` backend helper and the
+``GlobalStateSource`` (guards on global state, ``add_frame_guard``), the ``aot_autograd`` backend helper and the
 count of graphs compiled.
 
 Checked on torch 2.11-2.14 (installed: 2.13).
@@ -12,7 +12,7 @@ from typing import Any
 import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
-__all__ = ["DDP_OPTIMIZER_MODULE", "aot_autograd", "backend_registered", "compiled_graph_count", "config",
+__all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_graph_count", "config",
            "device_interface", "global_state_source", "graph_input_sources", "register_backend", "reset"]
 
 
@@ -38,6 +38,30 @@ def register_backend(compiler_fn, name: str) -> None:
     from torch._dynamo.backends.registry import register_backend as register
 
     register(compiler_fn, name=name)
+
+
+def add_frame_guard(check, description: str) -> bool:
+    """Guard the frame Dynamo is compiling on ``check(frame_locals)``: when it returns False
+    the frame's compiled code is not reused and Dynamo compiles the frame again
+    (``TORCH_LOGS=recompiles`` shows ``description``). A lambda guard on Dynamo's root guard
+    manager, as Dynamo guards its own global state (grad mode, functorch state); False where
+    this torch offers no way to (no ``GlobalStateSource``, or no frame being compiled)."""
+    from .guards import Guard, TracingContext
+
+    GlobalStateSource = global_state_source()
+    context = TracingContext.try_get()
+    if GlobalStateSource is None or context is None or getattr(context, "guards_context", None) is None:
+        return False
+
+    def COMPILE_OFFLOAD_GUARD(builder: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's guard naming)
+        add = builder.guard_manager.root.add_lambda_guard
+        try:
+            add(check, [description], None)  # torch >= 2.12: (fn, verbose code parts, user stack)
+        except TypeError:
+            add(check, [description])
+
+    context.guards_context.dynamo_guards.add(Guard(GlobalStateSource(), COMPILE_OFFLOAD_GUARD))
+    return True
 
 
 def global_state_source():
