@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import compile_offload
 from compile_offload import config
@@ -237,22 +238,67 @@ def test_max_batch_says_its_budget_is_bytes(budget):
 # --------------------------------------------------------------------------- dynamic shapes
 
 
-def test_a_dynamic_size_over_the_budget_warns_once(eager_inner, captured_plans):
-    """dynamic=True plans once, for the first size: a later size whose predicted peak
-    exceeds the byte budget warns once, naming the size; sizes under it do not."""
+@pytest.mark.parametrize("inner_compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_larger_dynamic_size_over_the_budget_is_planned_for_at_the_next_call(captured_plans, inner_compiler):
+    """dynamic=True plans for the sizes compiled at (16, then 64): batch 2048, whose
+    predicted peak exceeds the byte budget, warns that its call runs that plan and that the
+    next call compiles the graph again; the next call (64) gets a plan made for 2048 within
+    the budget, which then serves batch 2048 too. Gradients equal eager at every step."""
+    with config.patch(inner_compiler=inner_compiler, device_profile="cpu"):
+        budget = _half_way_budget(2048)
+    captured_plans.clear()
+    model, eager = _deep_mlp(), _deep_mlp()
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(
+        memory_budget=budget, inner_compiler=inner_compiler, device_profile="cpu"))
+    compiled = torch.compile(model, backend=counter)
+    caught_per_step = []
+    for batch in (16, 64, 2048, 64, 2048):
+        x = torch.randn(batch, 64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_step(compiled, x)
+        _train_step(eager, x)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
+        model.zero_grad(), eager.zero_grad()
+        caught_per_step.append([str(w.message) for w in caught if "compile_offload" in str(w.message)])
+    assert caught_per_step[:2] == [[], []]
+    (message,) = caught_per_step[2]
+    assert "dynamic shapes" in message and "=2048 the plan made for" in message and "=64" in message, message
+    assert "the next call compiles the graph again, planned for these sizes" in message, message
+    assert caught_per_step[3:] == [[], []]
+    assert counter.frame_count == 3  # static at 16, dynamic at 64, dynamic again after 2048
+    static, dynamic, replanned = captured_plans
+    assert {d.shape[0] for d in dynamic.decisions} == {64}
+    assert {d.shape[0] for d in replanned.decisions} == {2048}, replanned.table()
+    assert replanned.predicted_peak_bytes <= budget, replanned.summary()
+    assert any("dynamic sizes planned at" in note for note in replanned.notes), replanned.notes
+
+
+def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner, captured_plans, monkeypatch):
+    """Once a frame was compiled again for larger sizes MAX_REPLANS times, a still larger
+    size over the budget warns once, naming the size, and runs the plan it has."""
+    from compile_offload.pipeline import dynamic_check
+
+    monkeypatch.setattr(dynamic_check, "MAX_REPLANS", 1)
     model = MLP(d_in=64, d_hidden=256, d_out=8)
-    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget="1MiB"), dynamic=True)
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1MiB"))
+    compiled = torch.compile(model, backend=counter, dynamic=True)
     caught_per_batch = {}
-    for batch in (16, 64, 1024, 2048):
+    for batch in (16, 64, 1024, 1024, 2048, 4096):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _train_step(compiled, torch.randn(batch, 64))
-        caught_per_batch[batch] = [str(w.message) for w in caught if "dynamic shapes" in str(w.message)]
-    assert len(captured_plans) == 1  # one graph served every size
+        caught_per_batch.setdefault(batch, []).extend(
+            str(w.message) for w in caught if "dynamic shapes" in str(w.message))
     assert caught_per_batch[16] == caught_per_batch[64] == []
-    (message,) = caught_per_batch[1024]
-    assert "=1024" in message and "above the memory budget 1.00 MiB" in message
-    assert caught_per_batch[2048] == []  # once per graph
+    (replanned,) = caught_per_batch[1024]
+    assert "=1024" in replanned and "compiles the graph again" in replanned
+    (message,) = caught_per_batch[2048]
+    assert "=2048" in message and "above the memory budget 1.00 MiB" in message, message
+    assert "compiled again for larger sizes 1 times already" in message, message
+    assert caught_per_batch[4096] == []  # once per graph
+    assert counter.frame_count == 2 and len(captured_plans) == 2  # no compile after the one re-plan
 
 
 def _deep_mlp() -> nn.Module:
@@ -371,9 +417,9 @@ def test_the_peak_predicted_at_a_size_is_the_peak_planned_at_it(eager_inner, cap
     programs = []
     original = dynamic_check.check_sizes
 
-    def keep(compiled, example_inputs, found, budget_bytes, graph_name):
+    def keep(compiled, example_inputs, found, budget_bytes, graph_name, gm=None):
         programs.extend(found)
-        return original(compiled, example_inputs, found, budget_bytes, graph_name)
+        return original(compiled, example_inputs, found, budget_bytes, graph_name, gm)
 
     import compile_offload.pipeline.backend as backend
 

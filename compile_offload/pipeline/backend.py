@@ -230,7 +230,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         # With dynamic sizes the plan is made for one set of sizes: check the others' peaks.
         compiled = dynamic_check.check_sizes(compiled, example_inputs,
                                              [r.program for r in records if r.program is not None],
-                                             settings.budget_bytes, partitioner.graph_name)
+                                             settings.budget_bytes, partitioner.graph_name, gm)
 
     def plan_of():  # the eager path partitions at the first call; Inductor's, or its records, now
         return results[-1].plan if results else (records[-1].plan if records else None)

@@ -8,8 +8,10 @@ that compiled it. A byte budget met at batch 512 can then be exceeded several ti
 at batch 4096. The plan's memory program (the steps of the forward and backward and what
 each allocates) is kept with every allocation as an expression in the graph's size
 symbols; at the first call with new sizes the program is simulated again at those sizes
-(``passes.memory.simulate``) and, when the predicted peak exceeds the budget, one warning
-says so. Nothing is re-planned: the plan stays correct, only its peak moved.
+(``passes.memory.simulate``). When the predicted peak exceeds the budget at sizes larger
+than planned, that call runs the plan it has and warns, and the frame is compiled again by
+Dynamo at its next call, planned for those sizes (``replan_when_larger``, at most
+``MAX_REPLANS`` times a frame); otherwise one warning per graph says so.
 """
 
 from __future__ import annotations
@@ -149,11 +151,13 @@ def _symbol_locations(example_inputs: Sequence[Any]) -> dict[str, tuple[int, int
 
 
 def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], programs: list[SymbolicProgram],
-                budget_bytes: int | None, graph_name: str) -> Callable[..., Any]:
+                budget_bytes: int | None, graph_name: str, gm: torch.fx.GraphModule | None = None) -> Callable[..., Any]:
     """``compiled``, checking the predicted peak of each new set of sizes against
-    ``budget_bytes`` and warning once when a size exceeds it. ``compiled`` itself when
-    there is nothing to check (no byte budget, no symbolic size, or a symbol that cannot
-    be read from the arguments)."""
+    ``budget_bytes`` and warning once when a size exceeds it. Where ``gm`` is the graph
+    Dynamo is compiling and the size is above the one planned for, the frame is compiled
+    again at its next call, planned for that size (``replan_when_larger``), and the warning
+    says so. ``compiled`` itself when there is nothing to check (no byte budget, no symbolic
+    size, or a symbol that cannot be read from the arguments)."""
     if budget_bytes is None or not programs:
         return compiled
     where = _symbol_locations(example_inputs)
@@ -162,6 +166,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
         return compiled
     hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
     planned = tuple(hints[s] for s in symbols)
+    replan = replan_when_larger(gm) if gm is not None else None
     seen: set[tuple[int, ...]] = set()
     warned = False
     boxed = getattr(compiled, "_boxed_call", False)
@@ -183,15 +188,26 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                     peak = 0
                 if peak > budget_bytes:
                     warned = True
-                    warnings.warn(
-                        f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
-                        f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
-                        f"{format_bytes(budget_bytes)} (warned once per graph). A dynamic graph has one plan, made "
-                        "for one size: name the largest with torch._dynamo.mark_dynamic(x, dim, "
-                        "hint_override=largest) before the first call, make the first call with the largest size, "
-                        "or compile with dynamic=False so that each size gets a plan of its own",
-                        stacklevel=2,
-                    )
+                    larger = replan is not None and any(at[s] > hints[s] for s in symbols)
+                    again = replan(at) if larger else None
+                    head = (f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
+                            f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
+                            f"{format_bytes(budget_bytes)}")
+                    avoid = ("name the largest with torch._dynamo.mark_dynamic(x, dim, hint_override=largest) "
+                             "before the first call, or make the first call with the largest size")
+                    if again is not None:
+                        warnings.warn(f"{head}. This call runs it; the next call compiles the graph again, planned "
+                                      f"for these sizes (compiled again for a larger size {again} of at most "
+                                      f"{MAX_REPLANS} times). To plan for the largest size from the start, {avoid}",
+                                      stacklevel=2)
+                    else:
+                        warnings.warn(
+                            f"{head} (warned once per graph). A dynamic graph has one plan, made for one size"
+                            + (f", and this one was compiled again for larger sizes {MAX_REPLANS} times already"
+                               if larger else "")
+                            + f": {avoid}, or compile with dynamic=False so that each size gets a plan of its own",
+                            stacklevel=2,
+                        )
         return compiled(*args, **kwargs)
 
     return run
@@ -325,6 +341,51 @@ def plan_at_largest_sizes(gm: torch.fx.GraphModule, settings: Settings, graph_na
     return dataclasses.replace(settings, planning_sizes=tuple(sorted(larger.items())))
 
 
+# A dynamic graph compiled again for a larger size, at most this many times per frame.
+MAX_REPLANS = 3
+# Dynamo frame id -> how many times its graph was compiled again for a larger size
+_replans: dict[int, int] = {}
+
+
+def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], int | None] | None:
+    """For the graph Dynamo is compiling: a function that, given sizes of its size symbols
+    whose predicted peak exceeds the budget, records them as the largest of their inputs
+    (``plan_at_largest_sizes``) and makes the frame's guard fail, so that Dynamo compiles the
+    frame again at its next call and that graph is planned for those sizes; it returns how
+    many times the frame was compiled again so, or None where it may not (``MAX_REPLANS``
+    reached). Within Dynamo, its guards hold for every size the new code serves; the call
+    that brought the size runs the plan it has. None where the graph cannot be compiled
+    again so: not a training graph of a Dynamo frame, or no guard can be added."""
+    from ..torch_api.dynamo import add_frame_guard
+
+    frame = _frame_id()
+    if frame is None:
+        return None
+    inputs: dict[str, list[tuple[str, int]]] = {}  # size symbol -> the (source, dim) sizes it is
+    for source, value in graph_input_sources(gm):
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                symbol = _plain_symbol(size)
+                if symbol is not None:
+                    inputs.setdefault(symbol.name, []).append((source, dim))
+    stale = [False]
+    if not inputs or not add_frame_guard(lambda _frame_locals: not stale[0],
+                                         "compile_offload: a dynamic size above the one planned for"):
+        return None
+
+    def replan(sizes: dict[str, int]) -> int | None:
+        if _replans.get(frame, 0) >= MAX_REPLANS or not any(name in inputs for name in sizes):
+            return None
+        for name, size in sizes.items():
+            for source, dim in inputs.get(name, ()):
+                _largest[(frame, source, dim)] = max(_largest.get((frame, source, dim), 0), size)
+        _replans[frame] = _replans.get(frame, 0) + 1
+        stale[0] = True
+        return _replans[frame]
+
+    return replan
+
+
 def _frame_id() -> int | None:
     """The Dynamo frame being compiled; at its first compile in a new context (after
     ``torch._dynamo.reset()``, which numbers frames from 0 again), what was recorded under its
@@ -339,6 +400,7 @@ def _frame_id() -> int | None:
         if first is None or first() is not context:
             for key in [key for key in _largest if key[0] == frame]:
                 del _largest[key]
+            _replans.pop(frame, None)
             _first_compile[frame] = weakref.ref(context)
     return frame
 
