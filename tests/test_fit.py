@@ -122,6 +122,17 @@ def test_a_budget_below_the_host_placement_raises_with_its_figures():
     assert plan_step(needed, sizes()).cpu_offload  # exactly the figure fits
 
 
+def test_a_frozen_block_is_charged_no_optimizer_state_when_the_first_blocks_stay():
+    """Block 0 frozen (no gradients, no state): keeping it on the device costs its parameters
+    alone, and the trainable blocks carry all the state."""
+    frozen = sizes(gradient_bytes=310 * KIB, optimizer_state_bytes=620 * KIB,
+                   block_gradient_bytes=(0,) + (100 * KIB,) * 3)
+    from compile_offload.training.state_plan import _blocks_that_fit
+
+    assert _blocks_that_fit(100 * KIB, frozen, 1) == (1, 100 * KIB)
+    assert _blocks_that_fit(100 * KIB + 400 * KIB, frozen, 1) == (2, 500 * KIB)  # 100 + 100 + 200 of state
+
+
 def test_on_two_ranks_the_device_placement_holds_a_share():
     one, two = plan_step(4 * 2**20, sizes()), plan_step(4 * 2**20, sizes(world_size=2))
     assert two.parameters_on == "device" and two.fsdp2 and not two.cpu_offload
@@ -320,8 +331,86 @@ def test_a_budget_too_small_raises_before_anything_is_prepared():
 
 
 def test_a_fraction_is_not_a_budget_here():
-    with pytest.raises(TypeError, match="bytes"):
-        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=0.5)
+    for fraction in (0.5, "0.5", "1e-1"):
+        with pytest.raises(TypeError, match=r"memory_budget is bytes .*, not a fraction"):
+            compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=fraction)
+    with pytest.raises(TypeError, match="memory_budget is bytes .*fit needs one") as raised:
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=None)
+    assert "fraction in [0, 1]" not in str(raised.value)  # the backend's accepted values are not fit's
+
+
+def test_no_blocks_is_an_error_that_says_so():
+    with pytest.raises(ValueError, match=r"blocks=\[\] names no blocks"):
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="1GiB", blocks=[], inner_compiler="eager")
+
+
+class _TiedToTheHead(Net):
+    """The last block's second layer shares its weight with a head outside the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(256, 64)
+        self.blocks[-1].fc2.weight = self.head.weight  # both 64 x 256
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_parameter_shared_by_a_block_and_the_rest_is_refused_before_anything_is_prepared():
+    """FSDP2 shards each block on its own and refuses, at the first step, a parameter in two
+    groups: where fit would shard, it refuses before the model is touched; where everything
+    fits on the device (no FSDP2) the tied model trains."""
+    model = _TiedToTheHead()
+    with pytest.raises(ValueError, match=r"'head.weight' is also block 3's"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert not hasattr(model.blocks[0], "_get_fsdp_state")  # not sharded
+    shared = Net()
+    shared.blocks[1].fc1 = shared.blocks[0].fc1
+    with pytest.raises(ValueError, match=r"block 1's parameter 'fc1.weight' is shared with block 0"):
+        compile_offload.fit(shared, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            inner_compiler="eager")
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget="1GiB", loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert not result.plan.fsdp2
+        result.step(batch(1))
+        assert model.head.weight is model.blocks[-1].fc2.weight
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+class _NormedInput(Net):
+    """A BatchNorm and a dropout in front of the first block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.BatchNorm1d(64), nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.stem(x))
+
+
+def test_fit_leaves_the_models_buffers_and_the_random_state_as_they_were():
+    """fit runs the model up to its first block to plan it: BatchNorm's running statistics
+    and the random generator are as before, so that training starts where an eager loop does."""
+    torch.manual_seed(0)
+    model = _NormedInput()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert torch.equal(torch.random.get_rng_state(), rng)
+        for name, buffer in model.named_buffers():
+            assert torch.equal(buffer, buffers[name]), name
+    finally:
+        result.close()
+        torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------- 2 ranks

@@ -262,6 +262,42 @@ def test_on_cuda_the_streamed_step_of_host_parameters_equals_the_host_step(name)
             torch.testing.assert_close(optimizer.state[p][key], value, msg=key)
 
 
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_sgd_with_its_state_on_the_host_trains_like_an_eager_loop(momentum):
+    """torch's fused SGD has no rule for FSDP2's sharded parameters (its first step raised
+    NotImplementedError for aten._fused_sgd_): its groups get foreach=True there. Without
+    momentum SGD keeps no state: optimizer_step="device" streams every step after the first
+    all the same (it used to take the host path at every step)."""
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2, momentum=momentum, weight_decay=1e-2)
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, sgd, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager", optimizer_step="device")
+    streamed = []
+    stream = result.optimizer_step._streamed
+    result.optimizer_step._streamed = lambda: streamed.append(1) or stream()
+    try:
+        assert result.plan.cpu_offload
+        assert [group["foreach"] for group in result.optimizer.param_groups] == [True]
+        assert any("foreach=True" in note for note in result.plan.notes), result.plan.notes
+        reference_optimizer = sgd(reference.parameters())
+        for step in range(3):
+            result.step(batch(step))
+            loss_fn(reference(batch(step))).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        assert len(streamed) == 2  # every step after the first
+        for (name, p), q in zip(result.model.named_parameters(), reference.parameters()):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            torch.testing.assert_close(full.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
 def test_the_host_step_uses_torchs_fused_kernels_where_the_implementation_was_left_to_torch():
     """AdamW(fused=None, foreach=None) with its state on the host: fit sets fused=True (torch's
     for-loop default is several times slower there), says so, and trains like an eager loop;

@@ -88,17 +88,20 @@ def _not_real(values) -> str | None:
 
 
 @contextlib.contextmanager
-def _state_kept(module: torch.nn.Module | None):
+def state_kept(module: torch.nn.Module | None):
+    """Run a block that runs ``module`` without changing what training would see: its
+    buffers (BatchNorm's running statistics) and the random generators (the CPU's, and the
+    current CUDA device's where CUDA is in use) are as before afterwards."""
     buffers = {} if module is None else {name: b.detach().clone() for name, b in module.named_buffers()}
-    rng = torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(rng)
-        with torch.no_grad():
-            for name, buffer in ([] if module is None else module.named_buffers()):
-                if name in buffers:
-                    buffer.copy_(buffers[name])
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, buffer in ([] if module is None else module.named_buffers()):
+                    if name in buffers:
+                        buffer.copy_(buffers[name])
 
 
 def _gpu_profile_on_host(settings, device: torch.device) -> bool:
@@ -257,7 +260,7 @@ def explain_all(
         if lowers is None:
             # The generated forward runs on the real tensors: leave the model's buffers (a
             # BatchNorm's running statistics) and the random state as they were.
-            with _state_kept(module):
+            with state_kept(module):
                 compiled(*inputs)
         else:
             compiled(*inputs)

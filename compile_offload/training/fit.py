@@ -168,7 +168,10 @@ class _Captured(Exception):
 
 def _block_input(model: nn.Module, block: nn.Module, inputs: tuple) -> tuple[tuple, dict]:
     """The arguments ``block`` receives when the model runs on ``inputs``: the model runs up
-    to the block's call and stops there (nothing after it runs)."""
+    to the block's call and stops there (nothing after it runs), its buffers (BatchNorm's
+    running statistics) and the random generators left as they were."""
+    from ..tools.explain import state_kept
+
     seen: list = []
 
     def hook(_module, args, kwargs):
@@ -177,7 +180,8 @@ def _block_input(model: nn.Module, block: nn.Module, inputs: tuple) -> tuple[tup
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        model(*inputs)
+        with state_kept(model):
+            model(*inputs)
     except _Captured:
         pass
     finally:
@@ -250,6 +254,15 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
     )
 
 
+def _a_fraction(text: str) -> bool:
+    """Whether ``text`` is a number below 1 without a unit ("0.5"): a fraction, which fit's
+    byte budget is not."""
+    try:
+        return float(text) < 1
+    except ValueError:
+        return False
+
+
 def _one_rank_group(device: torch.device) -> str:
     import torch.distributed as dist
 
@@ -284,19 +297,27 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
 
     if "memory_budget" in options:
         raise TypeError("compile_offload.fit: memory_budget is fit's own argument")
-    if isinstance(memory_budget, float):
-        raise TypeError("compile_offload.fit: memory_budget is bytes (an int or a size such as '20GiB'), not a fraction")
-    budget = parse_bytes(memory_budget, "memory_budget", label="compile_offload.fit(memory_budget=...)")
+    bytes_only = "memory_budget is bytes (an int or a size such as '20GiB')"
+    if memory_budget is None:
+        raise TypeError(f"compile_offload.fit: {bytes_only}: fit needs one for the device")
+    if isinstance(memory_budget, float) or (isinstance(memory_budget, str) and _a_fraction(memory_budget)):
+        raise TypeError(f"compile_offload.fit: {bytes_only}, not a fraction ({memory_budget!r})")
+    budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)")
     check_mode(optimizer_step)  # before anything is prepared
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     inputs = sample if isinstance(sample, tuple) else (sample,)
     blocks = list(blocks) if blocks is not None else default_blocks(model)
+    if not blocks:
+        raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
+                         "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList")
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size)
     plan = plan_step(budget, sizes)
+    if plan.fsdp2:
+        _check_no_parameter_shared_across_blocks(model, blocks)
     had_group = dist.is_available() and dist.is_initialized()
     try:
         created = _prepare(model, blocks, plan, device)
@@ -335,6 +356,41 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
                   created_process_group=created, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
                   block_min_bytes=sizes.block_activation_min_bytes)
+
+
+def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """FSDP2 shards each block on its own: a parameter one block shares with another block or
+    with the rest of the model would belong to two groups, which FSDP2 refuses at the first
+    step, after the model was sharded in place. Refuse it before anything is prepared."""
+    owner: dict[int, str] = {}
+    for index, block in enumerate(blocks):
+        for name, param in block.named_parameters(remove_duplicate=False):
+            if owner.setdefault(id(param), f"block {index}") != f"block {index}":
+                raise ValueError(f"compile_offload.fit: block {index}'s parameter {name!r} is shared with "
+                                 f"{owner[id(param)]}; FSDP2 shards each block on its own and cannot share a "
+                                 "parameter between two of them. Tie parameters outside the blocks, or pass "
+                                 "blocks= without the blocks that share them")
+    for name, param in _parameters_outside(model, blocks):
+        if id(param) in owner:
+            raise ValueError(f"compile_offload.fit: the model's parameter {name!r} is also {owner[id(param)]}'s; FSDP2 "
+                             "shards each block on its own and cannot share a parameter between a block and the rest "
+                             "of the model. Tie parameters outside the blocks, or pass blocks= without that block")
+
+
+def _parameters_outside(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """The model's parameters reached through modules other than the blocks (by name)."""
+    block_ids = {id(block) for block in blocks}
+    found: list[tuple[str, nn.Parameter]] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            found.append((prefix + name, param))
+        for name, child in module.named_children():
+            if id(child) not in block_ids:
+                walk(child, f"{prefix}{name}.")
+
+    walk(model, "")
+    return found
 
 
 def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:

@@ -30,7 +30,9 @@ Whichever way it runs, where the state is on the host and the optimizer is torch
 AdamW or SGD with its implementation left to torch (``fused`` and ``foreach`` unset),
 ``prefer_fused`` sets ``fused=True``: torch's default on the host is its for-loop
 implementation, several times slower than the fused one (docs/design.md); on the device the
-fused kernels are torch's fastest too. A ``fused`` or ``foreach`` the user set is kept.
+fused kernels are torch's fastest too. SGD's fused op has no rule for FSDP2's sharded
+parameters (DTensors), so its groups holding them get ``foreach=True``. A ``fused`` or
+``foreach`` the user set is kept.
 
 Limits: the streamed path handles torch.optim's own optimizers (the state of a parameter:
 tensors of its shape, and scalar step counters kept where the optimizer keeps them); other
@@ -63,25 +65,36 @@ TRIALS = 2  # timed steps each way under mode="auto"
 
 # torch.optim's classes with a fused implementation on both the CPU and CUDA.
 FUSED_ON_HOST_AND_DEVICE = ("Adam", "AdamW", "SGD")
+# Those whose fused op has a DTensor sharding rule (torch 2.11-2.14: aten._fused_adam(w)_, not
+# aten._fused_sgd_), so that it steps FSDP2's sharded parameters; the others take foreach.
+FUSED_ON_DTENSORS = ("Adam", "AdamW")
 
 
 def prefer_fused(optimizer: torch.optim.Optimizer) -> str | None:
     """Set ``fused=True`` in each parameter group that leaves the implementation to torch
     (``fused`` and ``foreach`` None, not ``differentiable``, floating-point parameters) of a
-    torch.optim Adam, AdamW or SGD; a note saying so, or None where nothing changed."""
+    torch.optim Adam, AdamW or SGD; ``foreach=True`` instead where the group holds FSDP2's
+    sharded parameters (DTensors) and torch's fused op has no rule for them (SGD); a note
+    saying so, or None where nothing changed."""
     cls = type(optimizer)
     if cls.__name__ not in FUSED_ON_HOST_AND_DEVICE or not cls.__module__.startswith("torch.optim"):
         return None
-    changed = 0
+    changed: dict[str, int] = defaultdict(int)
     for group in optimizer.param_groups:
         if (group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable")
                 and all(torch.is_floating_point(p) for p in group["params"])):
-            group["fused"] = True
-            changed += 1
+            sharded = any(hasattr(p, "to_local") for p in group["params"])
+            kind = "foreach" if sharded and cls.__name__ not in FUSED_ON_DTENSORS else "fused"
+            group[kind] = True
+            changed[kind] += 1
     if not changed:
         return None
-    return (f"{cls.__name__}: fused=True in {changed} of {len(optimizer.param_groups)} parameter group(s) that left "
-            "the implementation to torch: its fused kernels, not its default for-loop, step the state on the host")
+    said = " and ".join(f"{kind}=True in {count}" for kind, count in sorted(changed.items(), reverse=True))
+    return (f"{cls.__name__}: {said} of {len(optimizer.param_groups)} parameter group(s) that left the "
+            "implementation to torch: its " + ("fused kernels" if "fused" in changed else "foreach kernels")
+            + ", not its default for-loop, step the state on the host"
+            + ("" if "foreach" not in changed else
+               " (foreach where its fused op has no rule for FSDP2's sharded parameters)"))
 
 
 def check_mode(mode: str) -> None:
@@ -131,6 +144,7 @@ class OptimizerStep:
     why: str = ""  # why the step stays on the host, when it does without measuring
     too_large: str = ""  # which host parameters step on the host even when the rest streams
     checked: bool = False
+    stepped: bool = False  # whether a step has run
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -149,9 +163,11 @@ class OptimizerStep:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
-        if not self.optimizer.state:
+        if not self.optimizer.state and not self.stepped:
+            self.stepped = True
             self.optimizer.step()  # the first step creates the state, as torch's optimizer does
             return
+        self.stepped = True  # an optimizer without state (SGD without momentum) goes on from here too
         if not self.checked:  # the first step with state: can every rank stream its parameters?
             self.checked = True
             if self.chosen != HOST and not self._fits_on_every_rank():

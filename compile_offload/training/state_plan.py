@@ -283,11 +283,12 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
 
 def _blocks_that_fit(room: int, sizes: StateSizes, ranks: int) -> tuple[int, int]:
     """The most first blocks, fewer than all, whose parameters, gradients and optimizer state
-    (in proportion to its parameters; a 1/``ranks`` share of each) fit in ``room`` bytes,
-    and their bytes."""
+    (in proportion to its trainable parameters, whose bytes its gradients' are: a frozen
+    parameter has no state; a 1/``ranks`` share of each) fit in ``room`` bytes, and their
+    bytes."""
     kept, used = 0, 0
     for params, grads in list(zip(sizes.block_parameter_bytes, sizes.block_gradient_bytes))[:-1]:
-        state = sizes.optimizer_state_bytes * params // max(1, sizes.parameter_bytes)
+        state = sizes.optimizer_state_bytes * grads // max(1, sizes.gradient_bytes)
         cost = -(-(params + grads + state) // ranks)
         if used + cost > room:
             break
