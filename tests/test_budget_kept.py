@@ -301,6 +301,23 @@ def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner,
     assert counter.frame_count == 2 and len(captured_plans) == 2  # no compile after the one re-plan
 
 
+def test_without_a_guard_a_larger_dynamic_size_warns_and_nothing_compiles(eager_inner, captured_plans, monkeypatch):
+    """On a torch where no guard of ours can be added, a larger size over the budget cannot
+    have the frame compiled again: one warning says so, and the one plan keeps serving."""
+    from compile_offload.torch_api import dynamo
+
+    monkeypatch.setattr(dynamo, "add_frame_guard", lambda check, description: False)
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1MiB"))
+    compiled = torch.compile(MLP(d_in=64, d_hidden=256, d_out=8), backend=counter, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (16, 1024, 1024):
+            _train_step(compiled, torch.randn(batch, 64))
+    (message,) = [str(w.message) for w in caught if "dynamic shapes" in str(w.message)]
+    assert "=1024" in message and "warned once per graph" in message and "compiled again" not in message, message
+    assert counter.frame_count == 1 and len(captured_plans) == 1
+
+
 def _deep_mlp() -> nn.Module:
     torch.manual_seed(0)
     layers = [nn.Linear(64, 256), nn.GELU()]
