@@ -301,6 +301,24 @@ def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner,
     assert counter.frame_count == 2 and len(captured_plans) == 2  # no compile after the one re-plan
 
 
+def test_a_size_named_with_hint_override_is_not_planned_again_past_it(eager_inner, captured_plans):
+    """Every batch marked with hint_override=64 (a pipeline that marks each batch): a batch
+    over the budget cannot be planned for, as the user named the size; one warning says so,
+    and it does not promise a recompile that would plan for 64 again."""
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget=_half_way_budget(2048)))
+    compiled = torch.compile(_deep_mlp(), backend=counter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (16, 2048, 16, 2048):
+            x = torch.randn(batch, 64)
+            torch._dynamo.mark_dynamic(x, 0, hint_override=64)
+            _train_step(compiled, x)
+    (message,) = [str(w.message) for w in caught if "dynamic shapes" in str(w.message)]
+    assert "=2048" in message and "hint_override names the size of" in message, message
+    assert "compiles the graph again" not in message
+    assert counter.frame_count == 1
+
+
 def test_without_a_guard_a_larger_dynamic_size_warns_and_nothing_compiles(eager_inner, captured_plans, monkeypatch):
     """On a torch where no guard of ours can be added, a larger size over the budget cannot
     have the frame compiled again: one warning says so, and the one plan keeps serving."""

@@ -72,7 +72,7 @@ def test_the_first_step_is_counted_then_each_graph_compiles_again_under_its_shar
     recompiled: list[tuple[str, int]] = []
 
     def add(name: str, low: int, high: int):
-        def recompile(share: int):
+        def recompile(share: int, args: tuple):
             recompiled.append((name, share))
             return _stand_in(calls, f"{name}@{share // MIB}"), lambda: _plan(low, high, scheduled=low)
 
@@ -110,7 +110,7 @@ def test_the_first_step_is_counted_then_each_graph_compiles_again_under_its_shar
 def test_a_step_ends_only_when_every_backward_has_run():
     budget = StepBudget(30 * MIB)
     calls: list[str] = []
-    def failing(share):
+    def failing(share, args):
         raise RuntimeError("no compiler here")
 
     graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB), failing)
@@ -152,7 +152,7 @@ def test_a_measured_step_over_the_budget_holds_its_excess_back_and_splits_again(
     shares: list[tuple[str, int]] = []
 
     def add(name: str, low: int, high: int):
-        def recompile(share: int):
+        def recompile(share: int, args: tuple):
             shares.append((name, share))
             return _stand_in(calls, name), lambda: _plan(low, high, scheduled=low)
 
@@ -502,3 +502,33 @@ def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compil
         model.zero_grad(), eager.zero_grad()
         if step >= 2:  # the first step is counted, the second compiles the share
             assert ran[before:] == ["share" if batch == 512 else "minimum"], (step, batch, ran)
+
+
+def test_the_first_calls_tensors_are_not_held_by_the_step_budget():
+    """Dynamo hands the backend the first call's real tensors (the batch; after a graph break,
+    the activations the next graph gets). The share's compile uses the arguments of the call
+    it runs at, so nothing keeps those alive past their step."""
+    import gc
+    import weakref
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU())
+            self.b = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+
+        def forward(self, x):
+            h = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(h)
+
+    compiled = torch.compile(Broken(), backend=compile_offload.offload_remat(
+        memory_budget="30MiB", budget_scope="step", inner_compiler="eager", device_profile="cpu"))
+    first = torch.randn(512, 64)
+    held = weakref.ref(first)
+    compiled(first).sum().backward()
+    del first
+    for _ in range(3):  # counted, then split and compiled again under the shares
+        compiled(torch.randn(512, 64)).sum().backward()
+    gc.collect()
+    assert held() is None

@@ -172,12 +172,15 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
              "run; the step's budget %s is then split between its graphs", format_bytes(settings.budget_bytes))
     compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, minimum, inductor_patches, mode)
 
-    def recompile(budget_bytes: int):
+    def recompile(budget_bytes: int, args: tuple):
+        # Compiled for the arguments of the call it runs at, not Dynamo's example inputs: those are
+        # the first call's real tensors (its batch, the activations a graph after a break gets),
+        # which holding here would keep alive as long as the graph, outside every plan.
         share = dataclasses.replace(settings, budget_bytes=budget_bytes)
-        again, again_plan_of, _ = _compile_graph(gm, example_inputs, share, dict(inductor_patches), mode, graph_name)
-        # Compiled outside Dynamo, a graph with dynamic sizes is specialized to the first call's:
+        again, again_plan_of, _ = _compile_graph(gm, list(args), share, dict(inductor_patches), mode, graph_name)
+        # Compiled outside Dynamo, a graph with dynamic sizes is specialized to that call's sizes:
         # other sizes run the minimum-memory plan, which serves every size.
-        return dynamic_check.for_the_sizes_of(gm, example_inputs, again, otherwise=compiled), again_plan_of
+        return dynamic_check.for_the_sizes_of(gm, args, again, otherwise=compiled), again_plan_of
 
     budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes,
                              device_of(example_inputs))

@@ -188,14 +188,14 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                     peak = 0
                 if peak > budget_bytes:
                     warned = True
-                    larger = replan is not None and any(at[s] > hints[s] for s in symbols)
-                    again = replan(at) if larger else None
+                    larger = {s: at[s] for s in symbols if at[s] > hints[s]}
+                    again = replan(larger) if replan is not None and larger else None
                     head = (f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
                             f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
                             f"{format_bytes(budget_bytes)}")
                     avoid = ("name the largest with torch._dynamo.mark_dynamic(x, dim, hint_override=largest) "
                              "before the first call, or make the first call with the largest size")
-                    if again is not None:
+                    if isinstance(again, int):
                         warnings.warn(f"{head}. This call runs it; the next call compiles the graph again, planned "
                                       f"for these sizes (compiled again for a larger size {again} of at most "
                                       f"{MAX_REPLANS} times). To plan for the largest size from the start, {avoid}",
@@ -203,9 +203,9 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                     else:
                         warnings.warn(
                             f"{head} (warned once per graph). A dynamic graph has one plan, made for one size"
-                            + (f", and this one was compiled again for larger sizes {MAX_REPLANS} times already"
-                               if larger else "")
-                            + f": {avoid}, or compile with dynamic=False so that each size gets a plan of its own",
+                            + (f", and {again}" if again else "")
+                            + f": {avoid}, or compile with dynamic=False so that each size gets a plan of its own "
+                            "(a compile per size, up to torch._dynamo.config.recompile_limit)",
                             stacklevel=2,
                         )
         return compiled(*args, **kwargs)
@@ -347,35 +347,43 @@ MAX_REPLANS = 3
 _replans: dict[int, int] = {}
 
 
-def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], int | None] | None:
-    """For the graph Dynamo is compiling: a function that, given sizes of its size symbols
-    whose predicted peak exceeds the budget, records them as the largest of their inputs
-    (``plan_at_largest_sizes``) and makes the frame's guard fail, so that Dynamo compiles the
-    frame again at its next call and that graph is planned for those sizes; it returns how
-    many times the frame was compiled again so, or None where it may not (``MAX_REPLANS``
-    reached). Within Dynamo, its guards hold for every size the new code serves; the call
-    that brought the size runs the plan it has. None where the graph cannot be compiled
-    again so: not a training graph of a Dynamo frame, or no guard can be added."""
+def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], int | str] | None:
+    """For the graph Dynamo is compiling: a function that, given the sizes of its size
+    symbols that grew above those planned for and broke the budget, records them as the
+    largest of their inputs (``plan_at_largest_sizes``) and makes the frame's guard fail, so
+    that Dynamo compiles the frame again at its next call and that graph is planned for those
+    sizes; it returns how many times the frame was compiled again so, or why it may not
+    (``MAX_REPLANS`` reached, or ``hint_override`` names the size). Within Dynamo, its guards
+    hold for every size the new code serves; the call that brought the size runs the plan it
+    has. None where the graph cannot be compiled again so: not a training graph of a Dynamo
+    frame, or no guard can be added."""
     from ..torch_api.dynamo import add_frame_guard
 
     frame = _frame_id()
     if frame is None:
         return None
     inputs: dict[str, list[tuple[str, int]]] = {}  # size symbol -> the (source, dim) sizes it is
+    symints: dict[str, torch.SymInt] = {}
     for source, value in graph_input_sources(gm):
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
                 symbol = _plain_symbol(size)
                 if symbol is not None:
                     inputs.setdefault(symbol.name, []).append((source, dim))
+                    symints[symbol.name] = size
     stale = [False]
     if not inputs or not add_frame_guard(lambda _frame_locals: not stale[0],
                                          "compile_offload: a dynamic size above the one planned for"):
         return None
 
-    def replan(sizes: dict[str, int]) -> int | None:
-        if _replans.get(frame, 0) >= MAX_REPLANS or not any(name in inputs for name in sizes):
-            return None
+    def replan(sizes: dict[str, int]) -> int | str:
+        if _replans.get(frame, 0) >= MAX_REPLANS:
+            return f"this one was compiled again for larger sizes {MAX_REPLANS} times already"
+        named = [name for name in sizes if name in symints
+                 and not _may_plan_at(symints[name], symints[name].node.expr, sizes[name])]
+        if named or not any(name in inputs for name in sizes):
+            return (f"hint_override names the size of {', '.join(named)}" if named
+                    else "its sizes cannot be traced to its inputs")
         for name, size in sizes.items():
             for source, dim in inputs.get(name, ()):
                 _largest[(frame, source, dim)] = max(_largest.get((frame, source, dim), 0), size)

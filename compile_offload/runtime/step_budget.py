@@ -109,7 +109,8 @@ class _Graph:
     name: str
     compiled: Callable[..., Any]
     plan_of: Callable[[], Plan | None]
-    recompile: Callable[[int], tuple[Callable[..., Any], Callable[[], Plan | None]]]
+    # (its share, the arguments of the call it is compiled at) -> its code and plan
+    recompile: Callable[[int, tuple], tuple[Callable[..., Any], Callable[[], Plan | None]]]
     calls: int = 0  # in the step being counted
     most_calls: int = 0  # in any step counted: the split counts a graph as often as it was ever called
     budget_bytes: int | None = None  # its share, once split
@@ -185,9 +186,10 @@ class StepBudget:
         return [wrapper.graph for wrapper in (ref() for ref in self._graphs) if wrapper is not None]
 
     def add(self, name: str, compiled: Callable[..., Any], plan_of: Callable[[], Plan | None],
-            recompile: Callable[[int], tuple[Callable[..., Any], Callable[[], Plan | None]]]) -> Callable[..., Any]:
+            recompile: Callable[[int, tuple], tuple[Callable[..., Any], Callable[[], Plan | None]]]) -> Callable[..., Any]:
         """``compiled`` (the graph at its minimum-memory plan) wrapped: its calls are counted,
-        and it is compiled again with ``recompile(budget_bytes)`` once its share is known."""
+        and it is compiled again with ``recompile(budget_bytes, args)`` at its first call once
+        its share is known (``args``: that call's arguments)."""
         graph = _Graph(name, compiled, plan_of, recompile)
         budget = self
 
@@ -199,7 +201,7 @@ class StepBudget:
                 log.info("%s: budget_scope='step': compiling this graph again under its share of the step's "
                          "budget, %s", graph.name, format_bytes(graph.budget_bytes))
                 try:
-                    graph.compiled, graph.plan_of = graph.recompile(graph.budget_bytes)
+                    graph.compiled, graph.plan_of = graph.recompile(graph.budget_bytes, args)
                 except Exception as error:  # the plan it runs is correct: keep it, and say so
                     warnings.warn(f"compile_offload: {graph.name}: budget_scope='step': compiling this graph under "
                                   f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
