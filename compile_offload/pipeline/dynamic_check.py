@@ -382,7 +382,8 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], i
         named = [name for name in sizes if name in symints
                  and not _may_plan_at(symints[name], symints[name].node.expr, sizes[name])]
         if named or not any(name in inputs for name in sizes):
-            return (f"hint_override names the size of {', '.join(named)}" if named
+            return (f"hint_override names the size of {', '.join(named)} (or the size is outside the range "
+                    "Dynamo allows it)" if named
                     else "its sizes cannot be traced to its inputs")
         for name, size in sizes.items():
             for source, dim in inputs.get(name, ()):
