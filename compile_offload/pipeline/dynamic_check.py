@@ -221,17 +221,15 @@ def for_the_sizes_of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], co
     ``otherwise`` (the graph as Dynamo compiled it, for every size) for the rest.
 
     Only the arguments whose sizes Dynamo made symbolic are compared: Dynamo's guards hold
-    the others. A size argument is expected at the size of the example tensor it sizes, not
-    at its hint, which ``mark_dynamic(..., hint_override=n)`` sets to n."""
+    the others. ``example_inputs`` are a call's own arguments (ints where Dynamo's were size
+    symbols, whose hint ``mark_dynamic(..., hint_override=n)`` would set to n)."""
     traced = _traced_values(gm, len(example_inputs))
     if not any(_symbolic(value if value is not None else real) for real, value in zip(example_inputs, traced)):
         return compiled
     # An input the graph does not describe is compared whole.
     checked = [i for i, (real, value) in enumerate(zip(example_inputs, traced))
                if _symbolic(value) or (value is None and isinstance(real, (torch.Tensor, int, torch.SymInt)))]
-    real_sizes = _real_sizes(traced, example_inputs)
-    expected = tuple(real_sizes.get(str(a.node.expr), size_hint(a)) if isinstance(a, torch.SymInt) else _key(a)
-                     for a in (example_inputs[i] for i in checked))
+    expected = tuple(_key(example_inputs[i]) for i in checked)
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
@@ -245,17 +243,6 @@ def _traced_values(gm: torch.fx.GraphModule, count: int) -> list[Any]:
     placeholder's ``example_value``), None where the graph does not say."""
     values = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
     return values if len(values) == count else [None] * count
-
-
-def _real_sizes(traced: list[Any], example_inputs: Sequence[Any]) -> dict[str, int]:
-    """Each size symbol of a traced tensor, at the size of the example tensor it stands for."""
-    sizes = {}
-    for value, real in zip(traced, example_inputs):
-        if isinstance(value, torch.Tensor) and isinstance(real, torch.Tensor):
-            for symbolic, size in zip(value.shape, real.shape):
-                if _plain_symbol(symbolic) is not None and isinstance(size, int):
-                    sizes.setdefault(str(symbolic.node.expr), size)
-    return sizes
 
 
 def _symbolic(value: Any) -> bool:
