@@ -60,8 +60,11 @@ class Settings:
     # below the minimum (``passes.solve.joint.lowest_solution``; None: the model's choice).
     lowest_start: str | None = None
     # Not a knob: a dynamic graph's size symbols planned at a size other than their hint, by
-    # name: the largest its frame was compiled at (``pipeline/dynamic_check.plan_at_largest_sizes``).
+    # name: sizes its frame was compiled at (``pipeline/dynamic_check.plan_at_largest_sizes``).
     planning_sizes: tuple[tuple[str, int], ...] = ()
+    # Not a knob: other sizes its frame was compiled at, none covered by those planned for, at
+    # which the plan's predicted peak is checked (``pipeline/dynamic_check.sizes_covering_all``).
+    sizes_to_cover: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     @property
     def has_budget(self) -> bool:

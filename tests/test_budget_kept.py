@@ -412,6 +412,106 @@ def test_a_graph_made_dynamic_by_a_smaller_batch_is_planned_for_the_larger(inner
     assert caught == []
 
 
+def _budget_between(model_fn, shape: tuple[int, ...], share: float = 0.5) -> int:
+    """A byte budget ``share`` of the way from the minimum to the unconstrained peak of
+    ``model_fn()`` at an input of ``shape``."""
+    x = torch.randn(*shape)
+    high, low = (compile_offload.explain(model_fn(), x, memory_budget=b).predicted_peak_bytes for b in (None, 0.0))
+    return int(low + share * (high - low))
+
+
+def _train_at(compiled, eager, shapes, model, tolerance=1e-4):
+    """Train ``compiled`` and ``eager`` at each input shape, checking gradients (to
+    ``tolerance``, relative and absolute); the compile_offload warnings of each step."""
+    caught_per_step = []
+    for shape in shapes:
+        x = torch.randn(*shape)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train_step(compiled, x)
+        _train_step(eager, x)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tolerance, atol=tolerance,
+                                       msg=lambda m: f"{shape} {name}: {m}")
+        model.zero_grad(), eager.zero_grad()
+        caught_per_step.append([str(w.message) for w in caught if "compile_offload" in str(w.message)])
+    return caught_per_step
+
+
+def test_two_varying_dimensions_are_planned_at_sizes_a_call_had(eager_inner, captured_plans):
+    """Batch 32 x sequence 128, then 12 x 512: Dynamo makes both dimensions dynamic. Per
+    dimension the largest is 32 x 512, which no call had and whose minimum is over a budget
+    both real sizes fit; the graph is planned at 12 x 512 (more input elements), whose plan
+    keeps the budget at 32 x 128 too: no warning at any call, gradients as eager's."""
+    budget = _budget_between(_deep_mlp, (12, 512, 64))
+    captured_plans.clear()
+    model, eager = _deep_mlp(), _deep_mlp()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=budget))
+    caught = _train_at(compiled, eager, [(32, 128, 64), (12, 512, 64), (32, 128, 64), (12, 512, 64)], model)
+    assert caught == [[], [], [], []]
+    static, dynamic = captured_plans
+    assert {d.shape[0] for d in dynamic.decisions} == {12 * 512}, dynamic.table()  # not 32 * 512
+    assert dynamic.predicted_peak_bytes <= budget and dynamic.count("keep") > dynamic.count("recompute") > 0, \
+        dynamic.summary()
+    assert any("none covering the others" in note for note in dynamic.notes), dynamic.notes
+
+
+class _Attention(nn.Module):
+    """Attention without heads: its scores grow with the square of the sequence, so of batch
+    64 x sequence 128 and 12 x 512 the one with more input elements has the smaller peak."""
+
+    def __init__(self, width: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(layers))
+
+    def forward(self, x):
+        for qkv in self.qkv:
+            q, k, v = qkv(x).chunk(3, dim=-1)
+            x = x + torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v
+        return x
+
+
+def _scores(plan) -> set[tuple[int, ...]]:
+    """The shapes of the attention scores a plan decides on (batch, sequence, sequence)."""
+    return {tuple(d.shape) for d in plan.decisions if len(d.shape) == 3 and d.shape[1] == d.shape[2]}
+
+
+@pytest.mark.parametrize("tried", [3, 1])
+def test_a_plan_over_the_budget_at_another_recorded_size_is_made_again(eager_inner, captured_plans, monkeypatch,
+                                                                      tried):
+    """Batch 64 x sequence 128, then 12 x 512, under a budget the first fits unconstrained:
+    planned first at 64 x 128 (more input elements), its predicted peak at 12 x 512 is over
+    the budget, so the graph is planned again at 12 x 512, which keeps it at both: no
+    warning, gradients as eager's. With MAX_SIZES_TRIED = 1 the second plan is made at each
+    dimension's largest, 64 x 512, which covers both (its minimum is over this budget: the
+    usual warning, once)."""
+    from compile_offload.pipeline import dynamic_check
+
+    monkeypatch.setattr(dynamic_check, "MAX_SIZES_TRIED", tried)
+    budget = _budget_between(_Attention, (12, 512, 32), share=0.25)
+    assert budget >= compile_offload.explain(_Attention(), torch.randn(64, 128, 32)).predicted_peak_bytes
+    captured_plans.clear()
+    model, eager = _Attention(), _Attention()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=budget))
+    # Sums over 64 x 128 x 32 outputs: float32 rounding reaches 1e-4 in another summation order.
+    caught = _train_at(compiled, eager, [(64, 128, 32), (12, 512, 32), (64, 128, 32), (12, 512, 32)], model,
+                       tolerance=1e-3)
+    static, first, again = captured_plans
+    assert _scores(first) == {(64, 128, 128)}, first.table()
+    assert first.count("recompute") == 0, first.table()  # fits unconstrained at 64 x 128
+    if tried == 3:
+        assert caught == [[], [], [], []]
+        assert _scores(again) == {(12, 512, 512)}, again.table()
+        assert 0 < again.predicted_peak_bytes <= budget and again.count("recompute") > 0, again.summary()
+    else:
+        assert caught[0] == [] and caught[2:] == [[], []]
+        (message,) = caught[1]
+        assert "below the minimum" in message, message
+        assert _scores(again) == {(64, 512, 512)}, again.table()
+        assert any("each the largest this frame was compiled at" in note for note in again.notes), again.notes
+
+
 def test_an_evaluation_at_a_larger_batch_is_not_a_size_to_plan_for(eager_inner, captured_plans):
     """Only training compiles count: batch 2048 trained, 4096 evaluated under no_grad, then
     a smaller last batch makes the training graph dynamic: it is planned for 2048."""

@@ -231,9 +231,12 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
             compiled, records = _compile_inductor(gm, example_inputs, settings, partitioner, results,
                                                   inductor_patches, recorder)
         # With dynamic sizes the plan is made for one set of sizes: check the others' peaks.
-        compiled = dynamic_check.check_sizes(compiled, example_inputs,
-                                             [r.program for r in records if r.program is not None],
-                                             settings.budget_bytes, partitioner.graph_name, gm)
+        programs = [r.program for r in records if r.program is not None]
+        covering = dynamic_check.sizes_covering_all(settings, programs, partitioner.graph_name)
+        if covering is not None:  # over the budget at sizes another call had: plan at every dimension's largest
+            return _compile_graph(gm, example_inputs, covering, inductor_patches, mode, partitioner.graph_name)
+        compiled = dynamic_check.check_sizes(compiled, example_inputs, programs, settings.budget_bytes,
+                                             partitioner.graph_name, gm)
 
     def plan_of():  # the eager path partitions at the first call; Inductor's, or its records, now
         return results[-1].plan if results else (records[-1].plan if records else None)

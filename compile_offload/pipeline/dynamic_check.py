@@ -189,7 +189,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                 if peak > budget_bytes:
                     warned = True
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}
-                    again = replan(larger) if replan is not None and larger else None
+                    again = replan(larger, hints) if replan is not None and larger else None
                     head = (f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
                             f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
                             f"{format_bytes(budget_bytes)}")
@@ -289,43 +289,154 @@ def program_of(result: Any) -> SymbolicProgram | None:
 # ``DataLoader`` without ``drop_last``) thus gets its dynamic graph at the small batch, and that
 # graph then serves every full batch after it: a plan made for the small batch exceeds a byte
 # budget at the full one. So each training compile (grad on, an input that requires grad)
-# records the sizes of its tensor inputs by source (``L['x']``) and dimension, per frame (an
-# evaluation under ``no_grad`` at a larger batch is not counted), and a graph with a size
-# symbol is planned with that symbol at the largest size recorded for it
-# (``Settings.planning_sizes``, read through ``passes.compat.planning_sizes``) where that is
-# above the symbol's hint, within its range, and no ``hint_override`` names another. Frames
-# are Dynamo's, so instances of one module class share them, as they share Dynamo's compiled
-# code; ``torch._dynamo.reset()`` numbers frames from 0 again, so a frame's first compile in a
-# new compile context forgets what its number recorded before.
+# records the sizes of its tensor inputs by source (``L['x']``) and dimension, together, per
+# frame (an evaluation under ``no_grad`` at a larger batch is not counted), and a graph with
+# size symbols is planned at the recorded sizes that cover the others (``Settings.planning_sizes``,
+# read through ``passes.compat.planning_sizes``):
+#
+# - where one record is at least as large as every other in every dimension, at it;
+# - where none is (two dimensions vary: batch 32 x sequence 128, then 12 x 512), at the record
+#   with the most input elements, and the plan's predicted peak is checked at each other
+#   record (``Settings.sizes_to_cover``); where one is over the budget, the graph is planned
+#   again at the next record (``sizes_covering_all``), and after ``MAX_SIZES_TRIED`` at each
+#   dimension's largest: a combination no call had, but one that covers them all.
+#
+# A symbol is planned at a recorded size only within its range and where no ``hint_override``
+# names another. Frames are Dynamo's, so instances of one module class share them, as they
+# share Dynamo's compiled code; ``torch._dynamo.reset()`` numbers frames from 0 again, so a
+# frame's first compile in a new compile context forgets what its number recorded before.
 
-# (Dynamo frame id, input source, dimension) -> the largest size a compile of the frame saw
-_largest: dict[tuple[int, str, int], int] = {}
+Record = dict[tuple[str, int], int]  # (input source, dimension) -> size
+# Dynamo frame id -> the sizes of its training compiles, and of the calls it was compiled again for
+_records: dict[int, list[Record]] = {}
+# At most this many records a frame (the oldest go first); Dynamo's recompile_limit bounds it too.
+MAX_RECORDS = 64
 # Dynamo frame id -> the compile context of its first compile (DDPOptimizer's bucket graphs share one)
 _first_compile: dict[int, weakref.ref] = {}
 
 
 def plan_at_largest_sizes(gm: torch.fx.GraphModule, settings: Settings, graph_name: str) -> Settings:
-    """``settings`` with ``planning_sizes`` naming the size symbols of ``gm``'s inputs that an
-    earlier compile of the same frame saw larger, where there is a budget; records ``gm``'s
-    sizes."""
+    """``settings`` with ``planning_sizes`` naming the size symbols of ``gm``'s inputs to plan
+    at sizes an earlier training compile of the same frame had (where there is a budget),
+    and ``sizes_to_cover`` the other records' sizes where none covers them all; records
+    ``gm``'s sizes."""
     frame = _frame_id()
     tensors = [(source, value) for source, value in graph_input_sources(gm) if isinstance(value, torch.Tensor)]
     if frame is None or not torch.is_grad_enabled() or not any(value.requires_grad for _, value in tensors):
         return settings  # not a training graph
-    larger: dict[str, int] = {}
+    own: Record = {(source, dim): size_hint(size) for source, value in tensors for dim, size in enumerate(value.shape)}
+    locations: dict[str, list[tuple[str, int]]] = {}
+    symints: dict[str, torch.SymInt] = {}
     for source, value in tensors:
         for dim, size in enumerate(value.shape):
-            key, hint = (frame, source, dim), size_hint(size)
-            seen = _largest.get(key, 0)
             symbol = _plain_symbol(size)
-            if symbol is not None and seen > hint and _may_plan_at(size, symbol, seen):
-                larger[symbol.name] = max(seen, larger.get(symbol.name, 0))
-            _largest[key] = max(seen, hint)
-    if not larger or not settings.has_budget:
+            if symbol is not None:
+                locations.setdefault(symbol.name, []).append((source, dim))
+                symints[symbol.name] = size
+    earlier = list(_records.get(frame, ()))
+    _record(frame, own)
+    if not locations or not earlier or not settings.has_budget:
         return settings
-    log.info("%s: dynamic sizes planned at the largest this frame was compiled at: %s", graph_name,
-             ", ".join(f"{name}={size}" for name, size in sorted(larger.items())))
-    return dataclasses.replace(settings, planning_sizes=tuple(sorted(larger.items())))
+    hints = {name: size_hint(symints[name]) for name in locations}
+
+    def assigned(record: Record) -> dict[str, int]:
+        sizes = {}
+        for name, where in locations.items():
+            seen = max((record[loc] for loc in where if loc in record), default=hints[name])
+            sizes[name] = seen if _may_plan_at(symints[name], symints[name].node.expr, seen) else hints[name]
+        return sizes
+
+    candidates = _distinct([hints] + [assigned(record) for record in reversed(earlier)])
+    largest = {name: max(c[name] for c in candidates) for name in locations}
+    if largest in candidates:  # one record covers the rest
+        planning, cover = tuple(sorted((n, size) for n, size in largest.items() if size != hints[n])), ()
+    else:  # tried in turn, most input elements first
+        uncovered = [c for c in candidates if not any(_covers(d, c) and d != c for d in candidates)]
+        uncovered.sort(key=lambda c: (_input_elements(tensors, c), sorted(c.items())), reverse=True)
+        planning, cover = tuple(sorted(uncovered[0].items())), tuple(tuple(sorted(c.items())) for c in uncovered)
+    if not planning:
+        return settings
+    log.info("%s: dynamic sizes planned at sizes this frame was compiled at: %s", graph_name,
+             ", ".join(f"{name}={size}" for name, size in planning))
+    return dataclasses.replace(settings, planning_sizes=planning, sizes_to_cover=cover)
+
+
+# Of several recorded sizes none of which covers the others, at most this many are planned
+# for in turn before the graph is planned at each dimension's largest.
+MAX_SIZES_TRIED = 3
+
+
+def sizes_covering_all(settings: Settings, programs: list[SymbolicProgram], graph_name: str) -> Settings | None:
+    """Where the graph was planned at one of several recorded sizes none of which covers the
+    others (``Settings.sizes_to_cover``) and the plan's predicted peak at another exceeds the
+    byte budget: ``settings`` planning at the next of them, or, after ``MAX_SIZES_TRIED``,
+    at each size symbol's largest recorded size (a combination no call may have had, but one
+    that covers them all). Else None: the plan keeps the budget at every recorded size."""
+    if not settings.sizes_to_cover or settings.budget_bytes is None or not programs:
+        return None
+    planned = settings.planning_sizes
+    over = None
+    for sizes in settings.sizes_to_cover:
+        if sizes == planned:
+            continue
+        try:
+            peak = max(program.peak_bytes(dict(sizes)) for program in programs)
+        except (TypeError, ValueError, SyntaxError, KeyError) as error:  # a size sympy cannot evaluate
+            log.debug("%s: no peak check at %s (%s)", graph_name, _sizes(dict(sizes)), error)
+            continue
+        if peak > settings.budget_bytes:
+            over = (sizes, peak)
+            break
+    if over is None:
+        return None
+    tried = settings.sizes_to_cover.index(planned) + 1 if planned in settings.sizes_to_cover else len(settings.sizes_to_cover)
+    if tried < min(MAX_SIZES_TRIED, len(settings.sizes_to_cover)):
+        again, cover = settings.sizes_to_cover[tried], settings.sizes_to_cover
+    else:
+        largest: dict[str, int] = {}
+        for sizes in settings.sizes_to_cover:
+            for name, size in sizes:
+                largest[name] = max(largest.get(name, size), size)
+        again, cover = tuple(sorted(largest.items())), ()
+    log.info("%s: the plan made for %s has a predicted peak of %s at %s, sizes this frame was compiled at, above the "
+             "memory budget %s: planned again for %s%s", graph_name, _sizes(dict(planned)), format_bytes(over[1]),
+             _sizes(dict(over[0])), format_bytes(settings.budget_bytes), _sizes(dict(again)),
+             "" if cover else " (each size at the largest recorded)")
+    return dataclasses.replace(settings, planning_sizes=again, sizes_to_cover=cover)
+
+
+def _record(frame: int, sizes: Record) -> None:
+    records = _records.setdefault(frame, [])
+    if sizes in records:
+        records.remove(sizes)
+    records.append(sizes)
+    del records[:-MAX_RECORDS]
+
+
+def _distinct(candidates: list[dict[str, int]]) -> list[dict[str, int]]:
+    found: list[dict[str, int]] = []
+    for candidate in candidates:
+        if candidate not in found:
+            found.append(candidate)
+    return found
+
+
+def _covers(a: dict[str, int], b: dict[str, int]) -> bool:
+    return all(a[name] >= b[name] for name in b)
+
+
+def _input_elements(tensors: list[tuple[str, torch.Tensor]], sizes: dict[str, int]) -> int:
+    """The elements of the graph's symbolically sized inputs with its size symbols at ``sizes``."""
+    total = 0
+    for _, value in tensors:
+        if not any(isinstance(size, torch.SymInt) for size in value.shape):
+            continue
+        count = 1
+        for size in value.shape:
+            symbol = _plain_symbol(size)
+            count *= sizes[symbol.name] if symbol is not None and symbol.name in sizes else size_hint(size)
+        total += count
+    return total
 
 
 # A dynamic graph compiled again for a larger size, at most this many times per frame.
@@ -334,10 +445,11 @@ MAX_REPLANS = 3
 _replans: dict[int, int] = {}
 
 
-def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], int | str] | None:
+def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], dict[str, int]], int | str] | None:
     """For the graph Dynamo is compiling: a function that, given the sizes of its size
-    symbols that grew above those planned for and broke the budget, records them as the
-    largest of their inputs (``plan_at_largest_sizes``) and makes the frame's guard fail, so
+    symbols that grew above those planned for and broke the budget, and the sizes planned
+    for, records those planned with the grown ones raised as sizes of the frame
+    (``plan_at_largest_sizes``: they cover every earlier record) and makes the frame's guard fail, so
     that Dynamo compiles the frame again at its next call and that graph is planned for those
     sizes; it returns how many times the frame was compiled again so, or why it may not
     (``MAX_REPLANS`` reached, or ``hint_override`` names the size). Within Dynamo, its guards
@@ -363,7 +475,7 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], i
                                          "compile_offload: a dynamic size above the one planned for"):
         return None
 
-    def replan(sizes: dict[str, int]) -> int | str:
+    def replan(sizes: dict[str, int], planned: dict[str, int]) -> int | str:
         if _replans.get(frame, 0) >= MAX_REPLANS:
             return f"this one was compiled again for larger sizes {MAX_REPLANS} times already"
         named = [name for name in sizes if name in symints
@@ -372,9 +484,9 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int]], i
             return (f"hint_override names the size of {', '.join(named)} (or the size is outside the range "
                     "Dynamo allows it)" if named
                     else "its sizes cannot be traced to its inputs")
-        for name, size in sizes.items():
-            for source, dim in inputs.get(name, ()):
-                _largest[(frame, source, dim)] = max(_largest.get((frame, source, dim), 0), size)
+        # The sizes planned for, those that grew raised: a record that covers both.
+        _record(frame, {(source, dim): size for name, size in {**planned, **sizes}.items()
+                        for source, dim in inputs.get(name, ())})
         _replans[frame] = _replans.get(frame, 0) + 1
         stale[0] = True
         return _replans[frame]
@@ -394,8 +506,7 @@ def _frame_id() -> int | None:
     if getattr(compile_id, "frame_compile_id", None) == 0:
         first = _first_compile.get(frame)
         if first is None or first() is not context:
-            for key in [key for key in _largest if key[0] == frame]:
-                del _largest[key]
+            _records.pop(frame, None)
             _replans.pop(frame, None)
             _first_compile[frame] = weakref.ref(context)
     return frame

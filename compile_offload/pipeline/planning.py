@@ -234,7 +234,10 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
     if settings.planning_sizes:
         sizes = ", ".join(f"{name}={size}" for name, size in settings.planning_sizes)
-        plan.notes.append(f"{PLANNED_AT_NOTE} {sizes}: the largest this frame was compiled at, above this call's")
+        plan.notes.append(f"{PLANNED_AT_NOTE} {sizes}: " + (
+            "of the sizes this frame was compiled at, none covering the others, the one tried; the predicted peak "
+            "is checked at the others" if settings.sizes_to_cover
+            else "each the largest this frame was compiled at, above this call's"))
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs,
                                  planned_placement(analysis, chosen.saved, seconds, profile, settings.prefetch))
     if key is not None and not progress.out_of_time:  # a complete search may do better
