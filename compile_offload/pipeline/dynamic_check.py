@@ -8,7 +8,7 @@ that compiled it. A byte budget met at batch 512 can then be exceeded several ti
 at batch 4096. The plan's memory program (the steps of the forward and backward and what
 each allocates) is kept with every allocation as an expression in the graph's size
 symbols; at the first call with new sizes the program is simulated again at those sizes
-(``passes.memory.simulate``). When the predicted peak exceeds the budget at sizes larger
+(``passes.memory.peak_bytes``). When the predicted peak exceeds the budget at sizes larger
 than planned, that call runs the plan it has and warns, and the frame is compiled again by
 Dynamo at its next call, planned for those sizes (``replan_when_larger``, at most
 ``MAX_REPLANS`` times a frame); otherwise one warning per graph says so.
@@ -22,7 +22,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,8 @@ import torch.fx as fx
 
 from ..passes.analyze import JointAnalysis, tensor_value
 from ..passes.compat import size_hint
-from ..passes.memory import Program, Step, plan_program, simulate
+from ..passes.memory import Program, Step, plan_program
+from ..passes.memory import peak_bytes as memory_peak_bytes
 from ..passes.plan import format_bytes
 from ..settings import Settings
 from ..torch_api.dynamo import graph_input_sources
@@ -49,6 +50,9 @@ class SymbolicProgram:
     outlives: list[int]
     backward_start: int
     symbols: list[str]  # the size symbols the expressions use
+    _parsed_symbols: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    _parsed: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    _steps: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {"steps": self.steps, "outlives": self.outlives, "backward_start": self.backward_start,
@@ -62,24 +66,39 @@ class SymbolicProgram:
 
     def peak_bytes(self, sizes: dict[str, int]) -> int:
         """The predicted peak with each symbol at ``sizes[name]``."""
-        import sympy
+        values = {symbol: sizes[name] for name, symbol in self._symbols().items() if name in sizes}
+        bytes_of = {text: int(expr.xreplace(values)) for text, expr in self._expressions().items()}
+        steps = [Step("", [(key, bytes_of[text]) for key, text in allocs], reads, in_place=in_place)
+                 for allocs, reads, in_place in self._structure()]
+        return memory_peak_bytes(Program(steps, self.backward_start, set(self.outlives)))
 
-        from ..torch_api.utils import sympy_functions as size_functions  # FloorDiv, Mod, ... as torch prints them
+    # Parsed once per program: a training loop with a new length every step checks each one.
+    def _symbols(self) -> dict[str, Any]:
+        if self._parsed_symbols is None:
+            import sympy
 
-        names = {name: getattr(size_functions, name) for name in dir(size_functions)
-                 if isinstance(getattr(size_functions, name), type)}
-        names.update({name: sympy.Symbol(name, integer=True) for name in sizes})
-        values = {names[name]: value for name, value in sizes.items()}
-        memo: dict[str, int] = {}
+            self._parsed_symbols = {name: sympy.Symbol(name, integer=True) for name in self.symbols}
+        return self._parsed_symbols
 
-        def evaluate(text: str) -> int:
-            if text not in memo:
-                memo[text] = int(sympy.sympify(text, locals=names).xreplace(values))
-            return memo[text]
+    def _expressions(self) -> dict[str, Any]:
+        """Each distinct size expression's text -> its sympy expression."""
+        if self._parsed is None:
+            import sympy
 
-        steps = [Step("", [(key, evaluate(expr)) for key, expr in allocs], list(reads), in_place=tuple(in_place))
-                 for allocs, reads, in_place in self.steps]
-        return simulate(Program(steps, self.backward_start, set(self.outlives))).peak_bytes
+            from ..torch_api.utils import sympy_functions as size_functions  # FloorDiv, Mod, ... as torch prints them
+
+            names = {name: getattr(size_functions, name) for name in dir(size_functions)
+                     if isinstance(getattr(size_functions, name), type)}
+            names.update(self._symbols())
+            texts = {text for allocs, _, _ in self.steps for _, text in allocs}
+            self._parsed = {text: sympy.sympify(text, locals=names) for text in texts}
+        return self._parsed
+
+    def _structure(self) -> list[tuple[list[tuple[int, str]], list[int], tuple[int, ...]]]:
+        if self._steps is None:
+            self._steps = [([(int(key), text) for key, text in allocs], list(reads), tuple(in_place))
+                           for allocs, reads, in_place in self.steps]
+        return self._steps
 
 
 def _expression(value: Any) -> Any:
