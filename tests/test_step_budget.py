@@ -461,6 +461,41 @@ def test_a_dynamic_graph_compiled_again_under_its_share_still_serves_every_size(
 
 
 @pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
+def test_a_larger_size_on_the_minimum_plan_over_the_share_warns_once(inner_compiler):
+    """Sizes other than the one the share's plan was compiled for run the graph's
+    minimum-memory plan. Its predicted peak at each new size is checked against the graph's
+    share of the step's budget: batch 4096 (8x the share's 512) is over a 4 MiB share and
+    warns once, naming the size, the predicted peak and the share; a smaller batch does not
+    warn. It used to run unchecked. (Inductor's C++ kernels guard batches up to 4096: a
+    larger one would compile a new graph, which the split handles.)"""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+
+    model, eager = make(), make()
+    backend = compile_offload.offload_remat(memory_budget="4MiB", budget_scope="step", inner_compiler=inner_compiler,
+                                            device_profile="cpu")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    caught_per_batch = []
+    for batch in (512, 512, 512, 4096, 4096, 256):
+        x = torch.randn(batch, 64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(x).sum().backward()
+        eager(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
+        model.zero_grad(), eager.zero_grad()
+        caught_per_batch.append([str(w.message) for w in caught if "compile_offload" in str(w.message)])
+    assert caught_per_batch[:3] == [[], [], []] and caught_per_batch[4:] == [[], []], caught_per_batch
+    (message,) = caught_per_batch[3]
+    assert "budget_scope='step' with dynamic shapes: at s" in message and "=4096 this graph runs its minimum" in message
+    assert "above its share 4.00 MiB of the step's memory budget" in message, message
+    peak = float(message.split("predicted peak of ")[1].split(" MiB")[0])
+    assert peak > 4.0, message
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
 def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compiled(inner_compiler, monkeypatch):
     """mark_dynamic(x, 0, hint_override=2048) with calls at 512: the share's compile
     (specialized to the 512 of the first call) runs for every call at 512, and the

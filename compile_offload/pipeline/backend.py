@@ -170,7 +170,9 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     minimum = dataclasses.replace(settings, budget_bytes=None, budget_fraction=0.0)
     log.info("budget_scope='step': this graph runs its minimum-memory plan (memory_budget 0.0) until a step has "
              "run; the step's budget %s is then split between its graphs", format_bytes(settings.budget_bytes))
-    compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, minimum, inductor_patches, mode)
+    share_of: list[Callable[[], int | None]] = []  # the graph's share, once the step budget holds it
+    compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, minimum, inductor_patches, mode,
+                                                   check_against=lambda: share_of[0]() if share_of else None)
 
     def recompile(budget_bytes: int, args: tuple):
         # Compiled for the arguments of the call it runs at, not Dynamo's example inputs: those are
@@ -185,11 +187,16 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes,
                              device_of(example_inputs))
     wrapped = budget.add(graph_name, compiled, plan_of, recompile)
+    graph = wrapped.graph
+    share_of.append(lambda: graph.budget_bytes)
     return wrapped, wrapped.graph_plan_of, graph_name
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
-                   inductor_patches: dict, mode: str | None, graph_name: str | None = None):
+                   inductor_patches: dict, mode: str | None, graph_name: str | None = None,
+                   check_against: Callable[[], int | None] | None = None):
+    """``check_against``: where ``settings`` has no byte budget, what dynamic sizes are checked
+    against, read at each call (``dynamic_check.check_sizes``)."""
     if settings.inner_compiler == "eager" and inductor_patches:
         raise ValueError(
             f"compile_offload: Inductor options {sorted(inductor_patches)} (from torch.compile's mode or options) "
@@ -235,8 +242,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         covering = dynamic_check.sizes_covering_all(settings, programs, partitioner.graph_name)
         if covering is not None:  # over the budget at sizes another call had: plan at every dimension's largest
             return _compile_graph(gm, example_inputs, covering, inductor_patches, mode, partitioner.graph_name)
-        compiled = dynamic_check.check_sizes(compiled, example_inputs, programs, settings.budget_bytes,
-                                             partitioner.graph_name, gm)
+        compiled = dynamic_check.check_sizes(
+            compiled, example_inputs, programs,
+            settings.budget_bytes if settings.budget_bytes is not None else check_against,
+            partitioner.graph_name, gm if settings.budget_bytes is not None else None)
 
     def plan_of():  # the eager path partitions at the first call; Inductor's, or its records, now
         return results[-1].plan if results else (records[-1].plan if records else None)

@@ -170,13 +170,19 @@ def _symbol_locations(example_inputs: Sequence[Any]) -> dict[str, tuple[int, int
 
 
 def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], programs: list[SymbolicProgram],
-                budget_bytes: int | None, graph_name: str, gm: torch.fx.GraphModule | None = None) -> Callable[..., Any]:
+                budget_bytes: int | Callable[[], int | None] | None, graph_name: str,
+                gm: torch.fx.GraphModule | None = None) -> Callable[..., Any]:
     """``compiled``, checking the predicted peak of each new set of sizes against
     ``budget_bytes`` and warning once when a size exceeds it. Where ``gm`` is the graph
     Dynamo is compiling and the size is above the one planned for, the frame is compiled
     again at its next call, planned for that size (``replan_when_larger``), and the warning
     says so. ``compiled`` itself when there is nothing to check (no byte budget, no symbolic
-    size, or a symbol that cannot be read from the arguments)."""
+    size, or a symbol that cannot be read from the arguments).
+
+    ``budget_bytes`` may be a function giving the budget at the call (None: not known yet,
+    nothing checked): under ``budget_scope="step"`` a graph's minimum-memory plan, which runs
+    every size but the one its share's plan was compiled for, is checked against its share of
+    the step's budget once the split has made it."""
     if budget_bytes is None or not programs:
         return compiled
     where = _symbol_locations(example_inputs)
@@ -190,28 +196,41 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     warned = False
     boxed = getattr(compiled, "_boxed_call", False)
 
+    share = callable(budget_bytes)
+
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal warned
-        if not warned:
+        limit = budget_bytes() if share else budget_bytes
+        if not warned and limit is not None:
             # Read before the call: a boxed call (one list) may clear the list.
             inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
             sizes = tuple(_read(inputs, where[s]) for s in symbols)
-            if sizes not in seen and sizes != planned:  # the planned sizes: the plan's own warning, if any
-                seen.add(sizes)
+            if (sizes, limit) not in seen and sizes != planned:  # the planned sizes: the plan's own warning, if any
+                seen.add((sizes, limit))
                 at = dict(zip(symbols, sizes))
                 try:
                     peak = max(program.peak_bytes(at) for program in programs)
                 except (TypeError, ValueError, SyntaxError) as error:  # a size expression sympy cannot evaluate
                     log.debug("%s: no peak check at %s (%s)", graph_name, _sizes(at), error)
                     peak = 0
-                if peak > budget_bytes:
+                if peak > limit and share:
+                    warned = True
+                    warnings.warn(
+                        f"compile_offload: {graph_name}: budget_scope='step' with dynamic shapes: at {_sizes(at)} this "
+                        f"graph runs its minimum-memory plan (its share's plan serves only the sizes it was compiled "
+                        f"for), with a predicted peak of {format_bytes(peak)}, above its share "
+                        f"{format_bytes(limit)} of the step's memory budget (warned once per graph). Make the first "
+                        "calls at the largest size, or compile with dynamic=False so that each size gets its own "
+                        "share's plan (a compile per size, up to torch._dynamo.config.recompile_limit)",
+                        stacklevel=2)
+                elif peak > limit:
                     warned = True
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}
                     again = replan(larger, hints) if replan is not None and larger else None
                     head = (f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
                             f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
-                            f"{format_bytes(budget_bytes)}")
+                            f"{format_bytes(limit)}")
                     avoid = ("name the largest with torch._dynamo.mark_dynamic(x, dim, hint_override=largest) "
                              "before the first call, or make the first call with the largest size")
                     if isinstance(again, int):

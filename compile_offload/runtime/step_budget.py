@@ -24,7 +24,10 @@ backward of every call made since the last time none was pending has run; the fi
 that began after a graph was added is counted, and at its end the budget is split, and each
 graph whose share changed is compiled again under it at its next call. A graph added later
 (a recompile for new sizes), or first called after the split, runs its minimum-memory plan,
-and the next full step splits again. Calls whose backward never runs keep a step from ending: no split is made until one
+and the next full step splits again. A graph with dynamic sizes runs its share's plan at the
+sizes of the call it was compiled again at, its minimum-memory plan at others, whose predicted
+peak at each new size is checked against the graph's share (``dynamic_check.check_sizes``,
+one warning). Calls whose backward never runs keep a step from ending: no split is made until one
 ends. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
 with a warning: their memory is not bounded.
 
