@@ -156,6 +156,10 @@ class Plan:
         """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
         it is known), step time, decision counts."""
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        # memory_budget=0.0 (or 0 bytes) asks for the minimum-memory plan: no plan is over it.
+        asked_minimum = self.budget_bytes == 0
+        if asked_minimum:
+            budget = "0 (the minimum-memory plan)"
         if self.planned_budget_bytes not in (None, self.budget_bytes):
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
@@ -168,7 +172,7 @@ class Plan:
             f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
-            + ("" if self.meets_budget() else " -- over budget")
+            + ("" if self.meets_budget() or asked_minimum else " -- over budget")
             + self._measured_text()
         )
 

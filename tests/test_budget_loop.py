@@ -710,6 +710,8 @@ def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits
     over.scheduled_peak_bytes = 1100
     with pytest.raises(BudgetError):
         report_budget(over, resolve({"memory_budget": 1000, "strict_budget": True}))
+    over.budget_bytes = 0  # memory_budget=0.0: the minimum-memory plan asked for, not a plan over its budget
+    assert "budget 0 (the minimum-memory plan)" in over.summary() and "over budget" not in over.summary()
     # Over in code too: the warning leads with the figure the step will come near, then the plan's.
     with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(1\.07 KiB in the code Inductor "
                                          r"generated for its minimum-memory plan; predicted"):
