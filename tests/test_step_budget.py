@@ -495,6 +495,33 @@ def test_a_larger_size_on_the_minimum_plan_over_the_share_warns_once(inner_compi
     assert peak > 4.0, message
 
 
+def test_a_graph_its_dynamic_recompile_replaces_is_left_out_of_the_split(caplog):
+    """Batch 512, then a smaller batch: Dynamo compiles the frame again with a dynamic batch,
+    and that code serves every batch after it. The static graph never runs again, so the
+    split after the recompile is over the dynamic graph alone, which gets the whole budget
+    (it used to be split over both, each getting less)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+    eager = copy.deepcopy(model)
+    backend = compile_offload.offload_remat(memory_budget="6MiB", budget_scope="step", inner_compiler="eager",
+                                            device_profile="cpu")
+    compiled = torch.compile(model, backend=backend)
+    caplog.set_level(logging.INFO, logger="compile_offload")
+    for batch in (512, 512, 256, 512, 512):
+        x = torch.randn(batch, 64)
+        compiled(x).sum().backward()
+        eager(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
+        model.zero_grad(), eager.zero_grad()
+    splits = [r.getMessage() for r in caplog.records if "split over" in r.getMessage()]
+    assert len(splits) == 2, splits
+    assert "split over 1 graph(s)" in splits[0] and "graph_0_0:" in splits[0], splits
+    assert "split over 1 graph(s)" in splits[1] and "graph_0_1:" in splits[1] and "graph_0_0:" not in splits[1], splits
+    assert splits[0].rsplit("-> ", 1)[1] == splits[1].rsplit("-> ", 1)[1] == "6.00 MiB", splits
+    assert any("graph_0_0: budget_scope='step': left out of the split" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
 def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compiled(inner_compiler, monkeypatch):
     """mark_dynamic(x, 0, hint_override=2048) with calls at 512: the share's compile

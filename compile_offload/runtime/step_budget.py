@@ -24,7 +24,9 @@ backward of every call made since the last time none was pending has run; the fi
 that began after a graph was added is counted, and at its end the budget is split, and each
 graph whose share changed is compiled again under it at its next call. A graph added later
 (a recompile for new sizes), or first called after the split, runs its minimum-memory plan,
-and the next full step splits again. A graph with dynamic sizes runs its share's plan at the
+and the next full step splits again; a graph not called in that step whose frame's later
+compile was (a recompile that made a size dynamic: Dynamo tries a frame's latest code first)
+is left out of the split until it is called again. A graph with dynamic sizes runs its share's plan at the
 sizes of the call it was compiled again at, its minimum-memory plan at others, whose predicted
 peak at each new size is checked against the graph's share (``dynamic_check.check_sizes``,
 one warning). Calls whose backward never runs keep a step from ending: no split is made until one
@@ -120,6 +122,17 @@ class _Graph:
     pending: bool = False  # compile again under ``budget_bytes`` at the next call
     need: GraphNeed | None = None  # its range, read off its minimum-memory plan at the first split
     wrapper: Any = field(default=None, repr=False)
+    # Dynamo's (frame, compile of that frame) it was compiled at; None outside Dynamo
+    compile_id: tuple[int, int] | None = None
+
+    def superseded_by(self, other: "_Graph") -> bool:
+        """Whether ``other``, called in the step counted where this graph was not, is a later
+        compile of the same frame: Dynamo tries a frame's latest code first, so a recompile
+        that made a size dynamic serves every call the earlier code did, which then never
+        runs again (a frame recompiled for another reason runs its earlier code again: that
+        call brings it back into the split)."""
+        return (self.compile_id is not None and other.compile_id is not None and not self.calls and other.calls > 0
+                and other.compile_id[0] == self.compile_id[0] and other.compile_id[1] > self.compile_id[1])
 
 
 # After a split, the second step run wholly under the shares is measured (where the device has a
@@ -189,11 +202,13 @@ class StepBudget:
         return [wrapper.graph for wrapper in (ref() for ref in self._graphs) if wrapper is not None]
 
     def add(self, name: str, compiled: Callable[..., Any], plan_of: Callable[[], Plan | None],
-            recompile: Callable[[int, tuple], tuple[Callable[..., Any], Callable[[], Plan | None]]]) -> Callable[..., Any]:
+            recompile: Callable[[int, tuple], tuple[Callable[..., Any], Callable[[], Plan | None]]],
+            compile_id: tuple[int, int] | None = None) -> Callable[..., Any]:
         """``compiled`` (the graph at its minimum-memory plan) wrapped: its calls are counted,
         and it is compiled again with ``recompile(budget_bytes, args)`` at its first call once
-        its share is known (``args``: that call's arguments)."""
-        graph = _Graph(name, compiled, plan_of, recompile)
+        its share is known (``args``: that call's arguments). ``compile_id``: Dynamo's
+        (frame, compile of that frame) of the graph."""
+        graph = _Graph(name, compiled, plan_of, recompile, compile_id=compile_id)
         budget = self
 
         def run(*args):
@@ -319,6 +334,11 @@ class StepBudget:
         graphs = self.graphs()
         needs, left_out = [], []
         for graph in graphs:
+            if any(graph.superseded_by(other) for other in graphs):
+                log.info("%s: budget_scope='step': left out of the split: a later compile of its frame runs in its "
+                         "place", graph.name)
+                graph.most_calls = 0  # called again, it is counted again
+                continue
             graph.most_calls = max(graph.most_calls, graph.calls)
             if not graph.most_calls:  # never called in a step counted
                 continue
