@@ -435,28 +435,34 @@ def test_on_cuda_a_measured_step_over_the_budget_corrects_the_split(caplog):
 
 
 
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+
+
+def _step_as_eager(compiled, model: nn.Module, eager: nn.Module, x: torch.Tensor) -> None:
+    """One training step of ``compiled`` (of ``model``) and of ``eager`` on ``x``: the same gradients."""
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{tuple(x.shape)} {name}: {m}")
+    model.zero_grad(), eager.zero_grad()
+
+
 @pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
 def test_a_dynamic_graph_compiled_again_under_its_share_still_serves_every_size(inner_compiler, caplog):
     """The share's compile runs outside Dynamo and so is specialized to the first call's
     sizes: it runs for those, and the graph as Dynamo compiled it (its minimum-memory plan,
     for every size) for the others. It used to be called with any size, and the backward
     failed at the first other batch."""
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
-
     caplog.set_level(logging.INFO, logger="compile_offload")
-    model, eager = make(), make()
+    model, eager = _mlp(), _mlp()
     backend = compile_offload.offload_remat(memory_budget="40MiB", budget_scope="step", inner_compiler=inner_compiler,
                                             device_profile="cpu")
     compiled = torch.compile(model, backend=backend, dynamic=True)
     for batch in (512, 512, 512, 1024, 256, 512):
         x = torch.randn(batch, 64)
-        compiled(x).sum().backward()
-        eager(x).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
-        model.zero_grad(), eager.zero_grad()
+        _step_as_eager(compiled, model, eager, x)
     assert any("compiling this graph again under its share" in r.getMessage() for r in caplog.records)
 
 
@@ -468,11 +474,7 @@ def test_a_larger_size_on_the_minimum_plan_over_the_share_warns_once(inner_compi
     warns once, naming the size, the predicted peak and the share; a smaller batch does not
     warn. It used to run unchecked. (Inductor's C++ kernels guard batches up to 4096: a
     larger one would compile a new graph, which the split handles.)"""
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
-
-    model, eager = make(), make()
+    model, eager = _mlp(), _mlp()
     backend = compile_offload.offload_remat(memory_budget="4MiB", budget_scope="step", inner_compiler=inner_compiler,
                                             device_profile="cpu")
     compiled = torch.compile(model, backend=backend, dynamic=True)
@@ -481,11 +483,7 @@ def test_a_larger_size_on_the_minimum_plan_over_the_share_warns_once(inner_compi
         x = torch.randn(batch, 64)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            compiled(x).sum().backward()
-        eager(x).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
-        model.zero_grad(), eager.zero_grad()
+            _step_as_eager(compiled, model, eager, x)
         caught_per_batch.append([str(w.message) for w in caught if "compile_offload" in str(w.message)])
     assert caught_per_batch[:3] == [[], [], []] and caught_per_batch[4:] == [[], []], caught_per_batch
     (message,) = caught_per_batch[3]
@@ -500,20 +498,14 @@ def test_a_graph_its_dynamic_recompile_replaces_is_left_out_of_the_split(caplog)
     and that code serves every batch after it. The static graph never runs again, so the
     split after the recompile is over the dynamic graph alone, which gets the whole budget
     (it used to be split over both, each getting less)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
-    eager = copy.deepcopy(model)
+    model, eager = _mlp(), _mlp()
     backend = compile_offload.offload_remat(memory_budget="6MiB", budget_scope="step", inner_compiler="eager",
                                             device_profile="cpu")
     compiled = torch.compile(model, backend=backend)
     caplog.set_level(logging.INFO, logger="compile_offload")
     for batch in (512, 512, 256, 512, 512):
         x = torch.randn(batch, 64)
-        compiled(x).sum().backward()
-        eager(x).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
-        model.zero_grad(), eager.zero_grad()
+        _step_as_eager(compiled, model, eager, x)
     splits = [r.getMessage() for r in caplog.records if "split over" in r.getMessage()]
     assert len(splits) == 2, splits
     assert "split over 1 graph(s)" in splits[0] and "graph_0_0:" in splits[0], splits
@@ -530,10 +522,6 @@ def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compil
     its hint, 2048, where the tensors were 512, so no call ever ran the share's plan."""
     from compile_offload.pipeline import dynamic_check
 
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
-
     ran: list[str] = []
     dispatch = dynamic_check.for_the_sizes_of
 
@@ -548,7 +536,7 @@ def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compil
         return dispatch(gm, example_inputs, run_share, otherwise=run_minimum)
 
     monkeypatch.setattr(dynamic_check, "for_the_sizes_of", counted)
-    model, eager = make(), make()
+    model, eager = _mlp(), _mlp()
     backend = compile_offload.offload_remat(memory_budget="40MiB", budget_scope="step", inner_compiler=inner_compiler,
                                             device_profile="cpu")
     compiled = torch.compile(model, backend=backend)
@@ -557,11 +545,7 @@ def test_a_size_named_with_hint_override_still_runs_its_share_at_the_size_compil
         if step == 0:
             torch._dynamo.mark_dynamic(x, 0, hint_override=2048)
         before = len(ran)
-        compiled(x).sum().backward()
-        eager(x).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"batch {batch} {name}: {m}")
-        model.zero_grad(), eager.zero_grad()
+        _step_as_eager(compiled, model, eager, x)
         if step >= 2:  # the first step is counted, the second compiles the share
             assert ran[before:] == ["share" if batch == 512 else "minimum"], (step, batch, ran)
 

@@ -240,7 +240,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         # With dynamic sizes the plan is made for one set of sizes: check the others' peaks.
         programs = [r.program for r in records if r.program is not None]
         covering = dynamic_check.sizes_covering_all(settings, programs, partitioner.graph_name)
-        if covering is not None:  # over the budget at sizes another call had: plan at every dimension's largest
+        if covering is not None:  # over the budget at sizes another call had: plan for the next, or the largest
             return _compile_graph(gm, example_inputs, covering, inductor_patches, mode, partitioner.graph_name)
         compiled = dynamic_check.check_sizes(
             compiled, example_inputs, programs,
