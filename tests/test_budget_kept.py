@@ -373,6 +373,39 @@ def test_a_size_named_with_hint_override_is_the_size_planned_for(eager_inner, ca
         assert "dynamic shapes" in message and "=2048" in message and "hint_override" in message
 
 
+@pytest.mark.inductor
+def test_code_planned_at_a_named_size_is_stored_apart_from_code_planned_at_the_call(tmp_path, monkeypatch):
+    """mark_dynamic(x, 0, hint_override=2048) on a batch of 512 is planned at 2048; a plain
+    dynamic compile of the same batch is planned at 512. Dynamo's graph and the call's tensors
+    are the same, so both stored their record under one key, and Inductor's code under one
+    partitioner uuid: a warm cache served the second compile the plan made at 2048 (a 6.07 MiB
+    minimum where 512's is 1.52 MiB), and budget_scope='step' split the step's budget by it."""
+    from compile_offload.pipeline import graph_reports
+    from compile_offload.pipeline.partitioner import OffloadRematPartitioner
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    stored: list[tuple[str, int]] = []
+    store, uuid = graph_reports.store, OffloadRematPartitioner.uuid
+    uuids: list[str] = []
+    monkeypatch.setattr(graph_reports, "store", lambda key, records: (
+        stored.append((key, records[-1].plan.min_peak_bytes)), store(key, records))[1])
+    monkeypatch.setattr(OffloadRematPartitioner, "uuid", lambda self: uuids.append(uuid(self)) or uuids[-1])
+    seen = []
+    for hint in (2048, None):
+        torch._dynamo.reset()
+        stored.clear(), uuids.clear()
+        x = torch.randn(512, 64)
+        if hint is not None:
+            torch._dynamo.mark_dynamic(x, 0, hint_override=hint)
+        backend = compile_offload.offload_remat(memory_budget=0.0, device_profile="cpu", inner_compiler="inductor")
+        _train_step(torch.compile(_deep_mlp(), backend=backend, dynamic=None if hint else True), x)
+        assert stored and uuids
+        seen.append(({key for key, _ in stored}, {minimum for _, minimum in stored}, set(uuids)))
+    (keys_2048, minimum_2048, uuids_2048), (keys_512, minimum_512, uuids_512) = seen
+    assert not keys_2048 & keys_512 and not uuids_2048 & uuids_512
+    assert min(minimum_2048) > 2 * max(minimum_512), (minimum_2048, minimum_512)
+
+
 def _half_way_budget(batch: int) -> int:
     """A byte budget between the deep MLP's minimum and unconstrained peaks at ``batch``."""
     x = torch.randn(batch, 64)

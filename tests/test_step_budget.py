@@ -186,7 +186,7 @@ def _two_graphs(budget: StepBudget):
     """A block graph called twice and a head graph, both with room above their minimum."""
     def add(name: str, low: int, high: int):
         plan = lambda: _plan(low, high, scheduled=low)  # noqa: E731
-        return budget.add(name, _stand_in([], name), plan, lambda share: (_stand_in([], name), plan))
+        return budget.add(name, _stand_in([], name), plan, lambda share, args: (_stand_in([], name), plan))
 
     block, head = add("block", 5 * MIB, 10 * MIB), add("head", 10 * MIB, 20 * MIB)
     x = torch.ones(4, requires_grad=True)
@@ -232,7 +232,7 @@ def test_a_step_still_over_after_the_corrections_warns_with_its_measured_peak():
     meter = _Meter([40 * MIB, 40 * MIB, 40 * MIB])
     budget = StepBudget(30 * MIB, meter)
     graph = budget.add("g", _stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB),
-                       lambda share: (_stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB)))
+                       lambda share, args: (_stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB)))
     x = torch.ones(4, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -262,7 +262,7 @@ def test_parameters_gathered_for_the_step_and_freed_in_it_are_held_back_from_the
 
     for name in ("first", "second"):
         graphs[name] = budget.add(name, gathered, lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB),
-                                  lambda share: (gathered, lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)))
+                                  lambda share, args: (gathered, lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)))
 
     def free(parameter):
         def hook(*_):
@@ -289,7 +289,7 @@ def test_parameters_gathered_for_the_step_and_freed_in_it_are_held_back_from_the
 def test_without_a_meter_nothing_is_measured():
     budget = StepBudget(30 * MIB)
     graph = budget.add("g", _stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB),
-                       lambda share: (_stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB)))
+                       lambda share, args: (_stand_in([], "g"), lambda: _plan(5 * MIB, 20 * MIB, scheduled=5 * MIB)))
     x = torch.ones(4, requires_grad=True)
     for _ in range(4):
         graph(x).sum().backward()
@@ -303,7 +303,7 @@ def test_a_call_on_fake_tensors_is_not_part_of_a_step():
 
     budget = StepBudget(30 * MIB)
     calls: list[str] = []
-    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB), lambda share: None)
+    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB), lambda share, args: None)
     with FakeTensorMode() as mode:
         graph(mode.from_tensor(torch.ones(4, requires_grad=True)))
     assert budget.outstanding == 0 and budget.state == "wait"

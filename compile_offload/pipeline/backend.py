@@ -222,7 +222,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     # With Inductor and a budget the budget loop reports each plan once its code is known.
     recorder = scheduled_peak.recorder_for(settings) if settings.inner_compiler == "inductor" else None
     partitioner = OffloadRematPartitioner(settings, graph_name=graph_name or _graph_name(bucket_graphs),
-                                          on_result=results.append, report=recorder is None)
+                                          on_result=results.append, report=recorder is None,
+                                          sizes=dynamic_check.sizes_planned_at(gm, settings))
     device = device_of(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)

@@ -468,7 +468,7 @@ class BudgetLoop:
                                       strict_budget=False, **changes)
         found: list = []
         partitioner = OffloadRematPartitioner(lowered, graph_name=self.partitioner.graph_name, on_result=found.append,
-                                              report=False, measured=measured)
+                                              report=False, measured=measured, sizes=self.partitioner.sizes)
         recorder = scheduled_peak.KernelRecorder()
         with inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")

@@ -399,6 +399,28 @@ def plan_at_largest_sizes(gm: torch.fx.GraphModule, settings: Settings, graph_na
     return dataclasses.replace(settings, planning_sizes=planning, sizes_to_cover=cover)
 
 
+def sizes_planned_at(gm: fx.GraphModule, settings: Settings) -> tuple[tuple[str, int], ...]:
+    """Each size symbol of ``gm``'s inputs with the size its plan is made at: the one
+    ``settings.planning_sizes`` names, else its hint (a ``hint_override``'s, where one names it).
+    A dynamic graph's plan depends on them, yet neither Dynamo's graph nor the call's tensors
+    tell them apart (``mark_dynamic(x, 0, hint_override=2048)`` on a batch of 512 is planned at
+    2048, a plain dynamic compile of the same batch at 512): the keys compiled code and its
+    records are stored under carry them (the partitioner's ``uuid``, ``graph_reports.record_key``),
+    so code planned at one size is never served to a compile that plans at another."""
+    named = dict(settings.planning_sizes)
+    sizes: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        dims = value.shape if isinstance(value, torch.Tensor) else (value,) if isinstance(value, torch.SymInt) else ()
+        for size in dims:
+            symbol = _plain_symbol(size)
+            if symbol is not None:
+                sizes[symbol.name] = named.get(symbol.name, size_hint(size))
+    return tuple(sorted(sizes.items()))
+
+
 # Of several recorded sizes none of which covers the others, at most this many are planned
 # for in turn before the graph is planned at each dimension's largest.
 MAX_SIZES_TRIED = 3

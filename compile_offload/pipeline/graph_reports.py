@@ -9,8 +9,9 @@ and its symbolic memory program. A compile served from the cache reads it back a
 ``replay`` reports it exactly as a planned one is reported (the INFO line and decision
 table, the ``TORCH_TRACE`` artifact, ``latest_plans``, the budget-below-minimum and
 fallback warnings, or ``BudgetError`` under ``strict_budget``). The key covers what the
-cache keys on that the plan depends on (the Dynamo graph's code and input metadata, every
-setting, torch's and our own source), so a record never describes other code.
+cache keys on that the plan depends on (the Dynamo graph's code and input metadata, the
+sizes a dynamic graph is planned at, every setting, torch's and our own source), so a record
+never describes other code.
 Where no record exists (a cache filled by another version, records deleted), the graph is
 compiled again past the caches, so that it is planned and reported. The pinned pool's
 limit is set by the backend on every compile, cached or not. A dump (``dump_dir``) always
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from . import budget_report
-from .dynamic_check import SymbolicProgram, program_of
+from .dynamic_check import SymbolicProgram, program_of, sizes_planned_at
 from .fingerprint import source_hash
 from ..reporting.logs import emit_cached
 from ..passes.plan import Plan
@@ -71,7 +72,9 @@ def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings
                           f"{value.device.type}:{value.requires_grad}".encode())
         else:
             digest.update(f"{type(value).__name__}:{value}".encode())
-    digest.update(json.dumps([repr(settings), torch.__version__, source_hash()]).encode())
+    # The sizes planned at: a dynamic graph's tensors are the call's, not the sizes it is planned for.
+    digest.update(json.dumps([repr(settings), repr(sizes_planned_at(gm, settings)), torch.__version__,
+                              source_hash()]).encode())
     return digest.hexdigest()[:32]
 
 

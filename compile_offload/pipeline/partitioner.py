@@ -27,8 +27,12 @@ from ..settings import Settings
 class OffloadRematPartitioner(CustomPartitionerFn):
     def __init__(self, settings: Settings, graph_name: str = "graph",
                  on_result: Callable[[PartitionResult], None] | None = None, accelerator: bool | None = None,
-                 report: bool = True, measured: MeasuredCosts | None = None) -> None:
+                 report: bool = True, measured: MeasuredCosts | None = None,
+                 sizes: tuple[tuple[str, int], ...] = ()) -> None:
         self.settings = settings
+        # The size each size symbol is planned at (``dynamic_check.sizes_planned_at``): the plan
+        # depends on them, and Inductor's caches do not key on them.
+        self.sizes = sizes
         self.measured = measured  # plan_partition's: costs measured on the device, in place of the model
         self.graph_name = graph_name
         self.on_result = on_result
@@ -61,10 +65,11 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         # Inductor's cache key pickles its config, this object included: only what decides
         # the partition (not ``on_result``'s target, which holds graphs).
         return {"settings": self.settings, "graph_name": self.graph_name, "on_result": None,
-                "accelerator": self.accelerator, "report": self.report, "measured": self.measured}
+                "accelerator": self.accelerator, "report": self.report, "measured": self.measured,
+                "sizes": self.sizes}
 
     def uuid(self) -> str:
         # Inductor's FX graph cache and AOTAutograd's cache key on this: a cache hit must
         # never skip a different plan.
         measured = None if self.measured is None else self.measured.digest()
-        return f"{source_hash()}:{self.settings!r}:{self.accelerator!r}:{measured}"
+        return f"{source_hash()}:{self.settings!r}:{self.accelerator!r}:{measured}:{self.sizes!r}"
