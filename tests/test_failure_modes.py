@@ -900,6 +900,42 @@ def test_a_higher_order_op_falls_back_with_one_warning_naming_it():
     torch.testing.assert_close(got, w.grad)
 
 
+@torch.compiler.nested_compile_region
+def _region(x, w):
+    return torch.tanh(x @ w) * x
+
+
+def _with_regions(x, w1, w2):
+    return _region(_region(x, w1), w2).pow(2).mean()
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_nested_compile_region_falls_back_with_one_warning_and_its_body_is_not_planned(inner_compiler,
+                                                                                         captured_plans):
+    """AOTAutograd partitions each ``nested_compile_region`` body with the graph's partitioner
+    (no joint inputs). Planned under the budget, the body was reported as a second graph under
+    the graph's name ("below the minimum ... using the minimum-memory plan") beside the graph's
+    own fallback warning. Now torch partitions the body: one warning, one plan, gradients as
+    eager's. (The input requires grad: without that, Dynamo inlines the regions.)"""
+    torch.manual_seed(0)
+    leaves = [torch.randn(64, 32, dtype=torch.float64, requires_grad=True)]
+    leaves += [torch.randn(32, 32, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    backend = compile_offload.offload_remat(memory_budget=0.5, inner_compiler=inner_compiler)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(_with_regions, backend=backend)(*leaves).backward()
+    ours = [str(m.message) for m in caught if str(m.message).startswith("compile_offload")]
+    assert len(ours) == 1 and FALLBACK in ours[0] and "invoke_subgraph" in ours[0], ours
+    assert len(captured_plans) == 1 and captured_plans[0].fallback is not None, captured_plans
+    got = [leaf.grad.clone() for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    _with_regions(*leaves).backward()
+    for compiled, leaf in zip(got, leaves):
+        torch.testing.assert_close(compiled, leaf.grad)
+
+
 def test_a_budget_above_the_profiles_gpu_memory_is_an_error():
     """A byte budget larger than the memory of the GPU the profile describes could never
     bind: an error naming both numbers, for explain() and for a compile."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..passes import compat
 from ..torch_api.inductor import CustomPartitionerFn
 from .fingerprint import source_hash
 from ..reporting.logs import emit
@@ -44,6 +45,8 @@ class OffloadRematPartitioner(CustomPartitionerFn):
     def __call__(
         self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        if not joint_inputs:
+            return nested_region_partition(gm, **kwargs)
         result = plan_partition(
             gm,
             joint_inputs,
@@ -73,3 +76,15 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         # never skip a different plan.
         measured = None if self.measured is None else self.measured.digest()
         return f"{source_hash()}:{self.settings!r}:{self.accelerator!r}:{measured}:{self.sizes!r}"
+
+
+def nested_region_partition(gm: torch.fx.GraphModule, **kwargs: Any) -> tuple[torch.fx.GraphModule,
+                                                                                torch.fx.GraphModule]:
+    """torch's min-cut partition of the body of a ``torch.compiler.nested_compile_region``
+    (an ``invoke_subgraph``), which AOTAutograd partitions with the graph's partitioner,
+    passing no joint inputs. Planned on its own under the budget, it would be reported as a
+    graph of its own under the graph's name, though its peak is not the step's; and the graph
+    that calls it falls back to torch's partition anyway (``UnsupportedGraph``), with the one
+    warning that says the budget is not applied."""
+    joint = compat.prepare_joint(gm, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
+    return compat.default_partition(joint, [])
