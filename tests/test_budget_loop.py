@@ -761,6 +761,7 @@ def test_the_unconstrained_plan_kept_below_the_minimum_is_reported_at_its_schedu
         kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(1200, 1500)),
                                               _replans(asked, plan)([(2000, 1300)]))
     assert asked == [None] and kept.compiled == "compiled 1"
+    assert (kept.plan.budget_outcome, kept.plan.replans) == ("unconstrained", 1)
     note = next(n for n in kept.plan.notes if n.startswith(budget_loop.UNCONSTRAINED_NOTE))
     assert f"the lowest scheduled at {format_bytes(1500)}, predicted {format_bytes(1200)}" in note
     settings = resolve({"memory_budget": 1000})
@@ -1065,6 +1066,34 @@ def test_a_warm_cache_runs_the_unconstrained_plan_the_loop_kept_as_compiled_with
     assert warm["asked"] == [None]  # the kept plan compiled as without a budget, not the cached first plan
     assert warm["unconstrained"] and warm["kept"] == cold["kept"]
     assert warm["peak"] == cold["peak"]
+
+
+WARM_OUTCOME_SCRIPT = """
+import json, warnings
+import torch
+import compile_offload
+from compile_offload.reporting.logs import latest_plans
+from tests.models import MLP
+
+torch.manual_seed(0)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    compiled = torch.compile(MLP(d_in=64, d_hidden=128, d_out=8),
+                             backend=compile_offload.offload_remat(memory_budget="1GiB", device_profile="cpu"))
+    compiled(torch.randn(32, 64)).sum().backward()
+print(json.dumps([[plan.budget_outcome, plan.replans, plan.summary()] for plan in latest_plans()]))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_a_warm_cache_reports_the_outcome_of_a_plan_kept_as_first_made(tmp_path):
+    """A plan whose code met its budget at once (``budget_outcome="kept"``) reports the same
+    outcome when a second process is served from the cache: the record is written once the
+    loop has marked the plan (it was written before, and read back with no outcome)."""
+    cold, warm = _two_processes(tmp_path, WARM_OUTCOME_SCRIPT)
+    assert [outcome for outcome, _, _ in cold] == ["kept"], cold
+    assert warm == cold
 
 
 def _two_processes(tmp_path, script):

@@ -102,8 +102,8 @@ def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None
             attempts.append(_unconstrained(first, replan))
         tried = sum(attempt is not None for attempt in attempts) - 1
         lowest = _lower_of(*attempts)
-        other_start = lowest is not first and not lowest.plan.unconstrained
-        return _outcome(lowest, "replanned" if other_start else "kept", tried)
+        outcome = "kept" if lowest is first else "unconstrained" if lowest.plan.unconstrained else "replanned"
+        return _outcome(lowest, outcome, tried)
     if not over_budget(plan):
         return _outcome(first, "kept")
     budget = plan.budget_bytes
@@ -440,8 +440,8 @@ class BudgetLoop:
             logs.dump(kept.result, gm, settings)
         key = graph_reports.record_key(gm, self.example_inputs, settings)
         if kept.compiled is compiled:
-            if looped:  # kept over its budget, or under it though predicted over: the record keeps the outcome
-                graph_reports.store(key, records)
+            graph_reports.store(key, records)  # written before the loop marked the plan: again, with its outcome
+            if looped:
                 logs.remember(kept.plan)  # the first plan, not the last re-plan made
             return compiled, records
         kept_records = graph_reports.records_of([kept.result])
