@@ -234,3 +234,26 @@ def test_an_entry_made_for_another_budget_is_ignored_with_a_warning(tmp_path, pl
         _train_once_at("8KiB", tmp_path)
     assert "reused from the plan cache" not in plans[-1].notes
     assert Plan.load(entry).budget_bytes == 8 * 1024  # rewritten
+
+
+def test_every_setting_keys_the_cache_or_is_named_as_deciding_no_plan():
+    """A setting that changes the plan but not the key serves one compile's plan to another:
+    the budget loop's other-start re-plan (``lowest_start``) was stored under the key of the
+    plain budget, so a later compile at that budget got the other start's plan from the cache
+    (a 4-block MLP: keep 4 / recompute 12 at 1.294x, where a cold compile makes keep 8 /
+    recompute 7 at 1.170x). Each field of ``Settings`` is one or the other, and the decision
+    knobs change the key."""
+    import dataclasses
+
+    from compile_offload.pipeline import plan_cache
+    from compile_offload.settings import Settings, resolve
+
+    fields = {field.name for field in dataclasses.fields(Settings)}
+    assert fields == set(plan_cache._DECISION_KNOBS) | set(plan_cache.NOT_DECIDING)
+    assert not set(plan_cache._DECISION_KNOBS) & set(plan_cache.NOT_DECIDING)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    settings = resolve({"memory_budget": 0})
+    key = plan_cache.cache_key(gm, settings, {})
+    assert plan_cache.cache_key(gm, dataclasses.replace(settings, lowest_start="segments"), {}) != key
+    assert plan_cache.cache_key(gm, dataclasses.replace(settings, budget_bytes=1), {}) != key
+    assert plan_cache.cache_key(gm, dataclasses.replace(settings, verify_budget=True), {}) == key

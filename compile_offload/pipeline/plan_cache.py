@@ -36,8 +36,15 @@ from .place_offloads import force_offload, insert_planned_offloads, planned_plac
 from .result import PartitionResult
 from ..settings import Settings
 
+# The settings a plan depends on, besides the graph (planning sizes enter through its sizes) and
+# the device profile (``shared_h2d_bytes`` through it): they key the cache.
 _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "debug_force_offload", "solver",
-                   "exact_max_candidates", "inner_compiler", "measured_plan_choice")
+                   "exact_max_candidates", "inner_compiler", "measured_plan_choice", "lowest_start")
+# The settings that decide no plan (what is done with it, reported or measured), or reach the
+# key another way: ``tests/test_plan_cache.py`` holds every field of ``Settings`` to one of the two.
+NOT_DECIDING = ("strict_budget", "dump_dir", "plan_cache_dir", "device_profile", "pinned_pool_limit",
+                "suppress_errors", "plan_time_limit", "verify_budget", "measured_plan_steps", "budget_scope",
+                "shared_h2d_bytes", "planning_sizes", "sizes_to_cover")
 
 
 def cache_key(joint_gm: fx.GraphModule, settings: Settings, profile: dict) -> str:
