@@ -249,8 +249,8 @@ def test_every_setting_keys_the_cache_or_is_named_as_deciding_no_plan():
     from compile_offload.settings import Settings, resolve
 
     fields = {field.name for field in dataclasses.fields(Settings)}
-    assert fields == set(plan_cache._DECISION_KNOBS) | set(plan_cache.NOT_DECIDING)
-    assert not set(plan_cache._DECISION_KNOBS) & set(plan_cache.NOT_DECIDING)
+    assert fields == set(plan_cache._DECISION_KNOBS) | set(plan_cache._NOT_DECIDING)
+    assert not set(plan_cache._DECISION_KNOBS) & set(plan_cache._NOT_DECIDING)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
     settings = resolve({"memory_budget": 0})
     key = plan_cache.cache_key(gm, settings, {})

@@ -42,7 +42,7 @@ _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "de
                    "exact_max_candidates", "inner_compiler", "measured_plan_choice", "lowest_start")
 # The settings that decide no plan (what is done with it, reported or measured), or reach the
 # key another way: ``tests/test_plan_cache.py`` holds every field of ``Settings`` to one of the two.
-NOT_DECIDING = ("strict_budget", "dump_dir", "plan_cache_dir", "device_profile", "pinned_pool_limit",
+_NOT_DECIDING = ("strict_budget", "dump_dir", "plan_cache_dir", "device_profile", "pinned_pool_limit",
                 "suppress_errors", "plan_time_limit", "verify_budget", "measured_plan_steps", "budget_scope",
                 "shared_h2d_bytes", "planning_sizes", "sizes_to_cover")
 
