@@ -17,6 +17,7 @@ check the plan and the arithmetic of training, not a device peak.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -337,6 +338,125 @@ def test_a_fraction_is_not_a_budget_here():
     with pytest.raises(TypeError, match="memory_budget is bytes .*fit needs one") as raised:
         compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=None)
     assert "fraction in [0, 1]" not in str(raised.value)  # the backend's accepted values are not fit's
+
+
+def test_the_smallest_budget_the_error_names_trains_every_block_within_its_share():
+    """Blocks after the first receive hidden states that require grad: their graphs also
+    compute the input's gradient, whose minimum-memory plan holds more than the first
+    block's (fed the batch itself). The share each block gets must cover theirs: at the
+    smallest budget fit's own error names, no block's graph is below its minimum."""
+    with pytest.raises(ValueError, match="A budget of at least that fits") as raised:
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="1KiB", loss_fn=loss_fn,
+                            inner_compiler="eager")
+    smallest = int(re.search(r"\((\d+) bytes\)\. A budget of at least that fits", str(raised.value)).group(1))
+    result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=smallest, loss_fn=loss_fn,
+                                 inner_compiler="eager", strict_budget=True)
+    try:
+        for step in range(2):
+            result.step(batch(step))  # strict_budget: a block graph below its minimum raises BudgetError
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+class _Masked(nn.Module):
+    """Blocks that take a keyword mask, and a model whose forward requires it."""
+
+    def __init__(self, width: int = 64, blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> dict:
+        for block in self.blocks:
+            x = block(x) * mask
+        return {"loss": x.square().mean()}
+
+
+def test_a_dict_sample_is_the_models_keyword_inputs_and_a_dict_output_with_a_loss_is_the_loss():
+    torch.manual_seed(0)
+    model = _Masked()
+    reference = copy.deepcopy(model)
+    mask = (torch.arange(64) % 3 != 0).float()
+    result = compile_offload.fit(model, optimizer_fn, {"x": batch(0), "mask": mask}, memory_budget="1GiB",
+                                 inner_compiler="eager")
+    try:
+        with pytest.raises(TypeError, match=r"target=\.\.\.\) needs fit\(\.\.\., loss_fn=\.\.\.\)"):
+            result.step(x=batch(0), mask=mask, target=batch(1))
+        reference_optimizer = optimizer_fn(reference.parameters())
+        for step in range(2):
+            result.step(x=batch(step), mask=mask)
+            reference(batch(step), mask=mask)["loss"].backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("budget, error, message", [
+    ("-5", ValueError, "'-5' is negative"),
+    (1048576.0, TypeError, r"memory_budget is bytes .*, not a float \(1048576\.0\)"),
+    ("1.5", ValueError, "'1.5' is not a whole number of bytes"),
+])
+def test_a_budget_that_is_no_byte_count_is_named_for_what_it_is(budget, error, message):
+    with pytest.raises(error, match=message) as raised:
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=budget)
+    assert "None" not in str(raised.value)  # fit takes no None
+
+
+def test_an_optimizer_fn_that_returns_no_optimizer_is_named():
+    with pytest.raises(TypeError, match=r"optimizer_fn\(params\) must return a torch.optim.Optimizer .*NoneType"):
+        compile_offload.fit(Net(), lambda params: None, batch(0), memory_budget="1GiB", inner_compiler="eager")
+
+
+def test_fit_twice_on_one_model_says_it_is_already_prepared(fitted):
+    result, _ = fitted
+    with pytest.raises(ValueError, match="already sharded by FSDP2: fit prepares the model in place, once"):
+        compile_offload.fit(result.model, optimizer_fn, batch(0), memory_budget=BUDGET, inner_compiler="eager")
+
+
+@pytest.mark.parametrize("budget, optimizer_step", [(BUDGET, "device"), ("1200KiB", "host")],
+                         ids=["host state streamed", "split state on the host"])
+def test_max_grad_norm_clips_as_torch_does_before_the_optimizer_steps(budget, optimizer_step):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=budget, loss_fn=loss_fn,
+                                 inner_compiler="eager", optimizer_step=optimizer_step, max_grad_norm=0.01)
+    try:
+        assert result.plan.cpu_offload
+        reference_optimizer = optimizer_fn(reference.parameters())
+        for step in range(3):
+            result.step(batch(step))
+            loss_fn(reference(batch(step))).backward()
+            assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01) > 0.01  # it clips
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_a_step_pre_hook_is_warned_once_where_the_host_state_streams_before_it_runs():
+    result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager", optimizer_step="device")
+    try:
+        result.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                result.step(batch(step))
+        said = [str(w.message) for w in caught if "step pre-hooks" in str(w.message)]
+        assert len(said) == 1 and "fit(..., max_grad_norm=...)" in said[0]
+    finally:
+        result.close()
+        torch._dynamo.reset()
+    with pytest.raises(ValueError, match="max_grad_norm=0 must be a positive number"):
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, max_grad_norm=0)
 
 
 def test_no_blocks_is_an_error_that_says_so():

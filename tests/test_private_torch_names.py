@@ -113,6 +113,8 @@ INVENTORY = {
     # torch.autograd: the engine's final-callback queue (FSDP2 uses it too)
     "torch.autograd.Variable._execution_engine",
     "torch.autograd.Variable._execution_engine.queue_callback",
+    # torch.optim.optimizer: the step pre-hooks registered for every optimizer
+    "torch.optim.optimizer._global_optimizer_pre_hooks",
     # torch.utils._config_module
     "torch.utils._config_module.Config",
     "torch.utils._config_module.ContextDecorator",
@@ -150,6 +152,7 @@ AREA_MODULES = {
     "torch.fx": "utils",
     "torch._logging": "utils",
     "torch._ops": "utils",
+    "torch.optim": "optim",
     "torch.autograd": "utils",
     "torch._prims_common": "utils",
 }

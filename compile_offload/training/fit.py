@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,8 @@ class Fitted:
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[..., torch.Tensor] | None
     device: torch.device
+    # clips the gradients' total norm after the backward, before any optimizer step
+    max_grad_norm: float | None = None
     created_process_group: bool = False
     # steps the optimizer: the host state where the plan says (``optimizer_step.OptimizerStep``)
     optimizer_step: OptimizerStep | None = None
@@ -57,7 +59,11 @@ class Fitted:
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
         ``loss_fn(output, target)`` when a target is given; without ``loss_fn`` the model's
-        output is the loss (a scalar tensor, or an object with a ``.loss``)."""
+        output is the loss (a scalar tensor, an object with a ``.loss``, or a dict with a
+        ``"loss"``)."""
+        if target is not None and self.loss_fn is None:
+            raise TypeError("compile_offload.fit: step(..., target=...) needs fit(..., loss_fn=...): without a loss "
+                            "function the model's output is the loss, and the target would be ignored")
         self.steps += 1
         metered = self._measures_this_step()
         if metered:
@@ -66,11 +72,13 @@ class Fitted:
         if self.loss_fn is not None:
             loss = self.loss_fn(output) if target is None else self.loss_fn(output, _to(target, self.device))
         else:
-            loss = getattr(output, "loss", output)
+            loss = output["loss"] if isinstance(output, Mapping) and "loss" in output else getattr(output, "loss", output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("compile_offload.fit: the loss must be a one-element tensor; pass loss_fn= when the "
                             f"model's output is not its loss (got {type(loss).__name__})")
         loss.backward()
+        if self.max_grad_norm is not None:
+            clip_grad_norm(self.model.parameters(), self.max_grad_norm)
         if self.optimizer_step is None:
             self.optimizer.step()
         else:
@@ -144,6 +152,31 @@ class Fitted:
             self.created_process_group = False
 
 
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their total 2-norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_``), whether they are plain tensors or FSDP2's sharded
+    ones, and wherever they live: a split placement has gradients on the device and on the
+    host. Each device's norm is taken over all ranks' shards (``full_tensor``). Returns the
+    total norm before clipping."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_device.setdefault(param.grad.device, []).append(param.grad)
+    if not by_device:
+        return torch.zeros(())
+    norms = []
+    for grads in by_device.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().cpu())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for grads in by_device.values():
+            for grad in grads:
+                grad.mul_(scale)
+    return total
+
+
 def _to(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor in it (nested in lists, tuples, dicts) moved to ``device``."""
     return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, value)
@@ -166,10 +199,15 @@ class _Captured(Exception):
     pass
 
 
-def _block_input(model: nn.Module, block: nn.Module, inputs: tuple) -> tuple[tuple, dict]:
-    """The arguments ``block`` receives when the model runs on ``inputs``: the model runs up
-    to the block's call and stops there (nothing after it runs), its buffers (BatchNorm's
-    running statistics) and the random generators left as they were."""
+def _block_input(model: nn.Module, block: nn.Module, inputs: tuple, kwargs: dict | None = None,
+                 as_later_blocks: bool = False) -> tuple[tuple, dict]:
+    """The arguments ``block`` receives when the model runs on ``inputs`` (and keyword
+    ``kwargs``): the model runs up to the block's call and stops there (nothing after it
+    runs), its buffers (BatchNorm's running statistics) and the random generators left as
+    they were. ``as_later_blocks``: the floating-point positional arguments require grad, as
+    the hidden states do that later blocks receive from trained blocks before them (their
+    graphs also compute the input's gradient, which raises their minimum-memory peak above
+    that of a first block fed the batch itself)."""
     from ..tools.explain import state_kept
 
     seen: list = []
@@ -181,21 +219,22 @@ def _block_input(model: nn.Module, block: nn.Module, inputs: tuple) -> tuple[tup
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with state_kept(model):
-            model(*inputs)
+            model(*inputs, **(kwargs or {}))
     except _Captured:
         pass
     finally:
         handle.remove()
     if not seen:
         raise ValueError("compile_offload.fit: the sample never reached the first block; check blocks=")
-    args, kwargs = seen[0]
+    args, block_kwargs = seen[0]
 
-    def detached(value):
+    def detached(value, grad: bool = False):
         if isinstance(value, torch.Tensor):
-            return value.detach().clone().requires_grad_(value.requires_grad)
+            return value.detach().clone().requires_grad_(value.requires_grad or (grad and value.is_floating_point()))
         return value
 
-    return tuple(detached(a) for a in args), {k: detached(v) for k, v in kwargs.items()}
+    return (tuple(detached(a, as_later_blocks) for a in args),
+            {k: detached(v) for k, v in block_kwargs.items()})
 
 
 class _WithKwargs(nn.Module):
@@ -225,17 +264,22 @@ def _block_activations(block: nn.Module, args: tuple, kwargs: dict, device: torc
 
 
 def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, inputs: tuple,
-            device: torch.device, options: dict, world_size: int) -> StateSizes:
+            device: torch.device, options: dict, world_size: int, input_kwargs: dict | None = None) -> StateSizes:
     """The sizes ``plan_step`` decides from, measured on the model as it is (before any
     preparation): nothing is moved but one copy of the first block, to plan its activations."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     placeholders = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params]
     optimizer = optimizer_fn(placeholders)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("compile_offload.fit: optimizer_fn(params) must return a torch.optim.Optimizer built on "
+                        f"params (got {type(optimizer).__name__})")
     state_bytes, state_note = optimizer_state_bytes(optimizer, _nbytes)
     del optimizer
     model_device = params[0].device if params else torch.device("cpu")
-    args, kwargs = _block_input(model, blocks[0], _to(inputs, model_device))
+    later_blocks_train = len(blocks) > 1 and any(p.requires_grad for p in params)
+    args, kwargs = _block_input(model, blocks[0], _to(inputs, model_device), _to(input_kwargs or {}, model_device),
+                                as_later_blocks=later_blocks_train)
     minimum, saved, unconstrained, notes = _block_activations(blocks[0], args, kwargs, device, options)
     input_bytes = sum(_nbytes(t) for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
     return StateSizes(
@@ -258,7 +302,7 @@ def _a_fraction(text: str) -> bool:
     """Whether ``text`` is a number below 1 without a unit ("0.5"): a fraction, which fit's
     byte budget is not."""
     try:
-        return float(text) < 1
+        return 0 <= float(text) < 1
     except ValueError:
         return False
 
@@ -274,18 +318,21 @@ def _one_rank_group(device: torch.device) -> str:
 def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], sample: Any, *,
         memory_budget: int | str, loss_fn: Callable[..., torch.Tensor] | None = None,
         blocks: Iterable[nn.Module] | None = None, device: torch.device | str | None = None,
-        optimizer_step: str = "auto", **options: Any) -> Fitted:
+        optimizer_step: str = "auto", max_grad_norm: float | None = None, **options: Any) -> Fitted:
     """Prepare ``model`` to train under ``memory_budget`` bytes of device memory (per rank)
     for parameters, gradients, optimizer state and activations together.
 
     ``optimizer_fn(params)`` builds the optimizer (after FSDP2 wraps the parameters);
-    ``sample``: the model's inputs for one batch (a tensor or a tuple), used to plan the
-    activations; ``blocks``: the modules sharded and compiled one by one (default: the
+    ``sample``: the model's inputs for one batch (a tensor, a tuple of positional inputs,
+    or a dict of keyword inputs, as ``Fitted.step(**batch)`` then takes them), used to plan
+    the activations; ``blocks``: the modules sharded and compiled one by one (default: the
     children of the first ``nn.ModuleList``); ``device``: default the current CUDA device,
     else the CPU; ``optimizer_step``: where the state on the host steps, ``"auto"`` (measured
     over the first steps), ``"host"`` or ``"device"`` (streamed through it; see
-    ``training/optimizer_step.py``); other keyword ``options`` are the backend's knobs
-    (``inner_compiler=...``).
+    ``training/optimizer_step.py``); ``max_grad_norm``: clip the gradients' total norm to it
+    after each backward, before the optimizer steps (as ``torch.nn.utils.clip_grad_norm_``;
+    an optimizer step pre-hook runs too late for the state streamed through the device);
+    other keyword ``options`` are the backend's knobs (``inner_compiler=...``).
     The model is prepared in place (``Fitted.model is model``). Without a process group and
     where FSDP2 is needed, a one-rank group is created (``Fitted.close()`` destroys it).
     Raises ``ValueError`` when the budget cannot hold even the host placement.
@@ -300,21 +347,33 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     bytes_only = "memory_budget is bytes (an int or a size such as '20GiB')"
     if memory_budget is None:
         raise TypeError(f"compile_offload.fit: {bytes_only}: fit needs one for the device")
-    if isinstance(memory_budget, float) or (isinstance(memory_budget, str) and _a_fraction(memory_budget)):
+    if isinstance(memory_budget, float):
+        what = "a fraction" if 0 <= memory_budget <= 1 else "a float"
+        raise TypeError(f"compile_offload.fit: {bytes_only}, not {what} ({memory_budget!r})")
+    if isinstance(memory_budget, str) and _a_fraction(memory_budget):
         raise TypeError(f"compile_offload.fit: {bytes_only}, not a fraction ({memory_budget!r})")
-    budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)")
+    budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)",
+                         accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
+    _check_not_prepared(model)
     check_mode(optimizer_step)  # before anything is prepared
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not max_grad_norm > 0):
+        raise ValueError(f"compile_offload.fit: max_grad_norm={max_grad_norm!r} must be a positive number (or None "
+                         "for no clipping)")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    inputs = sample if isinstance(sample, tuple) else (sample,)
+    if isinstance(sample, Mapping):
+        inputs, input_kwargs = (), dict(sample)
+    else:
+        inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
     blocks = list(blocks) if blocks is not None else default_blocks(model)
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
                          "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList")
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size)
+    sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
     plan = plan_step(budget, sizes)
     if plan.fsdp2:
         _check_no_parameter_shared_across_blocks(model, blocks)
@@ -354,8 +413,23 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
 
         meter = CudaStepMeter(device)
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                   created_process_group=created, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
                   block_min_bytes=sizes.block_activation_min_bytes)
+
+
+def _check_not_prepared(model: nn.Module) -> None:
+    """``fit`` prepares the model in place (FSDP2's sharding, each block compiled): a model it
+    already prepared, or one a user sharded or compiled block by block, cannot be prepared
+    again. Refuse it before anything is measured."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) or getattr(module, "_compiled_call_impl", None) is not None:
+            what = "sharded by FSDP2" if isinstance(module, FSDPModule) else "compiled (Module.compile)"
+            raise ValueError(f"compile_offload.fit: the model's module {name or '(the root)'!r} is already {what}: "
+                             "fit prepares the model in place, once. Call fit on the model as you built it (a new "
+                             "instance, or one loaded from its state_dict), or keep using the Fitted it returned")
 
 
 def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:

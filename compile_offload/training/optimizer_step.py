@@ -47,6 +47,7 @@ import contextlib
 import copy
 import logging
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ import torch
 from torch import nn
 
 from ..passes.plan import format_bytes
+from ..torch_api import optim
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class OptimizerStep:
     too_large: str = ""  # which host parameters step on the host even when the rest streams
     checked: bool = False
     stepped: bool = False  # whether a step has run
+    warned_hooks: bool = False  # the step pre-hooks' warning was given
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -261,6 +264,13 @@ class OptimizerStep:
         a group: on the host this runs while the device works; the hooks and the schedulers'
         count), then the downloads waited for."""
         streamed = self._streamable(self._host_params())
+        if streamed and not self.warned_hooks and optim.step_pre_hook_count(self.optimizer):
+            self.warned_hooks = True
+            warnings.warn("compile_offload.fit: the optimizer has step pre-hooks; streamed through the device "
+                          f"({len(streamed)} host parameters), the host state is stepped before optimizer.step() "
+                          "runs them, so a pre-hook that changes gradients (clipping) does not reach those "
+                          "parameters. Clip with fit(..., max_grad_norm=...), or pass optimizer_step='host'",
+                          stacklevel=4)
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 chunks = self._chunks([p for p in group["params"] if id(p) in streamed])

@@ -1,0 +1,18 @@
+"""The optimizers' private corners: the step pre-hooks an optimizer holds
+(``Optimizer._optimizer_step_pre_hooks``) and those registered for every optimizer
+(``torch.optim.optimizer._global_optimizer_pre_hooks``).
+
+Checked on torch 2.11-2.14 (installed: 2.13).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def step_pre_hook_count(optimizer: torch.optim.Optimizer) -> int:
+    """How many step pre-hooks run when ``optimizer.step()`` is called: its own
+    (``register_step_pre_hook``) and the global ones (``register_optimizer_step_pre_hook``)."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return len(getattr(optimizer, "_optimizer_step_pre_hooks", {})) + len(_global_optimizer_pre_hooks)
