@@ -33,6 +33,11 @@ def _register() -> None:
 
 _register()
 
+
+from .settings import warn_unknown_environment  # noqa: E402
+
+warn_unknown_environment()
+
 from .reporting.logs import register_with_torch_logging  # noqa: E402
 
 register_with_torch_logging()

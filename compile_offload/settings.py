@@ -80,11 +80,11 @@ class Settings:
         return "none"
 
 
-def parse_bytes(value: object, knob: str, label: str | None = None) -> int:
+def parse_bytes(value: object, knob: str, label: str | None = None, accepted: str | None = None) -> int:
     """Parse a byte count: an int, or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``.
     Errors name ``label`` (default ``compile_offload.config.<knob>``) and list what ``knob``
-    accepts (a budget also takes a fraction; other sizes do not)."""
-    accepted = _ACCEPTED_BUDGET if knob == "memory_budget" else _ACCEPTED_SIZE
+    accepts (a budget also takes a fraction; other sizes do not), or ``accepted``."""
+    accepted = accepted or (_ACCEPTED_BUDGET if knob == "memory_budget" else _ACCEPTED_SIZE)
     name = label or f"compile_offload.config.{knob}"
     if isinstance(value, bool):
         raise TypeError(f"{name}={value!r}: a bool is not a size; accepted: {accepted}")
@@ -93,6 +93,8 @@ def parse_bytes(value: object, knob: str, label: str | None = None) -> int:
             raise ValueError(f"{name}={value!r} is negative; accepted: {accepted}")
         return value
     if isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ValueError(f"{name}={value!r} is negative; accepted: {accepted}")
         match = _SIZE.match(value)
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(
@@ -102,8 +104,27 @@ def parse_bytes(value: object, knob: str, label: str | None = None) -> int:
         number = float(match.group(1)) * _UNITS[match.group(2).lower()]
         if not math.isfinite(number):
             raise ValueError(f"{name}={value!r} is too large to be a number of bytes; accepted: {accepted}")
+        if _UNITS[match.group(2).lower()] == 1 and not number.is_integer():
+            raise ValueError(f"{name}={value!r} is not a whole number of bytes; accepted: {accepted}")
         return int(number)
     raise TypeError(f"{name}={value!r} has type {type(value).__name__}; accepted: {accepted}")
+
+
+# COMPILE_OFFLOAD_ variables that are no knob: the tests' and the benchmarks' own.
+_TOOL_VARIABLES = frozenset({"COMPILE_OFFLOAD_FUZZ_DEVICE", "COMPILE_OFFLOAD_BENCH_TRACEBACK"})
+
+
+def warn_unknown_environment() -> None:
+    """A ``COMPILE_OFFLOAD_`` variable that names no knob (a typo) would be ignored: one
+    warning per such variable, when ``compile_offload`` is imported."""
+    import difflib
+
+    known = {f"COMPILE_OFFLOAD_{knob.upper()}" for knob in config.get_config_copy()}
+    for name in sorted(n for n in os.environ if n.startswith("COMPILE_OFFLOAD_") and n not in known | _TOOL_VARIABLES):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.warn(f"compile_offload: the environment variable {name} names no knob and is ignored{hint} "
+                      "(the knobs: docs/reference.md)", stacklevel=3)
 
 
 def _from_environment(knob: str) -> bool:
@@ -361,6 +382,9 @@ def resolve(overrides: dict | None = None) -> Settings:
         shared_h2d_bytes=0 if values["shared_h2d_bytes"] is None else parse_bytes(values["shared_h2d_bytes"],
                                                                                    "shared_h2d_bytes"),
     )
+    if settings.debug_force_offload and not settings.offload:
+        raise ValueError("compile_offload.config.debug_force_offload=True needs offload=True: with offload=False "
+                         "nothing may be offloaded, so the forced offload would be dropped")
     return settings
 
 

@@ -1,7 +1,10 @@
 """python -m compile_offload {demo,explain}."""
 
 import json
+import re
 import textwrap
+
+import pytest
 
 from compile_offload.__main__ import main
 
@@ -29,3 +32,22 @@ def test_demo_trains_and_prints_the_loss(capsys):
     assert main(["demo", "--steps", "1", "--device", "cpu", "--budget", "0.5"]) == 0
     printed = capsys.readouterr().out
     assert "predicted peak" in printed and "step 0: loss" in printed
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--budget", "abc"], r"^demo: --budget: .*memory_budget='abc' is not a size"),
+    (["--budget", "5.0"], r"^demo: --budget: .*must lie in \[0, 1\]"),
+    (["--device", "tpu"], r"^demo: --device 'tpu' is not a device"),
+    (["--device", "meta"], r"^demo: --device 'meta': the demo trains on cpu or cuda"),
+])
+def test_demo_mistakes_exit_with_one_line_not_a_traceback(arguments, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", "1", *arguments])
+    assert re.search(message, str(exit_info.value)) and "\n" not in str(exit_info.value)
+
+
+def test_demo_refuses_a_step_count_below_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", "-1", "--device", "cpu"])
+    assert exit_info.value.code == 2  # argparse's usage error
+    assert "'-1' is not a positive whole number" in capsys.readouterr().err

@@ -21,6 +21,8 @@ META_FACTORY = textwrap.dedent("""
         return 1
     def not_callable():
         return 3, (torch.randn(2, 4),)
+    def needs_a_width(width):
+        return make()
 """)
 
 
@@ -56,6 +58,8 @@ def test_the_command_line_writes_the_dump_for_a_module_of_the_current_folder(fac
     (["{folder}/my_models.py:make", "--budget", "lots"], "memory_budget='lots' is not a size"),
     (["{folder}/my_models.py:make", "--profile", "b200"], "device_profile='b200' is unknown"),
     (["{folder}/my_models.py:not_callable"], "model of type int, which cannot be called"),
+    (["{folder}/my_models.py:needs_a_width"], "needs_a_width must be callable without arguments .*'width'"),
+    (["{folder}/my_models.py:make", "--budget", "-1"], "memory_budget='-1' is negative"),
     (["{folder}/my_models.py:make", "--budget", "200GiB", "--profile", "h100"],
      r"--budget: .*is more than the 80.00 GiB of memory of the 'h100' device profile's GPU"),
     (["{folder}/my_models.py:make", "--out", "{folder}/my_models.py"], "--out: .*dump_dir=.*it is a file, not a folder"),

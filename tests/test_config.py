@@ -86,6 +86,8 @@ BAD_VALUES = [
     ("measured_plan_steps", 2.5, ValueError),
     ("pinned_pool_limit", -1, ValueError),
     ("pinned_pool_limit", "1 GiB of RAM", ValueError),
+    ("pinned_pool_limit", "1.5", ValueError),  # not a whole number of bytes (was 1 byte)
+    ("pinned_pool_limit", "-2MiB", ValueError),
     ("plan_time_limit", -1, ValueError),
     ("plan_time_limit", NAN, ValueError),
     ("plan_time_limit", "soon", ValueError),
@@ -337,3 +339,21 @@ def test_our_budget_wins_with_one_warning_when_they_disagree(fresh_torch_budget_
     assert len(messages) == 2, messages  # once for 0.25, none for the agreeing 0.5, once for 1GiB
     assert "memory_budget=0.25 (a fraction) is set and wins" in messages[0]
     assert "1.00 GiB" in messages[1]
+
+
+def test_forced_offload_without_offload_is_refused_naming_both_knobs():
+    with pytest.raises(ValueError, match=r"debug_force_offload=True needs offload=True"):
+        settings.resolve({"debug_force_offload": True, "offload": False})
+    with config.patch(offload=False), pytest.raises(ValueError, match="debug_force_offload"):
+        settings.resolve({"debug_force_offload": True})
+
+
+@pytest.mark.slow
+def test_an_environment_variable_that_names_no_knob_is_warned_with_the_nearest_knob():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_OFFLOAD_")}
+    completed = subprocess.run([sys.executable, "-c", "import compile_offload"],
+                               env={**clean, "COMPILE_OFFLOAD_MEMORY_BUGDET": "1GiB", "COMPILE_OFFLOAD_SOLVER": "exact"},
+                               capture_output=True, text=True, timeout=120, check=True)
+    assert ("the environment variable COMPILE_OFFLOAD_MEMORY_BUGDET names no knob and is ignored; did you mean "
+            "COMPILE_OFFLOAD_MEMORY_BUDGET?") in completed.stderr
+    assert "COMPILE_OFFLOAD_SOLVER" not in completed.stderr  # a knob's own variable is not warned

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -36,6 +37,13 @@ def load_factory(target: str):
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise SystemExit(f"explain: {module_name} has no function {factory_name!r}")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as error:
+        raise SystemExit(f"explain: {factory_name} must be callable without arguments ({error}); wrap it in a "
+                         "function that passes them") from None
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
     return factory
 
 

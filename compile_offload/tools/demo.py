@@ -31,16 +31,47 @@ class TinyGPT(nn.Module):
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default="0.5", help="memory budget: bytes ('64MiB') or a fraction ('0.5'); default 0.5")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=_positive_int, default=3, help="training steps to run (default 3)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--inner-compiler", default=None, choices=("inductor", "eager"),
                         help="default: inductor on a GPU, eager on the CPU (Inductor's CPU compile is slow on small machines)")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def _device(name: str | None) -> torch.device:
+    """The device ``--device`` names; ``SystemExit`` with the reason when it is not one the
+    demo can train on."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise SystemExit(f"demo: --device {name!r} is not a device ({error}); use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"demo: --device {name!r}: the demo trains on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"demo: --device {name!r}: no CUDA device is available here; use cpu")
+    return device
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import compile_offload
+    from ..settings import parse_budget
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        parse_budget(args.budget)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"demo: --budget: {error}") from None
+    device = _device(args.device)
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
     budget = args.budget  # a string, parsed by compile_offload like the environment variable
     torch.manual_seed(0)
