@@ -112,7 +112,9 @@ class Options:
     solver: str
 
     def backend(self) -> Callable:
-        return compile_offload.offload_remat(inner_compiler="eager", **self.__dict__)
+        # debug_force_offload needs offload (with offload=False it is refused)
+        forced = self.debug_force_offload and self.offload
+        return compile_offload.offload_remat(inner_compiler="eager", **{**self.__dict__, "debug_force_offload": forced})
 
 
 options = st.builds(
