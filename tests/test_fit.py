@@ -201,6 +201,11 @@ def full(parameter: torch.Tensor) -> torch.Tensor:
     return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
 
 
+def assert_same_parameters(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
 BUDGET = 550 * KIB  # the whole state is about 2 MiB
 
 
@@ -214,8 +219,7 @@ def assert_trains_like_an_eager_loop(result, reference: nn.Module, steps: int, t
         loss_fn(reference(x)).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_parameters(result.model, reference)
 
 
 @pytest.fixture
@@ -252,8 +256,7 @@ def test_a_model_over_the_budget_trains_like_an_eager_loop(fitted):
         reference_optimizer.step()
         reference_optimizer.zero_grad()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-4, atol=1e-5)
-    for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_parameters(result.model, reference)
     # the blocks ran through the backend, each under its share of the budget
     from compile_offload.reporting import logs
 
@@ -388,8 +391,7 @@ def test_a_dict_sample_is_the_models_keyword_inputs_and_a_dict_output_with_a_los
             reference(batch(step), mask=mask)["loss"].backward()
             reference_optimizer.step()
             reference_optimizer.zero_grad()
-        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+        assert_same_parameters(result.model, reference)
     finally:
         result.close()
         torch._dynamo.reset()
@@ -434,8 +436,7 @@ def test_max_grad_norm_clips_as_torch_does_before_the_optimizer_steps(budget, op
             assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01) > 0.01  # it clips
             reference_optimizer.step()
             reference_optimizer.zero_grad()
-        for (name, p), (_, q) in zip(result.model.named_parameters(), reference.named_parameters()):
-            torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=name)
+        assert_same_parameters(result.model, reference)
     finally:
         result.close()
         torch._dynamo.reset()
