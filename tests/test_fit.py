@@ -419,6 +419,18 @@ def test_fit_twice_on_one_model_says_it_is_already_prepared(fitted):
         compile_offload.fit(result.model, optimizer_fn, batch(0), memory_budget=BUDGET, inner_compiler="eager")
 
 
+def test_fit_twice_where_the_state_fit_the_device_says_the_blocks_are_already_compiled():
+    model = Net()
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget="1GiB", inner_compiler="eager")
+    try:
+        assert not result.plan.fsdp2  # no sharding: the blocks compiled in place are what tells
+        with pytest.raises(ValueError, match=r"'blocks.0' is already compiled \(Module.compile\)"):
+            compile_offload.fit(model, optimizer_fn, batch(0), memory_budget="1GiB", inner_compiler="eager")
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("budget, optimizer_step", [(BUDGET, "device"), ("1200KiB", "host")],
                          ids=["host state streamed", "split state on the host"])
 def test_max_grad_norm_clips_as_torch_does_before_the_optimizer_steps(budget, optimizer_step):

@@ -1,6 +1,7 @@
 """torch._dynamo: the backend registry, ``reset``, Dynamo's config, the device interface,
-``GlobalStateSource`` (guards on global state, ``add_frame_guard``), the ``aot_autograd`` backend helper and the
-count of graphs compiled.
+``GlobalStateSource`` (guards on global state, ``add_frame_guard``), the ``aot_autograd`` backend helper, the
+count of graphs compiled, and whether a module was compiled in place (``nn.Module.compile``
+keeps the compiled call in ``Module._compiled_call_impl``).
 
 Checked on torch 2.11-2.14 (installed: 2.13).
 """
@@ -13,7 +14,8 @@ import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
 __all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_graph_count", "config",
-           "device_interface", "global_state_source", "graph_input_sources", "register_backend", "reset"]
+           "compiled_in_place", "device_interface", "global_state_source", "graph_input_sources", "register_backend",
+           "reset"]
 
 
 def reset() -> None:
@@ -102,3 +104,8 @@ def graph_input_sources(gm: torch.fx.GraphModule) -> list[tuple[str, Any]]:
         name = source.name() if callable(source.name) else source.name  # a method before torch 2.13
         found.append((str(name), value))
     return found
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile(...)`` (``nn.Module.compile``) compiled it in place."""
+    return getattr(module, "_compiled_call_impl", None) is not None

@@ -424,8 +424,10 @@ def _check_not_prepared(model: nn.Module) -> None:
     again. Refuse it before anything is measured."""
     from torch.distributed.fsdp import FSDPModule
 
+    from ..torch_api.dynamo import compiled_in_place
+
     for name, module in model.named_modules():
-        if isinstance(module, FSDPModule) or getattr(module, "_compiled_call_impl", None) is not None:
+        if isinstance(module, FSDPModule) or compiled_in_place(module):
             what = "sharded by FSDP2" if isinstance(module, FSDPModule) else "compiled (Module.compile)"
             raise ValueError(f"compile_offload.fit: the model's module {name or '(the root)'!r} is already {what}: "
                              "fit prepares the model in place, once. Call fit on the model as you built it (a new "
