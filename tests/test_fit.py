@@ -362,6 +362,36 @@ def test_the_smallest_budget_the_error_names_trains_every_block_within_its_share
         torch._dynamo.reset()
 
 
+class _Widening(Net):
+    """Blocks of two kinds: the later ones four times as wide inside (a higher minimum)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__(width, blocks=1)
+        self.blocks.extend(_WideBlock(width) for _ in range(2))
+
+
+class _WideBlock(Block):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__(width)
+        self.fc1, self.fc2 = nn.Linear(width, 16 * width), nn.Linear(16 * width, width)
+
+
+def test_blocks_of_several_kinds_are_each_planned_and_the_largest_stands_for_all():
+    with pytest.raises(ValueError, match="A budget of at least that fits") as raised:
+        compile_offload.fit(_Widening(), optimizer_fn, batch(0), memory_budget="1KiB", loss_fn=loss_fn,
+                            inner_compiler="eager")
+    smallest = int(re.search(r"\((\d+) bytes\)\. A budget of at least that fits", str(raised.value)).group(1))
+    result = compile_offload.fit(_Widening(), optimizer_fn, batch(0), memory_budget=smallest, loss_fn=loss_fn,
+                                 inner_compiler="eager", strict_budget=True)
+    try:
+        assert any("the blocks are of 2 kinds (blocks 0, 1 planned)" in note for note in result.plan.notes)
+        for step in range(2):
+            result.step(batch(step))  # strict_budget: a wide block below its minimum raises BudgetError
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
 class _Masked(nn.Module):
     """Blocks that take a keyword mask, and a model whose forward requires it."""
 

@@ -1,8 +1,8 @@
 """``compile_offload.fit``: one device byte budget for the whole training step.
 
 The model as the user has it (typically on the host), a function that builds its optimizer,
-a sample batch and one budget. ``fit`` measures the state's sizes and one block's activations
-(``compile_offload.explain`` at ``memory_budget=0.0``), decides the placement
+a sample batch and one budget. ``fit`` measures the state's sizes and the activations of one
+block of each kind (``compile_offload.explain`` at ``memory_budget=0.0``), decides the placement
 (``state_plan.plan_step``), prepares the model with torch's own engine where the state goes
 to the host (FSDP2's ``fully_shard`` with ``CPUOffloadPolicy`` on the root and on every
 block whose state does not fit on the device), compiles every block with this backend under its share of the budget, builds the
@@ -199,6 +199,10 @@ class _Captured(Exception):
     pass
 
 
+class _NotReached(ValueError):
+    pass
+
+
 def _block_input(model: nn.Module, block: nn.Module, inputs: tuple, kwargs: dict | None = None,
                  as_later_blocks: bool = False) -> tuple[tuple, dict]:
     """The arguments ``block`` receives when the model runs on ``inputs`` (and keyword
@@ -225,7 +229,8 @@ def _block_input(model: nn.Module, block: nn.Module, inputs: tuple, kwargs: dict
     finally:
         handle.remove()
     if not seen:
-        raise ValueError("compile_offload.fit: the sample never reached the first block; check blocks=")
+        raise _NotReached(f"compile_offload.fit: the sample never reached the block {type(block).__name__}; "
+                          "check blocks=")
     args, block_kwargs = seen[0]
 
     def detached(value, grad: bool = False):
@@ -259,14 +264,15 @@ def _block_activations(block: nn.Module, args: tuple, kwargs: dict, device: torc
     saved = sum(p.timeline_bytes[p.backward_start - 1] if 0 < p.backward_start <= len(p.timeline_bytes)
                 else max(p.min_peak_bytes, p.predicted_peak_bytes) for p in plans)
     unconstrained = sum(p.baseline_peak_bytes for p in plans)
-    notes = [] if len(plans) == 1 else [f"the first block compiles to {len(plans)} graphs; their peaks are summed"]
+    notes = [] if len(plans) == 1 else [f"it compiles to {len(plans)} graphs; their peaks are summed"]
     return minimum, min(saved, minimum), max(minimum, unconstrained), notes
 
 
 def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, inputs: tuple,
             device: torch.device, options: dict, world_size: int, input_kwargs: dict | None = None) -> StateSizes:
     """The sizes ``plan_step`` decides from, measured on the model as it is (before any
-    preparation): nothing is moved but one copy of the first block, to plan its activations."""
+    preparation): nothing is moved but one copy of the first block of each kind
+    (``distinct_blocks``), to plan its activations."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     placeholders = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params]
@@ -278,10 +284,27 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
     del optimizer
     model_device = params[0].device if params else torch.device("cpu")
     later_blocks_train = len(blocks) > 1 and any(p.requires_grad for p in params)
-    args, kwargs = _block_input(model, blocks[0], _to(inputs, model_device), _to(input_kwargs or {}, model_device),
-                                as_later_blocks=later_blocks_train)
-    minimum, saved, unconstrained, notes = _block_activations(blocks[0], args, kwargs, device, options)
-    input_bytes = sum(_nbytes(t) for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
+    minimum = saved = unconstrained = input_bytes = 0
+    notes: list[str] = []
+    distinct = distinct_blocks(blocks)
+    for index in distinct:  # the largest figures stand for every block
+        try:
+            args, kwargs = _block_input(model, blocks[index], _to(inputs, model_device),
+                                        _to(input_kwargs or {}, model_device), as_later_blocks=later_blocks_train)
+        except _NotReached:
+            if index == distinct[0]:
+                raise
+            notes.append(f"block {index} ({type(blocks[index]).__name__}) did not run on the sample: not planned")
+            continue
+        block_minimum, block_saved, block_unconstrained, block_notes = _block_activations(
+            blocks[index], args, kwargs, device, options)
+        minimum, saved = max(minimum, block_minimum), max(saved, block_saved)
+        unconstrained = max(unconstrained, block_unconstrained)
+        input_bytes = max(input_bytes, sum(_nbytes(t) for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)))
+        notes += [f"block {index}: {note}" for note in block_notes]
+    if len(distinct) > 1:
+        notes.append(f"the blocks are of {len(distinct)} kinds (blocks {', '.join(map(str, distinct))} planned); "
+                     "the largest figures of theirs stand for every block")
     return StateSizes(
         parameter_bytes=sum(_nbytes(p) for p in params),
         gradient_bytes=sum(_nbytes(p) for p in trainable),
@@ -296,6 +319,18 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
         world_size=world_size,
         notes=tuple([state_note] if state_note else []) + tuple(notes),
     )
+
+
+def distinct_blocks(blocks: list[nn.Module]) -> list[int]:
+    """The index of the first block of each kind: blocks are told apart by their class and
+    their parameters' names, shapes, dtypes and whether they train (a transformer's layers
+    are one kind; a U-Net's levels are several)."""
+    first: dict[tuple, int] = {}
+    for index, block in enumerate(blocks):
+        kind = (type(block), tuple((name, tuple(p.shape), p.dtype, p.requires_grad)
+                                   for name, p in block.named_parameters()))
+        first.setdefault(kind, index)
+    return sorted(first.values())
 
 
 def _a_fraction(text: str) -> bool:

@@ -57,7 +57,7 @@ Limits of the rule
   parameters are not kept on the device while only their optimizer state goes to the host.
 - The blocks on the device are the first ones, not the ones whose host copies would cost
   the most time.
-- Blocks are assumed alike: one block's activations (the first) stand for every block's.
+- One figure for all blocks: the largest of the kinds' activations (``fit.distinct_blocks``) stands for every block's.
 - Not counted: FSDP2's communication buffers (the reduce-scatter's input and output, the
   all-gather's copy-in on N ranks), the activations outside the blocks (an embedding's
   output, a head's logits, the loss), the caching allocator's fragmentation, the CUDA
