@@ -65,7 +65,7 @@ def test_cuda_graphs_turn_offload_off_with_one_warning_and_plan_recompute_only(s
     assert plan.count("offload") == 0 and not plan.offloaded
 
     # The same budget with offload off, without CUDA graphs: the same plan.
-    reference, _ = _train_step(compile_offload.offload_remat(**{**KNOBS, "offload": False}))
+    reference, _ = _train_step(compile_offload.offload_remat(**{**KNOBS, "offload": False, "debug_force_offload": False}))
     assert len(captured_plans) == 2
     assert plan.budget_bytes == captured_plans[1].budget_bytes
     assert _decisions(plan) == _decisions(captured_plans[1])
