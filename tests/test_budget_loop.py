@@ -552,6 +552,73 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
     assert budget_loop.keep_within_budget(below, replan([(2000, 1700, 0.5)])) is below
 
 
+def test_where_the_re_plans_reach_the_minimum_the_other_starts_lowest_plan_is_compared_on_hand_made_attempts():
+    """The re-plans down reach the planner's minimum-memory plan (of the greedy start) with its
+    code still over the budget: the other start's lowest plan, predicted alike, is compiled
+    under the same planned budget (``lowest_start``) and kept where its code fits."""
+    from compile_offload.passes.plan import Plan
+
+    def plan(predicted, scheduled, rival=None, start=None):
+        made = Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=predicted, predicted_step_seconds=1.0,
+                    baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=predicted,
+                    decisions=_recomputing(), scheduled_peak_bytes=scheduled)
+        made.rival_peak_bytes, made.lowest_start = rival, start
+        return made
+
+    def replan_with(other_scheduled):
+        asked.clear()
+
+        def replan(budget, **changes):
+            asked.append((budget, changes))
+            if changes:
+                return budget_loop.Attempt("other start", plan(910, other_scheduled))
+            if budget is None:
+                return None  # the unconstrained plan: not compiled here
+            return budget_loop.Attempt("minimum", plan(900, 1100, rival=910, start="greedy"))
+        return replan
+
+    asked = []
+    kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(950, 1100)), replan_with(950))
+    assert asked == [(850, {}), (850, {"lowest_start": "segments"})]
+    assert kept.compiled == "other start" and kept.plan.meets_budget()
+    assert (kept.plan.budget_outcome, kept.plan.budget_bytes, kept.plan.planned_budget_bytes) == ("replanned", 1000, 850)
+    # Its code over the budget too: the lowest scheduled peak is kept, with the loop's warning.
+    with pytest.warns(UserWarning, match="scheduled peak"):
+        kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", plan(950, 1100)), replan_with(1050))
+    assert kept.compiled == "other start" and kept.plan.budget_outcome == "over_budget"
+    assert asked == [(850, {}), (850, {"lowest_start": "segments"}), (None, {})]
+
+
+class _NormMLP(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.inductor
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_a_budget_above_the_lowest_plan_the_code_reaches_is_met_with_it():
+    """A LayerNorm-MLP block whose two search starts' lowest plans are predicted alike, while
+    Inductor's code holds one far below the other: the budget 0 plan (both compared) reaches
+    the lower, and so does a byte budget between it and the unconstrained peak, which the
+    re-plans down reach only through the greedy start's."""
+    torch.manual_seed(0)
+    model, x = _NormMLP(), torch.randn(1024, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowest = compile_offload.explain(model, x, memory_budget=0.0, device_profile="cpu")
+    assert lowest.scheduled_peak_bytes < lowest.baseline_peak_bytes
+    budget = (lowest.scheduled_peak_bytes + lowest.baseline_peak_bytes) // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing over the budget to warn
+        plan = compile_offload.explain(model, x, memory_budget=budget, device_profile="cpu")
+    assert plan.scheduled_peak_bytes <= budget and plan.budget_outcome == "replanned", (
+        format_bytes(plan.scheduled_peak_bytes), format_bytes(budget), plan.budget_outcome)
+
+
 def test_where_torch_compiles_own_code_fits_it_runs_in_place_of_a_slower_plan_on_hand_made_attempts():
     """A plan that fits by recomputing: the unconstrained plan is compiled as torch.compile
     compiles it (``replan(None)``) where the budget is at least what that plan holds between
