@@ -54,8 +54,19 @@ def test_a_graphs_need_is_its_minimum_plans_scheduled_peak_up_to_its_unconstrain
     above = _plan(100, 300, scheduled=280)
     above.predicted_peak_bytes = 270  # not the minimum-memory plan: its scheduled peak says nothing of the minimum
     assert need_of("g", above, 1) == GraphNeed("g", 1, 100, 300)
+    # The budget loop kept the unconstrained plan, lower in code than every plan made for the budget.
+    kept_free = _plan(100, 300, scheduled=280)
+    kept_free.predicted_peak_bytes, kept_free.unconstrained = 300, True
+    assert need_of("g", kept_free, 1) == GraphNeed("g", 1, 280, 300)
     assert need_of("g", _plan(0, 0, fallback="UnsupportedGraph"), 1) is None
     assert need_of("g", None, 1) is None
+    # A plan of ours with nothing to decide (its backward reads only the graph's inputs): its own peak.
+    nothing = _plan(300, 300, scheduled=320)
+    nothing.decisions = []
+    assert need_of("g", nothing, 2) == GraphNeed("g", 2, 320, 320)
+    unplanned = Plan.unplanned(feasible=True, budget_bytes=None, device_profile="cpu", solver="greedy",
+                               graph_name="g", why="no backward: torch's default partition")
+    assert need_of("g", unplanned, 1) is None
 
 
 def _stand_in(calls: list[str], name: str):
@@ -127,6 +138,45 @@ def test_a_step_ends_only_when_every_backward_has_run():
     with torch.no_grad(), pytest.warns(UserWarning, match="failed .*no compiler here.*keeps the plan it runs"):
         graph(x)  # no backward to wait for: not counted; the recompile fails, the graph runs on
     assert budget.outstanding == 0 and calls == ["g", "g", "late", "g"]
+
+
+def test_a_call_without_a_backward_does_not_keep_the_step_from_ending(caplog):
+    """A forward run with grad whose backward never runs (a check before training; an output
+    the loss does not use): once other calls' backwards have run and a graph is called again,
+    the step counted ends without it, and the budget is split."""
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB),
+                       lambda share, args: (_stand_in(calls, f"g@{share // MIB}"), lambda: _plan(5 * MIB, 10 * MIB)))
+    x = torch.ones(4, requires_grad=True)
+    unused = graph(x)  # never backwarded, held
+    graph(x).sum().backward()
+    assert budget.state == "count" and budget.outstanding == 1  # the step may still need it
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        graph(x).sum().backward()  # the next step: the call above is given up on, the step counted split
+    assert "had no backward by the time the next step began" in caplog.text
+    assert budget.splits == 1 and budget.state == "done" and budget.graphs()[0].most_calls == 2
+    graph(x).sum().backward()
+    # both calls counted (the unused output is held): floor 2 x 5, room 2 x 5, the rest 10 shared per call
+    assert calls[-1] == "g@15"
+    # Its backward running late, or a second time (retain_graph), counts for nothing.
+    unused.sum().backward()
+    kept = graph(x)
+    kept.sum().backward(retain_graph=True)
+    kept.sum().backward()
+    assert budget.outstanding == 0
+
+
+def test_a_step_budget_below_the_minimum_plans_raises_under_strict_budget():
+    from compile_offload import BudgetError
+
+    budget = StepBudget(MIB, strict=True)
+    calls: list[str] = []
+    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB),
+                       lambda share, args: pytest.fail("no share to compile under"))
+    x = torch.ones(4, requires_grad=True)
+    with pytest.raises(BudgetError, match=r"minimum-memory plans need 5.00 MiB .*strict_budget=True"):
+        graph(x).sum().backward()
 
 
 class _Meter:

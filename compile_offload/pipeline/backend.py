@@ -185,7 +185,7 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         return dynamic_check.for_the_sizes_of(gm, args, again, otherwise=compiled), again_plan_of
 
     budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes,
-                             device_of(example_inputs))
+                             device_of(example_inputs), strict=settings.strict_budget)
     wrapped = budget.add(graph_name, compiled, plan_of, recompile, _compile_id())
     graph = wrapped.graph
     share_of.append(lambda: graph.budget_bytes)

@@ -29,8 +29,9 @@ compile was (a recompile that made a size dynamic: Dynamo tries a frame's latest
 is left out of the split until it is called again. A graph with dynamic sizes runs its share's plan at the
 sizes of the call it was compiled again at, its minimum-memory plan at others, whose predicted
 peak at each new size is checked against the graph's share (``dynamic_check.check_sizes``,
-one warning). Calls whose backward never runs keep a step from ending: no split is made until one
-ends. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
+one warning). A call whose backward has not run when a graph is called again after other calls'
+backwards ran (an output the loss does not use, a forward run with grad outside training) is
+not waited for: the step ended with the last backward that ran. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
 with a warning: their memory is not bounded.
 
 Memory outside the graphs is held back from B before the split:
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 
 from ..passes.plan import Plan, format_bytes
+from ..pipeline.result import BudgetError
 from ..torch_api.fake_tensors import FakeTensor
 from ..torch_api.utils import queue_backward_callback, tree_leaves
 from .step_measure import compiled_backward_node
@@ -98,13 +100,21 @@ def split_budget(budget_bytes: int, needs: list[GraphNeed]) -> tuple[dict[str, i
 
 def need_of(name: str, plan: Plan | None, calls: int) -> GraphNeed | None:
     """A graph's need from a plan of it: from its minimum-memory peak (the scheduled one where
-    the plan is the minimum-memory plan, as the backend's first compile is, else the predicted
-    one) to its unconstrained predicted peak; None for a graph without a plan of ours (torch's
-    partition: nothing to plan or predict)."""
-    if plan is None or plan.fallback is not None or not plan.decisions:
+    the plan is the minimum-memory plan, as the backend's first compile is, or the unconstrained
+    plan the budget loop kept as lower in code, else the predicted one) to its unconstrained
+    predicted peak; a plan of ours with nothing to decide (its
+    backward needs only the graph's inputs) needs its own peak; None for a graph without a
+    plan of ours (torch's partition: nothing to plan or predict)."""
+    if plan is None or plan.fallback is not None:
         return None
+    if not plan.decisions:
+        peak = max(plan.predicted_peak_bytes, plan.scheduled_peak_bytes or 0)
+        return GraphNeed(name, calls, peak, peak) if peak else None
     low = plan.min_peak_bytes
-    if plan.predicted_peak_bytes <= plan.min_peak_bytes and plan.scheduled_peak_bytes is not None:
+    # The minimum-memory plan's code, or the unconstrained plan's where the budget loop kept it
+    # as lower than every plan made under the budget: the lowest the graph reaches in code.
+    if ((plan.predicted_peak_bytes <= plan.min_peak_bytes or plan.unconstrained)
+            and plan.scheduled_peak_bytes is not None):
         low = max(low, plan.scheduled_peak_bytes)
     return GraphNeed(name, calls, low, max(low, plan.baseline_peak_bytes))
 
@@ -178,9 +188,10 @@ class StepBudget:
     cheap measure: the CPU's is a profiler, which a step spanning several graphs and their
     backwards cannot hold open)."""
 
-    def __init__(self, budget_bytes: int, meter: Any = None) -> None:
+    def __init__(self, budget_bytes: int, meter: Any = None, strict: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.meter = meter
+        self.strict = strict  # strict_budget: minimum-memory plans over the budget raise ``BudgetError``
         self.measuring = False  # the step under way is measured
         self.to_check = False  # a step wholly under the shares is still to be measured
         self.settling = 0  # steps wholly under the shares still to run before the one measured
@@ -192,7 +203,9 @@ class StepBudget:
         self.measured_excess = 0  # taken off the budget after a measured step exceeded it
         self._needs: list[GraphNeed] = []
         self._graphs: list[weakref.ref] = []  # of each graph's wrapper: a graph Dynamo dropped drops out
-        self.outstanding = 0  # calls whose backward has not run
+        self._in_flight: set[int] = set()  # the calls (by number) whose backward has not run
+        self._calls_made = 0
+        self._backward_since_call = False  # a call's backward ran since the last graph call
         self.state = "wait"  # "wait" for a step to begin, "count" its calls, "done" once split
         self.splits = 0
         self.gathered = GatheredParameters()  # of the step being counted
@@ -225,18 +238,21 @@ class StepBudget:
                                   f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
                                   f"{error}); it keeps the plan it runs", stacklevel=2)
             budget._step_may_begin()
+            budget._backward_since_call = False
             if budget.state == "count":
                 budget.gathered.see(args)
             outputs = graph.compiled(*args)
             node = compiled_backward_node(outputs)
             if node is not None:
-                budget.outstanding += 1
+                budget._calls_made += 1
+                call = budget._calls_made
+                budget._in_flight.add(call)
                 if budget.state == "count":
                     graph.calls += 1
                     node.register_prehook(lambda *_: budget.gathered.sample())
                 elif budget.state == "done" and not graph.most_calls:  # left out of the split: count again
                     budget.state = "wait"
-                node.register_hook(lambda *_: budget._backward_done())
+                node.register_hook(lambda *_: budget._backward_done(call))
             return outputs
 
         run.graph = graph
@@ -257,7 +273,14 @@ class StepBudget:
         and what a measured step was over."""
         return self.gathered_bytes + self.measured_excess
 
+    @property
+    def outstanding(self) -> int:
+        """Calls whose backward has not run (and was not given up on)."""
+        return len(self._in_flight)
+
     def _step_may_begin(self) -> None:
+        if self.outstanding and self._backward_since_call:
+            self._end_step_without(self.outstanding)
         if self.outstanding:
             return
         if self.state == "wait":
@@ -273,8 +296,27 @@ class StepBudget:
             self.to_check, self.measuring = False, True
             self.meter.start()
 
-    def _backward_done(self) -> None:
-        self.outstanding = max(0, self.outstanding - 1)
+    def _end_step_without(self, abandoned: int) -> None:
+        """A graph call begins after backwards have run while other calls' backwards have not:
+        those never will within the step (a forward whose output the loss does not use, a
+        forward run with grad outside training), and the step ended with the last backward
+        that ran. It is counted or measured as ended there; the calls left are given up on."""
+        log.info("budget_scope='step': %d graph call(s) of the last step had no backward by the time the next "
+                 "step began (outputs outside the loss, or a forward outside training): not waited for",
+                 abandoned)
+        self._in_flight.clear()
+        if self.state == "count":
+            self.state = "done"
+            self._split()
+        elif self.measuring:
+            self.measuring = False
+            self._checked(self.meter.peak_bytes())
+
+    def _backward_done(self, call: int) -> None:
+        if call not in self._in_flight:  # given up on, or its backward ran before (retain_graph)
+            return
+        self._in_flight.discard(call)
+        self._backward_since_call = True
         if self.state == "count":
             self.gathered.sample()
         if self.outstanding:
@@ -390,10 +432,12 @@ class StepBudget:
             plus = "".join(f" plus {format_bytes(n)} {what}" for n, what in (
                 (self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2: the most it held at once)"),
                 (self.measured_excess, "outside the graphs (a measured step was over by that)")) if n > 0)
-            warnings.warn(f"compile_offload: budget_scope='step': the graphs' minimum-memory plans need "
-                          f"{format_bytes(floor)} over a step ({len(needs)} graphs, their calls counted){plus}, above "
-                          f"the memory budget {format_bytes(self.budget_bytes)}; each keeps its minimum-memory plan",
-                          stacklevel=2)
+            message = (f"compile_offload: budget_scope='step': the graphs' minimum-memory plans need "
+                       f"{format_bytes(floor)} over a step ({len(needs)} graphs, their calls counted){plus}, above "
+                       f"the memory budget {format_bytes(self.budget_bytes)}")
+            if self.strict:
+                raise BudgetError(f"{message}; strict_budget=True")
+            warnings.warn(f"{message}; each keeps its minimum-memory plan", stacklevel=2)
             for graph in graphs:  # a graph under an earlier share goes back down to its minimum
                 if graph.name in shares and graph.budget_bytes is not None:
                     graph.budget_bytes, graph.pending = shares[graph.name], True
@@ -465,11 +509,15 @@ def _fake(args: tuple) -> bool:
 _budgets: "weakref.WeakKeyDictionary[Any, dict[int, StepBudget]]" = weakref.WeakKeyDictionary()
 
 
-def step_budget_for(owner: Any, budget_bytes: int, device: torch.device | None = None) -> StepBudget:
+def step_budget_for(owner: Any, budget_bytes: int, device: torch.device | None = None,
+                    strict: bool = False) -> StepBudget:
     """The ``StepBudget`` of the graphs ``owner`` (a backend) compiles under ``budget_bytes``;
-    on a CUDA ``device`` it measures the first step under each split."""
+    on a CUDA ``device`` it measures the first step under each split; ``strict``
+    (``strict_budget``, as the last graph added was compiled with it): a budget below the
+    graphs' minimum-memory plans raises ``BudgetError`` at the end of the step counted."""
     per_budget = _budgets.setdefault(owner, {})
     if budget_bytes not in per_budget:
         meter = CudaStepMeter(device) if device is not None and device.type == "cuda" else None
         per_budget[budget_bytes] = StepBudget(budget_bytes, meter)
+    per_budget[budget_bytes].strict = strict
     return per_budget[budget_bytes]
