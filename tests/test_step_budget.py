@@ -167,6 +167,36 @@ def test_a_call_without_a_backward_does_not_keep_the_step_from_ending(caplog):
     assert budget.outstanding == 0
 
 
+def test_a_step_that_calls_a_graph_more_often_than_the_split_counted_splits_again(caplog):
+    """A data-dependent number of layers: the first step runs the block graph twice, a later
+    one four times; at that step's end the budget is split again with four calls."""
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    low, high = 5 * MIB, 10 * MIB
+    block = budget.add("block", _stand_in(calls, "block"), lambda: _plan(low, high, scheduled=low),
+                       lambda share, args: (_stand_in(calls, f"block@{share / MIB:g}"),
+                                            lambda: _plan(low, high, scheduled=low)))
+    x = torch.ones(4, requires_grad=True)
+
+    def step(layers: int):
+        out = x
+        for _ in range(layers):
+            out = block(out)
+        out.sum().backward()
+
+    step(2)
+    step(2)
+    assert budget.splits == 1 and calls[-1] == "block@15"  # 2 calls: floor 10, room 10, 10 more per 2 calls
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        step(4)
+    assert "called 4 times in a step, where the split counted 2" in caplog.text
+    assert budget.splits == 2 and budget.graphs()[0].most_calls == 4
+    step(4)
+    assert calls[-1] == "block@7.5"  # 4 calls: floor 20, room 20, half of the range each
+    step(2)  # fewer calls: nothing split again
+    assert budget.splits == 2
+
+
 def test_a_step_budget_below_the_minimum_plans_raises_under_strict_budget():
     from compile_offload import BudgetError
 

@@ -22,7 +22,9 @@ When: a graph is first compiled (as the first step reaches it) at its minimum-me
 the lowest the step can go while the graphs after it are unknown. A step ends when the
 backward of every call made since the last time none was pending has run; the first step
 that began after a graph was added is counted, and at its end the budget is split, and each
-graph whose share changed is compiled again under it at its next call. A graph added later
+graph whose share changed is compiled again under it at its next call. Every step's calls
+are counted: a step that calls a graph more often than the split counted (a data-dependent
+number of layers) splits again at its end with those calls. A graph added later
 (a recompile for new sizes), or first called after the split, runs its minimum-memory plan,
 and the next full step splits again; a graph not called in that step whose frame's later
 compile was (a recompile that made a size dynamic: Dynamo tries a frame's latest code first)
@@ -247,8 +249,8 @@ class StepBudget:
                 budget._calls_made += 1
                 call = budget._calls_made
                 budget._in_flight.add(call)
+                graph.calls += 1
                 if budget.state == "count":
-                    graph.calls += 1
                     node.register_prehook(lambda *_: budget.gathered.sample())
                 elif budget.state == "done" and not graph.most_calls:  # left out of the split: count again
                     budget.state = "wait"
@@ -283,11 +285,11 @@ class StepBudget:
             self._end_step_without(self.outstanding)
         if self.outstanding:
             return
+        for graph in self.graphs():  # a step begins: its calls are counted, split or not
+            graph.calls = 0
         if self.state == "wait":
             self.state = "count"
             self.gathered = GatheredParameters()
-            for graph in self.graphs():
-                graph.calls = 0
         elif (self.state == "done" and self.to_check and self.meter is not None
               and not any(graph.pending for graph in self.graphs())):
             if self.settling:  # new code's first run: one-time workspaces, verify_budget's own measure
@@ -308,6 +310,9 @@ class StepBudget:
         if self.state == "count":
             self.state = "done"
             self._split()
+        elif self._called_more():
+            self.measuring = False
+            self._split()
         elif self.measuring:
             self.measuring = False
             self._checked(self.meter.peak_bytes())
@@ -326,9 +331,22 @@ class StepBudget:
         if self.state == "count":
             self.state = "done"
             _after_backward(self._split)
+        elif self._called_more():
+            self.measuring = False  # a step of more calls than the split counted: not its measure
+            _after_backward(self._split)
         elif self.measuring:
             self.measuring = False
             _after_backward(lambda: self._checked(self.meter.peak_bytes()))
+
+    def _called_more(self) -> bool:
+        """Whether, after the split, a step called a graph more often than any step counted
+        before (a data-dependent number of layers): then the budget is split again, with the
+        calls of this step (INFO line)."""
+        more = [graph for graph in self.graphs() if self.state == "done" and 0 < graph.most_calls < graph.calls]
+        for graph in more:
+            log.info("%s: budget_scope='step': called %d times in a step, where the split counted %d: the budget is "
+                     "split again", graph.name, graph.calls, graph.most_calls)
+        return bool(more)
 
     def _checked(self, peak: int) -> None:
         """The first step under the shares measured ``peak``: within the budget, done (well
@@ -399,7 +417,8 @@ class StepBudget:
                           "(no plan of ours): its memory is outside the split of the step's budget", stacklevel=2)
         if not needs:
             return
-        self.gathered_bytes = self.gathered.most_held()
+        # a split after a step not counted (more calls) sampled no gathered parameters: keep the last figure
+        self.gathered_bytes = max(self.gathered_bytes, self.gathered.most_held())
         if self.gathered_bytes and self.meter is None and "gradients" not in self._warned:
             self._warned.add("gradients")
             warnings.warn(f"compile_offload: budget_scope='step': parameters gathered outside the graphs (FSDP2, "
