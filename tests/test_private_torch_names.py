@@ -113,6 +113,8 @@ INVENTORY = {
     # torch.autograd: the engine's final-callback queue (FSDP2 uses it too)
     "torch.autograd.Variable._execution_engine",
     "torch.autograd.Variable._execution_engine.queue_callback",
+    # torch._C: the backward under way on this thread, if any
+    "torch._C._current_graph_task_id",
     # torch.optim.optimizer: the step pre-hooks registered for every optimizer
     "torch.optim.optimizer._global_optimizer_pre_hooks",
     # torch.utils._config_module
@@ -147,6 +149,7 @@ AREA_MODULES = {
     "torch._C._profiler": "profiler",
     "torch.cuda.memory": "profiler",
     "torch._C": "cuda",
+    "torch._C._current_graph_task_id": "utils",
     "torch.cuda": "cuda",
     "torch.utils": "utils",
     "torch.fx": "utils",

@@ -197,6 +197,43 @@ def test_a_step_that_calls_a_graph_more_often_than_the_split_counted_splits_agai
     assert budget.splits == 2
 
 
+def test_a_graph_recomputed_inside_the_backward_is_part_of_the_step_and_not_waited_for(caplog):
+    """Activation checkpointing around a compiled graph runs it again inside the backward,
+    after another call's backward ran: that is no new step (which would give up on the call
+    being recomputed); the step ends with its backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+
+    def squaring(x):
+        calls.append("g")
+        return _SavingCompiledFunction.apply(x)
+
+    graph = budget.add("g", squaring, lambda: _plan(5 * MIB, 10 * MIB), lambda share, args: pytest.fail("no split"))
+    x = torch.full((4,), 2.0, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        graph(checkpoint(graph, x, use_reentrant=False)).sum().backward()
+    assert calls == ["g", "g", "g"]  # the second call's backward ran, then the first call was recomputed
+    assert "had no backward" not in caplog.text
+    assert budget.state == "done" and budget.outstanding == 0 and budget.graphs()[0].most_calls == 2
+    assert torch.equal(x.grad, 4 * x.detach() ** 3)  # d/dx (x^2)^2
+
+
+class _SavingCompiledFunction(torch.autograd.Function):
+    """A stand-in compiled graph that saves its input (x^2), as real ones save activations."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
 def test_a_step_budget_below_the_minimum_plans_raises_under_strict_budget():
     from compile_offload import BudgetError
 

@@ -65,7 +65,7 @@ import torch
 from ..passes.plan import Plan, format_bytes
 from ..pipeline.result import BudgetError
 from ..torch_api.fake_tensors import FakeTensor
-from ..torch_api.utils import queue_backward_callback, tree_leaves
+from ..torch_api.utils import in_backward, queue_backward_callback, tree_leaves
 from .step_measure import compiled_backward_node
 
 log = logging.getLogger("compile_offload")
@@ -239,13 +239,19 @@ class StepBudget:
                     warnings.warn(f"compile_offload: {graph.name}: budget_scope='step': compiling this graph under "
                                   f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
                                   f"{error}); it keeps the plan it runs", stacklevel=2)
-            budget._step_may_begin()
-            budget._backward_since_call = False
+            # A call inside a backward (activation checkpointing's recompute) is part of the step
+            # under way, and its backward is not run: it neither begins a step nor is waited for.
+            recompute = in_backward()
+            if not recompute:
+                budget._step_may_begin()
+                budget._backward_since_call = False
             if budget.state == "count":
                 budget.gathered.see(args)
             outputs = graph.compiled(*args)
             node = compiled_backward_node(outputs)
-            if node is not None:
+            if node is not None and recompute:
+                graph.calls += 1
+            elif node is not None:
                 budget._calls_made += 1
                 call = budget._calls_made
                 budget._in_flight.add(call)

@@ -39,6 +39,14 @@ def queue_backward_callback(callback) -> bool:
     return True
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (activation
+    checkpointing's recompute runs a forward inside one)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 # --- torch.utils._config_module -----------------------------------------------------------------
 
 UNSET_SENTINEL: Any = None
