@@ -483,6 +483,21 @@ def test_the_loop_on_hand_made_attempts():
     assert kept.compiled == "compiled 3" and kept.plan.planned_budget_bytes == 760
 
 
+def test_the_over_budget_warning_says_whether_verify_budget_will_measure_the_step():
+    from compile_offload.passes.plan import Plan
+
+    def over():
+        return budget_loop.Attempt("c", Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=950,
+                                             predicted_step_seconds=1.0, baseline_peak_bytes=2000,
+                                             baseline_step_seconds=1.0, min_peak_bytes=950,
+                                             decisions=_recomputing(), scheduled_peak_bytes=1200))
+
+    with pytest.warns(UserWarning, match=r"Not measured: config.verify_budget=True measures the first step"):
+        budget_loop.keep_within_budget(over(), lambda budget: None)
+    with pytest.warns(UserWarning, match=r"kept\)\. The first step is measured \(verify_budget\)$"):
+        budget_loop.keep_within_budget(over(), lambda budget: None, verified=True)
+
+
 def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_attempts():
     """Every budgeted plan's code over the budget: the unconstrained plan is compiled once
     (asked for as without a budget: ``replan(None)``) and kept where its code peaks lower, or

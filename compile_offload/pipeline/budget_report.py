@@ -48,9 +48,10 @@ def report_budget(plan: Plan, settings: Settings) -> None:
     warnings.warn(message, stacklevel=4)
 
 
-def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
+def warn_over_budget(plan: Plan, stacklevel: int = 2, verified: bool = False) -> None:
     """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
-    (also when a warm cache replays the plan's record: ``graph_reports.replay``)."""
+    (also when a warm cache replays the plan's record: ``graph_reports.replay``);
+    ``verified``: ``verify_budget`` is on, and will measure the first step."""
     tried = f"{plan.replans} other plan{'s' * (plan.replans != 1)} compiled"
     # "though" only where the planner's prediction fits: a plan kept over the budget may be
     # one (the unconstrained plan, re-planned) that the planner predicted over it as well
@@ -61,7 +62,8 @@ def warn_over_budget(plan: Plan, stacklevel: int = 2) -> None:
         f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
         f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
         f"{format_bytes(plan.budget_bytes)}, {against}"
-        f" ({tried}; the lowest scheduled peak is kept). Not measured: config.verify_budget=True measures "
-        "the first step",
+        f" ({tried}; the lowest scheduled peak is kept). "
+        + ("The first step is measured (verify_budget)" if verified
+           else "Not measured: config.verify_budget=True measures the first step"),
         stacklevel=stacklevel,
     )
