@@ -134,7 +134,8 @@ def test_a_step_ends_only_when_every_backward_has_run():
     late = budget.add("late", _stand_in(calls, "late"), lambda: _plan(MIB, 2 * MIB), failing)
     budget.state = "done"  # as if it had been compiled before the split, and not called in the step counted
     late(x).sum().backward()
-    assert budget.state == "wait"  # first called after the split: the next step is counted again
+    # first called after the split: split again at the end of its step, with it
+    assert budget.state == "done" and budget.splits == 2 and budget.graphs()[1].most_calls == 1
     with torch.no_grad(), pytest.warns(UserWarning, match="failed .*no compiler here.*keeps the plan it runs"):
         graph(x)  # no backward to wait for: not counted; the recompile fails, the graph runs on
     assert budget.outstanding == 0 and calls == ["g", "g", "late", "g"]
@@ -189,12 +190,49 @@ def test_a_step_that_calls_a_graph_more_often_than_the_split_counted_splits_agai
     assert budget.splits == 1 and calls[-1] == "block@15"  # 2 calls: floor 10, room 10, 10 more per 2 calls
     with caplog.at_level(logging.INFO, logger="compile_offload"):
         step(4)
-    assert "called 4 times in a step, where the split counted 2" in caplog.text
+    assert "called 4 time(s) in a step, where the split counted 2" in caplog.text
     assert budget.splits == 2 and budget.graphs()[0].most_calls == 4
     step(4)
     assert calls[-1] == "block@7.5"  # 4 calls: floor 20, room 20, half of the range each
     step(2)  # fewer calls: nothing split again
     assert budget.splits == 2
+
+
+def test_a_call_whose_autograd_graph_was_dropped_is_neither_waited_for_nor_counted():
+    """A check forward with grad (or one that raised) whose output is dropped: the training
+    step after it begins afresh, and counts its own calls only."""
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    graph = budget.add("g", _stand_in(calls, "g"), lambda: _plan(5 * MIB, 10 * MIB),
+                       lambda share, args: (_stand_in(calls, f"g@{share // MIB}"), lambda: _plan(5 * MIB, 10 * MIB)))
+    x = torch.ones(4, requires_grad=True)
+    graph(x)  # dropped at once
+    graph(x).sum().backward()
+    assert budget.splits == 1 and budget.graphs()[0].most_calls == 1 and budget.outstanding == 0
+    graph(x).sum().backward()
+    assert calls[-1] == "g@30"  # one call: the whole budget
+
+
+def test_a_graph_its_frames_later_compile_did_not_replace_stays_in_the_split():
+    """Dynamo compiled a frame again for inputs that require grad; the first compile still
+    runs in the steps whose inputs do not. Steps alternate: the first compile, left out of a
+    split counted on a step that called only the second, is counted for good once called."""
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+
+    def add(name, compile_id):
+        return budget.add(name, _stand_in(calls, name), lambda: _plan(5 * MIB, 10 * MIB),
+                          lambda share, args: (_stand_in(calls, name), lambda: _plan(5 * MIB, 10 * MIB)),
+                          compile_id=compile_id)
+
+    first, second = add("first", (0, 0)), add("second", (0, 1))
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(3):
+        (first(x) + first(x)).sum().backward()  # step A
+        second(x).sum().backward()  # step B
+    graphs = {g.name: g for g in budget.graphs()}
+    assert graphs["first"].most_calls == 2 and graphs["second"].most_calls == 1
+    assert budget.splits <= 3 and budget.state == "done"
 
 
 def test_a_graph_recomputed_inside_the_backward_is_part_of_the_step_and_not_waited_for(caplog):

@@ -24,16 +24,19 @@ backward of every call made since the last time none was pending has run; the fi
 that began after a graph was added is counted, and at its end the budget is split, and each
 graph whose share changed is compiled again under it at its next call. Every step's calls
 are counted: a step that calls a graph more often than the split counted (a data-dependent
-number of layers) splits again at its end with those calls. A graph added later
-(a recompile for new sizes), or first called after the split, runs its minimum-memory plan,
+number of layers, or a graph first called after the split) splits again at its end with
+those calls. A graph added later (a recompile for new sizes) runs its minimum-memory plan,
 and the next full step splits again; a graph not called in that step whose frame's later
 compile was (a recompile that made a size dynamic: Dynamo tries a frame's latest code first)
 is left out of the split until it is called again. A graph with dynamic sizes runs its share's plan at the
 sizes of the call it was compiled again at, its minimum-memory plan at others, whose predicted
 peak at each new size is checked against the graph's share (``dynamic_check.check_sizes``,
-one warning). A call whose backward has not run when a graph is called again after other calls'
-backwards ran (an output the loss does not use, a forward run with grad outside training) is
-not waited for: the step ended with the last backward that ran. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
+one warning). A call whose autograd graph was dropped before its backward (a check forward
+with grad, a forward that raised) is not waited for, nor counted in the next step; one whose
+backward has not run when a graph is called again after other calls' backwards ran (an output
+the loss does not use, held) is given up on: the step ended with the last backward that ran.
+A graph run again inside a backward (activation checkpointing's recompute) is part of the step
+under way and counts as the call it recomputes. Graphs whose plan is torch's own partition (no prediction) are left out of the split,
 with a warning: their memory is not bounded.
 
 Memory outside the graphs is held back from B before the split:
@@ -136,14 +139,17 @@ class _Graph:
     wrapper: Any = field(default=None, repr=False)
     # Dynamo's (frame, compile of that frame) it was compiled at; None outside Dynamo
     compile_id: tuple[int, int] | None = None
+    left_out: bool = False  # left out of the last split as replaced by a later compile of its frame
+    revived: bool = False  # called after being left out so: the later compile does not replace it
 
     def superseded_by(self, other: "_Graph") -> bool:
         """Whether ``other``, called in the step counted where this graph was not, is a later
         compile of the same frame: Dynamo tries a frame's latest code first, so a recompile
         that made a size dynamic serves every call the earlier code did, which then never
-        runs again (a frame recompiled for another reason runs its earlier code again: that
-        call brings it back into the split)."""
-        return (self.compile_id is not None and other.compile_id is not None and not self.calls and other.calls > 0
+        runs again (a frame recompiled for another reason, such as inputs that require grad,
+        runs its earlier code again: that call brings it back into the split for good)."""
+        return (not self.revived and self.compile_id is not None and other.compile_id is not None
+                and not self.calls and other.calls > 0
                 and other.compile_id[0] == self.compile_id[0] and other.compile_id[1] > self.compile_id[1])
 
 
@@ -205,7 +211,9 @@ class StepBudget:
         self.measured_excess = 0  # taken off the budget after a measured step exceeded it
         self._needs: list[GraphNeed] = []
         self._graphs: list[weakref.ref] = []  # of each graph's wrapper: a graph Dynamo dropped drops out
-        self._in_flight: set[int] = set()  # the calls (by number) whose backward has not run
+        # the calls (by number) whose backward has not run, each to its backward node: a call
+        # whose autograd graph was dropped (a check forward, an exception) is in flight no more
+        self._in_flight: dict[int, weakref.ref] = {}
         self._calls_made = 0
         self._backward_since_call = False  # a call's backward ran since the last graph call
         self.state = "wait"  # "wait" for a step to begin, "count" its calls, "done" once split
@@ -249,17 +257,15 @@ class StepBudget:
                 budget.gathered.see(args)
             outputs = graph.compiled(*args)
             node = compiled_backward_node(outputs)
-            if node is not None and recompute:
-                graph.calls += 1
-            elif node is not None:
+            if node is not None and not recompute:  # a recompute stands for the call it recomputes
                 budget._calls_made += 1
                 call = budget._calls_made
-                budget._in_flight.add(call)
+                budget._in_flight[call] = weakref.ref(node)
                 graph.calls += 1
+                if graph.left_out:  # not replaced by its frame's later compile after all: never left out again
+                    graph.left_out, graph.revived = False, True
                 if budget.state == "count":
                     node.register_prehook(lambda *_: budget.gathered.sample())
-                elif budget.state == "done" and not graph.most_calls:  # left out of the split: count again
-                    budget.state = "wait"
                 node.register_hook(lambda *_: budget._backward_done(call))
             return outputs
 
@@ -283,7 +289,9 @@ class StepBudget:
 
     @property
     def outstanding(self) -> int:
-        """Calls whose backward has not run (and was not given up on)."""
+        """Calls whose backward has not run, whose autograd graph is alive (and that were not
+        given up on)."""
+        self._in_flight = {call: node for call, node in self._in_flight.items() if node() is not None}
         return len(self._in_flight)
 
     def _step_may_begin(self) -> None:
@@ -293,7 +301,7 @@ class StepBudget:
             return
         for graph in self.graphs():  # a step begins: its calls are counted, split or not
             graph.calls = 0
-        if self.state == "wait":
+        if self.state in ("wait", "count"):  # "count": the step begun had no backward (its graph dropped)
             self.state = "count"
             self.gathered = GatheredParameters()
         elif (self.state == "done" and self.to_check and self.meter is not None
@@ -326,7 +334,7 @@ class StepBudget:
     def _backward_done(self, call: int) -> None:
         if call not in self._in_flight:  # given up on, or its backward ran before (retain_graph)
             return
-        self._in_flight.discard(call)
+        del self._in_flight[call]
         self._backward_since_call = True
         if self.state == "count":
             self.gathered.sample()
@@ -346,11 +354,12 @@ class StepBudget:
 
     def _called_more(self) -> bool:
         """Whether, after the split, a step called a graph more often than any step counted
-        before (a data-dependent number of layers): then the budget is split again, with the
-        calls of this step (INFO line)."""
-        more = [graph for graph in self.graphs() if self.state == "done" and 0 < graph.most_calls < graph.calls]
+        before (a data-dependent number of layers), or called one the split left out (first
+        called after it): then the budget is split again, with the calls of this step (INFO
+        line)."""
+        more = [graph for graph in self.graphs() if self.state == "done" and graph.most_calls < graph.calls]
         for graph in more:
-            log.info("%s: budget_scope='step': called %d times in a step, where the split counted %d: the budget is "
+            log.info("%s: budget_scope='step': called %d time(s) in a step, where the split counted %d: the budget is "
                      "split again", graph.name, graph.calls, graph.most_calls)
         return bool(more)
 
@@ -404,6 +413,7 @@ class StepBudget:
                 log.info("%s: budget_scope='step': left out of the split: a later compile of its frame runs in its "
                          "place", graph.name)
                 graph.most_calls = 0  # called again, it is counted again
+                graph.left_out = True
                 continue
             graph.most_calls = max(graph.most_calls, graph.calls)
             if not graph.most_calls:  # never called in a step counted
