@@ -51,9 +51,11 @@ def _plan(min_bytes: int, max_bytes: int, scheduled: int | None = None, fallback
 def test_a_graphs_need_is_its_minimum_plans_scheduled_peak_up_to_its_unconstrained_one():
     assert need_of("g", _plan(100, 300, scheduled=120), 2) == GraphNeed("g", 2, 120, 300)
     assert need_of("g", _plan(100, 300), 1) == GraphNeed("g", 1, 100, 300)
-    above = _plan(100, 300, scheduled=280)
-    above.predicted_peak_bytes = 270  # not the minimum-memory plan: its scheduled peak says nothing of the minimum
-    assert need_of("g", above, 1) == GraphNeed("g", 1, 100, 300)
+    # The budget loop kept another plan at 0.0 (the other search start's lowest, or a re-plan):
+    # predicted above the search's minimum, its code is still the lowest the graph reaches.
+    other_start = _plan(100, 300, scheduled=280)
+    other_start.predicted_peak_bytes = 270
+    assert need_of("g", other_start, 1) == GraphNeed("g", 1, 280, 300)
     # The budget loop kept the unconstrained plan, lower in code than every plan made for the budget.
     kept_free = _plan(100, 300, scheduled=280)
     kept_free.predicted_peak_bytes, kept_free.unconstrained = 300, True
@@ -282,6 +284,40 @@ def test_a_step_budget_below_the_minimum_plans_raises_under_strict_budget():
     x = torch.ones(4, requires_grad=True)
     with pytest.raises(BudgetError, match=r"minimum-memory plans need 5.00 MiB .*strict_budget=True"):
         graph(x).sum().backward()
+
+
+def test_a_graph_sent_back_to_its_minimum_runs_its_first_compile_again(caplog):
+    """Four calls of the block where the split counted two: the minimum-memory plans no longer
+    fit, and the block goes back to the plan it was first compiled at, not to a re-plan under
+    its minimum's figure (which may peak a few KiB above it)."""
+    budget = StepBudget(30 * MIB)
+    calls: list[str] = []
+    low, high = 5 * MIB, 10 * MIB
+    recompiled: list[int] = []
+
+    def recompile(share: int, args: tuple):
+        recompiled.append(share)
+        return _stand_in(calls, f"block@{share / MIB:g}"), lambda: _plan(low, high, scheduled=low)
+
+    block = budget.add("block", _stand_in(calls, "block"), lambda: _plan(low, high, scheduled=low), recompile)
+    x = torch.ones(4, requires_grad=True)
+
+    def step(layers: int):
+        out = x
+        for _ in range(layers):
+            out = block(out)
+        out.sum().backward()
+
+    step(2)
+    step(2)
+    assert recompiled == [15 * MIB] and calls[-1] == "block@15"
+    with pytest.warns(UserWarning, match="minimum-memory plans need 35.00 MiB"):
+        step(7)  # 7 x 5 MiB > 30 MiB
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        step(7)
+    assert recompiled == [15 * MIB] and calls[-1] == "block"  # its first compile, not a re-plan
+    assert "is its minimum: it runs its minimum-memory plan" in caplog.text
+    assert budget.graphs()[0].budget_bytes == low
 
 
 class _Meter:

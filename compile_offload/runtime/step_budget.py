@@ -104,23 +104,21 @@ def split_budget(budget_bytes: int, needs: list[GraphNeed]) -> tuple[dict[str, i
 
 
 def need_of(name: str, plan: Plan | None, calls: int) -> GraphNeed | None:
-    """A graph's need from a plan of it: from its minimum-memory peak (the scheduled one where
-    the plan is the minimum-memory plan, as the backend's first compile is, or the unconstrained
-    plan the budget loop kept as lower in code, else the predicted one) to its unconstrained
-    predicted peak; a plan of ours with nothing to decide (its
-    backward needs only the graph's inputs) needs its own peak; None for a graph without a
-    plan of ours (torch's partition: nothing to plan or predict)."""
+    """A graph's need from its minimum-memory plan (the backend's first compile under
+    ``budget_scope="step"``, at memory_budget 0.0): from that plan's peak (as Inductor
+    scheduled it where known, else the lowest peak its search predicted) to its unconstrained
+    predicted peak; a plan of ours with nothing to decide (its backward needs only the graph's
+    inputs) needs its own peak; None for a graph without a plan of ours (torch's partition:
+    nothing to plan or predict)."""
     if plan is None or plan.fallback is not None:
         return None
     if not plan.decisions:
         peak = max(plan.predicted_peak_bytes, plan.scheduled_peak_bytes or 0)
         return GraphNeed(name, calls, peak, peak) if peak else None
-    low = plan.min_peak_bytes
-    # The minimum-memory plan's code, or the unconstrained plan's where the budget loop kept it
-    # as lower than every plan made under the budget: the lowest the graph reaches in code.
-    if ((plan.predicted_peak_bytes <= plan.min_peak_bytes or plan.unconstrained)
-            and plan.scheduled_peak_bytes is not None):
-        low = max(low, plan.scheduled_peak_bytes)
+    # The code of the plan compiled at 0.0 is the lowest the graph reaches: the plan the budget
+    # loop kept there may be the other search start's lowest, a re-plan, or the unconstrained
+    # plan, lower in code than its predicted minimum.
+    low = max(plan.min_peak_bytes, plan.scheduled_peak_bytes or 0)
     return GraphNeed(name, calls, low, max(low, plan.baseline_peak_bytes))
 
 
@@ -141,6 +139,8 @@ class _Graph:
     compile_id: tuple[int, int] | None = None
     left_out: bool = False  # left out of the last split as replaced by a later compile of its frame
     revived: bool = False  # called after being left out so: the later compile does not replace it
+    # its first compile, at its minimum-memory plan: what a share at or below its minimum runs
+    minimum: tuple[Callable[..., Any], Callable[[], Plan | None]] | None = field(default=None, repr=False)
 
     def superseded_by(self, other: "_Graph") -> bool:
         """Whether ``other``, called in the step counted where this graph was not, is a later
@@ -231,12 +231,19 @@ class StepBudget:
         and it is compiled again with ``recompile(budget_bytes, args)`` at its first call once
         its share is known (``args``: that call's arguments). ``compile_id``: Dynamo's
         (frame, compile of that frame) of the graph."""
-        graph = _Graph(name, compiled, plan_of, recompile, compile_id=compile_id)
+        graph = _Graph(name, compiled, plan_of, recompile, compile_id=compile_id, minimum=(compiled, plan_of))
         budget = self
 
         def run(*args):
             if _fake(args):  # DDPOptimizer runs each bucket graph on fake tensors while compiling: not a step
                 return graph.compiled(*args)
+            if graph.pending and graph.need is not None and graph.budget_bytes <= graph.need.min_bytes:
+                # No plan made under its minimum peaks lower than the minimum-memory plan it was
+                # first compiled at (a re-plan under that figure may peak a few KiB over it).
+                graph.pending = False
+                log.info("%s: budget_scope='step': its share of the step's budget, %s, is its minimum: it runs "
+                         "its minimum-memory plan", graph.name, format_bytes(graph.budget_bytes))
+                graph.compiled, graph.plan_of = graph.minimum
             if graph.pending:
                 graph.pending = False
                 log.info("%s: budget_scope='step': compiling this graph again under its share of the step's "
