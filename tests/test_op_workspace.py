@@ -31,7 +31,8 @@ def test_each_convolution_backward_gets_a_measured_workspace():
     analysis, _ = capture_analysis(lambda x: model(x).pow(2).mean(), torch.randn(4, 3, 16, 16))
     found = op_workspaces(list(analysis.position))
     convolutions = [n for n in analysis.bw_nodes if n.target is torch.ops.aten.convolution_backward.default]
-    assert set(found) == set(convolutions) and len(convolutions) == 3
+    forward = [n for n in analysis.position if n.target is torch.ops.aten.convolution.default]
+    assert set(convolutions) <= set(found) <= set(convolutions) | set(forward) and len(convolutions) == 3
     weight_bytes = 32 * 32 * 3 * 3 * 4
     wide = [found[n] for n in convolutions if n.args[2].meta["val"].shape[1] == 32]
     assert len(wide) == 2 and all(bytes_ >= weight_bytes for bytes_ in wide)  # at least the weight gradient's buffer
@@ -82,6 +83,43 @@ def test_the_compiled_step_of_a_wide_convolution_net_is_predicted():
     x = torch.randn(4, 3, 16, 16)
     predicted, measured = planned_and_measured(lambda x: model(x).pow(2).mean(), x)
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+class DepthwiseThenTransposed(nn.Module):
+    """A depthwise convolution in channels-last, then a transposed one: mkldnn's forward
+    kernels hold a copy of their input in another layout and more while they run (measured,
+    torch 2.13: 41 KiB at a 2x4x16x16 input, 2.5 times the larger output), and this step
+    peaks in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.up = nn.ConvTranspose2d(4, 2, 2, stride=2)
+
+    def forward(self, x):
+        y = self.up(F.mish(self.depthwise(x.contiguous(memory_format=torch.channels_last))))
+        return F.pad(y, (1, 1, 1, 1)).pow(2).mean()
+
+
+def test_each_forward_convolution_gets_a_measured_workspace():
+    torch.manual_seed(0)
+    analysis, _ = capture_analysis(DepthwiseThenTransposed(), torch.randn(2, 4, 16, 16))
+    forward = [n for n in analysis.position if n.target is torch.ops.aten.convolution.default]
+    found = op_workspaces(list(analysis.position))
+    assert len(forward) == 2 and all(found.get(n, 0) > 0 for n in forward)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_step_that_peaks_in_a_forward_convolution_is_predicted():
+    """Found by an op-family sweep: without the forward convolutions' workspace this step
+    was predicted 41 KiB under the 101 KiB it measured (torch 2.13), and a byte budget in
+    between was kept silently over."""
+    torch.manual_seed(0)
+    model = DepthwiseThenTransposed()
+    x = torch.randn(2, 4, 16, 16)
+    predicted, measured = planned_and_measured(model, x)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
 class DropoutMLP(nn.Module):
@@ -424,9 +462,10 @@ def test_a_cuda_convolution_plan_names_the_workspace_it_could_not_measure(monkey
         unbudgeted = _plan_conv_net("cuda", None).plan
     for plan in (first, second, unbudgeted):
         notes = [n for n in plan.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)]
-        assert len(notes) == 1 and "convolution backward" in notes[0], plan.notes
+        assert len(notes) == 1 and "convolution forward, convolution backward" in notes[0], plan.notes
     warned = [str(w.message) for w in caught if "does not count the workspace" in str(w.message)]
-    assert len(warned) == 1 and "convolution backward" in warned[0] and "verify_budget" in warned[0], warned
+    assert len(warned) == 1 and "convolution forward, convolution backward" in warned[0], warned
+    assert "verify_budget" in warned[0]
     assert uncounted_cuda_workspaces([_flash_backward_graph(2, 2, 128, 64)]) == []
 
 
@@ -469,7 +508,7 @@ def _assert_the_op_holds_what_was_measured(node: fx.Node, measured: int) -> None
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cuda_convolution_backward_workspace_is_measured_and_planned(monkeypatch):
     """On a GPU the planner runs each convolution backward once per gradient and counts the
-    larger workspace: the plan holds it at the op (no note names it), and it is what the op
+    larger workspace, and each convolution once: the plan holds it at the op (no note names it), and it is what the op
     holds above its outputs when it computes both gradients."""
     from compile_offload.inductor import op_workspace
     from compile_offload.pipeline import planning
@@ -479,7 +518,9 @@ def test_a_cuda_convolution_backward_workspace_is_measured_and_planned(monkeypat
     convolutions = [n for n in result.analysis.bw_nodes if n.target is torch.ops.aten.convolution_backward.default]
     assert len(convolutions) == 2
     assert not [n for n in result.plan.notes if n.startswith(planning.UNCOUNTED_WORKSPACE_NOTE)], result.plan.notes
-    for node in convolutions:
+    forward = [n for n in result.analysis.position if n.target is torch.ops.aten.convolution.default]
+    assert len(forward) == 2
+    for node in (*convolutions, *forward):
         measured = op_workspace.measured_cuda_workspace(node)
         assert measured is not None and result.analysis.workspace_bytes.get(node, 0) == measured
         _assert_the_op_holds_what_was_measured(node, measured)

@@ -387,7 +387,7 @@ def _workspaces(node, device: str) -> list[Buffer]:
     kernel that nothing reads (freed when the kernel ends): on CUDA the workspaces known
     from the op's source (``op_workspace.CUDA_WORKSPACES``: FlashAttention's and the
     memory-efficient attention's backward); on the CPU those of ``op_workspace.MEASURED_OPS``
-    (mkldnn's ``convolution_backward``, the CPU attention backward), measured by running the
+    (mkldnn's convolution and ``convolution_backward``, the CPU attention backward), measured by running the
     op in the layouts Inductor gives its arguments, as the plan measures them; on a GPU
     the convolution backward's and cuDNN attention backward's, measured there
     (``op_workspace.measured_cuda_workspace``;

@@ -1,6 +1,9 @@
 """The memory an extern op holds while it runs, beyond its outputs, measured by running it.
 
-On the CPU, ATen's mkldnn ``convolution_backward`` allocates temporaries inside the op:
+On the CPU, ATen's mkldnn convolution allocates temporaries inside the op. Its forward
+holds a copy of an input in the layout mkldnn wants and more (a depthwise convolution then a
+transposed one at a 2x4x16x16 input: 41 KiB, 2.5 times the larger output, where that step
+peaks). ``convolution_backward``:
 buffers for the weight gradient before it is written out in the weight's layout, and
 oneDNN's scratchpad (measured 2026-11-26, torch 2.13: two weight-sized buffers at the op's
 peak, live only while it runs). Inductor calls the op as an
@@ -21,7 +24,7 @@ temporary of the input's size; a dropout transformer measured 5% over its byte b
 without it.
 
 Only for static shapes, and on the CPU only where the op's inputs are small enough to copy
-(``MAX_INPUT_BYTES``). On a GPU the convolution backward and cuDNN attention's backward are
+(``MAX_INPUT_BYTES``). On a GPU the convolution, its backward and cuDNN attention's backward are
 measured the same way (``measured_cuda_workspace``): cuDNN's workspace depends on the
 algorithm or plan it picks when the op runs, which for the same shapes and settings is the
 same at planning time and in the step; only where the op's tensors take at most a quarter
@@ -67,6 +70,7 @@ from ..runtime.memory_tracker import allocator_block_bytes, measure_peak, profil
 from ..passes.analyze import tensor_value
 from ..passes.compat import inductor_channels_last_convolutions
 
+CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 MAX_INPUT_BYTES = 64 * 2**20  # the op's tensor inputs, all together
 _measured: dict[tuple, int] = {}  # signature -> workspace bytes
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
@@ -75,6 +79,7 @@ EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_back
 # measured buffers made the contract's transformer minimum plan 1.99 MiB against 1.95
 # measured (2026-11-26), and no measured step needed them.
 MEASURED_OPS = frozenset({
+    torch.ops.aten.convolution.default,
     torch.ops.aten.convolution_backward.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     torch.ops.aten.native_dropout.default,
@@ -83,7 +88,7 @@ MEASURED_OPS = frozenset({
 
 def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = True) -> dict[fx.Node, int]:
     """Each CPU ``convolution_backward`` and attention backward, each CUDA FlashAttention and
-    memory-efficient attention backward, and on a GPU each convolution backward and cuDNN
+    memory-efficient attention backward, and on a GPU each convolution, convolution backward and cuDNN
     attention backward (``MEASURED_CUDA_OPS``), of ``nodes`` (a joint graph's) -> the bytes it
     holds while it runs beyond its outputs (omitted where nothing, or where it is not known).
     ``inductor``: the graphs are compiled by Inductor, whose layout optimization decides the
@@ -104,7 +109,7 @@ def op_workspaces(nodes: list[fx.Node], inductor: bool = True, measure: bool = T
         [tensor_value(arg) for n in forward_convolutions for arg in n.args[:2] if isinstance(arg, fx.Node)])
     for node in measured:
         # Only the convolution gets Inductor's channels-last layouts (``_measure``).
-        nbytes = measured_workspace(node, channels_last and node.target is torch.ops.aten.convolution_backward.default)
+        nbytes = measured_workspace(node, channels_last and node.target in CONVOLUTIONS)
         if nbytes > 0:
             found[node] = nbytes
     return found
@@ -317,10 +322,12 @@ CUDA_WORKSPACES = {
 # and settings give the same choice at planning time and in the step, so where the plan is
 # made on the GPU they are measured there (``measured_cuda_workspace``); where not, the plan
 # names them (``uncounted_cuda_workspaces``, design.md).
+CONVOLUTION = torch.ops.aten.convolution.default
 CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 CUDNN_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
 # op -> what the plan's notes call it where it is not measured
-MEASURED_CUDA_OPS = {CONVOLUTION_BACKWARD: "convolution backward", CUDNN_ATTENTION_BACKWARD: "cuDNN attention backward"}
+MEASURED_CUDA_OPS = {CONVOLUTION: "convolution forward", CONVOLUTION_BACKWARD: "convolution backward",
+                     CUDNN_ATTENTION_BACKWARD: "cuDNN attention backward"}
 
 # The op's tensors, inputs and outputs, may take at most this share of the GPU's free memory
 # while it is measured: planning runs before the step's activations exist, and a measurement
@@ -330,8 +337,8 @@ _measured_cuda: dict[tuple, int | None] = {}  # signature -> workspace bytes (No
 
 
 def measured_cuda_workspace(node: fx.Node, strides: dict[fx.Node, tuple[int, ...]] | None = None) -> int | None:
-    """What a CUDA op of ``MEASURED_CUDA_OPS`` (the convolution backward, cuDNN attention's
-    backward) holds while it runs beyond its outputs, measured by running it on this GPU
+    """What a CUDA op of ``MEASURED_CUDA_OPS`` (the convolution and its backward, cuDNN
+    attention's backward) holds while it runs beyond its outputs, measured by running it on this GPU
     (once per signature and cuDNN settings per process), in the traced layouts or those
     ``strides`` gives (as ``measured_workspace``). None where it cannot be measured here: no
     GPU (fake CUDA tensors on a CPU machine), tensors that are not static CUDA (or host)
@@ -346,6 +353,8 @@ def measured_cuda_workspace(node: fx.Node, strides: dict[fx.Node, tuple[int, ...
     if any(isinstance(x, torch.SymInt) for v in values for x in (*v.shape, *v.stride())):
         return None  # dynamic shapes: reading a size would guard on it
     if node.target is CONVOLUTION_BACKWARD and (len(node.args) != 11 or node.kwargs):
+        return None
+    if node.target is CONVOLUTION and (len(node.args) != 9 or node.kwargs):
         return None
     strides = strides or {}
     backends = torch.backends.cudnn
