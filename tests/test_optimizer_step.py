@@ -84,6 +84,32 @@ def test_the_first_step_runs_on_the_host_and_creates_the_state():
     assert len(optimizer.state) == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_a_parameter_first_trained_after_the_first_step_gets_its_state_on_the_host(name):
+    """Progressive unfreezing: the head has no gradient in the first step, so no state. Its
+    first step runs on the host, where the optimizer creates its state (streamed, the new
+    state had nowhere to go back to: KeyError), and it streams from then on."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](reference.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 2))
+    head = list(model.parameters())[-1]
+    for net in (model, reference):
+        list(net.parameters())[-1].requires_grad_(False)
+    _train(model, stepper.step, 1)
+    _train(reference, reference_optimizer.step, 1)
+    assert head not in optimizer.state
+    for net in (model, reference):
+        list(net.parameters())[-1].requires_grad_(True)
+    losses = _train(model, stepper.step, 3)
+    expected = _train(reference, reference_optimizer.step, 3)
+    assert stepper.chosen == DEVICE and head in optimizer.state
+    torch.testing.assert_close(losses, expected)
+    for (label, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=label)
+
+
 @pytest.mark.parametrize("streamed_costs,expected", [((1.0, 1.0), DEVICE), ((1.0, 3.5), HOST)])
 def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_the_spread(streamed_costs, expected):
     """With a stand-in clock under which the host step takes 3 s and the streamed one

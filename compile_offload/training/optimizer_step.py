@@ -263,7 +263,9 @@ class OptimizerStep:
         ones' gradients set aside (the parameters on the device, host parameters too large for
         a group: on the host this runs while the device works; the hooks and the schedulers'
         count), then the downloads waited for."""
-        streamed = self._streamable(self._host_params())
+        # A parameter without state yet (its first gradient: unfrozen, or unused until now)
+        # steps on the host, where the optimizer creates its state, as every first step does.
+        streamed = self._streamable([p for p in self._host_params() if self.optimizer.state.get(p)])
         if streamed and not self.warned_hooks and optim.step_pre_hook_count(self.optimizer):
             self.warned_hooks = True
             warnings.warn("compile_offload.fit: the optimizer has step pre-hooks; streamed through the device "
