@@ -472,6 +472,25 @@ def test_max_grad_norm_clips_as_torch_does_before_the_optimizer_steps(budget, op
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_clip_grad_norm_with_a_non_finite_gradient_does_what_torchs_does(bad):
+    """A NaN norm makes every gradient NaN in torch's clip_grad_norm_ (its scale is NaN); an
+    infinite one scales by 0. Clipping only where the scale compared below 1 left the finite
+    gradients unclipped under a NaN norm."""
+    from compile_offload.training.fit import clip_grad_norm
+
+    torch.manual_seed(0)
+    ours, theirs = Net(), Net()
+    for model in (ours, theirs):
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        list(model.parameters())[-1].grad[0] = bad
+    assert torch.equal(clip_grad_norm(ours.parameters(), 1.0).isnan(),
+                       torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0).isnan())
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True)
+
+
 def test_a_step_pre_hook_is_warned_once_where_the_host_state_streams_before_it_runs():
     result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
                                  inner_compiler="eager", optimizer_step="device")

@@ -170,7 +170,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
         norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().cpu())
     total = torch.linalg.vector_norm(torch.stack(norms))
     scale = max_norm / (float(total) + 1e-6)
-    if scale < 1.0:
+    if not scale >= 1.0:  # a NaN norm too: every gradient becomes NaN, as torch.nn.utils.clip_grad_norm_ makes them
         for grads in by_device.values():
             for grad in grads:
                 grad.mul_(scale)
