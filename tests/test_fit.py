@@ -472,6 +472,28 @@ def test_max_grad_norm_clips_as_torch_does_before_the_optimizer_steps(budget, op
         torch._dynamo.reset()
 
 
+def test_an_optimizer_on_parameters_taken_before_fit_is_refused_before_the_model_changes():
+    """Parameter groups made from the model before fit trained nothing once FSDP2 replaced the
+    parameters (host placement), silently, and trained on the device placement."""
+    model = Net()
+    early = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+             {"params": [p for n, p in model.named_parameters() if not n.endswith("weight")]}]
+    before = [p for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"other parameters than the params it was given"):
+        compile_offload.fit(model, lambda params: torch.optim.AdamW(early, lr=1e-2), batch(0), memory_budget=BUDGET,
+                            loss_fn=loss_fn, inner_compiler="eager")
+    assert list(model.parameters()) == before and not dist.is_initialized()
+
+
+def test_a_fused_sgd_that_cannot_step_sharded_parameters_is_refused_before_the_model_changes():
+    model = Net()
+    before = [p for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"SGD\(fused=True\) cannot step FSDP2's sharded parameters"):
+        compile_offload.fit(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True), batch(0),
+                            memory_budget=BUDGET, loss_fn=loss_fn, inner_compiler="eager")
+    assert list(model.parameters()) == before and not dist.is_initialized()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_clip_grad_norm_with_a_non_finite_gradient_does_what_torchs_does(bad):
     """A NaN norm makes every gradient NaN in torch's clip_grad_norm_ (its scale is NaN); an

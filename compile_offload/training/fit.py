@@ -24,7 +24,7 @@ from torch import nn
 from ..passes.plan import format_bytes
 from ..torch_api.utils import tree_map
 from .optimizer_state import optimizer_state_bytes
-from .optimizer_step import OptimizerStep, check_mode, prefer_fused
+from .optimizer_step import OptimizerStep, check_mode, fused_without_dtensor_rule, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
 
 # Times the blocks are compiled again under a lower budget after a measured step over it.
@@ -280,6 +280,13 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("compile_offload.fit: optimizer_fn(params) must return a torch.optim.Optimizer built on "
                         f"params (got {type(optimizer).__name__})")
+    given = {id(p) for p in placeholders}
+    if any(id(p) not in given for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("compile_offload.fit: optimizer_fn(params) built its optimizer on other parameters than "
+                         "the params it was given (parameter groups made from the model before fit?): fit moves or "
+                         "shards the model (FSDP2) and calls optimizer_fn with its parameters as they are then, so "
+                         "build the groups inside optimizer_fn from params (named groups: "
+                         "zip(model.named_parameters(), params) keeps the order)")
     state_bytes, state_note = optimizer_state_bytes(optimizer, _nbytes)
     del optimizer
     model_device = params[0].device if params else torch.device("cpu")
@@ -412,6 +419,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     plan = plan_step(budget, sizes)
     if plan.fsdp2:
         _check_no_parameter_shared_across_blocks(model, blocks)
+        _check_steps_sharded_parameters(optimizer_fn, model)
     had_group = dist.is_available() and dist.is_initialized()
     try:
         created = _prepare(model, blocks, plan, device)
@@ -467,6 +475,20 @@ def _check_not_prepared(model: nn.Module) -> None:
             raise ValueError(f"compile_offload.fit: the model's module {name or '(the root)'!r} is already {what}: "
                              "fit prepares the model in place, once. Call fit on the model as you built it (a new "
                              "instance, or one loaded from its state_dict), or keep using the Fitted it returned")
+
+
+def _check_steps_sharded_parameters(optimizer_fn: Callable, model: nn.Module) -> None:
+    """Before anything is prepared: an optimizer whose fused op cannot step FSDP2's sharded
+    parameters (``SGD(fused=True)``) would fail at the first optimizer step, with the model
+    already sharded in place."""
+    probe = optimizer_fn([nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                          for p in model.parameters()])
+    name = fused_without_dtensor_rule(probe)
+    if name is not None:
+        raise ValueError(f"compile_offload.fit: {name}(fused=True) cannot step FSDP2's sharded parameters (torch has "
+                         "no DTensor rule for its fused op), and this budget shards the model with FSDP2: leave "
+                         "fused unset (fit then takes the foreach kernels), or give a budget that keeps the state "
+                         "on the device")
 
 
 def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:

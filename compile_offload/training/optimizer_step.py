@@ -99,6 +99,15 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> str | None:
                " (foreach where its fused op has no rule for FSDP2's sharded parameters)"))
 
 
+def fused_without_dtensor_rule(optimizer: torch.optim.Optimizer) -> str | None:
+    """The class name of a torch.optim optimizer with ``fused=True`` in a group whose fused op
+    has no rule for FSDP2's sharded parameters (not in ``FUSED_ON_DTENSORS``: SGD), else None."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim") or cls.__name__ in FUSED_ON_DTENSORS:
+        return None
+    return cls.__name__ if any(group.get("fused") for group in optimizer.param_groups) else None
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"compile_offload.fit: optimizer_step must be one of {', '.join(map(repr, MODES))}, "
