@@ -494,6 +494,21 @@ def test_a_fused_sgd_that_cannot_step_sharded_parameters_is_refused_before_the_m
     assert list(model.parameters()) == before and not dist.is_initialized()
 
 
+def test_the_default_blocks_are_the_first_module_list_that_holds_parameters():
+    from compile_offload.training.fit import default_blocks
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = nn.ModuleList([nn.Identity(), nn.Dropout(0.0)])  # before the blocks, nothing to train
+            self.net = Net()
+
+    model = Wrapped()
+    assert default_blocks(model) == list(model.net.blocks)
+    with pytest.raises(ValueError, match="no nn.ModuleList of blocks with parameters"):
+        default_blocks(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.ReLU()])))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_clip_grad_norm_with_a_non_finite_gradient_does_what_torchs_does(bad):
     """A NaN norm makes every gradient NaN in torch's clip_grad_norm_ (its scale is NaN); an

@@ -187,12 +187,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the first ``nn.ModuleList`` in the model (a transformer's blocks)."""
+    """The children of the first ``nn.ModuleList`` in the model that holds parameters (a
+    transformer's blocks; a list of parameterless modules before them, such as dropouts or
+    activations, is not the blocks)."""
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and any(True for _ in module.parameters()):
             return list(module)
-    raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks; pass blocks=[...], the modules "
-                     "to shard and compile one by one")
+    raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks with parameters; pass "
+                     "blocks=[...], the modules to shard and compile one by one")
 
 
 class _Captured(Exception):
@@ -412,7 +414,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     blocks = list(blocks) if blocks is not None else default_blocks(model)
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
-                         "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList")
+                         "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
+                         "parameters")
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
