@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import re
 import warnings
@@ -88,6 +89,8 @@ def parse_bytes(value: object, knob: str, label: str | None = None, accepted: st
     name = label or f"compile_offload.config.{knob}"
     if isinstance(value, bool):
         raise TypeError(f"{name}={value!r}: a bool is not a size; accepted: {accepted}")
+    if isinstance(value, numbers.Integral):  # NumPy's integers too
+        value = int(value)
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name}={value!r} is negative; accepted: {accepted}")

@@ -38,6 +38,11 @@ def test_byte_budgets_parse_to_bytes(value, expected_bytes):
     assert resolved.budget_fraction is None
 
 
+def test_a_numpy_integer_is_a_byte_budget():
+    np = pytest.importorskip("numpy")  # a size computed with NumPy (installed with the plot extra)
+    assert settings.resolve({"memory_budget": np.int64(4096)}).budget_bytes == 4096
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, "0.25"])
 def test_float_budgets_are_fractions(fraction):
     resolved = settings.resolve({"memory_budget": fraction})
