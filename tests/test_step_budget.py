@@ -170,6 +170,19 @@ def test_a_call_without_a_backward_does_not_keep_the_step_from_ending(caplog):
     assert budget.outstanding == 0
 
 
+def _layered(block):
+    """A step that runs ``block`` for each of ``layers`` layers, then the backward."""
+    x = torch.ones(4, requires_grad=True)
+
+    def step(layers: int):
+        out = x
+        for _ in range(layers):
+            out = block(out)
+        out.sum().backward()
+
+    return step
+
+
 def test_a_step_that_calls_a_graph_more_often_than_the_split_counted_splits_again(caplog):
     """A data-dependent number of layers: the first step runs the block graph twice, a later
     one four times; at that step's end the budget is split again with four calls."""
@@ -179,14 +192,7 @@ def test_a_step_that_calls_a_graph_more_often_than_the_split_counted_splits_agai
     block = budget.add("block", _stand_in(calls, "block"), lambda: _plan(low, high, scheduled=low),
                        lambda share, args: (_stand_in(calls, f"block@{share / MIB:g}"),
                                             lambda: _plan(low, high, scheduled=low)))
-    x = torch.ones(4, requires_grad=True)
-
-    def step(layers: int):
-        out = x
-        for _ in range(layers):
-            out = block(out)
-        out.sum().backward()
-
+    step = _layered(block)
     step(2)
     step(2)
     assert budget.splits == 1 and calls[-1] == "block@15"  # 2 calls: floor 10, room 10, 10 more per 2 calls
@@ -300,14 +306,7 @@ def test_a_graph_sent_back_to_its_minimum_runs_its_first_compile_again(caplog):
         return _stand_in(calls, f"block@{share / MIB:g}"), lambda: _plan(low, high, scheduled=low)
 
     block = budget.add("block", _stand_in(calls, "block"), lambda: _plan(low, high, scheduled=low), recompile)
-    x = torch.ones(4, requires_grad=True)
-
-    def step(layers: int):
-        out = x
-        for _ in range(layers):
-            out = block(out)
-        out.sum().backward()
-
+    step = _layered(block)
     step(2)
     step(2)
     assert recompiled == [15 * MIB] and calls[-1] == "block@15"
