@@ -494,6 +494,46 @@ def test_a_fused_sgd_that_cannot_step_sharded_parameters_is_refused_before_the_m
     assert list(model.parameters()) == before and not dist.is_initialized()
 
 
+class SharedLayers(Net):
+    """Its blocks run twice per forward (weights shared across layers, as ALBERT's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            for block in self.blocks:
+                x = block(x)
+        return self.head(x)
+
+
+class DataDependent(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[: 1 + int(x.abs().sum() > 0)]:  # reads a value: no forward on meta
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_block_run_twice_per_forward_has_each_calls_activations_planned():
+    """Planned for one call per block, the shared-layer model's activations were 44% low
+    (the minimum of 3 blocks, where 6 calls save theirs)."""
+    from compile_offload.training.fit import measure
+    from compile_offload.training.state_plan import plan_step
+
+    torch.manual_seed(0)
+    once, twice = Net(blocks=3), SharedLayers(blocks=3)
+    sizes = {name: measure(model, list(model.blocks), optimizer_fn, (batch(0),), torch.device("cpu"),
+                           {"inner_compiler": "eager"}, 1) for name, model in (("once", once), ("twice", twice))}
+    assert sizes["once"].block_calls == 0 and sizes["twice"].block_calls == 6
+    assert any("runs the 3 blocks 6 times" in note for note in sizes["twice"].notes)
+    one, two = (plan_step(10**9, sizes[name]) for name in ("once", "twice"))
+    per_call = sizes["once"].block_saved_min_bytes + sizes["once"].block_input_bytes
+    assert two.activation_min_bytes - one.activation_min_bytes == 3 * per_call
+    assert two.per_block_activation_budget_bytes < one.per_block_activation_budget_bytes  # the slack over 6 calls
+
+    branching = DataDependent(blocks=3)
+    unknown = measure(branching, list(branching.blocks), optimizer_fn, (batch(0),), torch.device("cpu"),
+                      {"inner_compiler": "eager"}, 1)
+    assert unknown.block_calls == 0 and any("calls were not counted" in note for note in unknown.notes)
+
+
 def test_the_default_blocks_are_the_first_module_list_that_holds_parameters():
     from compile_offload.training.fit import default_blocks
 

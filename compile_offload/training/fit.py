@@ -314,6 +314,14 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
     if len(distinct) > 1:
         notes.append(f"the blocks are of {len(distinct)} kinds (blocks {', '.join(map(str, distinct))} planned); "
                      "the largest figures of theirs stand for every block")
+    calls = block_calls(model, blocks, inputs, input_kwargs or {})
+    if calls is None:
+        notes.append("the blocks' calls were not counted (the forward did not run on a meta copy of the model): "
+                     "one call per block is planned")
+    elif any(n > 1 for n in calls):
+        repeated = ", ".join(f"block {i} {n} times" for i, n in enumerate(calls) if n > 1)
+        notes.append(f"the sample's forward runs the {len(blocks)} blocks {sum(calls)} times ({repeated}): each "
+                     "call's activations are planned")
     return StateSizes(
         parameter_bytes=sum(_nbytes(p) for p in params),
         gradient_bytes=sum(_nbytes(p) for p in trainable),
@@ -327,7 +335,35 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
         block_input_bytes=input_bytes,
         world_size=world_size,
         notes=tuple([state_note] if state_note else []) + tuple(notes),
+        block_calls=sum(calls) if calls and any(n > 1 for n in calls) else 0,
     )
+
+
+def block_calls(model: nn.Module, blocks: list[nn.Module], inputs: tuple, kwargs: dict) -> list[int] | None:
+    """How many times each block runs in the model's forward on the sample (a block shared
+    across layers runs several times), counted on a copy of the model on ``meta``: nothing is
+    computed or allocated. None where the forward cannot run there (data-dependent control
+    flow reads values meta tensors do not have) or a block is not among the model's modules."""
+    names = {id(module): name for name, module in model.named_modules()}
+    if any(id(block) not in names for block in blocks):
+        return None
+    memo: dict[int, Any] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) not in memo:
+            empty = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    calls = [0] * len(blocks)
+    try:
+        meta = copy.deepcopy(model, memo)
+        hooks = [meta.get_submodule(names[id(block)]).register_forward_pre_hook(
+            lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) for i, block in enumerate(blocks)]
+        with torch.no_grad():
+            meta(*_to(inputs, torch.device("meta")), **_to(kwargs, torch.device("meta")))
+    except Exception:  # noqa: BLE001  counting is a refinement: the plan then assumes one call per block
+        return None
+    for hook in hooks:
+        hook.remove()
+    return calls
 
 
 def distinct_blocks(blocks: list[nn.Module]) -> list[int]:

@@ -38,7 +38,8 @@ The rest of the budget goes to the activations.
 
 The activations, either way: each block is its own compiled graph. Their minimum is what the
 step holds with every block at its minimum-memory plan (``explain`` at ``memory_budget=0.0``):
-in the backward of the first block, the saved tensors of the N - 1 others (each plan's bytes
+in the backward of the first block, the saved tensors of the N - 1 others (of every other
+call, where a block runs more than once in a forward: counted on a meta copy; each plan's bytes
 live at its forward's end) + that block's own peak (``Plan.min_peak_bytes``; it counts the
 gradients its backward produces) + the block inputs the step holds (each block's input is a
 graph input of its compiled graph: never counted in its budget, never offloaded). With the
@@ -46,7 +47,7 @@ state on the device, the N - 1 blocks' gradients, produced earlier in the backwa
 until the optimizer step and are added; on the host FSDP2 reduces and offloads each block's
 gradients after its backward, so only one block's are on the device (in its peak). The budget
 left beyond that minimum is split evenly: each block's compiled graph gets its minimum peak +
-1/N of the slack (``per_block_activation_budget_bytes``).
+1/N of the slack (1/calls; ``per_block_activation_budget_bytes``).
 
 *Neither fits*: ``ValueError`` with the figures and the smallest budget the host placement
 can meet.
@@ -97,6 +98,9 @@ class StateSizes:
     block_input_bytes: int  # the tensors one block receives (held as its graph's inputs)
     world_size: int = 1
     notes: tuple[str, ...] = ()  # what measuring the sizes assumed (an unknown optimizer)
+    # the blocks' calls in one forward where some block runs more than once (layers sharing
+    # weights); 0: one call per block
+    block_calls: int = 0
 
     @property
     def blocks(self) -> int:
@@ -208,11 +212,12 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
     if budget_bytes <= 0:
         raise ValueError(f"compile_offload.fit: memory_budget must be a positive number of bytes, not {budget_bytes}")
     n = sizes.blocks
+    calls = max(n, sizes.block_calls)  # each call of a block saves its activations
     ranks = max(1, sizes.world_size)
-    inputs_held = n * sizes.block_input_bytes
+    inputs_held = calls * sizes.block_input_bytes
     max_block_grads = max(sizes.block_gradient_bytes)
     # every block at its minimum-memory plan, in the first block's backward (module docstring)
-    host_activation_min = (n - 1) * sizes.block_saved_min_bytes + sizes.block_activation_min_bytes + inputs_held
+    host_activation_min = (calls - 1) * sizes.block_saved_min_bytes + sizes.block_activation_min_bytes + inputs_held
     # on one rank the blocks' gradients stay unsharded until the optimizer step
     device_activation_min = host_activation_min + ((n - 1) * max_block_grads if ranks == 1 else 0)
     notes = list(sizes.notes)
@@ -242,7 +247,7 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
                 f"unsharded parameters held {format_bytes(held_params)} ({held_how}), the gradients outside the "
                 f"blocks {format_bytes(held_grads)}, buffers {format_bytes(sizes.buffer_bytes)}, and the activations' "
                 f"minimum {format_bytes(activation_min)} (one block's peak {format_bytes(sizes.block_activation_min_bytes)}"
-                f" + {n - 1} x {format_bytes(sizes.block_saved_min_bytes)} saved by the others + block inputs "
+                f" + {calls - 1} x {format_bytes(sizes.block_saved_min_bytes)} saved by the other calls + block inputs "
                 f"{format_bytes(inputs_held)}) = {format_bytes(state_on_device + activation_min)} "
                 f"({state_on_device + activation_min} bytes). A budget of at least that fits; so would smaller "
                 f"blocks (more of them) or a smaller sample (batch). All on the device would need "
@@ -264,9 +269,9 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
     shared_h2d = -(-max(host_blocks) // ranks) if offload else 0  # each rank uploads its shard, then all-gathers
     activation_budget = budget_bytes - state_on_device
     slack = activation_budget - activation_min
-    per_block = sizes.block_activation_min_bytes + slack // n
+    per_block = sizes.block_activation_min_bytes + slack // calls
     room = max(0, sizes.block_activation_max_bytes - sizes.block_activation_min_bytes)
-    predicted_peak = state_on_device + activation_min + min(slack, n * room)
+    predicted_peak = state_on_device + activation_min + min(slack, calls * room)
     notes.append("not counted in the predicted peak: FSDP2's communication buffers, activations outside the blocks "
                  "(embedding output, head, loss), allocator fragmentation, the CUDA context")
     return StepPlan(
