@@ -332,8 +332,10 @@ def folder_problem(path: str) -> str | None:
     return None
 
 
-def _positive_int(knob: str, value: object) -> int:
+def _positive_int(knob: str, value: object, from_environment: bool = False) -> int:
     if isinstance(value, str) and value.strip().isdigit():  # from the environment
+        value = int(value)
+    if isinstance(value, bool) and from_environment:  # torch's config module reads "1" and "0" as bools
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"compile_offload.config.{knob}={value!r}: accepted: a positive int")
@@ -357,7 +359,8 @@ def resolve(overrides: dict | None = None) -> Settings:
         profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,
                           PROFILE_NAMES)
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
-    exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"])
+    exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"],
+                              from_environment("exact_max_candidates"))
     pool_limit = values["pinned_pool_limit"]
     if pool_limit is not None:
         pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
@@ -380,7 +383,8 @@ def resolve(overrides: dict | None = None) -> Settings:
         verify_budget=_flag("verify_budget", values["verify_budget"], from_environment("verify_budget")),
         measured_plan_choice=_flag("measured_plan_choice", values["measured_plan_choice"],
                                    from_environment("measured_plan_choice")),
-        measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
+        measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"],
+                                          from_environment("measured_plan_steps")),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
         shared_h2d_bytes=0 if values["shared_h2d_bytes"] is None else parse_bytes(values["shared_h2d_bytes"],
                                                                                    "shared_h2d_bytes"),

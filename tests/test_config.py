@@ -261,12 +261,21 @@ def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
         ({"COMPILE_OFFLOAD_VERIFY_BUDGET": "1"}, {"verify_budget": True}),
         ({"COMPILE_OFFLOAD_MEASURED_PLAN_CHOICE": "1", "COMPILE_OFFLOAD_MEASURED_PLAN_STEPS": "5"},
          {"measured_plan_choice": True, "measured_plan_steps": 5}),
+        # "1" too, which torch's config module reads as True
+        ({"COMPILE_OFFLOAD_MEASURED_PLAN_STEPS": "1", "COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES": "1"},
+         {"measured_plan_steps": 1, "exact_max_candidates": 1}),
     ],
     ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
 )
 def test_environment_variables(env, expected):
     resolved = resolve_with_env(env)
     assert {k: resolved.get(k, resolved) for k in expected} == expected
+
+
+@pytest.mark.parametrize("knob", ["measured_plan_steps", "exact_max_candidates"])
+def test_a_bool_is_no_count_in_code(knob):
+    with pytest.raises(ValueError, match="accepted: a positive int"):
+        settings.resolve({knob: True})
 
 
 @pytest.mark.slow
