@@ -185,6 +185,38 @@ def test_a_user_profiler_step_runs_the_planners_plan_unmeasured():
     assert prof.key_averages() is not None  # the user's profiler kept its session
 
 
+def test_under_a_process_group_a_step_under_the_users_profiler_keeps_its_place_in_the_schedule(monkeypatch):
+    """One rank profiled by its user (steps 1-3) must reach the collectives that agree on the
+    figures at the same step as the others: its profiled steps pass their place in the
+    schedule unmeasured (skipped, that rank fell three steps behind, and the two ranks'
+    all_gather_object and DDP's all-reduces crossed: a deadlock). The profile step it missed
+    hands None to ``on_profiled``, which agrees on None with the ranks."""
+    from compile_offload.runtime import plan_trials
+
+    gathered: list = []
+    monkeypatch.setattr(plan_trials, "_process_group_gather",
+                        lambda: lambda obj: gathered.append(obj) or [obj, obj])  # two ranks, alike
+    calls: list[str] = []
+    chosen: list[Trial] = []
+    profiled: list = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1,
+                        on_chosen=lambda c, measured: chosen.append(c), on_profiled=lambda c: profiled.append(c))
+    x = torch.ones(4, requires_grad=True)
+    steps = len(runner.schedule)  # 2 warm-ups, the profile, 2 peaks, 2 timed
+    for step in range(steps):
+        if 1 <= step <= 3:  # the warm-up of b, the profile and a's peak step, under the user's profiler
+            with torch.profiler.profile():
+                runner(x).sum().backward()
+        else:
+            runner(x).sum().backward()
+        assert runner.position == min(step + 1, steps) or chosen
+    assert profiled == [None]  # the profile step was missed: on_profiled hears of it, with nothing
+    assert len(chosen) == 1 and gathered  # the choice was made after as many steps as the other ranks'
+    assert calls[1:4] == ["a", "a", "a"]  # the profiled steps ran the planner's plan
+    assert trials[0].peak_bytes is None and trials[1].peak_bytes is not None
+
+
 class _Residual(nn.Module):
     """Residual MLP blocks on a long batch: activations far above the weights, so plans between
     the unconstrained and the minimum-memory one differ."""
@@ -293,6 +325,48 @@ def test_a_profile_that_does_not_line_up_leaves_the_model_with_one_warning(monke
     assert len(said) == 1 and "0 compiled-graph calls profiled" in said[0], said
     (plan,) = [p for p in logs.latest_plans() if p.graph_name.startswith("graph")][-1:]
     assert plan.cost_source == "model" and plan.measured_candidates >= 1
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_the_graphs_latest_plan_is_the_one_it_runs_while_candidates_are_compiled_and_dropped(monkeypatch):
+    """Each candidate compiled reported itself as the graph's latest plan (and dump): after
+    the trials' compiles, and after the plan from measured costs was made and dropped, the
+    latest plan (explain, verify_budget, dump_dir) was a candidate that does not run."""
+    import compile_offload
+    from compile_offload.pipeline import plan_choice
+
+    torch.manual_seed(0)
+    model = _Residual()
+    eager = copy.deepcopy(model)
+    x = torch.randn(1024, 64)
+    options = {"memory_budget": 0.5, "measured_plan_steps": 1}
+    torch._dynamo.reset()
+    reference = compile_offload.explain(copy.deepcopy(model), x, **options)
+    dropped: list = []
+    real = plan_choice._measured_cost_candidate
+
+    def dropping(loop, trials):
+        on_profiled = real(loop, trials)
+        # the plan from measured costs is made (and reports itself), then dropped
+        return None if on_profiled is None else (lambda calls: dropped.append(on_profiled(calls)) and None)
+
+    monkeypatch.setattr(plan_choice, "_measured_cost_candidate", dropping)
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(measured_plan_choice=True, **options))
+
+    def latest():
+        (plan,) = [p for p in logs.latest_plans() if p.graph_name.startswith("graph")][-1:]
+        return plan
+
+    _train(compiled, eager, x, steps=1)  # compiles the planner's plan and its rivals
+    assert (latest().saved, latest().offloaded) == (reference.saved, reference.offloaded)
+    assert latest().measured_choice is None
+    _train(compiled, eager, x, steps=16)
+    assert dropped, "the profile step never made the plan from measured costs"
+    plan = latest()
+    if plan.measured_choice is None or plan.measured_choice == "the planner's plan":
+        assert (plan.saved, plan.offloaded) == (reference.saved, reference.offloaded)
+        assert plan.cost_source == "model"
 
 
 @pytest.mark.inductor

@@ -94,6 +94,7 @@ def with_trials(loop, compiled):
         plan.budget_outcome = "kept"
         trials.append(Trial(name, attempt.compiled, plan, attempt.result))
     seconds = time.perf_counter() - started
+    _report_kept(loop)
     on_profiled = _measured_cost_candidate(loop, trials)
     if len(trials) == 1 and on_profiled is None:
         log.info("%s: measured plan choice: no other plan fits the budget in Inductor's code (%.1f s of compiles); "
@@ -135,13 +136,20 @@ def _measured_cost_candidate(loop, trials: list[Trial]):
         return None if node is None else node_seconds(node, profile)
 
     def on_profiled(calls) -> Trial | None:
-        graph_name = kept.plan.graph_name
         try:
-            costs = kernel_costs.measured_costs(forward, backward, calls, model, device)
+            return candidate(calls)
+        finally:
+            _report_kept(loop)
+
+    def candidate(calls) -> Trial | None:
+        graph_name = kept.plan.graph_name
+        costs = None  # calls None: this rank's profile step ran under the user's profiler, unmeasured
+        try:
+            if calls is not None:
+                costs = kernel_costs.measured_costs(forward, backward, calls, model, device)
         except kernel_costs.ProfileMismatch as error:
             warnings.warn(f"compile_offload: {graph_name}: measured plan choice could not price the graph from its "
                           f"profiled kernels ({error}); its candidates stay planned from the cost model", stacklevel=3)
-            costs = None
         costs = agree_on_costs(costs)
         if costs is None:
             return None
@@ -171,6 +179,15 @@ def _measured_cost_candidate(loop, trials: list[Trial]):
         return Trial("planned from measured costs", attempt.compiled, plan, attempt.result)
 
     return on_profiled
+
+
+def _report_kept(loop) -> None:
+    """The planner's plan back as its graph's latest plan and dump: each candidate compiled
+    (``loop.replan``) reported itself as it was made, and until the trials choose one
+    (``_adopt``) the planner's plan is the one the graph runs."""
+    kept = loop.results[0]
+    logs.remember(kept.plan)
+    logs.dump(kept, loop.gm, loop.settings)
 
 
 def rivals(plan: Plan, settings) -> list[tuple[str, int, dict]]:

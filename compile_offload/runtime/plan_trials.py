@@ -18,7 +18,9 @@ gathered before the choice (each candidate's slowest time and highest peak over 
 so all ranks choose the same plan; ``on_profiled`` callers agree on the measured costs the
 same way (``agree_on_costs``). Steps run without grad, or while a profiler of the
 user's records on the CPU, run the planner's plan and are not counted; nor is a step whose
-backward has not run when the next one begins.
+backward has not run when the next one begins. Under a process group a step under the user's
+profiler (often run on one rank only) still takes its place in the schedule, unmeasured, so
+that every rank reaches the collectives that agree on the figures at the same step.
 """
 
 from __future__ import annotations
@@ -156,8 +158,9 @@ class PlanTrials:
             self.schedule.append((0, "profile"))
         self.schedule += self._measured_rounds()
         self.position = 0
-        self._pending: StepMeasure | KernelProfile | None = None  # the step whose backward is awaited
+        self._pending: StepMeasure | KernelProfile | _Unmeasured | None = None  # the step whose backward is awaited
         self._profiled: list | None = None  # the profile step's kernel events, until ``on_profiled`` has them
+        self._profile_missed = False  # the profile step ran unmeasured: ``on_profiled`` gets None
 
     def _measured_rounds(self) -> list[tuple[int, str]]:
         count = range(len(self.trials))
@@ -165,9 +168,10 @@ class PlanTrials:
         return rounds + [(i, "time") for _ in range(self.steps) for i in count]
 
     def _take_profile(self) -> None:
-        """Hand the profile step's events to ``on_profiled``; a candidate it returns joins the
-        trials: its warm-up next, then every candidate's measured rounds."""
-        calls, self._profiled = self._profiled, None
+        """Hand the profile step's events to ``on_profiled`` (None where that step ran
+        unmeasured); a candidate it returns joins the trials: its warm-up next, then every
+        candidate's measured rounds."""
+        calls, self._profiled, self._profile_missed = self._profiled, None, False
         trial = self.on_profiled(calls)
         if trial is None:
             if len(self.trials) == 1:  # nothing to compare with: the planner's plan runs, unmeasured
@@ -181,16 +185,22 @@ class PlanTrials:
         if self.chosen is not None:
             return self.chosen.compiled(*args)
         self._drop_unfinished()
-        if self._profiled is not None:
+        if self._profiled is not None or self._profile_missed:
             self._take_profile()
             if self.chosen is not None:
                 return self.chosen.compiled(*args)
         index, kind = self.schedule[self.position]
-        if not torch.is_grad_enabled() or ((self.device.type != "cuda" or kind == "profile") and profiler_recording()):
+        if not torch.is_grad_enabled():
             return self.trials[0].compiled(*args)
-        trial = self.trials[index]
-        peak = kind == "peak" or (kind == "time" and self.device.type == "cuda")
-        measure = KernelProfile(self.device) if kind == "profile" else StepMeasure(self.device, peak=peak)
+        if (self.device.type != "cuda" or kind == "profile") and profiler_recording():
+            if _process_group_gather() is None:
+                return self.trials[0].compiled(*args)
+            # The ranks' schedules stay in step: this one passes, unmeasured, on the planner's plan.
+            trial, measure = self.trials[0], _Unmeasured()
+        else:
+            trial = self.trials[index]
+            peak = kind == "peak" or (kind == "time" and self.device.type == "cuda")
+            measure = KernelProfile(self.device) if kind == "profile" else StepMeasure(self.device, peak=peak)
         outputs = measure.forward(trial.compiled, args)
         node = compiled_backward_node(outputs)
         if node is None:  # nothing to wait for: not a training step; not counted
@@ -207,14 +217,18 @@ class PlanTrials:
                 return
             measure.end_backward()
             self._pending = None
-            if measure.interrupted:
-                return
-            if kind == "profile":
+            unmeasured = isinstance(measure, _Unmeasured) or measure.interrupted
+            if measure.interrupted and _process_group_gather() is None:
+                return  # not counted: the step runs again
+            if unmeasured:  # under a process group: its place in the schedule passes on every rank
+                self._profile_missed = kind == "profile"
+            elif kind == "profile":
                 self._profiled = measure.calls
-            elif measure.peak:
-                trial.record_peak(measure.peak_bytes())
-            if kind == "time":
-                trial.seconds.append(measure.seconds)
+            else:
+                if measure.peak:
+                    trial.record_peak(measure.peak_bytes())
+                if kind == "time":
+                    trial.seconds.append(measure.seconds)
             self._step_done()
 
         node.register_prehook(backward_started)
@@ -249,6 +263,21 @@ class PlanTrials:
         self.on_chosen(chosen, self.trials)
         # Free the candidates' compiled code that will not run again.
         self.trials = [chosen]
+
+
+class _Unmeasured:
+    """A step that keeps its place in the schedule without being measured (``PlanTrials``)."""
+
+    interrupted = False
+
+    def forward(self, compiled: Callable[..., Any], args: tuple) -> Any:
+        return compiled(*args)
+
+    def start_backward(self) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
 
 
 def table(trials: list[Trial], chosen: Trial, budget_bytes: int) -> str:
