@@ -45,7 +45,7 @@ def fresh_compiles():
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_compiling_inside_a_users_profiler_keeps_its_events(fresh_compiles):
-    """A conv model's planning measures ``convolution_backward``'s workspace by running it
+    """A conv model's planning measures its convolutions' workspace by running them
     under a profiler of its own: inside the user's, it is not measured, and one warning says so."""
     compiled = torch.compile(_conv_model(), backend=compile_offload.offload_remat(memory_budget=0.5))
     x = torch.randn(2, 3, 8, 8)

@@ -145,11 +145,14 @@ _warned_not_measured: set = set()
 
 
 def _warn_not_measured(node: fx.Node) -> None:
-    if node.target in _warned_not_measured:
+    # once per kind of op: a convolution's forward and backward are one
+    kind = CONVOLUTIONS if node.target in CONVOLUTIONS else node.target
+    if kind in _warned_not_measured:
         return
-    _warned_not_measured.add(node.target)
+    _warned_not_measured.add(kind)
+    ops = " and ".join(map(str, CONVOLUTIONS)) if kind is CONVOLUTIONS else str(node.target)
     warnings.warn(f"compile_offload: a torch.profiler was recording while the step compiled, so the workspace of "
-                  f"{node.target} was not measured (a profiler of our own would end yours) and the plan does not "
+                  f"{ops} was not measured (a profiler of our own would end yours) and the plan does not "
                   "count it; compile outside the profiler (a first step before it) to have it counted",
                   stacklevel=2)
 
