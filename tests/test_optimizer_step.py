@@ -110,6 +110,19 @@ def test_a_parameter_first_trained_after_the_first_step_gets_its_state_on_the_ho
         torch.testing.assert_close(p, q, msg=label)
 
 
+def test_an_optimizer_without_state_streams_every_parameter():
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # no momentum: no state, ever
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 2))
+    streamed: list[int] = []
+    real = stepper._step_chunks
+    stepper._step_chunks = lambda group, chunks: streamed.append(sum(map(len, chunks))) or real(group, chunks)
+    _train(model, stepper.step, 3)
+    assert not any(optimizer.state.values()) and streamed
+    assert all(n == len(list(model.parameters())) for n in streamed)
+
+
 @pytest.mark.parametrize("streamed_costs,expected", [((1.0, 1.0), DEVICE), ((1.0, 3.5), HOST)])
 def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_the_spread(streamed_costs, expected):
     """With a stand-in clock under which the host step takes 3 s and the streamed one

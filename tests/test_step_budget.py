@@ -317,6 +317,7 @@ def test_a_graph_sent_back_to_its_minimum_runs_its_first_compile_again(caplog):
     assert recompiled == [15 * MIB] and calls[-1] == "block"  # its first compile, not a re-plan
     assert "is its minimum: it runs its minimum-memory plan" in caplog.text
     assert budget.graphs()[0].budget_bytes == low
+    assert block.graph_plan_of().budget_bytes == low  # what verify_budget measures it against: its share
 
 
 class _Meter:

@@ -56,6 +56,8 @@ Memory outside the graphs is held back from B before the split:
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import warnings
 import weakref
@@ -243,7 +245,7 @@ class StepBudget:
                 graph.pending = False
                 log.info("%s: budget_scope='step': its share of the step's budget, %s, is its minimum: it runs "
                          "its minimum-memory plan", graph.name, format_bytes(graph.budget_bytes))
-                graph.compiled, graph.plan_of = graph.minimum
+                graph.compiled, graph.plan_of = graph.minimum[0], _under_share(graph.minimum[1], graph.budget_bytes)
             if graph.pending:
                 graph.pending = False
                 log.info("%s: budget_scope='step': compiling this graph again under its share of the step's "
@@ -532,6 +534,20 @@ class GatheredParameters:
     def most_held(self) -> int:
         gathered = self._gathered()
         return max((sum(n for key, n in sample.items() if key in gathered) for sample in self._samples), default=0)
+
+
+def _under_share(plan_of: Callable[[], Plan | None], share: int) -> Callable[[], Plan | None]:
+    """``plan_of``'s plan (the minimum-memory one, made at memory_budget 0.0) as the plan run
+    under ``share``: its budget is the share, which ``verify_budget`` measures the step against."""
+    def under() -> Plan | None:
+        plan = plan_of()
+        if plan is None:
+            return None
+        plan = copy.copy(plan)
+        plan.budget_bytes = share
+        return plan
+
+    return under
 
 
 def _after_backward(callback: Callable[[], None]) -> None:

@@ -272,9 +272,13 @@ class OptimizerStep:
         ones' gradients set aside (the parameters on the device, host parameters too large for
         a group: on the host this runs while the device works; the hooks and the schedulers'
         count), then the downloads waited for."""
-        # A parameter without state yet (its first gradient: unfrozen, or unused until now)
-        # steps on the host, where the optimizer creates its state, as every first step does.
-        streamed = self._streamable([p for p in self._host_params() if self.optimizer.state.get(p)])
+        # A parameter without state yet where others have theirs (its first gradient: unfrozen,
+        # or unused until now) steps on the host, where the optimizer creates its state, as
+        # every first step does. An optimizer without state (SGD without momentum) streams all.
+        host = self._host_params()
+        if any(self.optimizer.state.get(p) for p in host):
+            host = [p for p in host if self.optimizer.state.get(p)]
+        streamed = self._streamable(host)
         if streamed and not self.warned_hooks and optim.step_pre_hook_count(self.optimizer):
             self.warned_hooks = True
             warnings.warn("compile_offload.fit: the optimizer has step pre-hooks; streamed through the device "
