@@ -534,6 +534,35 @@ def test_a_block_run_twice_per_forward_has_each_calls_activations_planned():
     assert unknown.block_calls == 0 and any("calls were not counted" in note for note in unknown.notes)
 
 
+class LayerDrop(Net):
+    """Skips blocks at random, from Python's generator and torch's, plus a plain tensor attribute."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=3)
+        self.scale = torch.ones(64)  # not a buffer: copied to meta with the rest, not for real
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        for block in self.blocks:
+            if random.random() < 0.5 or torch.rand(()) < 0.5:
+                x = block(x) * self.scale
+        return self.head(x)
+
+
+def test_counting_block_calls_leaves_the_random_generators_as_they_were():
+    import random
+
+    from compile_offload.training.fit import block_calls
+
+    model = LayerDrop()
+    random.seed(3)
+    torch.manual_seed(3)
+    before = random.getstate(), torch.random.get_rng_state()
+    assert block_calls(model, list(model.blocks), (batch(0),), {}) is not None
+    assert random.getstate() == before[0] and torch.equal(torch.random.get_rng_state(), before[1])
+
+
 def test_the_default_blocks_are_the_first_module_list_that_holds_parameters():
     from compile_offload.training.fit import default_blocks
 

@@ -217,6 +217,31 @@ def test_under_a_process_group_a_step_under_the_users_profiler_keeps_its_place_i
     assert trials[0].peak_bytes is None and trials[1].peak_bytes is not None
 
 
+def test_a_candidate_joins_only_where_every_rank_has_it():
+    from compile_offload.runtime.plan_trials import agree_all
+
+    assert agree_all(True, gather=lambda flag: [flag, True]) and not agree_all(True, gather=lambda flag: [flag, False])
+    assert agree_all(True) and not agree_all(False)  # one process: its own
+
+
+def test_under_a_process_group_trials_all_run_under_the_users_profiler_keep_the_planners_plan(monkeypatch):
+    from compile_offload.runtime import plan_trials
+
+    monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: lambda obj: [obj, obj])
+    chosen: list[Trial] = []
+    calls: list[str] = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda c, m: chosen.append(c))
+    x = torch.ones(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught, torch.profiler.profile():
+        warnings.simplefilter("always")
+        for _ in range(len(runner.schedule)):
+            runner(x).sum().backward()
+    assert runner.chosen is trials[0] and not chosen  # nothing measured: nothing adopted as measured
+    assert not [w for w in caught if "measured plan choice" in str(w.message)]
+    assert set(calls) == {"a"}
+
+
 class _Residual(nn.Module):
     """Residual MLP blocks on a long batch: activations far above the weights, so plans between
     the unconstrained and the minimum-memory one differ."""

@@ -389,7 +389,7 @@ def _workspaces(node, device: str) -> list[Buffer]:
     memory-efficient attention's backward); on the CPU those of ``op_workspace.MEASURED_OPS``
     (mkldnn's convolution and ``convolution_backward``, the CPU attention backward), measured by running the
     op in the layouts Inductor gives its arguments, as the plan measures them; on a GPU
-    the convolution backward's and cuDNN attention backward's, measured there
+    the convolution's, its backward's and cuDNN attention backward's, measured there
     (``op_workspace.measured_cuda_workspace``;
     nothing where it cannot be, as on fake CUDA tensors without a GPU). Read off the
     FX node the op was lowered from: the tuple-returning op itself, not the ``MultiOutput``

@@ -35,7 +35,7 @@ from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
 from ..passes.cost import launches_kernel, node_seconds
 from ..runtime import kernel_costs
-from ..runtime.plan_trials import PlanTrials, Trial, agree_on_costs
+from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs
 from . import graph_reports, plan_cache
 from .device_profile import device_of, measuring_device, resolve_profile
 
@@ -137,7 +137,10 @@ def _measured_cost_candidate(loop, trials: list[Trial]):
 
     def on_profiled(calls) -> Trial | None:
         try:
-            return candidate(calls)
+            trial = candidate(calls)
+            # Every rank must run the same schedule: the candidate joins where it joins on all
+            # (a scheduled peak read with a workspace one rank could not measure may differ).
+            return trial if agree_all(trial is not None) else None
         finally:
             _report_kept(loop)
 
@@ -225,6 +228,7 @@ def _adopt(loop, chosen: Trial, measured: int, compile_seconds: float, cache_key
                       f"({chosen.name}); {compile_seconds:.1f} s of extra compiles")
     if chosen.result is not None:
         loop.results[:] = [chosen.result]
+        logs.dump(chosen.result, loop.gm, loop.settings)
     logs.remember(plan)
     if cache_key is not None:
         plan_cache.store_under(cache_key, loop.settings, plan)

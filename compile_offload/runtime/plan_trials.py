@@ -129,6 +129,13 @@ def agree_on_costs(costs: MeasuredCosts | None, gather: Callable[[Any], list[Any
                          max(scale for _, scale in everyone))
 
 
+def agree_all(flag: bool, gather: Callable[[Any], list[Any]] | None = None) -> bool:
+    """Whether ``flag`` holds on every rank (on one process: ``flag``). ``gather`` as in
+    ``agree_across_ranks``."""
+    gather = gather or _process_group_gather()
+    return flag if gather is None else all(gather(bool(flag)))
+
+
 def _process_group_gather() -> Callable[[Any], list[Any]] | None:
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
@@ -250,6 +257,13 @@ class PlanTrials:
 
     def _choose(self) -> None:
         agree_across_ranks(self.trials)
+        if not any(t.seconds or t.peak_bytes is not None for t in self.trials):
+            # every trial step ran unmeasured (under the user's profiler): nothing to choose from,
+            # nothing to store as measured; the planner's plan runs
+            self.chosen, self.trials = self.trials[0], self.trials[:1]
+            log.info("%s: measured plan choice: no trial step was measured (all ran under a profiler of yours); "
+                     "the planner's plan runs", self.graph_name)
+            return
         chosen = choose(self.trials, self.budget_bytes)
         self.chosen = chosen
         log.info("%s: measured plan choice, %d candidates (budget %s):\n%s", self.graph_name, len(self.trials),

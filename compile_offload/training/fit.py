@@ -316,8 +316,8 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
                      "the largest figures of theirs stand for every block")
     calls = block_calls(model, blocks, inputs, input_kwargs or {})
     if calls is None:
-        notes.append("the blocks' calls were not counted (the forward did not run on a meta copy of the model): "
-                     "one call per block is planned")
+        notes.append("the blocks' calls were not counted on a meta copy of the model (its forward does not run "
+                     "there, or the blocks are not among its modules): one call per block is planned")
     elif any(n > 1 for n in calls):
         repeated = ", ".join(f"block {i} {n} times" for i, n in enumerate(calls) if n > 1)
         notes.append(f"the sample's forward runs the {len(blocks)} blocks {sum(calls)} times ({repeated}): each "
@@ -344,25 +344,32 @@ def block_calls(model: nn.Module, blocks: list[nn.Module], inputs: tuple, kwargs
     across layers runs several times), counted on a copy of the model on ``meta``: nothing is
     computed or allocated. None where the forward cannot run there (data-dependent control
     flow reads values meta tensors do not have) or a block is not among the model's modules."""
+    import random
+
     names = {id(module): name for name, module in model.named_modules()}
     if any(id(block) not in names for block in blocks):
         return None
-    memo: dict[int, Any] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if id(tensor) not in memo:
-            empty = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
     calls = [0] * len(blocks)
+    python_random, torch_random = random.getstate(), torch.random.get_rng_state()
     try:
+        # every tensor the model holds (parameters, buffers, plain tensor attributes) as meta
+        memo: dict[int, Any] = {}
+        for module in model.modules():
+            for value in [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]:
+                if isinstance(value, torch.Tensor) and id(value) not in memo:
+                    empty = torch.empty_like(value, device="meta")
+                    memo[id(value)] = nn.Parameter(empty, value.requires_grad) if isinstance(value, nn.Parameter) else empty
         meta = copy.deepcopy(model, memo)
-        hooks = [meta.get_submodule(names[id(block)]).register_forward_pre_hook(
-            lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) for i, block in enumerate(blocks)]
+        for i, block in enumerate(blocks):
+            meta.get_submodule(names[id(block)]).register_forward_pre_hook(
+                lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
         with torch.no_grad():
             meta(*_to(inputs, torch.device("meta")), **_to(kwargs, torch.device("meta")))
     except Exception:  # noqa: BLE001  counting is a refinement: the plan then assumes one call per block
         return None
-    for hook in hooks:
-        hook.remove()
+    finally:  # a forward that draws random numbers (LayerDrop) leaves the user's sequences as they were
+        random.setstate(python_random)
+        torch.random.set_rng_state(torch_random)
     return calls
 
 
