@@ -56,8 +56,7 @@ Memory outside the graphs is held back from B before the split:
 
 from __future__ import annotations
 
-import copy
-
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -541,11 +540,7 @@ def _under_share(plan_of: Callable[[], Plan | None], share: int) -> Callable[[],
     under ``share``: its budget is the share, which ``verify_budget`` measures the step against."""
     def under() -> Plan | None:
         plan = plan_of()
-        if plan is None:
-            return None
-        plan = copy.copy(plan)
-        plan.budget_bytes = share
-        return plan
+        return None if plan is None else dataclasses.replace(plan, budget_bytes=share)
 
     return under
 
