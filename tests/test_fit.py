@@ -504,6 +504,26 @@ class SharedLayers(Net):
         return self.head(x)
 
 
+def test_a_correction_shares_the_excess_between_the_calls_of_blocks_run_twice():
+    """A block run twice per forward saves its activations twice: each call's plan gives up a
+    share of the measured excess, so the blocks' budget drops by the excess over the 6 calls,
+    not the 3 blocks (which lowered it twice as far as needed)."""
+    torch.manual_seed(0)
+    model = SharedLayers(blocks=3)
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert result.plan.blocks == 3 and result.plan.block_calls == 6
+        per_block = result.plan.per_block_activation_budget_bytes
+        excess = 6 * 4 * 1024
+        measured, named = _steps_with(result, _Meter(BUDGET + excess, int(BUDGET * 0.95)), 5)
+        assert measured == [2, 4] and not named and result.corrections == 1
+        assert result.plan.per_block_activation_budget_bytes == max(result.block_min_bytes, per_block - 4 * 1024)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
 class DataDependent(Net):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks[: 1 + int(x.abs().sum() > 0)]:  # reads a value: no forward on meta

@@ -116,7 +116,7 @@ class Fitted:
     def _check(self, peak: int) -> None:
         """The user's contract: the step's device peak within the budget, or one warning that
         names it. Over it, the blocks are first compiled again under a budget lowered by the
-        excess shared between them (at most ``MAX_CORRECTIONS`` times, never below their
+        excess shared between their calls (at most ``MAX_CORRECTIONS`` times, never below their
         minimum-memory plan), and the step after the recompiling one is measured again."""
         from ..runtime.verify_budget import TOLERANCE
 
@@ -125,7 +125,8 @@ class Fitted:
         if peak <= budget * (1 + TOLERANCE):
             return
         per_block = self.plan.per_block_activation_budget_bytes
-        lowered = max(self.block_min_bytes, per_block - -(-(peak - budget) // self.plan.blocks))
+        calls = max(self.plan.blocks, self.plan.block_calls)  # each call's plan runs under the lowered budget
+        lowered = max(self.block_min_bytes, per_block - -(-(peak - budget) // calls))
         if self.recompile is not None and self.corrections < MAX_CORRECTIONS and lowered < per_block:
             self.corrections += 1
             self.plan.notes.append(f"step {self.steps} measured {format_bytes(peak)} at the allocator, over the budget "

@@ -134,6 +134,9 @@ class StepPlan:
     predicted_device_peak_bytes: int  # state on the device + the activations the plans may use
     blocks: int
     world_size: int = 1
+    # the blocks' calls in one forward where some block runs more than once (0: one per block);
+    # each call's activations share the budget left beyond the minimum
+    block_calls: int = 0
     fsdp2: bool = False  # the model is sharded with fully_shard
     cpu_offload: bool = False  # ... with CPUOffloadPolicy (the root, and the blocks after ``blocks_on_device``)
     blocks_on_device: int = 0  # the first blocks whose parameters, gradients and state stay on the device
@@ -280,7 +283,7 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
         optimizer_state_bytes=sizes.optimizer_state_bytes, state_on_device_bytes=state_on_device,
         activation_budget_bytes=activation_budget, per_block_activation_budget_bytes=per_block,
         activation_min_bytes=activation_min, predicted_device_peak_bytes=predicted_peak, blocks=n,
-        world_size=ranks, fsdp2=fsdp2, cpu_offload=offload,
+        world_size=ranks, block_calls=sizes.block_calls, fsdp2=fsdp2, cpu_offload=offload,
         blocks_on_device=n if where == DEVICE else kept if where == SPLIT else 0, shared_h2d_bytes=shared_h2d,
         optimizer_step="measured" if offload else "device",
         optimizer_step_chunk_bytes=max(0, budget_bytes - state_on_device) // 3 if offload else 0, notes=notes)
