@@ -224,6 +224,42 @@ def test_a_candidate_joins_only_where_every_rank_has_it():
     assert agree_all(True) and not agree_all(False)  # one process: its own
 
 
+def test_ranks_keep_the_rivals_every_rank_kept_in_their_order():
+    from compile_offload.runtime.plan_trials import agree_on_names
+
+    mine = ["the planner's plan", "planned under 2 MiB", "planned under 1 MiB", "offload off"]
+    other = ["the planner's plan", "planned under 1 MiB", "offload off"]
+    assert agree_on_names(mine, gather=lambda names: [names, other]) == other
+    assert agree_on_names(mine) == mine  # one process: its own
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_under_a_process_group_a_rival_another_rank_dropped_is_not_run(monkeypatch, caplog):
+    """The rivals were kept or dropped by each rank's own scheduled peak: a rank keeping one
+    more ran more trial steps than the others, and their collectives crossed. Here the other
+    rank kept none: only the planner's plan (and its profile step) runs."""
+    import compile_offload
+    from compile_offload.runtime import plan_trials
+
+    def two_ranks(obj):
+        if isinstance(obj, list) and all(isinstance(name, str) for name in obj):
+            return [obj, ["the planner's plan"]]  # the other rank dropped every rival
+        return [obj, obj]
+
+    monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: two_ranks)
+    torch.manual_seed(0)
+    model = _Residual()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(
+            memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1))
+        _train(compiled, eager, torch.randn(1024, 64), steps=1)
+    said = caplog.text
+    assert "dropped, not kept on every rank" in said and "1 candidate plans compiled" in said, said
+
+
 def test_under_a_process_group_trials_all_run_under_the_users_profiler_keep_the_planners_plan(monkeypatch):
     from compile_offload.runtime import plan_trials
 

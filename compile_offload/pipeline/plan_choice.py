@@ -14,7 +14,8 @@ faster. The candidates, besides the plan the budget loop kept:
 
 Each is a full compile past the caches (``BudgetLoop.replan``); one whose scheduled peak
 (its Inductor code) exceeds the budget is dropped, and so is one whose decisions equal an
-earlier candidate's. With one candidate left nothing is measured. The steps that measure the
+earlier candidate's; under a process group, one that another rank dropped is dropped too
+(every rank runs the same schedule). With one candidate left nothing is measured. The steps that measure the
 rest run in ``runtime/plan_trials.py``; when they have chosen, the choice becomes the
 graph's plan (``Plan.measured_candidates``), the one ``explain``'s reports and
 ``verify_budget`` read, and is stored in the plan cache under the graph's own entry (with
@@ -35,7 +36,7 @@ from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
 from ..passes.cost import launches_kernel, node_seconds
 from ..runtime import kernel_costs
-from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs
+from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs, agree_on_names
 from . import graph_reports, plan_cache
 from .device_profile import device_of, measuring_device, resolve_profile
 
@@ -93,6 +94,12 @@ def with_trials(loop, compiled):
         plan.replanned_under(kept.plan.budget_bytes, budget)
         plan.budget_outcome = "kept"
         trials.append(Trial(name, attempt.compiled, plan, attempt.result))
+    # Every rank must run the same schedule: a rival runs where every rank kept it.
+    common = agree_on_names([t.name for t in trials])
+    if len(common) < len(trials):
+        log.info("%s: measured plan choice: %s dropped, not kept on every rank", kept.plan.graph_name,
+                 ", ".join(t.name for t in trials if t.name not in common))
+        trials = [t for t in trials if t.name in common]
     seconds = time.perf_counter() - started
     _report_kept(loop)
     on_profiled = _measured_cost_candidate(loop, trials)

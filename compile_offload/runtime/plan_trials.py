@@ -129,6 +129,17 @@ def agree_on_costs(costs: MeasuredCosts | None, gather: Callable[[Any], list[Any
                          max(scale for _, scale in everyone))
 
 
+def agree_on_names(names: list[str], gather: Callable[[Any], list[Any]] | None = None) -> list[str]:
+    """``names`` in their order, less those missing on any rank: the candidates every rank
+    compiled and kept (a scheduled peak read with a workspace one rank could not measure may
+    keep a rival on one rank and drop it on another). ``gather`` as in ``agree_across_ranks``."""
+    gather = gather or _process_group_gather()
+    if gather is None:
+        return list(names)
+    common = set.intersection(*(set(rank) for rank in gather(list(names))))
+    return [name for name in names if name in common]
+
+
 def agree_all(flag: bool, gather: Callable[[Any], list[Any]] | None = None) -> bool:
     """Whether ``flag`` holds on every rank (on one process: ``flag``). ``gather`` as in
     ``agree_across_ranks``."""
