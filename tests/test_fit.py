@@ -524,6 +524,36 @@ def test_a_correction_shares_the_excess_between_the_calls_of_blocks_run_twice():
         torch._dynamo.reset()
 
 
+def test_the_configs_step_scope_leaves_each_block_its_share_and_fits_own_is_refused():
+    """fit splits the step's budget itself: under the config's budget_scope='step' each block's
+    share was taken for the whole step's budget and split again between the blocks' graphs,
+    so every block ran its minimum-memory plan with a warning that the budget did not fit."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"budget_scope='step' does not apply: fit bounds the whole step"):
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn, budget_scope="step")
+    assert not dist.is_initialized()
+    runs = {}
+    for scope in ("graph", "step"):
+        torch.manual_seed(0)
+        with compile_offload.config.patch(budget_scope=scope), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                         inner_compiler="eager")
+            try:
+                for step in range(2):
+                    result.step(batch(step))
+            finally:
+                result.close()
+                torch._dynamo.reset()
+        from compile_offload.reporting import logs
+
+        runs[scope] = ({p.budget_bytes for p in logs.latest_plans()}, [str(w.message) for w in caught], result.plan)
+    assert runs["step"][0] == runs["graph"][0]  # the blocks' plans (and explain's at 0.0 that measured them)
+    assert runs["graph"][2].per_block_activation_budget_bytes in runs["step"][0]
+    assert not [w for w in runs["step"][1] if "budget_scope" in w], runs["step"][1]
+    assert any("budget_scope='step' (config) is not applied" in n for n in runs["step"][2].notes)
+
+
 class DataDependent(Net):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks[: 1 + int(x.abs().sum() > 0)]:  # reads a value: no forward on meta

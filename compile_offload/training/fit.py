@@ -432,6 +432,16 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
 
     if "memory_budget" in options:
         raise TypeError("compile_offload.fit: memory_budget is fit's own argument")
+    if options.get("budget_scope", "graph") != "graph":
+        raise ValueError(f"compile_offload.fit: budget_scope={options['budget_scope']!r} does not apply: fit bounds "
+                         "the whole step itself (it splits memory_budget between the state it keeps on the device "
+                         "and the blocks' compiled graphs, each of which gets its share as its own budget); leave "
+                         "budget_scope unset")
+    from .. import config
+
+    scope_note = (f"budget_scope={config.budget_scope!r} (config) is not applied to the blocks: fit splits the "
+                  "step's budget itself" if config.budget_scope != "graph" else None)
+    options = {**options, "budget_scope": "graph"}  # each block's share is its graph's budget, whatever the config
     bytes_only = "memory_budget is bytes (an int or a size such as '20GiB')"
     if memory_budget is None:
         raise TypeError(f"compile_offload.fit: {bytes_only}: fit needs one for the device")
@@ -497,6 +507,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         raise
     plan.notes.append(f"each of the {plan.blocks} blocks compiled with memory_budget "
                       f"{format_bytes(plan.per_block_activation_budget_bytes)}")
+    if scope_note:
+        plan.notes.append(scope_note)
     meter = None
     if device.type == "cuda":
         from ..runtime.step_budget import CudaStepMeter
