@@ -260,6 +260,37 @@ def test_under_a_process_group_a_rival_another_rank_dropped_is_not_run(monkeypat
     assert "dropped, not kept on every rank" in said and "1 candidate plans compiled" in said, said
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_under_a_process_group_a_frames_recompile_runs_no_trials(monkeypatch, caplog):
+    """A recompile may happen on one rank alone (an uneven last batch fails a guard there):
+    its trials' collectives waited for ranks that never joined, and that rank hung. Under a
+    process group only a frame's first compile tries candidates; alone, a recompile does too."""
+    import compile_offload
+    from compile_offload.pipeline import plan_choice
+
+    def run(ranks: int) -> list[str]:
+        monkeypatch.setattr(plan_choice, "process_group_ranks", lambda: ranks)
+        torch.manual_seed(0)
+        model = _Residual(d=32, n=2)
+        eager = copy.deepcopy(model)
+        torch._dynamo.reset()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="compile_offload"):
+            compiled = torch.compile(model, backend=compile_offload.offload_remat(
+                memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1), dynamic=False)
+            _train(compiled, eager, torch.randn(512, 32), steps=1)
+            _train(compiled, eager, torch.randn(384, 32), steps=1)  # the frame compiled again
+        return [r.getMessage() for r in caplog.records if "measured plan choice" in r.getMessage()]
+
+    alone = run(1)
+    assert [m for m in alone if "graph_0_1" in m and "candidate plans compiled" in m], alone
+    among = run(2)
+    assert [m for m in among if "graph_0_0" in m and "candidate plans compiled" in m], among
+    (off,) = [m for m in among if "graph_0_1" in m]
+    assert "Dynamo compiled its frame again" in off
+
+
 def test_under_a_process_group_trials_all_run_under_the_users_profiler_keep_the_planners_plan(monkeypatch):
     from compile_offload.runtime import plan_trials
 

@@ -24,6 +24,7 @@ from . import budget_loop, ddp, dynamic_check, graph_reports, inductor_compile
 from .. import config_guard
 from ..inductor import scheduled_peak
 from ..runtime import pinned_pool
+from ..torch_api import guards
 from .. import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
@@ -186,7 +187,7 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
 
     budget = step_budget_for(owner if owner is not None else compile_graph, settings.budget_bytes,
                              device_of(example_inputs), strict=settings.strict_budget)
-    wrapped = budget.add(graph_name, compiled, plan_of, recompile, _compile_id())
+    wrapped = budget.add(graph_name, compiled, plan_of, recompile, guards.compile_id())
     graph = wrapped.graph
     share_of.append(lambda: graph.budget_bytes)
     return wrapped, wrapped.graph_plan_of, graph_name
@@ -286,15 +287,6 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
         keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs)
-
-
-def _compile_id() -> tuple[int, int] | None:
-    """Dynamo's (frame id, compile of that frame) of the graph being compiled; None outside Dynamo."""
-    from ..torch_api.guards import CompileContext
-
-    compile_id = getattr(CompileContext.try_get(), "compile_id", None)
-    frame, count = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
-    return None if frame is None or count is None else (frame, count)
 
 
 def _graph_name(bucket_graphs: int | None = None) -> str:

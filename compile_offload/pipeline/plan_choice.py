@@ -36,7 +36,8 @@ from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
 from ..passes.cost import launches_kernel, node_seconds
 from ..runtime import kernel_costs
-from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs, agree_on_names
+from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs, agree_on_names, process_group_ranks
+from ..torch_api import guards
 from . import graph_reports, plan_cache
 from .device_profile import device_of, measuring_device, resolve_profile
 
@@ -61,7 +62,20 @@ def applies(loop) -> bool:
         log.info("%s: measured plan choice is off for this graph: its sizes are dynamic (steps of other sizes "
                  "would not compare)", plan.graph_name)
         return False
+    if _recompile_among_ranks():
+        log.info("%s: measured plan choice is off for this graph: Dynamo compiled its frame again, which under a "
+                 "process group may happen on this rank alone (a guard one rank's inputs fail, such as an uneven "
+                 "last batch), and the trials' collectives would wait for ranks that never join", plan.graph_name)
+        return False
     return True
+
+
+def _recompile_among_ranks() -> bool:
+    """Whether the graph is a frame's second or later compile while a process group of more
+    than one rank runs: the trials agree across ranks, and only a frame's first compile is
+    made by every rank alike."""
+    compiled = guards.compile_id()
+    return compiled is not None and compiled[1] > 0 and process_group_ranks() > 1
 
 
 def _dynamic(example_inputs: Sequence[Any]) -> bool:

@@ -147,9 +147,15 @@ def agree_all(flag: bool, gather: Callable[[Any], list[Any]] | None = None) -> b
     return flag if gather is None else all(gather(bool(flag)))
 
 
+def process_group_ranks() -> int:
+    """The ranks of the default process group; 1 without one."""
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
+
+
 def _process_group_gather() -> Callable[[Any], list[Any]] | None:
     distributed = torch.distributed
-    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
+    if process_group_ranks() < 2:
         return None
 
     def gather(obj):
