@@ -101,6 +101,9 @@ def test_between_the_two_placements_the_first_blocks_keep_their_state_on_the_dev
     assert plan.predicted_device_peak_bytes <= plan.budget_bytes
     text = str(plan)
     assert "on the device for blocks 0-1, on the host for the rest" in text
+    one = plan_step(needed_host + block_state + KIB, sizes())
+    assert one.blocks_on_device == 1 and "on the device for block 0, on the host for the rest" in str(one)
+    assert "block 0 keeps its on the device" in str(one)
     assert "CPUOffloadPolicy after the first 2 blocks" in text
     # more budget keeps more blocks, never fewer; all of them only where the device placement fits
     plans = [plan_step(needed_host + k * block_state, sizes()) for k in range(6)]

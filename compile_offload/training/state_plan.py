@@ -160,7 +160,7 @@ class StepPlan:
         def where(on: str) -> str:
             if on != SPLIT:
                 return f"on the {on}"
-            return f"on the device for blocks 0-{self.blocks_on_device - 1}, on the host for the rest"
+            return f"on the device for {_first_blocks(self.blocks_on_device)}, on the host for the rest"
 
         lines = [
             f"StepPlan: device budget {b(self.budget_bytes)} per rank, {self.world_size} rank(s), {self.blocks} blocks",
@@ -204,6 +204,10 @@ def _held_unsharded(sizes: StateSizes) -> tuple[int, str]:
     how = (f"outside the blocks {format_bytes(sizes.outside_parameter_bytes)} + the largest block "
            f"{format_bytes(block_params[largest])} + the next one {format_bytes(following)}")
     return params, how
+
+
+def _first_blocks(count: int) -> str:
+    return "block 0" if count == 1 else f"blocks 0-{count - 1}"
 
 
 def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
@@ -260,7 +264,8 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
         if kept:
             where = SPLIT
             state_on_device += kept_bytes
-            notes.append(f"the state of all blocks does not fit: blocks 0-{kept - 1} keep theirs on the device "
+            notes.append(f"the state of all blocks does not fit: {_first_blocks(kept)} "
+                         f"{'keeps its' if kept == 1 else 'keep theirs'} on the device "
                          f"({format_bytes(kept_bytes)}), the other {n - kept} and the parameters outside the "
                          "blocks go to the host through FSDP2's CPUOffloadPolicy")
         notes.append(f"parameters + gradients + optimizer state + activations' minimum "
