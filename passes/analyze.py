@@ -150,8 +150,12 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
 
 def mutated_inputs(graph: fx.Graph, roots: dict[fx.Node, fx.Node]) -> set[fx.Node]:
     """Placeholders whose storage some node of the graph writes (e.g. the ``copy_`` that
-    writes a BatchNorm running statistic back)."""
-    mutated = set()
+    writes a BatchNorm running statistic back), and those AOTAutograd writes once the forward
+    has run: an input that requires grad (``nn.Embedding(max_norm=...)``'s weight) gets its
+    new value from a forward output, which the output's descriptor names."""
+    written = [getattr(desc, "mutated_input", None) for desc in _output_node(graph).meta.get("desc") or ()]
+    mutated = {node for node in graph.nodes if node.op == "placeholder" and node.meta.get("desc") is not None
+               and node.meta["desc"] in written}
     for node in graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
@@ -162,6 +166,10 @@ def mutated_inputs(graph: fx.Graph, roots: dict[fx.Node, fx.Node]) -> set[fx.Nod
                 if root.op == "placeholder":
                     mutated.add(root)
     return mutated
+
+
+def _output_node(graph: fx.Graph) -> fx.Node:
+    return next(node for node in reversed(graph.nodes) if node.op == "output")
 
 
 def _dropout_disabled(node: fx.Node) -> bool:

@@ -140,6 +140,21 @@ class ReadsMutatedBuffer(nn.Module):
         return self.fc(x) * self.steps.float().reciprocal()
 
 
+class EmbeddingMaxNorm(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalises its weight's rows in place in the forward.
+    The weight requires grad, so AOTAutograd writes the new rows back after the graph runs
+    (a forward output), not inside it: a plan that recomputes the lookup in the backward from
+    the weight reads the written-back rows (autograd's version check raised)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(vocab, d, max_norm=1.0), nn.Linear(d, 48)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        return torch.tanh(self.fc(h)) * h.sum(-1, keepdim=True)
+
+
 class GraphBreakMLP(nn.Module):
     """An MLP with ``torch._dynamo.graph_break()`` between its layers: two compiled graphs,
     the backward of the first receiving its gradient from the second."""

@@ -23,6 +23,7 @@ import compile_offload
 from .models import (
     MLP,
     ConvBN,
+    EmbeddingMaxNorm,
     GraphBreakMLP,
     InPlaceWithBuffers,
     ParityResult,
@@ -243,6 +244,17 @@ def test_value_read_from_a_mutated_buffer_is_saved_not_recomputed(budget, captur
     (pytorch/pytorch PR #197039: "Don't recompute reads of mutated inputs or mutable
     buffers"); our planner decides what is recomputed, so it must not."""
     case = Case(ReadsMutatedBuffer, mlp_inputs)
+    result = run_case(case, budget, inner_compiler="eager")
+    check_budget_reached_planner(result, captured_plans, budget, case.graphs)
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
+def test_an_input_autograd_writes_back_after_the_forward_is_not_read_by_a_recomputation(budget, captured_plans):
+    """``nn.Embedding(max_norm=...)``: AOTAutograd writes the renormalised weight back after
+    the forward (the mutation is a forward output, not a node of the graph), so the weight
+    read in the backward is the new one. Plans recomputed the lookup there: autograd's
+    version check raised at every budget below the unconstrained plan."""
+    case = Case(EmbeddingMaxNorm, token_inputs)
     result = run_case(case, budget, inner_compiler="eager")
     check_budget_reached_planner(result, captured_plans, budget, case.graphs)
 
