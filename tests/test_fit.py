@@ -507,18 +507,28 @@ class SharedLayers(Net):
         return self.head(x)
 
 
-def test_a_correction_shares_the_excess_between_the_calls_of_blocks_run_twice():
-    """A block run twice per forward saves its activations twice: each call's plan gives up a
-    share of the measured excess, so the blocks' budget drops by the excess over the 6 calls,
-    not the 3 blocks (which lowered it twice as far as needed)."""
+class SkipsLater(Net):
+    """Its forward runs only the first two of its blocks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[:2]:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("model, calls", [(SharedLayers, 6), (SkipsLater, 2)], ids=["run_twice", "skipped"])
+def test_a_correction_shares_the_excess_between_the_calls_of_the_blocks(model, calls):
+    """A block run twice per forward saves its activations twice, one skipped never: each
+    call's plan gives up a share of the measured excess, so the blocks' budget drops by the
+    excess over the calls, not the 3 blocks (which lowered it twice as far as needed, or
+    half as far)."""
     torch.manual_seed(0)
-    model = SharedLayers(blocks=3)
-    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+    result = compile_offload.fit(model(blocks=3), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
                                  inner_compiler="eager")
     try:
-        assert result.plan.blocks == 3 and result.plan.block_calls == 6
+        assert result.plan.blocks == 3 and result.plan.block_calls == calls
         per_block = result.plan.per_block_activation_budget_bytes
-        excess = 6 * 4 * 1024
+        excess = calls * 4 * 1024
         measured, named = _steps_with(result, _Meter(BUDGET + excess, int(BUDGET * 0.95)), 5)
         assert measured == [2, 4] and not named and result.corrections == 1
         assert result.plan.per_block_activation_budget_bytes == max(result.block_min_bytes, per_block - 4 * 1024)

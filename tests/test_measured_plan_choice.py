@@ -240,11 +240,12 @@ def test_under_a_process_group_a_rival_another_rank_dropped_is_not_run(monkeypat
     more ran more trial steps than the others, and their collectives crossed. Here the other
     rank kept none: only the planner's plan (and its profile step) runs."""
     import compile_offload
+    from compile_offload.pipeline import plan_choice
     from compile_offload.runtime import plan_trials
 
     def two_ranks(obj):
         if isinstance(obj, list) and all(isinstance(name, str) for name in obj):
-            return [obj, ["the planner's plan"]]  # the other rank dropped every rival
+            return [obj, ["the planner's plan", plan_choice.PROFILE_STEP]]  # the other rank dropped every rival
         return [obj, obj]
 
     monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: two_ranks)
@@ -269,7 +270,7 @@ def test_under_a_process_group_a_frames_recompile_runs_no_trials(monkeypatch, ca
     import compile_offload
     from compile_offload.pipeline import plan_choice
 
-    def run(ranks: int) -> list[str]:
+    def run(ranks: int, evaluate_first: bool = False) -> list[str]:
         monkeypatch.setattr(plan_choice, "process_group_ranks", lambda: ranks)
         torch.manual_seed(0)
         model = _Residual(d=32, n=2)
@@ -279,6 +280,9 @@ def test_under_a_process_group_a_frames_recompile_runs_no_trials(monkeypatch, ca
         with caplog.at_level(logging.INFO, logger="compile_offload"):
             compiled = torch.compile(model, backend=compile_offload.offload_remat(
                 memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1), dynamic=False)
+            if evaluate_first:  # one rank's evaluation before training: a compile that tries nothing
+                with torch.no_grad():
+                    compiled(torch.randn(512, 32))
             _train(compiled, eager, torch.randn(512, 32), steps=1)
             _train(compiled, eager, torch.randn(384, 32), steps=1)  # the frame compiled again
         return [r.getMessage() for r in caplog.records if "measured plan choice" in r.getMessage()]
@@ -288,7 +292,13 @@ def test_under_a_process_group_a_frames_recompile_runs_no_trials(monkeypatch, ca
     among = run(2)
     assert [m for m in among if "graph_0_0" in m and "candidate plans compiled" in m], among
     (off,) = [m for m in among if "graph_0_1" in m]
-    assert "Dynamo compiled its frame again" in off
+    assert "Dynamo compiled this frame again" in off
+    # An evaluation under no_grad first (on one rank, say): the training compile is the frame's
+    # second, and still the first to try candidates, as on the ranks that did not evaluate.
+    evaluated = run(2, evaluate_first=True)
+    assert [m for m in evaluated if "graph_0_1" in m and "candidate plans compiled" in m], evaluated
+    (off,) = [m for m in evaluated if "graph_0_2" in m]
+    assert "Dynamo compiled this frame again" in off
 
 
 def test_under_a_process_group_trials_all_run_under_the_users_profiler_keep_the_planners_plan(monkeypatch):

@@ -45,6 +45,8 @@ log = logging.getLogger("compile_offload")
 
 # How far from the kept plan the rivals are planned, as a share of the plan range.
 RIVAL_STEP = 0.1
+# The name the ranks agree on for the step that profiles the planner's plan.
+PROFILE_STEP = "the profile step"
 
 
 def applies(loop) -> bool:
@@ -63,19 +65,39 @@ def applies(loop) -> bool:
                  "would not compare)", plan.graph_name)
         return False
     if _recompile_among_ranks():
-        log.info("%s: measured plan choice is off for this graph: Dynamo compiled its frame again, which under a "
-                 "process group may happen on this rank alone (a guard one rank's inputs fail, such as an uneven "
-                 "last batch), and the trials' collectives would wait for ranks that never join", plan.graph_name)
+        log.info("%s: measured plan choice is off for this graph: under a process group only the first training "
+                 "compile of a frame tries candidates; Dynamo compiled this frame again, which may happen on this "
+                 "rank alone (a guard one rank's inputs fail, such as an uneven last batch), and the trials' "
+                 "collectives would wait for ranks that never join", plan.graph_name)
         return False
     return True
 
 
+# Dynamo frame id -> its compile whose graphs try candidates under a process group (all the
+# bucket graphs of one DDP compile share it)
+_trying_compile: dict[int, int] = {}
+
+
 def _recompile_among_ranks() -> bool:
-    """Whether the graph is a frame's second or later compile while a process group of more
-    than one rank runs: the trials agree across ranks, and only a frame's first compile is
-    made by every rank alike."""
+    """Whether, while a process group of more than one rank runs, the graph comes from a later
+    compile of a frame than the first that tried candidates (the trials agree across ranks,
+    and a recompile may be one rank's alone). Compiles that try nothing (under ``no_grad``,
+    before training) do not count: every rank may make those differently."""
     compiled = guards.compile_id()
-    return compiled is not None and compiled[1] > 0 and process_group_ranks() > 1
+    if compiled is None or process_group_ranks() < 2:
+        return False
+    frame, count = compiled
+    first = _trying_compile.setdefault(frame, count)
+    return count != first
+
+
+def note_compile() -> None:
+    """Called by the backend at each graph it compiles: a frame's first compile (after
+    ``torch._dynamo.reset()`` frames are numbered from 0 again) forgets that frame number's
+    compile that tried candidates."""
+    compiled = guards.compile_id()
+    if compiled is not None and compiled[1] == 0:
+        _trying_compile.pop(compiled[0], None)
 
 
 def _dynamic(example_inputs: Sequence[Any]) -> bool:
@@ -108,15 +130,18 @@ def with_trials(loop, compiled):
         plan.replanned_under(kept.plan.budget_bytes, budget)
         plan.budget_outcome = "kept"
         trials.append(Trial(name, attempt.compiled, plan, attempt.result))
-    # Every rank must run the same schedule: a rival runs where every rank kept it.
-    common = agree_on_names([t.name for t in trials])
-    if len(common) < len(trials):
+    on_profiled = _measured_cost_candidate(loop, trials)
+    # Every rank must run the same schedule: a rival runs, and the profile step is taken,
+    # where every rank has it.
+    names = [t.name for t in trials] + ([PROFILE_STEP] if on_profiled is not None else [])
+    common = agree_on_names(names)
+    if len(common) < len(names):
         log.info("%s: measured plan choice: %s dropped, not kept on every rank", kept.plan.graph_name,
-                 ", ".join(t.name for t in trials if t.name not in common))
-        trials = [t for t in trials if t.name in common]
+                 ", ".join(name for name in names if name not in common))
+        trials[:] = [t for t in trials if t.name in common]  # in place: on_profiled compares with them
+        on_profiled = on_profiled if PROFILE_STEP in common else None
     seconds = time.perf_counter() - started
     _report_kept(loop)
-    on_profiled = _measured_cost_candidate(loop, trials)
     if len(trials) == 1 and on_profiled is None:
         log.info("%s: measured plan choice: no other plan fits the budget in Inductor's code (%.1f s of compiles); "
                  "the planner's plan runs", kept.plan.graph_name, seconds)

@@ -125,7 +125,7 @@ class Fitted:
         if peak <= budget * (1 + TOLERANCE):
             return
         per_block = self.plan.per_block_activation_budget_bytes
-        calls = max(self.plan.blocks, self.plan.block_calls)  # each call's plan runs under the lowered budget
+        calls = self.plan.block_calls or self.plan.blocks  # each call's plan runs under the lowered budget
         lowered = max(self.block_min_bytes, per_block - -(-(peak - budget) // calls))
         if self.recompile is not None and self.corrections < MAX_CORRECTIONS and lowered < per_block:
             self.corrections += 1
@@ -336,7 +336,7 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
         block_input_bytes=input_bytes,
         world_size=world_size,
         notes=tuple([state_note] if state_note else []) + tuple(notes),
-        block_calls=sum(calls) if calls and any(n > 1 for n in calls) else 0,
+        block_calls=sum(calls) if calls and any(n != 1 for n in calls) else 0,
     )
 
 

@@ -98,8 +98,8 @@ class StateSizes:
     block_input_bytes: int  # the tensors one block receives (held as its graph's inputs)
     world_size: int = 1
     notes: tuple[str, ...] = ()  # what measuring the sizes assumed (an unknown optimizer)
-    # the blocks' calls in one forward where some block runs more than once (layers sharing
-    # weights); 0: one call per block
+    # the blocks' calls in one forward where some block runs other than once (layers sharing
+    # weights, blocks the forward skips); 0: one call per block
     block_calls: int = 0
 
     @property
@@ -134,8 +134,8 @@ class StepPlan:
     predicted_device_peak_bytes: int  # state on the device + the activations the plans may use
     blocks: int
     world_size: int = 1
-    # the blocks' calls in one forward where some block runs more than once (0: one per block);
-    # each call's activations share the budget left beyond the minimum
+    # the blocks' calls in one forward where some block runs other than once (0: one per
+    # block); a measured excess is shared between them
     block_calls: int = 0
     fsdp2: bool = False  # the model is sharded with fully_shard
     cpu_offload: bool = False  # ... with CPUOffloadPolicy (the root, and the blocks after ``blocks_on_device``)
