@@ -537,14 +537,17 @@ def test_a_correction_shares_the_excess_between_the_calls_of_the_blocks(model, c
         torch._dynamo.reset()
 
 
-def test_the_configs_step_scope_leaves_each_block_its_share_and_fits_own_is_refused():
-    """fit splits the step's budget itself: under the config's budget_scope='step' each block's
-    share was taken for the whole step's budget and split again between the blocks' graphs,
-    so every block ran its minimum-memory plan with a warning that the budget did not fit."""
+def test_fits_own_step_scope_is_refused():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"budget_scope='step' does not apply: fit bounds the whole step"):
         compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn, budget_scope="step")
     assert not dist.is_initialized()
+
+
+def test_the_configs_step_scope_leaves_each_block_its_share():
+    """fit splits the step's budget itself: under the config's budget_scope='step' each block's
+    share was taken for the whole step's budget and split again between the blocks' graphs,
+    so every block ran its minimum-memory plan with a warning that the budget did not fit."""
     runs = {}
     for scope in ("graph", "step"):
         torch.manual_seed(0)

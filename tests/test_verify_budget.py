@@ -58,6 +58,12 @@ def test_the_warning_says_what_the_plan_already_said_about_the_budget():
     fits = _plan(1_000_000, 990_000)
     fits.scheduled_peak_bytes = 990_000
     assert "holds more than the plan predicts" in message(fits)
+    # a graph torch partitioned (the planner refused it): no plan, nothing predicted at 0 B
+    fell_back = Plan.unplanned(feasible=False, budget_bytes=1_000_000, device_profile="cpu", solver="greedy",
+                               graph_name="graph_0", why="torch.cond", fallback="UnsupportedGraph: torch.cond")
+    said = message(fell_back)
+    assert "no plan: torch's partition ran" in said and "predicted peak" not in said
+    assert "did not plan this graph (UnsupportedGraph: torch.cond)" in said and "did not fit" not in said
 
 
 def _verify_messages(caught) -> list[str]:

@@ -71,11 +71,12 @@ def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str)
         return False
     # memory_budget=0.0 asks for the minimum-memory plan: its budget is 0 bytes
     over = f"+{measured_bytes / plan.budget_bytes - 1:.1%}" if plan.budget_bytes else "a budget of 0"
+    predicted = ("no plan: torch's partition ran" if plan.fallback is not None
+                 else f"predicted peak {format_bytes(plan.predicted_peak_bytes)}")
     warnings.warn(
         f"compile_offload: {graph_name}: verify_budget: the first compiled step measured "
         f"{format_bytes(measured_bytes)} at the allocator, above the memory budget "
-        f"{format_bytes(plan.budget_bytes)} ({over}; predicted peak "
-        f"{format_bytes(plan.predicted_peak_bytes)}). "
+        f"{format_bytes(plan.budget_bytes)} ({over}; {predicted}). "
         + _why_over(plan)
         + "docs/troubleshooting.md, 'When memory surprises you'",
         stacklevel=2,
@@ -86,6 +87,9 @@ def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str)
 def _why_over(plan: Plan) -> str:
     """What the plan already said about the budget: the planner's verdict, and the budget
     loop's from the code Inductor generated (``Plan.meets_budget``)."""
+    if plan.fallback is not None:
+        return (f"The planner did not plan this graph ({plan.fallback}): torch's partition ran, and nothing "
+                "bounded its peak. ")
     if not plan.meets_budget():
         if not plan.feasible:
             return "The plan itself did not fit (the budget is below the minimum it can reach). "
