@@ -301,6 +301,43 @@ def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner,
     assert counter.frame_count == 2 and len(captured_plans) == 2  # no compile after the one re-plan
 
 
+class _Layer(nn.Module):
+    """A decoder layer of a Hugging Face model in small: the layers share their code and
+    Dynamo guards on their index."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.mlp = MLP(d_in=64, d_hidden=256, d_out=64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) * (self.index + 1)
+
+
+def test_graphs_of_one_frame_are_each_compiled_again_for_larger_sizes(eager_inner, captured_plans, monkeypatch):
+    """Two layers compiled on their own share their code, one Dynamo frame, and differ by a
+    guard on the module: the count of compiles for larger sizes was the frame's, so once one
+    layer had been compiled again the other never was, and kept a plan over the budget with a
+    warning that named compiles it never had. Each graph has its own count."""
+    from compile_offload.pipeline import dynamic_check
+
+    monkeypatch.setattr(dynamic_check, "MAX_REPLANS", 1)
+    backend = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1MiB"))
+    layers = [torch.compile(_Layer(index), backend=backend, dynamic=True) for index in range(2)]
+    said = []
+    for batch in (16, 64, 1024, 1024, 2048):
+        for index, layer in enumerate(layers):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _train_step(layer, torch.randn(batch, 64))
+            said += [(batch, index, str(w.message)) for w in caught if "dynamic shapes" in str(w.message)]
+    again = [(batch, index) for batch, index, message in said if "compiles the graph again" in message]
+    assert again == [(1024, 0), (1024, 1)], said
+    capped = [(batch, index) for batch, index, message in said if "compiled again for larger sizes 1 times" in message]
+    assert capped == [(2048, 0), (2048, 1)], said
+    assert backend.frame_count == 4  # each layer: dynamic from the start, then once for 1024
+
+
 def test_a_size_named_with_hint_override_is_not_planned_again_past_it(eager_inner, captured_plans):
     """Every batch marked with hint_override=64 (a pipeline that marks each batch): a batch
     over the budget cannot be planned for, as the user named the size; one warning says so,

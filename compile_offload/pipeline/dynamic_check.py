@@ -11,7 +11,7 @@ symbols; at the first call with new sizes the program is simulated again at thos
 (``passes.memory.peak_bytes``). When the predicted peak exceeds the budget at sizes larger
 than planned, that call runs the plan it has and warns, and the frame is compiled again by
 Dynamo at its next call, planned for those sizes (``replan_when_larger``, at most
-``MAX_REPLANS`` times a frame); otherwise one warning per graph says so.
+``MAX_REPLANS`` times a graph); otherwise one warning per graph says so.
 """
 
 from __future__ import annotations
@@ -499,10 +499,13 @@ def _input_elements(tensors: list[tuple[str, torch.Tensor]], sizes: dict[str, in
     return total
 
 
-# A dynamic graph compiled again for a larger size, at most this many times per frame.
+# A dynamic graph compiled again for a larger size, at most this many times.
 MAX_REPLANS = 3
-# Dynamo frame id -> how many times its graph was compiled again for a larger size
-_replans: dict[int, int] = {}
+# Dynamo frame id -> for each compile of the frame asked for and not yet made, how many times
+# the graph it replaces had been compiled again for a larger size. One frame may compile
+# several graphs of their own (the layers of a model compiled per layer share their code and
+# differ by a guard on the module), so the count goes with each graph's line of compiles.
+_replans: dict[int, list[int]] = {}
 
 
 def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], dict[str, int]], int | str] | None:
@@ -534,9 +537,11 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
     if not inputs or not add_frame_guard(lambda _frame_locals: not stale[0],
                                          "compile_offload: a dynamic size above the one planned for"):
         return None
+    asked = _replans.get(frame)
+    replanned = asked.pop(0) if asked else 0  # this graph's compiles again before it (FIFO: the order asked)
 
     def replan(sizes: dict[str, int], planned: dict[str, int]) -> int | str:
-        if _replans.get(frame, 0) >= MAX_REPLANS:
+        if replanned >= MAX_REPLANS:
             return f"this one was compiled again for larger sizes {MAX_REPLANS} times already"
         named = [name for name in sizes if name in symints
                  and not _may_plan_at(symints[name], symints[name].node.expr, sizes[name])]
@@ -547,9 +552,9 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
         # The sizes planned for, those that grew raised: a record that covers both.
         _record(frame, {(source, dim): size for name, size in {**planned, **sizes}.items()
                         for source, dim in inputs.get(name, ())})
-        _replans[frame] = _replans.get(frame, 0) + 1
+        _replans.setdefault(frame, []).append(replanned + 1)
         stale[0] = True
-        return _replans[frame]
+        return replanned + 1
 
     return replan
 
