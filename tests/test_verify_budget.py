@@ -99,6 +99,26 @@ def test_a_step_over_the_budget_warns_once_and_one_within_it_does_not():
     assert _steps(model, x, memory_budget=str(10 * measured.peak_bytes), inner_compiler="eager") == []
 
 
+def test_a_call_on_fake_tensors_is_not_the_first_step():
+    """DDPOptimizer runs each compiled bucket graph on fake tensors while it compiles the
+    next: that call counted as the measured first step, and no real step was ever measured."""
+    from compile_offload.runtime.verify_budget import verify_first_step
+    from compile_offload.torch_api.fake_tensors import FakeTensorMode
+
+    plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
+                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
+    weight = torch.randn(64, 64, requires_grad=True)
+    wrapped = verify_first_step(lambda x: (x @ weight).relu(), lambda: plan, torch.device("cpu"), "g")
+    x = torch.randn(256, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        wrapped(mode.from_tensor(x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped(x).sum().backward()
+    (message,) = [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+    assert "g: verify_budget: the first compiled step measured" in message, message
+
+
 def test_off_by_default_and_nothing_without_a_budget():
     assert compile_offload.config.verify_budget is False
     model, x = _model()

@@ -68,9 +68,8 @@ import torch
 
 from ..passes.plan import Plan, format_bytes
 from ..pipeline.result import BudgetError
-from ..torch_api.fake_tensors import FakeTensor
 from ..torch_api.utils import in_backward, queue_backward_callback, tree_leaves
-from .step_measure import compiled_backward_node
+from .step_measure import compiled_backward_node, on_fake_tensors
 
 log = logging.getLogger("compile_offload")
 
@@ -236,7 +235,7 @@ class StepBudget:
         budget = self
 
         def run(*args):
-            if _fake(args):  # DDPOptimizer runs each bucket graph on fake tensors while compiling: not a step
+            if on_fake_tensors(args):  # DDPOptimizer runs each bucket graph on fake tensors while compiling
                 return graph.compiled(*args)
             if graph.pending and graph.need is not None and graph.budget_bytes <= graph.need.min_bytes:
                 # No plan made under its minimum peaks lower than the minimum-memory plan it was
@@ -553,10 +552,6 @@ def _after_backward(callback: Callable[[], None]) -> None:
 def _storage_bytes(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().nbytes()
 
-
-def _fake(args: tuple) -> bool:
-    """Whether a call is on fake tensors (a compiled graph's arguments are a flat list)."""
-    return any(isinstance(arg, FakeTensor) for arg in args)
 
 
 _budgets: "weakref.WeakKeyDictionary[Any, dict[int, StepBudget]]" = weakref.WeakKeyDictionary()

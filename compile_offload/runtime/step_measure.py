@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from ..torch_api.fake_tensors import FakeTensor
 from ..torch_api.utils import tree_leaves
 from .memory_tracker import AllocationLedger, measure_peak, profiler_recording
 
@@ -111,3 +112,10 @@ def compiled_backward_node(outputs: Any):
         if len(seen) < 16:
             pending.extend(next_node for next_node, _ in node.next_functions)
     return None
+
+
+def on_fake_tensors(args: tuple) -> bool:
+    """Whether a compiled graph's call is on fake tensors, not a step: DDPOptimizer runs each
+    bucket graph so while compiling, to make the next bucket's inputs (a compiled graph's
+    arguments are a flat list)."""
+    return any(isinstance(arg, FakeTensor) for arg in args)

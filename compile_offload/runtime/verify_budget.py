@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .memory_tracker import profiler_recording
-from .step_measure import StepMeasure, compiled_backward_node
+from .step_measure import StepMeasure, compiled_backward_node, on_fake_tensors
 from ..passes.plan import Plan, format_bytes
 
 TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact bytes
@@ -34,7 +34,8 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
 
     def run(*args):
         plan = plan_of()
-        if state["done"] or plan is None or plan.budget_bytes is None or not torch.is_grad_enabled():
+        if (state["done"] or plan is None or plan.budget_bytes is None or not torch.is_grad_enabled()
+                or on_fake_tensors(args)):
             return compiled(*args)
         if device.type != "cuda" and profiler_recording():
             if not state.get("warned"):
