@@ -112,6 +112,28 @@ def test_trials_run_each_candidate_in_turn_then_only_the_chosen_one():
     assert calls[-3:] == [chosen[0].name] * 3 and len(chosen) == 1
 
 
+def test_a_call_on_fake_tensors_is_not_a_step():
+    """DDPOptimizer runs each compiled bucket graph on fake tensors while it compiles the
+    next: such a call took the profile step's events to ``on_profiled``, whose collectives
+    and compiles then ran inside a compile (on one rank alone, where only it compiled). It
+    runs the planner's plan and leaves the trials as they were."""
+    from compile_offload.torch_api.fake_tensors import FakeTensorMode
+
+    calls: list[str] = []
+    profiled: list = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan()), Trial("b", _stand_in(0.0, calls, "b"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda c, measured: None,
+                        on_profiled=lambda events: profiled.append(events))
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(3):  # two warm-ups, then the planner's plan profiled
+        runner(x).sum().backward()
+    with FakeTensorMode() as mode:
+        fake = runner(mode.from_tensor(x))
+    assert fake.shape == (4,) and profiled == [] and runner.position == 3 and calls == ["a", "b", "a", "a"]
+    runner(x).sum().backward()
+    assert profiled == [[]] and runner.position == 4 and calls[-1] == "a"
+
+
 def test_a_candidate_from_the_profile_step_joins_the_trials_after_its_warm_up():
     calls: list[str] = []
     chosen: list[Trial] = []
@@ -299,6 +321,83 @@ def test_under_a_process_group_a_frames_recompile_runs_no_trials(monkeypatch, ca
     assert [m for m in evaluated if "graph_0_1" in m and "candidate plans compiled" in m], evaluated
     (off,) = [m for m in evaluated if "graph_0_2" in m]
     assert "Dynamo compiled this frame again" in off
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_under_a_process_group_a_recompile_while_the_trials_run_keeps_their_schedule(monkeypatch):
+    """One rank alone got a smaller batch while the trials ran: Dynamo compiled the frame again
+    there, its steps ran the new code, and the trials' schedule stood still on that rank, which
+    reached the collectives that agree on the figures steps after the other ranks: they waited
+    until the process group's timeout. The new code's steps take the trials' places, unmeasured."""
+    import compile_offload
+    from compile_offload.pipeline import plan_choice
+    from compile_offload.runtime import plan_trials
+
+    monkeypatch.setattr(plan_choice, "process_group_ranks", lambda: 2)
+    monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: lambda obj: [obj, obj])
+    torch.manual_seed(0)
+    model = _Residual(d=32, n=2)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(
+        memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1), dynamic=False)
+    _train(compiled, eager, torch.randn(512, 32), steps=1)
+    (running,) = plan_choice._running.values()
+    assert running.position == 1 and running.chosen is None
+    sizes = [384, 384, 512]  # compiled again at 384, as on this rank alone; then each size in turn
+    for step in range(len(running.schedule) + 2):
+        if running.chosen is not None:
+            break
+        before = running.position
+        _train(compiled, eager, torch.randn(sizes[step % 3], 32), steps=1)
+        # a step takes the schedule's next place (or, the profile step's place passed, ends
+        # the trials where no candidate joins)
+        assert running.position == before + 1 or running.chosen is not None, (step, before, running.schedule)
+    assert running.chosen is not None and step > 1
+    _train(compiled, eager, torch.randn(384, 32), steps=1)  # once chosen, the new code just runs
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_under_ddp_a_recompile_while_the_trials_run_keeps_every_bucket_graphs_schedule(monkeypatch, tmp_path):
+    """The same under DDPOptimizer, whose compile makes a graph per bucket: each new bucket
+    graph takes the places of the trials of the bucket graph it replaces. (The trials were
+    forgotten at each bucket graph's compile but the last, and only that bucket's stayed in
+    step.) One rank here, counted as two."""
+    import torch.distributed as dist
+
+    import compile_offload
+    from compile_offload.pipeline import plan_choice
+    from compile_offload.runtime import plan_trials
+
+    monkeypatch.setattr(plan_choice, "process_group_ranks", lambda: 2)
+    monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: lambda obj: [obj, obj])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _Residual(d=32, n=3)
+        eager = copy.deepcopy(model)
+        block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", block)  # a bucket graph per block
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=block / 2**20)
+        torch._dynamo.reset()
+        compiled = torch.compile(ddp, backend=compile_offload.offload_remat(
+            memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1), dynamic=False)
+        _train(compiled, eager, torch.randn(512, 32), steps=1)
+        running = [trials for trials in plan_choice._running.values() if "bucket" in trials.graph_name]
+        assert len(running) == 3 and [r.position for r in running] == [1, 1, 1], [r.graph_name for r in running]
+        sizes = [384, 384, 512]  # compiled again at 384, as on this rank alone; then each size in turn
+        for step in range(max(len(r.schedule) for r in running) + 2):
+            if all(r.chosen is not None for r in running):
+                break
+            before = [r.position for r in running]
+            _train(compiled, eager, torch.randn(sizes[step % 3], 32), steps=1)
+            for trials, position in zip(running, before):
+                assert trials.position == position + 1 or trials.chosen is not None, (step, trials.graph_name)
+        assert all(r.chosen is not None for r in running) and step > 1
+    finally:
+        dist.destroy_process_group()
 
 
 def test_under_a_process_group_trials_all_run_under_the_users_profiler_keep_the_planners_plan(monkeypatch):

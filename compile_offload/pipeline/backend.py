@@ -139,6 +139,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
     else:
         compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, settings, patches, mode)
+    compiled = plan_choice.in_step_with_trials(compiled)
     if settings.verify_budget:  # measure the first step against the budget (verify_budget.py)
         from ..runtime.verify_budget import verify_first_step
 

@@ -35,7 +35,7 @@ from ..passes.memory import peak_bytes as memory_peak_bytes
 from ..passes.plan import format_bytes
 from ..settings import Settings
 from ..torch_api.dynamo import graph_input_sources
-from ..torch_api.guards import CompileContext
+from ..torch_api.guards import compile_id, frame_begun
 
 log = logging.getLogger("compile_offload")
 
@@ -563,17 +563,13 @@ def _frame_id() -> int | None:
     """The Dynamo frame being compiled; at its first compile in a new context (after
     ``torch._dynamo.reset()``, which numbers frames from 0 again), what was recorded under its
     number is forgotten."""
-    context = CompileContext.try_get()
-    compile_id = getattr(context, "compile_id", None)
-    frame = getattr(compile_id, "frame_id", None)
-    if frame is None:
+    compiled = compile_id()
+    if compiled is None:
         return None
-    if getattr(compile_id, "frame_compile_id", None) == 0:
-        first = _first_compile.get(frame)
-        if first is None or first() is not context:
-            _records.pop(frame, None)
-            _replans.pop(frame, None)
-            _first_compile[frame] = weakref.ref(context)
+    frame = compiled[0]
+    if frame_begun(_first_compile):
+        _records.pop(frame, None)
+        _replans.pop(frame, None)
     return frame
 
 

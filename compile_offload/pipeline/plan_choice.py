@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ from ..passes.cost import launches_kernel, node_seconds
 from ..runtime import kernel_costs
 from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs, agree_on_names, process_group_ranks
 from ..torch_api import guards
-from . import graph_reports, plan_cache
+from . import ddp, graph_reports, plan_cache
 from .device_profile import device_of, measuring_device, resolve_profile
 
 log = logging.getLogger("compile_offload")
@@ -76,6 +77,11 @@ def applies(loop) -> bool:
 # Dynamo frame id -> its compile whose graphs try candidates under a process group (all the
 # bucket graphs of one DDP compile share it)
 _trying_compile: dict[int, int] = {}
+# (Dynamo frame id, DDP bucket graph or 0) -> the trials that compile's graph runs under a
+# process group (``in_step_with_trials``), as long as the graph lives
+_running: weakref.WeakValueDictionary[tuple[int, int], PlanTrials] = weakref.WeakValueDictionary()
+# Dynamo frame id -> the compile context of its first compile (``guards.frame_begun``)
+_first_compile: dict[int, weakref.ref] = {}
 
 
 def _recompile_among_ranks() -> bool:
@@ -95,9 +101,33 @@ def note_compile() -> None:
     """Called by the backend at each graph it compiles: a frame's first compile (after
     ``torch._dynamo.reset()`` frames are numbered from 0 again) forgets that frame number's
     compile that tried candidates."""
+    if guards.frame_begun(_first_compile):
+        frame = guards.compile_id()[0]
+        _trying_compile.pop(frame, None)
+        for key in [key for key in _running if key[0] == frame]:
+            del _running[key]
+
+
+def in_step_with_trials(compiled):
+    """``compiled``, or, where it is a later compile of a frame whose first compile's trials
+    still run under a process group (a guard this rank's inputs failed, such as an uneven last
+    batch), ``compiled`` taking the trials' places in turn, unmeasured
+    (``PlanTrials.run_other``): this rank then reaches the collectives that agree on the
+    trials' figures at the step the other ranks do, where it would have left them waiting."""
+    key = _graph_key()
+    running = None if key is None else _running.get(key)
+    if running is None or running.chosen is not None or guards.compile_id()[1] == _trying_compile.get(key[0]):
+        return compiled
+
+    def step(*args):
+        return running.run_other(compiled, args)
+
+    return step
+
+
+def _graph_key() -> tuple[int, int] | None:
     compiled = guards.compile_id()
-    if compiled is not None and compiled[1] == 0:
-        _trying_compile.pop(compiled[0], None)
+    return None if compiled is None else (compiled[0], ddp.bucket_index() or 0)
 
 
 def _dynamic(example_inputs: Sequence[Any]) -> bool:
@@ -155,8 +185,12 @@ def with_trials(loop, compiled):
     def on_chosen(chosen: Trial, measured: list[Trial]) -> None:
         _adopt(loop, chosen, len(measured), seconds, loop.cache_key)
 
-    return PlanTrials(trials, kept.plan.budget_bytes, device_of(loop.example_inputs), kept.plan.graph_name,
-                      loop.settings.measured_plan_steps, on_chosen, on_profiled)
+    running = PlanTrials(trials, kept.plan.budget_bytes, device_of(loop.example_inputs), kept.plan.graph_name,
+                         loop.settings.measured_plan_steps, on_chosen, on_profiled)
+    key = _graph_key()
+    if key is not None and process_group_ranks() > 1:
+        _running[key] = running
+    return running
 
 
 def _measured_cost_candidate(loop, trials: list[Trial]):

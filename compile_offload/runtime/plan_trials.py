@@ -20,7 +20,9 @@ same way (``agree_on_costs``). Steps run without grad, or while a profiler of th
 user's records on the CPU, run the planner's plan and are not counted; nor is a step whose
 backward has not run when the next one begins. Under a process group a step under the user's
 profiler (often run on one rank only) still takes its place in the schedule, unmeasured, so
-that every rank reaches the collectives that agree on the figures at the same step.
+that every rank reaches the collectives that agree on the figures at the same step; so does a
+step of code Dynamo compiled again for the graph on one rank while the trials run
+(``run_other``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from ..passes.plan import Plan, format_bytes
 from .kernel_costs import KernelProfile, MeasuredCosts
 from .memory_tracker import profiler_recording
-from .step_measure import StepMeasure, compiled_backward_node
+from .step_measure import StepMeasure, compiled_backward_node, on_fake_tensors
 from .verify_budget import TOLERANCE
 
 log = logging.getLogger("compile_offload")
@@ -206,17 +208,32 @@ class PlanTrials:
         self.schedule = self.schedule[:self.position] + [(len(self.trials) - 1, "warmup")] + self._measured_rounds()
 
     def __call__(self, *args):
+        return self._step(args)
+
+    def run_other(self, compiled: Callable[..., Any], args: tuple) -> Any:
+        """A step of ``compiled``, code Dynamo compiled again for this graph on this rank alone
+        (a guard its inputs failed) while the trials run: it takes the schedule's next place,
+        unmeasured, so that this rank reaches the collectives that agree on the figures at the
+        same step as the ranks still running the trials. Once they have chosen, ``compiled``
+        simply runs."""
+        return self._step(args, other=compiled)
+
+    def _step(self, args: tuple, other: Callable[..., Any] | None = None) -> Any:
         if self.chosen is not None:
-            return self.chosen.compiled(*args)
+            return (other or self.chosen.compiled)(*args)
+        if on_fake_tensors(args):  # not a step: the planner's plan, and the schedule untouched
+            return (other or self.trials[0].compiled)(*args)
         self._drop_unfinished()
         if self._profiled is not None or self._profile_missed:
             self._take_profile()
             if self.chosen is not None:
-                return self.chosen.compiled(*args)
+                return (other or self.chosen.compiled)(*args)
         index, kind = self.schedule[self.position]
         if not torch.is_grad_enabled():
-            return self.trials[0].compiled(*args)
-        if (self.device.type != "cuda" or kind == "profile") and profiler_recording():
+            return (other or self.trials[0].compiled)(*args)
+        if other is not None:
+            trial, measure = None, _Unmeasured()
+        elif (self.device.type != "cuda" or kind == "profile") and profiler_recording():
             if _process_group_gather() is None:
                 return self.trials[0].compiled(*args)
             # The ranks' schedules stay in step: this one passes, unmeasured, on the planner's plan.
@@ -225,7 +242,7 @@ class PlanTrials:
             trial = self.trials[index]
             peak = kind == "peak" or (kind == "time" and self.device.type == "cuda")
             measure = KernelProfile(self.device) if kind == "profile" else StepMeasure(self.device, peak=peak)
-        outputs = measure.forward(trial.compiled, args)
+        outputs = measure.forward(other or trial.compiled, args)
         node = compiled_backward_node(outputs)
         if node is None:  # nothing to wait for: not a training step; not counted
             measure.end_backward()
