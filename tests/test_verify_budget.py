@@ -119,6 +119,27 @@ def test_a_call_on_fake_tensors_is_not_the_first_step():
     assert "g: verify_budget: the first compiled step measured" in message, message
 
 
+def test_a_first_call_whose_backward_never_runs_is_not_the_step_measured():
+    """A forward with grad on whose output is dropped (a sanity pass without no_grad) was
+    taken as the step to measure; its backward never ran, and no step ever was measured."""
+    from compile_offload.runtime.verify_budget import verify_first_step
+
+    plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
+                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
+    from .models import CompiledFunction  # a compiled graph's stand-in: its backward is waited for
+
+    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
+    x = torch.randn(256, 64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped(x).sum().item()  # no backward
+        assert not [w for w in caught if "verify_budget" in str(w.message)]
+        for _ in range(2):
+            wrapped(x).sum().backward()
+    (message,) = [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+    assert "g: verify_budget: the first compiled step measured" in message, message
+
+
 def test_off_by_default_and_nothing_without_a_budget():
     assert compile_offload.config.verify_budget is False
     model, x = _model()

@@ -29,8 +29,11 @@ TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact by
 def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan | None], device: torch.device,
                       graph_name: str) -> Callable[..., Any]:
     """``compiled`` (a Dynamo backend's result), measuring its first training step.
-    ``plan_of()`` returns the graph's plan (known once the graph is compiled)."""
-    state = {"done": False}
+    ``plan_of()`` returns the graph's plan (known once the graph is compiled). A forward
+    whose backward has not run when the next call begins (a pass whose output was dropped)
+    is not a step: the next call is measured instead, and so is the next one after a step a
+    profiler of yours interrupted."""
+    state: dict[str, Any] = {"done": False, "pending": None}  # pending: the measured step whose backward is awaited
 
     def run(*args):
         plan = plan_of()
@@ -44,21 +47,33 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
                               "torch.profiler is recording, and the CPU measure is a profiler of its own, which "
                               "would end yours; the first step run outside a profiler is measured", stacklevel=2)
             return compiled(*args)
-        state["done"] = True
+        if state["pending"] is not None:  # its backward never ran: not a step
+            state["pending"].end_backward()
+            state["pending"] = None
         step = StepMeasure(device)
         outputs = step.forward(compiled, args)
         node = compiled_backward_node(outputs)
         if node is None:  # no backward to wait for: the forward alone is the step
+            state["done"] = True
             warn_if_over_budget(plan, step.peak_bytes(), graph_name)
             return outputs
-        node.register_prehook(lambda *_: step.start_backward())
+        state["pending"] = step
+
+        def backward_started(*_):
+            if state["pending"] is step:
+                step.start_backward()
 
         def backward_done(*_):
-            step.end_backward()
-            if step.interrupted:  # a profiler opened between the forward and this backward
+            if state["pending"] is not step:  # dropped: another call began before this backward
                 return
+            state["pending"] = None
+            step.end_backward()
+            if step.interrupted:  # a profiler opened between the forward and this backward: measure the next
+                return
+            state["done"] = True
             warn_if_over_budget(plan_of(), step.peak_bytes(), graph_name)
 
+        node.register_prehook(backward_started)
         node.register_hook(backward_done)
         return outputs
 
