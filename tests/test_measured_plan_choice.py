@@ -285,6 +285,30 @@ def test_under_a_process_group_a_rival_another_rank_dropped_is_not_run(monkeypat
 
 @pytest.mark.inductor
 @pytest.mark.slow
+def test_under_a_process_group_trials_run_only_where_every_rank_would_run_them(monkeypatch, caplog):
+    """Whether a graph tries candidates was each rank's own answer: a plan served from one
+    rank's plan cache with its measured choice tries nothing there, and the other ranks'
+    trials waited at their first agreement for it. Here the other rank would not try them."""
+    import compile_offload
+    from compile_offload.runtime import plan_trials
+
+    monkeypatch.setattr(plan_trials, "_process_group_gather",
+                        lambda: lambda obj: [obj, False] if isinstance(obj, bool) else [obj, obj])
+    torch.manual_seed(0)
+    model = _Residual(d=32, n=2)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(
+            memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1))
+        _train(compiled, eager, torch.randn(512, 32), steps=2)
+    said = caplog.text
+    assert "on another rank its plan tries no candidates" in said, said
+    assert "candidate plans compiled" not in said
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_under_a_process_group_a_frames_recompile_runs_no_trials(monkeypatch, caplog):
     """A recompile may happen on one rank alone (an uneven last batch fails a guard there):
     its trials' collectives waited for ranks that never joined, and that rank hung. Under a

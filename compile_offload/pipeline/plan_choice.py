@@ -52,26 +52,32 @@ PROFILE_STEP = "the profile step"
 
 def applies(loop) -> bool:
     """Whether measured plan choice runs for the graph ``loop`` (a ``BudgetLoop``) compiled:
-    the knob on, one plan with decisions, its scheduled peak known, not a plan already chosen
-    by measurement nor the unconstrained plan (it recomputes and copies nothing: no rival is
-    faster), a training graph, and sizes that do not change between calls."""
-    if not loop.settings.measured_plan_choice or len(loop.results) != 1:
+    the knob on, a training graph, sizes that do not change between calls, and one plan with
+    decisions, its scheduled peak known, not a plan already chosen by measurement nor the
+    unconstrained plan (it recomputes and copies nothing: no rival is faster). Under a process
+    group, where it runs on every rank compiling the graph (a plan served from one rank's plan
+    cache, say, tries nothing there)."""
+    if not loop.settings.measured_plan_choice or not graph_reports.trains(loop.example_inputs):
         return False
-    plan = loop.results[0].plan
-    if (not plan.decisions or plan.budget_bytes is None or plan.scheduled_peak_bytes is None
-            or plan.measured_candidates or plan.unconstrained or not graph_reports.trains(loop.example_inputs)):
-        return False
+    name = loop.partitioner.graph_name
     if _dynamic(loop.example_inputs):
         log.info("%s: measured plan choice is off for this graph: its sizes are dynamic (steps of other sizes "
-                 "would not compare)", plan.graph_name)
+                 "would not compare)", name)
         return False
     if _recompile_among_ranks():
         log.info("%s: measured plan choice is off for this graph: under a process group only the first training "
                  "compile of a frame tries candidates; Dynamo compiled this frame again, which may happen on this "
                  "rank alone (a guard one rank's inputs fail, such as an uneven last batch), and the trials' "
-                 "collectives would wait for ranks that never join", plan.graph_name)
+                 "collectives would wait for ranks that never join", name)
         return False
-    return True
+    plan = loop.results[0].plan if len(loop.results) == 1 else None
+    here = bool(plan is not None and plan.decisions and plan.budget_bytes is not None
+                and plan.scheduled_peak_bytes is not None and not plan.measured_candidates and not plan.unconstrained)
+    everywhere = agree_all(here)  # every rank compiling this graph gets here: the same answer on all
+    if here and not everywhere:
+        log.info("%s: measured plan choice is off for this graph: on another rank its plan tries no candidates "
+                 "(served from that rank's plan cache, say), and every rank runs the same trials", name)
+    return everywhere
 
 
 # Dynamo frame id -> its compile whose graphs try candidates under a process group (all the
