@@ -52,9 +52,12 @@ def load_factory(target: str):
 def _load_file(path: Path):
     if not path.is_file():
         raise SystemExit(f"explain: no such file {path}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    # A name of its own: under its stem a file named random.py or copy.py would replace the
+    # standard module of that name for everything imported after it (torch included).
+    name = f"_compile_offload_explain_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
+    sys.modules[name] = module  # dataclasses and pickle look the module up by name
     spec.loader.exec_module(module)
     return module
 
