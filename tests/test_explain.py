@@ -47,6 +47,13 @@ def test_plan_fields_and_table():
     assert "recompute" in text and plan.decisions[0].name in text
 
 
+@pytest.mark.parametrize("explain", [compile_offload.explain, compile_offload.explain_all])
+def test_a_model_that_cannot_be_called_is_a_type_error_naming_the_argument(explain):
+    with pytest.raises(TypeError, match=r"^compile_offload.tools.explain: model_or_fn is a NoneType, which cannot be "
+                                        r"called; pass the model"):
+        explain(None, torch.randn(2, 4))
+
+
 def test_budget_below_minimum_warns_with_both_numbers_and_strict_raises():
     model, x = meta_gpt(layers=1)
     with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(.*\)"):

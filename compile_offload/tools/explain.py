@@ -191,6 +191,9 @@ def explain_all(
     **options: Any,
 ) -> list[Plan]:
     """One Plan per compiled graph (several when the model has graph breaks)."""
+    if not callable(model_or_fn):
+        raise TypeError(f"compile_offload.tools.explain: model_or_fn is a {type(model_or_fn).__name__}, which cannot "
+                        "be called; pass the model (an nn.Module) or a function, then its example inputs")
     if memory_budget is not _UNSET:
         options["memory_budget"] = memory_budget
     if device_profile is not _UNSET:
