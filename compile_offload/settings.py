@@ -352,6 +352,15 @@ def resolve(overrides: dict | None = None) -> Settings:
     def from_environment(knob: str) -> bool:
         return not (overrides and knob in overrides) and _from_environment(knob)
 
+    def value_of(knob: str) -> object:
+        """The knob's value; for one from the environment, the variable's own "0"/"1"
+        where torch's config module turned it into a bool."""
+        value = values[knob]
+        raw = os.environ.get(f"COMPILE_OFFLOAD_{knob.upper()}")
+        if isinstance(value, bool) and raw in ("0", "1") and from_environment(knob):
+            return raw
+        return value
+
     budget_bytes, budget_fraction = parse_budget(values["memory_budget"], from_environment("memory_budget"))
     budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
     profile = values["device_profile"]
@@ -361,11 +370,11 @@ def resolve(overrides: dict | None = None) -> Settings:
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
     exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"],
                               from_environment("exact_max_candidates"))
-    pool_limit = values["pinned_pool_limit"]
+    pool_limit = value_of("pinned_pool_limit")
     if pool_limit is not None:
         pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
     settings = Settings(
-        plan_time_limit=parse_time_limit(values["plan_time_limit"]),
+        plan_time_limit=parse_time_limit(value_of("plan_time_limit")),
         budget_bytes=budget_bytes,
         budget_fraction=budget_fraction,
         strict_budget=_flag("strict_budget", values["strict_budget"], from_environment("strict_budget")),
@@ -386,7 +395,7 @@ def resolve(overrides: dict | None = None) -> Settings:
         measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"],
                                           from_environment("measured_plan_steps")),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
-        shared_h2d_bytes=0 if values["shared_h2d_bytes"] is None else parse_bytes(values["shared_h2d_bytes"],
+        shared_h2d_bytes=0 if values["shared_h2d_bytes"] is None else parse_bytes(value_of("shared_h2d_bytes"),
                                                                                    "shared_h2d_bytes"),
     )
     if settings.debug_force_offload and not settings.offload:

@@ -446,6 +446,9 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--fit", "--device", "cpu"], "--fit on the CPU: give --budgets"),
     (["--fit", "--strategies", "compile", "--budgets", "1MiB"], "--fit compares compile_offload.fit"),
     (["--attribute", "--in-turn"], "--in-turn with --attribute: it times the sweep's"),
+    (["--strategies", "foo"], "--strategies foo: unknown strategy 'foo'; known: "),
+    (["--strategies", "eager,ours:abc"], "--strategies eager,ours:abc: .*memory_budget='abc' is not a size"),
+    (["--strategies", "eager:0.5"], "--strategies eager:0.5: strategy 'eager' takes no budget"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an

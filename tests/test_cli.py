@@ -28,6 +28,41 @@ def test_explain_prints_the_plan_and_writes_the_dump(tmp_path, capsys):
     assert plan["device_profile"] == "h100" and 0.5 * plan["baseline_peak_bytes"] <= plan["budget_bytes"] < plan["baseline_peak_bytes"]
 
 
+def test_explain_without_budget_or_profile_flags_takes_the_config(tmp_path, capsys):
+    """--budget and --profile left out: the knobs are compile_offload.config's (the
+    environment's COMPILE_OFFLOAD_MEMORY_BUDGET / _DEVICE_PROFILE), not None."""
+    import compile_offload
+
+    factory = tmp_path / "models.py"
+    factory.write_text(textwrap.dedent("""
+        import torch
+        def make():
+            with torch.device("meta"):
+                model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                x = torch.randn(128, 64)
+            return model, (x,)
+    """))
+    assert main(["explain", f"{factory}:make", "--budget", "0.5", "--profile", "h100"]) == 0
+    with_flags = capsys.readouterr().out
+    with compile_offload.config.patch(memory_budget=0.5, device_profile="h100"):
+        assert main(["explain", f"{factory}:make"]) == 0
+    from_config = capsys.readouterr().out
+    assert "budget none" not in from_config and from_config == with_flags
+
+
+def test_demo_takes_the_configured_budget_without_the_flag(capsys, monkeypatch):
+    import compile_offload
+
+    budgets = []
+    monkeypatch.setattr(compile_offload, "explain", lambda *args, **options: budgets.append(options) or "plan")
+    monkeypatch.setattr(compile_offload, "offload_remat", lambda **options: budgets.append(options) or "eager")
+    with compile_offload.config.patch(memory_budget="64MiB"):
+        assert main(["demo", "--steps", "1", "--device", "cpu"]) == 0
+    assert main(["demo", "--steps", "1", "--device", "cpu"]) == 0
+    assert budgets == [{}, {"inner_compiler": "eager"}, {"memory_budget": "0.5"},
+                       {"inner_compiler": "eager", "memory_budget": "0.5"}]
+
+
 def test_demo_trains_and_prints_the_loss(capsys):
     assert main(["demo", "--steps", "1", "--device", "cpu", "--budget", "0.5"]) == 0
     printed = capsys.readouterr().out

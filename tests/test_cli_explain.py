@@ -72,6 +72,23 @@ def test_mistakes_exit_with_a_message_not_a_traceback(factory_folder, arguments,
     assert re.search(message, str(exit_info.value))
 
 
+def test_a_strict_budget_below_the_minimum_exits_with_one_line(factory_folder):
+    import compile_offload
+
+    with compile_offload.config.patch(strict_budget=True), pytest.raises(SystemExit) as exit_info:
+        main(["explain", f"{factory_folder}/my_models.py:make", "--budget", "1", "--profile", "h100"])
+    assert re.fullmatch(r"explain: compile_offload: graph_0: memory budget 1 B is below the minimum .*; "
+                        r"strict_budget=True", str(exit_info.value))
+
+
+def test_a_factory_file_named_like_a_standard_module_leaves_that_module_alone(tmp_path, capsys):
+    import random
+
+    (tmp_path / "random.py").write_text(META_FACTORY)
+    assert main(["explain", f"{tmp_path}/random.py:make", "--budget", "0.5", "--profile", "h100"]) == 0
+    assert sys.modules["random"] is random and "predicted peak" in capsys.readouterr().out
+
+
 def test_a_failing_import_inside_the_module_keeps_its_traceback(tmp_path):
     (tmp_path / "broken_models.py").write_text("import no_such_dependency_xyz\n")
     sys.path.insert(0, str(tmp_path))

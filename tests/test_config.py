@@ -264,6 +264,12 @@ def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
         # "1" too, which torch's config module reads as True
         ({"COMPILE_OFFLOAD_MEASURED_PLAN_STEPS": "1", "COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES": "1"},
          {"measured_plan_steps": 1, "exact_max_candidates": 1}),
+        ({"COMPILE_OFFLOAD_SHARED_H2D_BYTES": "0", "COMPILE_OFFLOAD_PINNED_POOL_LIMIT": "1",
+          "COMPILE_OFFLOAD_PLAN_TIME_LIMIT": "1"},
+         {"shared_h2d_bytes": 0, "pinned_pool_limit": 1, "plan_time_limit": 1.0}),
+        ({"COMPILE_OFFLOAD_SHARED_H2D_BYTES": "1", "COMPILE_OFFLOAD_PINNED_POOL_LIMIT": "0",
+          "COMPILE_OFFLOAD_PLAN_TIME_LIMIT": "0"},
+         {"shared_h2d_bytes": 1, "pinned_pool_limit": 0, "plan_time_limit": 0.0}),
     ],
     ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
 )

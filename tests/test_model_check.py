@@ -4,6 +4,7 @@ eager plans, the output format), never the figures it prints."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -106,6 +107,13 @@ def test_cli_prints_one_json_object_per_anchor_row(tmp_path, capsys):
                  "--pareto-shapes", ""]) == 0
     table = capsys.readouterr().out
     assert all(f"| gpt8 | {r['mode']} |" in table for r in rows)
+
+
+@pytest.mark.parametrize("flag", ["--shapes", "--pareto-shapes"])
+def test_cli_rejects_an_unknown_shape_with_one_line(flag):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["model-check", "--skip-optimality", flag, "gpt8,foo"])
+    assert re.fullmatch(r"model-check: .*unknown anchor shape 'foo'; known: gpt8, deep24", str(exit_info.value))
 
 
 def test_load_anchors_names_a_missing_file(tmp_path):

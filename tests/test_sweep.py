@@ -17,3 +17,16 @@ def test_sweep_returns_a_plan_per_budget_and_draws_the_front(tmp_path):
     assert peaks == sorted(peaks, reverse=True)
     png = (tmp_path / "pareto.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_a_single_budget_is_one_plan_not_one_per_character():
+    model = MLP()
+    (plan,) = compile_offload.sweep(model, *mlp_inputs(), budgets="40KiB", device_profile="cpu")
+    assert plan.budget_bytes == 40 * 1024
+    (plan,) = compile_offload.sweep(model, *mlp_inputs(), budgets=0.5, device_profile="cpu")
+    assert plan.budget_bytes is not None
+
+
+def test_memory_budget_is_refused_naming_budgets():
+    with pytest.raises(TypeError, match=r"compile_offload.sweep: give the budgets as budgets=\[...\]"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5], memory_budget=0.1)

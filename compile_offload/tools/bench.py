@@ -160,6 +160,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.torch_budgets is not None:
         _parse_flag("--torch-budgets", lambda text: [strategies_mod.parse_torch_budget(t) for t in text.split(",")],
                     args.torch_budgets)
+    if args.strategies is not None:  # names and their budgets (ours:2GiB)
+        _parse_flag("--strategies", lambda text: strategies_mod.expand(text.split(","), [], []), args.strategies)
     from ..settings import folder_problem
 
     problem = folder_problem(args.out)

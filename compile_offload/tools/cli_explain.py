@@ -19,8 +19,10 @@ from pathlib import Path
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="MODULE:FACTORY",
                         help="e.g. my_models:make_gpt or path/to/models.py:make_gpt; the factory returns (model, inputs)")
-    parser.add_argument("--budget", default=None, help="bytes ('4GiB', '512MB') or a fraction ('0.5'); default: no limit")
-    parser.add_argument("--profile", default=None, help="device profile: h100, a100, rtx4090, cpu (default: this machine)")
+    parser.add_argument("--budget", default=None, help="bytes ('4GiB', '512MB') or a fraction ('0.5'); default: "
+                        "COMPILE_OFFLOAD_MEMORY_BUDGET, else no limit")
+    parser.add_argument("--profile", default=None, help="device profile: h100, a100, rtx4090, cpu (default: "
+                        "COMPILE_OFFLOAD_DEVICE_PROFILE, else this machine)")
     parser.add_argument("--out", default=None, help="folder for the dump (graphs, plan.json, report.md, timeline.png)")
     parser.add_argument("--no-offload", action="store_true", help="keep or recompute only")
 
@@ -50,9 +52,12 @@ def load_factory(target: str):
 def _load_file(path: Path):
     if not path.is_file():
         raise SystemExit(f"explain: no such file {path}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    # A name of its own: under its stem a file named random.py or copy.py would replace the
+    # standard module of that name for everything imported after it (torch included).
+    name = f"_compile_offload_explain_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
+    sys.modules[name] = module  # dataclasses and pickle look the module up by name
     spec.loader.exec_module(module)
     return module
 
@@ -73,10 +78,15 @@ def _import(module_name: str):
 
 def explain_options(args: argparse.Namespace) -> dict:
     """The options ``args`` give ``compile_offload.explain_all``, validated (``SystemExit``
-    naming the bad value), so a typo fails before the model is built."""
+    naming the bad value), so a typo fails before the model is built. Only the flags given
+    are options: the others are ``compile_offload.config``'s (the environment's)."""
     from .. import settings as settings_mod
 
-    options = {"memory_budget": args.budget, "device_profile": args.profile}
+    options = {}
+    if args.budget is not None:
+        options["memory_budget"] = args.budget
+    if args.profile is not None:
+        options["device_profile"] = args.profile
     if args.out:
         options["dump_dir"] = args.out
     if args.no_offload:
@@ -89,7 +99,7 @@ def explain_options(args: argparse.Namespace) -> dict:
             settings_mod.check_budget_fits_device(settings, "meta")
     except (TypeError, ValueError) as error:
         flags = [flag for knob, flag in (("memory_budget", "--budget"), ("device_profile", "--profile"),
-                                         ("dump_dir", "--out")) if f"config.{knob}" in str(error)]
+                                         ("dump_dir", "--out")) if knob in options and f"config.{knob}" in str(error)]
         raise SystemExit(f"explain: {''.join(flag + ': ' for flag in flags[:1])}{error}") from None
     return options
 

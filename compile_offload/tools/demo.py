@@ -30,7 +30,8 @@ class TinyGPT(nn.Module):
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--budget", default="0.5", help="memory budget: bytes ('64MiB') or a fraction ('0.5'); default 0.5")
+    parser.add_argument("--budget", default=None, help="memory budget: bytes ('64MiB') or a fraction ('0.5'); "
+                        "default: COMPILE_OFFLOAD_MEMORY_BUDGET, else 0.5")
     parser.add_argument("--steps", type=_positive_int, default=3, help="training steps to run (default 3)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--inner-compiler", default=None, choices=("inductor", "eager"),
@@ -73,15 +74,18 @@ def run_demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"demo: --budget: {error}") from None
     device = _device(args.device)
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
-    budget = args.budget  # a string, parsed by compile_offload like the environment variable
+    if args.budget is None and compile_offload.config.memory_budget is not None:
+        budget = {}  # the environment's (compile_offload.config)
+    else:  # a string, parsed by compile_offload like the environment variable
+        budget = {"memory_budget": "0.5" if args.budget is None else args.budget}
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     tokens = torch.randint(0, 256, (8, 128), device=device)
     targets = torch.roll(tokens, -1, dims=1)
-    plan = compile_offload.explain(model, tokens, targets, memory_budget=budget)
+    plan = compile_offload.explain(model, tokens, targets, **budget)
     print(plan)
     print()
-    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=budget, inner_compiler=inner))
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler=inner, **budget))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
         started = time.perf_counter()

@@ -191,6 +191,9 @@ def explain_all(
     **options: Any,
 ) -> list[Plan]:
     """One Plan per compiled graph (several when the model has graph breaks)."""
+    if not callable(model_or_fn):
+        raise TypeError(f"compile_offload.tools.explain: model_or_fn is a {type(model_or_fn).__name__}, which cannot "
+                        "be called; pass the model (an nn.Module) or a function, then its example inputs")
     if memory_budget is not _UNSET:
         options["memory_budget"] = memory_budget
     if device_profile is not _UNSET:
@@ -257,13 +260,19 @@ def explain_all(
         # A backend of its own each time: Dynamo keeps the code it compiled for the frames after
         # a graph break per backend, and would run the first pass's again.
         compiled = torch.compile(_with_own_code(run), backend=lambda gm, inputs: planning_backend(gm, inputs))
-        if lowers is None:
-            # The generated forward runs on the real tensors: leave the model's buffers (a
-            # BatchNorm's running statistics) and the random state as they were.
-            with state_kept(module):
+        try:
+            if lowers is None:
+                # The generated forward runs on the real tensors: leave the model's buffers (a
+                # BatchNorm's running statistics) and the random state as they were.
+                with state_kept(module):
+                    compiled(*inputs)
+            else:
                 compiled(*inputs)
-        else:
-            compiled(*inputs)
+        except Exception as error:
+            ours = _our_error(error)
+            if ours is None:
+                raise
+            raise ours from None
 
     plan_every_graph()
     if step_scoped:
@@ -288,6 +297,20 @@ def explain_all(
     if recurrence:
         warnings.warn(f"compile_offload.tools.explain: {recurrence}", stacklevel=2)
     return plans
+
+
+def _our_error(error: Exception) -> Exception | None:
+    """The ``ValueError`` or ``TypeError`` (``BudgetError`` included) our planning raised,
+    where Dynamo wrapped it in its ``BackendCompilerFailed`` (``inner_exception``); else
+    None. The user catches ours as documented, its traceback kept."""
+    inner = getattr(error, "inner_exception", None)
+    if not isinstance(inner, (ValueError, TypeError)) or inner.__traceback__ is None:
+        return None
+    last = inner.__traceback__
+    while last.tb_next is not None:
+        last = last.tb_next
+    raised_in = last.tb_frame.f_globals.get("__name__", "")
+    return inner if raised_in.startswith("compile_offload.") else None
 
 
 def _step_shares(plans: list[Plan], budget_bytes: int) -> list[int] | None:

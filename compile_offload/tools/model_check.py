@@ -686,6 +686,10 @@ def run_model_check(args: argparse.Namespace) -> int:
     for graph in graphs:
         if graph not in OPTIMALITY_GRAPHS:
             raise SystemExit(f"model-check: unknown graph {graph!r}; known: {', '.join(OPTIMALITY_GRAPHS)}")
+    pareto_shapes = {s for s in args.pareto_shapes.split(",") if s}
+    unknown = sorted(pareto_shapes - set(SHAPES))
+    if unknown:
+        raise SystemExit(f"model-check: --pareto-shapes: unknown anchor shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
     try:
         anchors = load_anchors(Path(args.anchors), shapes)
     except ValueError as error:
@@ -703,7 +707,6 @@ def run_model_check(args: argparse.Namespace) -> int:
         profile = fit.profile(H100_DATASHEET, "h100")
     records: list[dict] = [header]
     records += [p.record() for plans in all_plans for p in anchor_predictions(plans, profile)]
-    pareto_shapes = {s for s in args.pareto_shapes.split(",") if s}
     for plans in all_plans:
         if plans.shape.name in pareto_shapes:
             records += pareto_points(plans, profile)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,14 @@ from .explain import explain
 
 
 def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, **options: Any) -> list[Plan]:
-    """One plan per budget (``explain`` for each); with ``out``, draw ``out/pareto.png``:
-    predicted step time against predicted peak memory, one point per budget."""
+    """One plan per budget (``explain`` for each; a single budget, ``"1MiB"`` or ``0.5``, is
+    one); with ``out``, draw ``out/pareto.png``: predicted step time against predicted peak
+    memory, one point per budget."""
+    if isinstance(budgets, (str, numbers.Real)):  # not its characters, one by one
+        budgets = [budgets]
+    if "memory_budget" in options:
+        raise TypeError("compile_offload.sweep: give the budgets as budgets=[...]; memory_budget is not an option "
+                        "of sweep")
     plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
     if out is not None:
         draw_pareto(Path(out) / "pareto.png", budgets, plans)
