@@ -134,10 +134,10 @@ class Plan:
         self.feasible = self.predicted_peak_bytes <= budget_bytes
 
     def meets_budget(self) -> bool:
-        """Whether the budget is met (always without one): by the scheduled peak where
-        Inductor's code for the plan was seen (the nearer figure to the allocator's), else by
-        the prediction (``feasible``)."""
-        if self.budget_bytes is None:
+        """Whether the budget is met (always without one, and under a budget of 0, which asks
+        for the minimum-memory plan): by the scheduled peak where Inductor's code for the plan
+        was seen (the nearer figure to the allocator's), else by the prediction (``feasible``)."""
+        if self.budget_bytes is None or self.budget_bytes == 0:
             return True
         if self.scheduled_peak_bytes is not None:
             return self.scheduled_peak_bytes <= self.budget_bytes
@@ -156,9 +156,7 @@ class Plan:
         """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
         it is known), step time, decision counts."""
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
-        # memory_budget=0.0 (or 0 bytes) asks for the minimum-memory plan: no plan is over it.
-        asked_minimum = self.budget_bytes == 0
-        if asked_minimum:
+        if self.budget_bytes == 0:  # memory_budget=0 or 0.0: the minimum-memory plan asked for
             budget = "0 (the minimum-memory plan)"
         if self.planned_budget_bytes not in (None, self.budget_bytes):
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
@@ -172,7 +170,7 @@ class Plan:
             f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
-            + ("" if self.meets_budget() or asked_minimum else " -- over budget")
+            + ("" if self.meets_budget() else " -- over budget")
             + self._measured_text()
         )
 

@@ -83,6 +83,22 @@ def test_a_fraction_below_the_minimum_warns_and_strict_raises_but_zero_does_not(
     assert budget_error_in(info.value)
 
 
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_a_budget_of_zero_bytes_or_fraction_is_met_by_the_minimum_memory_plan(zero):
+    """0 bytes and the fraction 0.0 both ask for the minimum-memory plan: the plan made is
+    what was asked for, so it meets its budget, says so in its summary, and is not reported
+    below the minimum (0 bytes used to warn and raise under strict_budget, and both had
+    ``meets_budget()`` False while the summary left out "-- over budget")."""
+    model, x = meta_gpt(layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = compile_offload.explain(model, x, memory_budget=zero, device_profile="h100")
+        compile_offload.explain(model, x, memory_budget=zero, device_profile="h100", strict_budget=True)
+    assert plan.budget_bytes == 0 and plan.meets_budget()
+    assert "budget 0 (the minimum-memory plan)" in plan.summary() and "over budget" not in plan.summary()
+    assert plan.predicted_peak_bytes == plan.min_peak_bytes < plan.baseline_peak_bytes
+
+
 def test_explain_plans_a_model_built_under_fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

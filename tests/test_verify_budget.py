@@ -37,8 +37,10 @@ def test_a_budget_of_zero_the_minimum_plan_asked_for_warns_without_a_percentage(
     """memory_budget=0.0 asks for the minimum-memory plan, whose budget is 0 bytes: the
     warning cannot say by what share the step is over it (it divided by zero, in the user's
     backward)."""
-    with pytest.warns(UserWarning, match=r"above the memory budget 0 B \(a budget of 0; predicted peak"):
+    with pytest.warns(UserWarning, match=r"above the memory budget 0 B \(a budget of 0; predicted peak") as caught:
         assert warn_if_over_budget(_plan(0, 900), 1000, "graph_0")
+    # The minimum-memory plan asked for meets its budget (Plan.meets_budget): not "holds more than predicted".
+    assert "no step fits in 0 bytes" in str(caught[0].message)
 
 
 def test_the_warning_says_what_the_plan_already_said_about_the_budget():

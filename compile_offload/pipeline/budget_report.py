@@ -24,8 +24,8 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         return  # (a fallback: torch partitioned the graph without the budget, and that was said)
     if plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes <= plan.budget_bytes:
         return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
-    if settings.budget_fraction == 0.0:
-        return  # asks for the minimum plan: nothing to warn about
+    if plan.budget_bytes == 0:
+        return  # memory_budget=0 or 0.0 asks for the minimum-memory plan: this is it
     if plan.budget_outcome == "over_budget":
         return  # the budget loop kept it over the budget, and warned (warn_over_budget)
     unconstrained = plan.unconstrained
