@@ -118,8 +118,9 @@ class Plan:
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
                   graph_name: str, why: str, fallback: str | None = None) -> "Plan":
         """The plan of a graph torch partitioned instead (no backward, or a ``fallback``, the
-        reason): no decisions and no predictions, ``why`` as its note. ``feasible`` says
-        whether the budget holds anyway (a graph without a backward saves nothing)."""
+        reason): no decisions and no predictions, ``why`` as its note, which its summary
+        shows. ``feasible`` says whether the budget holds anyway (a graph without a backward
+        saves nothing; a fallback holds none it was given)."""
         return cls(feasible=feasible, budget_bytes=budget_bytes, predicted_peak_bytes=0,
                    predicted_step_seconds=0.0, baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0,
                    device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why],
@@ -137,6 +138,8 @@ class Plan:
         """Whether the budget is met (always without one, and under a budget of 0, which asks
         for the minimum-memory plan): by the scheduled peak where Inductor's code for the plan
         was seen (the nearer figure to the allocator's), else by the prediction (``feasible``)."""
+        if self.fallback is not None:  # torch's partition ran: the budget was not applied
+            return self.feasible
         if self.budget_bytes is None or self.budget_bytes == 0:
             return True
         if self.scheduled_peak_bytes is not None:
@@ -154,7 +157,9 @@ class Plan:
 
     def summary(self, scheduled: bool = True) -> str:
         """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
-        it is known), step time, decision counts."""
+        it is known), step time, decision counts; for a graph torch partitioned instead, why."""
+        if self.fallback is not None or not (self.decisions or self.baseline_peak_bytes):  # ``unplanned``
+            return f"{self.graph_name}: not planned ({'; '.join(self.notes) or 'no reason recorded'})"
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         if self.budget_bytes == 0:  # memory_budget=0 or 0.0: the minimum-memory plan asked for
             budget = "0 (the minimum-memory plan)"

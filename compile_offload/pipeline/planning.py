@@ -266,8 +266,11 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
     )
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
-    plan = Plan.unplanned(feasible=False, budget_bytes=settings.budget_bytes, device_profile=profile.name,
-                          solver=settings.solver, graph_name=graph_name, why=f"fallback: {error}",
+    why = f"fallback: {error}; torch's partition ran"
+    if settings.has_budget:
+        why += f", without the memory budget {settings.describe_budget()}"
+    plan = Plan.unplanned(feasible=not settings.has_budget, budget_bytes=settings.budget_bytes,
+                          device_profile=profile.name, solver=settings.solver, graph_name=graph_name, why=why,
                           fallback=f"{type(error).__name__}: {error}")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     return PartitionResult(plan, fw_gm, bw_gm, None, None)
