@@ -113,6 +113,9 @@ class Plan:
     # prediction is near, and keeps the lower scheduled peak. None elsewhere.
     lowest_start: str | None = None
     rival_peak_bytes: int | None = None
+    # ``plan_time_limit`` stopped the search before it ended: ``min_peak_bytes`` is the lowest
+    # peak found by then, not the minimum the planner can reach.
+    time_limit_reached: bool = False
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
@@ -166,13 +169,15 @@ class Plan:
         if self.planned_budget_bytes not in (None, self.budget_bytes):
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
+        minimum = (f"lowest found {format_bytes(self.min_peak_bytes)} before plan_time_limit" if self.time_limit_reached
+                   else f"minimum {format_bytes(self.min_peak_bytes)}")
         # Known once Inductor generated the code (after the INFO line at planning time): the
         # nearer figure to the allocator's where the planner's simulation misses what it does.
         scheduled_text = ("" if self.scheduled_peak_bytes is None or not scheduled
                           else f", scheduled {format_bytes(self.scheduled_peak_bytes)}")
         return (
             f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)}{scheduled_text} "
-            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
+            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, {minimum}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
             + ("" if self.meets_budget() else " -- over budget")

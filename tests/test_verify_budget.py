@@ -52,6 +52,9 @@ def test_the_warning_says_what_the_plan_already_said_about_the_budget():
 
     below = _plan(1_000_000, 1_050_000)  # the planner's minimum is over the budget
     assert "did not fit" in message(below)
+    below.time_limit_reached = True  # the search stopped early: its lowest plan is not the planner's minimum
+    assert "plan_time_limit stopped the search" in message(below) and "below the minimum" not in message(below)
+    below.time_limit_reached = False
     below.scheduled_peak_bytes = 950_000  # ... but its code fits (the budget loop kept it): not "did not fit"
     assert "holds more than the plan predicts" in message(below)
     kept_over = _plan(1_000_000, 990_000)  # the planner says it fits, no plan's code did
