@@ -113,13 +113,17 @@ class Plan:
     # prediction is near, and keeps the lower scheduled peak. None elsewhere.
     lowest_start: str | None = None
     rival_peak_bytes: int | None = None
+    # ``plan_time_limit`` stopped the search before it ended: ``min_peak_bytes`` is the lowest
+    # peak found by then, not the minimum the planner can reach.
+    time_limit_reached: bool = False
 
     @classmethod
     def unplanned(cls, *, feasible: bool, budget_bytes: int | None, device_profile: str, solver: str,
                   graph_name: str, why: str, fallback: str | None = None) -> "Plan":
         """The plan of a graph torch partitioned instead (no backward, or a ``fallback``, the
-        reason): no decisions and no predictions, ``why`` as its note. ``feasible`` says
-        whether the budget holds anyway (a graph without a backward saves nothing)."""
+        reason): no decisions and no predictions, ``why`` as its note, which its summary
+        shows. ``feasible`` says whether the budget holds anyway (a graph without a backward
+        saves nothing; a fallback holds none it was given)."""
         return cls(feasible=feasible, budget_bytes=budget_bytes, predicted_peak_bytes=0,
                    predicted_step_seconds=0.0, baseline_peak_bytes=0, baseline_step_seconds=0.0, min_peak_bytes=0,
                    device_profile=device_profile, solver=solver, graph_name=graph_name, notes=[why],
@@ -134,10 +138,12 @@ class Plan:
         self.feasible = self.predicted_peak_bytes <= budget_bytes
 
     def meets_budget(self) -> bool:
-        """Whether the budget is met (always without one): by the scheduled peak where
-        Inductor's code for the plan was seen (the nearer figure to the allocator's), else by
-        the prediction (``feasible``)."""
-        if self.budget_bytes is None:
+        """Whether the budget is met (always without one, and under a budget of 0, which asks
+        for the minimum-memory plan): by the scheduled peak where Inductor's code for the plan
+        was seen (the nearer figure to the allocator's), else by the prediction (``feasible``)."""
+        if self.fallback is not None:  # torch's partition ran: the budget was not applied
+            return self.feasible
+        if self.budget_bytes is None or self.budget_bytes == 0:
             return True
         if self.scheduled_peak_bytes is not None:
             return self.scheduled_peak_bytes <= self.budget_bytes
@@ -154,25 +160,27 @@ class Plan:
 
     def summary(self, scheduled: bool = True) -> str:
         """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
-        it is known), step time, decision counts."""
+        it is known), step time, decision counts; for a graph torch partitioned instead, why."""
+        if self.fallback is not None or not (self.decisions or self.baseline_peak_bytes):  # ``unplanned``
+            return f"{self.graph_name}: not planned ({'; '.join(self.notes) or 'no reason recorded'})"
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
-        # memory_budget=0.0 (or 0 bytes) asks for the minimum-memory plan: no plan is over it.
-        asked_minimum = self.budget_bytes == 0
-        if asked_minimum:
+        if self.budget_bytes == 0:  # memory_budget=0 or 0.0: the minimum-memory plan asked for
             budget = "0 (the minimum-memory plan)"
         if self.planned_budget_bytes not in (None, self.budget_bytes):
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
+        minimum = (f"lowest found {format_bytes(self.min_peak_bytes)} before plan_time_limit" if self.time_limit_reached
+                   else f"minimum {format_bytes(self.min_peak_bytes)}")
         # Known once Inductor generated the code (after the INFO line at planning time): the
         # nearer figure to the allocator's where the planner's simulation misses what it does.
         scheduled_text = ("" if self.scheduled_peak_bytes is None or not scheduled
                           else f", scheduled {format_bytes(self.scheduled_peak_bytes)}")
         return (
             f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)}{scheduled_text} "
-            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, minimum {format_bytes(self.min_peak_bytes)}), "
+            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, {minimum}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
-            + ("" if self.meets_budget() or asked_minimum else " -- over budget")
+            + ("" if self.meets_budget() else " -- over budget")
             + self._measured_text()
         )
 

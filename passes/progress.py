@@ -22,11 +22,13 @@ EVERY_SECONDS = 5.0
 
 
 class Progress:
-    def __init__(self, time_limit: float | None = None, graph_name: str = "graph") -> None:
+    def __init__(self, time_limit: float | None = None, graph_name: str = "graph",
+                 started: float | None = None) -> None:
+        """``started``: the ``time.perf_counter()`` the time limit counts from (now by default)."""
         if time_limit is not None and not time_limit >= 0:
             raise ValueError(f"time_limit={time_limit!r}: accepted: None or seconds >= 0")
         self.time_limit, self.graph_name = time_limit, graph_name
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
         self.reported = self.started + SHOW_AFTER_SECONDS - EVERY_SECONDS
         self.plans = 0
         self.out_of_time = False

@@ -794,6 +794,11 @@ def test_a_budget_below_the_minimum_is_not_reported_when_the_generated_code_fits
         report_budget(over, resolve({"memory_budget": 1000, "strict_budget": True}))
     over.budget_bytes = 0  # memory_budget=0.0: the minimum-memory plan asked for, not a plan over its budget
     assert "budget 0 (the minimum-memory plan)" in over.summary() and "over budget" not in over.summary()
+    assert over.meets_budget()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report_budget(over, resolve({"memory_budget": 0, "strict_budget": True}))  # nothing said, nothing raised
+    over.budget_bytes = 1000
     # Over in code too: the warning leads with the figure the step will come near, then the plan's.
     with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(1\.07 KiB in the code Inductor "
                                          r"generated for its minimum-memory plan; predicted"):

@@ -9,6 +9,7 @@ import torch.nn as nn
 import compile_offload
 from compile_offload.benchmarks.workloads import Decoder
 from compile_offload import BudgetError
+from compile_offload.passes.plan import format_bytes
 
 
 def meta_gpt(layers=4, width=256, heads=4, seq=1024, batch=8):
@@ -79,6 +80,22 @@ def test_a_fraction_below_the_minimum_warns_and_strict_raises_but_zero_does_not(
         compile_offload.explain_all(model, x, memory_budget=unreachable, device_profile="h100", strict_budget=True)
 
 
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_a_budget_of_zero_bytes_or_fraction_is_met_by_the_minimum_memory_plan(zero):
+    """0 bytes and the fraction 0.0 both ask for the minimum-memory plan: the plan made is
+    what was asked for, so it meets its budget, says so in its summary, and is not reported
+    below the minimum (0 bytes used to warn and raise under strict_budget, and both had
+    ``meets_budget()`` False while the summary left out "-- over budget")."""
+    model, x = meta_gpt(layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = compile_offload.explain(model, x, memory_budget=zero, device_profile="h100")
+        compile_offload.explain(model, x, memory_budget=zero, device_profile="h100", strict_budget=True)
+    assert plan.budget_bytes == 0 and plan.meets_budget()
+    assert "budget 0 (the minimum-memory plan)" in plan.summary() and "over budget" not in plan.summary()
+    assert plan.predicted_peak_bytes == plan.min_peak_bytes < plan.baseline_peak_bytes
+
+
 def test_explain_plans_a_model_built_under_fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -140,7 +157,7 @@ def test_plan_time_limit_returns_the_best_plan_found_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         limited = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100", plan_time_limit=0)
-    limit_warnings = [w for w in caught if "plan_time_limit" in str(w.message)]
+    limit_warnings = [w for w in caught if "planning reached plan_time_limit" in str(w.message)]
     assert len(limit_warnings) == 1, [str(w.message) for w in caught]
     assert any("plan_time_limit" in note for note in limited.notes)
     complete = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
@@ -151,6 +168,40 @@ def test_plan_time_limit_returns_the_best_plan_found_with_one_warning():
         assert complete.feasible and limited.predicted_step_seconds >= complete.predicted_step_seconds
     else:
         assert limited.predicted_peak_bytes >= complete.min_peak_bytes
+
+
+def test_a_search_stopped_by_plan_time_limit_does_not_claim_the_budget_is_below_the_minimum():
+    """The complete search fits 0.5; stopped after one plan (0.1 ms cannot cover the graph's
+    analysis), the plan's lowest peak used to be reported as the planner's minimum: 'minimum'
+    in the summary, a 'below the minimum this planner can reach' warning and, under
+    strict_budget, a BudgetError saying so; and the limit read 'plan_time_limit=0 s'."""
+    model, x = meta_gpt(layers=2)
+    complete = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
+    assert complete.feasible and not complete.time_limit_reached
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        limited = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100", plan_time_limit=1e-4)
+    said = [str(w.message) for w in caught if "compile_offload" in str(w.message)]
+    assert not limited.feasible and limited.time_limit_reached
+    assert not any("below the minimum" in text for text in said), said
+    assert any("plan_time_limit=0.0001 s after 1 candidate plans" in text for text in said), said
+    stopped = "plan_time_limit stopped the search before it found a plan within the memory budget"
+    assert any(stopped in text for text in said), said
+    assert f"lowest found {format_bytes(limited.min_peak_bytes)} before plan_time_limit" in limited.summary()
+    assert "minimum" not in limited.summary()
+    with pytest.raises(Exception, match="strict_budget=True") as info:
+        compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100", plan_time_limit=1e-4,
+                                strict_budget=True)
+    assert budget_error_in(info.value) and stopped in str(info.value) and "below the minimum" not in str(info.value)
+
+
+def test_plan_solver_says_greedy_where_the_exact_solver_refused_the_graph():
+    model, x = meta_gpt(layers=1)
+    with pytest.warns(UserWarning, match="using the greedy solver"):
+        fell_back = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100", solver="exact",
+                                            exact_max_candidates=1)
+    greedy = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
+    assert fell_back.solver == "greedy" and fell_back.decisions == greedy.decisions
 
 
 def _plan_facts(plan):

@@ -900,6 +900,27 @@ def test_a_higher_order_op_falls_back_with_one_warning_naming_it():
     torch.testing.assert_close(got, w.grad)
 
 
+@pytest.mark.parametrize("budget, said", [("1KiB", "1.00 KiB"), (0.5, "0.5 of the unconstrained activations"),
+                                          (None, None)])
+def test_a_fallback_plan_says_it_was_not_planned_and_not_that_it_meets_the_budget(budget, said):
+    """torch's partition ran for the graph: its summary used to read 'predicted peak 0 B
+    (unconstrained 0 B, minimum 0 B) ... -- over budget' for bytes and 'budget none' with
+    ``meets_budget()`` True but ``feasible`` False for a fraction."""
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's own warning (test above)
+        plan = compile_offload.explain(_with_cond, x, w, memory_budget=budget, inner_compiler="eager")
+    assert plan.fallback is not None and "cond" in plan.fallback
+    summary = plan.summary()
+    assert summary.startswith(f"{plan.graph_name}: not planned (fallback: ") and "torch's partition ran" in summary
+    assert "predicted peak" not in summary and "over budget" not in summary, summary
+    if said is None:
+        assert plan.feasible and plan.meets_budget() and "memory budget" not in summary
+    else:
+        assert not plan.feasible and not plan.meets_budget()
+        assert summary.endswith(f"without the memory budget {said})"), summary
+
+
 @torch.compiler.nested_compile_region
 def _region(x, w):
     return torch.tanh(x @ w) * x

@@ -37,8 +37,10 @@ def test_a_budget_of_zero_the_minimum_plan_asked_for_warns_without_a_percentage(
     """memory_budget=0.0 asks for the minimum-memory plan, whose budget is 0 bytes: the
     warning cannot say by what share the step is over it (it divided by zero, in the user's
     backward)."""
-    with pytest.warns(UserWarning, match=r"above the memory budget 0 B \(a budget of 0; predicted peak"):
+    with pytest.warns(UserWarning, match=r"above the memory budget 0 B \(a budget of 0; predicted peak") as caught:
         assert warn_if_over_budget(_plan(0, 900), 1000, "graph_0")
+    # The minimum-memory plan asked for meets its budget (Plan.meets_budget): not "holds more than predicted".
+    assert "no step fits in 0 bytes" in str(caught[0].message)
 
 
 def test_the_warning_says_what_the_plan_already_said_about_the_budget():
@@ -50,6 +52,9 @@ def test_the_warning_says_what_the_plan_already_said_about_the_budget():
 
     below = _plan(1_000_000, 1_050_000)  # the planner's minimum is over the budget
     assert "did not fit" in message(below)
+    below.time_limit_reached = True  # the search stopped early: its lowest plan is not the planner's minimum
+    assert "plan_time_limit stopped the search" in message(below) and "below the minimum" not in message(below)
+    below.time_limit_reached = False
     below.scheduled_peak_bytes = 950_000  # ... but its code fits (the budget loop kept it): not "did not fit"
     assert "holds more than the plan predicts" in message(below)
     kept_over = _plan(1_000_000, 990_000)  # the planner says it fits, no plan's code did

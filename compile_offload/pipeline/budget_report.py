@@ -1,9 +1,9 @@
 """What the user is told about a graph's budget, once: a budget below what the planner can
-reach (``report_budget``: a warning, or ``BudgetError`` under ``strict_budget``), and a plan
-the budget loop kept over its budget (``warn_over_budget``). Called once a graph's plan is
-final: by the partitioner where no budget loop runs, by the budget loop once Inductor's code
-for the plan kept is known, and for a compile served from a cache as its record is read
-(``graph_reports.replay``).
+reach, or than the plans it found before ``plan_time_limit`` (``report_budget``: a warning,
+or ``BudgetError`` under ``strict_budget``), and a plan the budget loop kept over its budget
+(``warn_over_budget``). Called once a graph's plan is final: by the partitioner where no
+budget loop runs, by the budget loop once Inductor's code for the plan kept is known, and for
+a compile served from a cache as its record is read (``graph_reports.replay``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,18 @@ def report_budget(plan: Plan, settings: Settings) -> None:
         return  # (a fallback: torch partitioned the graph without the budget, and that was said)
     if plan.scheduled_peak_bytes is not None and plan.scheduled_peak_bytes <= plan.budget_bytes:
         return  # the planner over-predicted: the code Inductor generated for the plan fits (budget_loop.py)
-    if settings.budget_fraction == 0.0:
-        return  # asks for the minimum plan: nothing to warn about
+    if plan.budget_bytes == 0:
+        return  # memory_budget=0 or 0.0 asks for the minimum-memory plan: this is it
     if plan.budget_outcome == "over_budget":
         return  # the budget loop kept it over the budget, and warned (warn_over_budget)
+    if plan.time_limit_reached:  # the search did not end: its lowest plan is not the planner's minimum
+        stopped = (f"compile_offload: {plan.graph_name}: plan_time_limit stopped the search before it found a plan "
+                   f"within the memory budget {format_bytes(plan.budget_bytes)} (predicted peak "
+                   f"{format_bytes(plan.predicted_peak_bytes)}; the lowest found {format_bytes(plan.min_peak_bytes)})")
+        if settings.strict_budget:
+            raise BudgetError(stopped + "; strict_budget=True")
+        warnings.warn(stopped + "; using the lowest plan found (raise or unset plan_time_limit)", stacklevel=4)
+        return
     unconstrained = plan.unconstrained
     if unconstrained and plan.scheduled_peak_bytes is not None:
         # The plans made to lower memory peaked higher in Inductor's code than this one:

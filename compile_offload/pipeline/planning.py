@@ -187,8 +187,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
         offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0] and policy.may_offload(node),
                                  settings.prefetch)
     exact_failed: list[str] = []
-    limit = settings.plan_time_limit
-    progress = Progress(None if limit is None else max(0.0, limit - (time.perf_counter() - started)), graph_name)
+    progress = Progress(settings.plan_time_limit, graph_name, started)  # planning began at ``started``
 
     def solve(cost) -> Solution:
         if settings.solver == "exact" and not exact_failed:
@@ -217,7 +216,8 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     # Placing the planned copies recompiles the backward: once is enough.
     fw_gm, bw_gm = build_graphs(analysis, chosen.saved, recompile=not chosen.offloaded, offloaded=chosen.offloaded)
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
-    plan = build_plan(analysis, solution, seconds, solver=settings.solver, profile_name=profile.name,
+    solver = "greedy" if exact_failed else settings.solver  # what ran: the exact solver may have refused
+    plan = build_plan(analysis, solution, seconds, solver=solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
     if measured is not None:
@@ -231,6 +231,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
             and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))
     if progress.out_of_time:
+        plan.time_limit_reached = True
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
     if settings.planning_sizes:
         sizes = ", ".join(f"{name}={size}" for name, size in settings.planning_sizes)
@@ -266,8 +267,11 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
     )
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
-    plan = Plan.unplanned(feasible=False, budget_bytes=settings.budget_bytes, device_profile=profile.name,
-                          solver=settings.solver, graph_name=graph_name, why=f"fallback: {error}",
+    why = f"fallback: {error}; torch's partition ran"
+    if settings.has_budget:
+        why += f", without the memory budget {settings.describe_budget()}"
+    plan = Plan.unplanned(feasible=not settings.has_budget, budget_bytes=settings.budget_bytes,
+                          device_profile=profile.name, solver=settings.solver, graph_name=graph_name, why=why,
                           fallback=f"{type(error).__name__}: {error}")
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     return PartitionResult(plan, fw_gm, bw_gm, None, None)

@@ -106,7 +106,11 @@ def _why_over(plan: Plan) -> str:
     if plan.fallback is not None:
         return (f"The planner did not plan this graph ({plan.fallback}): torch's partition ran, and nothing "
                 "bounded its peak. ")
+    if plan.budget_bytes == 0:  # met by the minimum-memory plan it asks for (Plan.meets_budget)
+        return "A budget of 0 asks for the minimum-memory plan, and no step fits in 0 bytes. "
     if not plan.meets_budget():
+        if not plan.feasible and plan.time_limit_reached:
+            return "The plan itself did not fit (plan_time_limit stopped the search before one within the budget). "
         if not plan.feasible:
             return "The plan itself did not fit (the budget is below the minimum it can reach). "
         return (f"No plan the budget loop compiled fit in Inductor's code (scheduled peak "
