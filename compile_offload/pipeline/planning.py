@@ -29,7 +29,8 @@ from ..passes.plan import Plan
 from ..passes.rewrite import build_graphs
 from ..passes.progress import Progress
 from ..passes.solve.refine import Refinement, refine_solution
-from ..passes.solve.recompute import Candidate, Solution, SolverError, solve_exact, without_banned_recompute
+from ..passes.solve.recompute import (Candidate, Solution, SolverError, lowest_peak, solve_exact,
+                                      without_banned_recompute)
 from ..passes.inductor.smaller_matmuls_first import smaller_matmuls_first
 from ..passes.inductor.unfused_mm_add import unfused_mm_add
 from ..passes.solve.joint import OffloadOptions, solve_joint
@@ -186,19 +187,27 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     if settings.offload and not settings.debug_force_offload and profile.name != "cpu":
         offload = OffloadOptions(profile, lambda node: eligible_for_offload(node)[0] and policy.may_offload(node),
                                  settings.prefetch)
-    exact_failed: list[str] = []
+    greedy_ran: list[str] = []  # why the greedy's plan runs under solver='exact' (it refused, or was beaten)
     progress = Progress(settings.plan_time_limit, graph_name, started)  # planning began at ``started``
 
     def solve(cost) -> Solution:
-        if settings.solver == "exact" and not exact_failed:
+        exact = None
+        if settings.solver == "exact" and not greedy_ran:
             try:
-                return solve_exact(analysis, base_saved, cost, settings.budget_bytes,
-                                   settings.exact_max_candidates, settings.budget_fraction, progress)
+                exact = solve_exact(analysis, base_saved, cost, settings.budget_bytes,
+                                    settings.exact_max_candidates, settings.budget_fraction, progress)
             except SolverError as error:
-                exact_failed.append(str(error))
+                greedy_ran.append(str(error))
                 warnings.warn(f"compile_offload: {graph_name}: {error}; using the greedy solver", stacklevel=5)
-        return solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload,
-                           progress, lowest_start=settings.lowest_start)
+        greedy = solve_joint(analysis, base_saved, cost, settings.budget_bytes, settings.budget_fraction, offload,
+                             progress, lowest_start=settings.lowest_start)
+        if exact is None:
+            return greedy
+        better = _the_better(exact, greedy)
+        if better is greedy:
+            greedy_ran.append("solver='exact': the greedy solver's plan was better than every plan the exact search "
+                              "tried (it searches recomputation only, without per-segment checkpointing or offload)")
+        return better
 
     solution = solve(seconds)
     refinement = None
@@ -216,7 +225,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     # Placing the planned copies recompiles the backward: once is enough.
     fw_gm, bw_gm = build_graphs(analysis, chosen.saved, recompile=not chosen.offloaded, offloaded=chosen.offloaded)
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
-    solver = "greedy" if exact_failed else settings.solver  # what ran: the exact solver may have refused
+    solver = "greedy" if greedy_ran else settings.solver  # what ran: the exact solver may have refused or lost
     plan = build_plan(analysis, solution, seconds, solver=solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
@@ -230,6 +239,7 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     if (refinement is not None and refinement.plan is not unrefined.chosen
             and solution.chosen.saved == refinement.plan.saved):  # a checkpoint policy may prefer another plan
         plan.notes.append(_refinement_note(refinement, unrefined.chosen))
+    plan.notes += [why for why in greedy_ran if why.startswith("solver='exact'")]
     if progress.out_of_time:
         plan.time_limit_reached = True
         plan.notes.append(f"plan_time_limit={settings.plan_time_limit:g} s reached: the best plan found by then")
@@ -244,6 +254,21 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
     if key is not None and not progress.out_of_time:  # a complete search may do better
         plan_cache.store_under(key, settings, plan)
     return PartitionResult(plan, fw_gm, bw_gm, analysis, solution, cache_key=key)
+
+
+def _the_better(exact: Solution, greedy: Solution) -> Solution:
+    """The exact search tries every subset of the storages the greedy's recompute moves
+    reach, not the greedy's per-segment checkpointing or offload: where the greedy's plan is
+    better (it fits where the exact's does not, fits and is faster, or, where neither fits, is
+    lower), the greedy's solution, with the lower of the two minimums."""
+    if exact.feasible != greedy.feasible:
+        better = exact if exact.feasible else greedy
+    elif exact.feasible:
+        better = exact if exact.chosen.extra_seconds <= greedy.chosen.extra_seconds else greedy
+    else:
+        better = exact if lowest_peak(exact.chosen) <= lowest_peak(greedy.chosen) else greedy
+    better.minimum = min(exact.minimum, greedy.minimum, key=lowest_peak)
+    return better
 
 
 def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
