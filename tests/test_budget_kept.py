@@ -338,6 +338,39 @@ def test_graphs_of_one_frame_are_each_compiled_again_for_larger_sizes(eager_inne
     assert backend.frame_count == 4  # each layer: dynamic from the start, then once for 1024
 
 
+def test_each_ddp_bucket_graph_counts_its_own_compiles_for_larger_sizes(monkeypatch):
+    """DDPOptimizer compiles one graph per bucket at each compile of the frame: the queue of
+    counts was the frame's, so bucket 0's graph took the count bucket 2 asked with, and bucket
+    2 started again from 0 at every compile: compiled again without end. (The compile is
+    simulated: three bucket graphs per compile of one frame, bucket 2 asking each time.)"""
+    from types import SimpleNamespace
+
+    from compile_offload.pipeline import dynamic_check
+    from compile_offload.torch_api import dynamo
+
+    bucket = [0]
+    monkeypatch.setattr(dynamic_check, "_frame_id", lambda: 7)
+    monkeypatch.setattr(dynamic_check, "bucket_index", lambda: bucket[0])
+    monkeypatch.setattr(dynamo, "add_frame_guard", lambda check, description: True)
+    monkeypatch.setattr(dynamic_check, "_record", lambda *args: None)
+    monkeypatch.setattr(dynamic_check, "_may_plan_at", lambda *args: True)
+    class Input:  # a graph input with one dynamic size
+        shape = (SimpleNamespace(node=SimpleNamespace(expr=None)),)
+
+    monkeypatch.setattr(dynamic_check, "torch", SimpleNamespace(Tensor=Input))
+    monkeypatch.setattr(dynamic_check, "_plain_symbol", lambda size: SimpleNamespace(name="s0"))
+    monkeypatch.setattr(dynamic_check, "graph_input_sources", lambda gm: [("L['x']", Input())])
+    monkeypatch.setattr(dynamic_check, "_replans", {})
+    said = []
+    for compiled in range(dynamic_check.MAX_REPLANS + 1):  # each compile after the first asked for by bucket 2
+        graphs = []
+        for bucket[0] in range(3):
+            graphs.append(dynamic_check.replan_when_larger(None))
+        said.append(graphs[2]({"s0": 100 + compiled}, {"s0": 1}))
+    assert said[:dynamic_check.MAX_REPLANS] == list(range(1, dynamic_check.MAX_REPLANS + 1)), said
+    assert "compiled again for larger sizes 3 times already" in said[-1], said
+
+
 def test_a_size_named_with_hint_override_is_not_planned_again_past_it(eager_inner, captured_plans):
     """Every batch marked with hint_override=64 (a pipeline that marks each batch): a batch
     over the budget cannot be planned for, as the user named the size; one warning says so,

@@ -36,6 +36,7 @@ from ..passes.plan import format_bytes
 from ..settings import Settings
 from ..torch_api.dynamo import graph_input_sources
 from ..torch_api.guards import compile_id, frame_begun
+from .ddp import bucket_index
 
 log = logging.getLogger("compile_offload")
 
@@ -501,11 +502,12 @@ def _input_elements(tensors: list[tuple[str, torch.Tensor]], sizes: dict[str, in
 
 # A dynamic graph compiled again for a larger size, at most this many times.
 MAX_REPLANS = 3
-# Dynamo frame id -> for each compile of the frame asked for and not yet made, how many times
-# the graph it replaces had been compiled again for a larger size. One frame may compile
-# several graphs of their own (the layers of a model compiled per layer share their code and
-# differ by a guard on the module), so the count goes with each graph's line of compiles.
-_replans: dict[int, list[int]] = {}
+# (Dynamo frame id, DDP bucket graph or 0) -> for each compile of the frame asked for and not
+# yet made, how many times the graph it replaces had been compiled again for a larger size.
+# One frame may compile several graphs of their own (the layers of a model compiled per layer
+# share their code and differ by a guard on the module), so the count goes with each graph's
+# line of compiles; DDPOptimizer's bucket graphs of one compile each have their own line.
+_replans: dict[tuple[int, int], list[int]] = {}
 
 
 def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], dict[str, int]], int | str] | None:
@@ -537,7 +539,8 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
     if not inputs or not add_frame_guard(lambda _frame_locals: not stale[0],
                                          "compile_offload: a dynamic size above the one planned for"):
         return None
-    asked = _replans.get(frame)
+    line = (frame, bucket_index() or 0)
+    asked = _replans.get(line)
     replanned = asked.pop(0) if asked else 0  # this graph's compiles again before it (FIFO: the order asked)
 
     def replan(sizes: dict[str, int], planned: dict[str, int]) -> int | str:
@@ -552,7 +555,7 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
         # The sizes planned for, those that grew raised: a record that covers both.
         _record(frame, {(source, dim): size for name, size in {**planned, **sizes}.items()
                         for source, dim in inputs.get(name, ())})
-        _replans.setdefault(frame, []).append(replanned + 1)
+        _replans.setdefault(line, []).append(replanned + 1)
         stale[0] = True
         return replanned + 1
 
@@ -569,7 +572,8 @@ def _frame_id() -> int | None:
     frame = compiled[0]
     if frame_begun(_first_compile):
         _records.pop(frame, None)
-        _replans.pop(frame, None)
+        for line in [line for line in _replans if line[0] == frame]:
+            del _replans[line]
     return frame
 
 
