@@ -134,6 +134,44 @@ def test_a_call_on_fake_tensors_is_not_a_step():
     assert profiled == [[]] and runner.position == 4 and calls[-1] == "a"
 
 
+def test_other_code_called_in_a_step_the_trials_graph_ran_in_leaves_that_step_measured():
+    """Another graph of the frame (a later layer of a model compiled per layer) runs through
+    ``run_other`` in the same step as the trials' own graph: it dropped that graph's measured
+    step and took the place unmeasured, so no step was ever measured. It just runs now."""
+    calls: list[str] = []
+    trials = [Trial("a", _stand_in(0.0, calls, "a"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda c, measured: None)
+    layer = _stand_in(0.0, calls, "layer 1")
+    x = torch.ones(4, requires_grad=True)
+    while runner.chosen is None:
+        before = runner.position
+        (runner(x) + runner.run_other(layer, (x,))).sum().backward()
+        assert runner.position == before + 1
+    assert len(trials[0].seconds) == 1 and trials[0].peak_bytes is not None
+    assert calls == ["a", "layer 1"] * 3
+
+
+def test_with_no_step_timed_on_every_rank_the_planners_plan_runs_unadopted(monkeypatch):
+    """Another rank ran every timed place unmeasured (its code compiled again): the agreed
+    times were empty for every candidate, and the choice fell to the lowest measured peak, a
+    slower plan, which was adopted and stored as measured."""
+    from compile_offload.runtime import plan_trials
+
+    def two_ranks(obj):
+        figures = isinstance(obj, list) and obj and isinstance(obj[0], tuple)
+        return [obj, [([], None) for _ in obj]] if figures else [obj, obj]
+
+    monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: two_ranks)
+    chosen: list[Trial] = []
+    calls: list[str] = []
+    trials = [Trial("fast", _stand_in(0.0, calls, "fast"), _plan()), Trial("slow", _stand_in(0.01, calls, "slow"), _plan())]
+    runner = PlanTrials(trials, 1 << 30, torch.device("cpu"), "g", steps=1, on_chosen=lambda c, m: chosen.append(c))
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(len(runner.schedule)):
+        runner(x).sum().backward()
+    assert runner.chosen is trials[0] and not chosen
+
+
 def test_a_candidate_from_the_profile_step_joins_the_trials_after_its_warm_up():
     calls: list[str] = []
     chosen: list[Trial] = []

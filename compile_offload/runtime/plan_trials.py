@@ -214,8 +214,10 @@ class PlanTrials:
         """A step of ``compiled``, code Dynamo compiled again for this graph on this rank alone
         (a guard its inputs failed) while the trials run: it takes the schedule's next place,
         unmeasured, so that this rank reaches the collectives that agree on the figures at the
-        same step as the ranks still running the trials. Once they have chosen, ``compiled``
-        simply runs."""
+        same step as the ranks still running the trials. A call in a step that has taken its
+        place already (the trials' own graph ran in it: ``compiled`` is another graph of the
+        frame, such as another layer of a model compiled per layer) and, once the trials have
+        chosen, every call, simply runs ``compiled``."""
         return self._step(args, other=compiled)
 
     def _step(self, args: tuple, other: Callable[..., Any] | None = None) -> Any:
@@ -223,6 +225,8 @@ class PlanTrials:
             return (other or self.chosen.compiled)(*args)
         if on_fake_tensors(args):  # not a step: the planner's plan, and the schedule untouched
             return (other or self.trials[0].compiled)(*args)
+        if other is not None and self._pending is not None:  # this step has taken its place
+            return other(*args)
         self._drop_unfinished()
         if self._profiled is not None or self._profile_missed:
             self._take_profile()
@@ -297,6 +301,14 @@ class PlanTrials:
             self.chosen, self.trials = self.trials[0], self.trials[:1]
             log.info("%s: measured plan choice: no trial step was measured (all ran under a profiler of yours); "
                      "the planner's plan runs", self.graph_name)
+            return
+        planner = self.trials[0]
+        if not any(t.seconds for t in self.trials) and (planner.peak_bytes is None or fits(planner, self.budget_bytes)):
+            # no timed step on every rank (one ran its steps unmeasured: new code, or under your
+            # profiler): no speed to compare, nothing to store as measured; the planner's plan runs
+            self.chosen, self.trials = planner, self.trials[:1]
+            log.info("%s: measured plan choice: no candidate's steps were timed on every rank; the planner's plan "
+                     "runs", self.graph_name)
             return
         chosen = choose(self.trials, self.budget_bytes)
         self.chosen = chosen
