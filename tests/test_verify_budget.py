@@ -145,6 +145,25 @@ def test_a_first_call_whose_backward_never_runs_is_not_the_step_measured():
     assert "g: verify_budget: the first compiled step measured" in message, message
 
 
+def test_a_graph_called_twice_in_a_step_is_measured_from_its_first_call():
+    """A model calling one compiled graph several times a step: the second call found the
+    first's backward pending and took the measure over, from its own smaller forward."""
+    from compile_offload.runtime.verify_budget import verify_first_step
+
+    from .models import CompiledFunction
+
+    plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
+                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
+    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
+    large, small = torch.randn(1024, 256, requires_grad=True), torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (wrapped(large).sum() + wrapped(small).sum()).backward()
+        wrapped(small).sum().backward()
+    (message,) = [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+    assert "MiB at the allocator" in message, message  # the 1 MiB call's step, not the 16-byte one's
+
+
 def test_off_by_default_and_nothing_without_a_budget():
     assert compile_offload.config.verify_budget is False
     model, x = _model()

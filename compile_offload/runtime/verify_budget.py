@@ -29,11 +29,15 @@ TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact by
 def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan | None], device: torch.device,
                       graph_name: str) -> Callable[..., Any]:
     """``compiled`` (a Dynamo backend's result), measuring its first training step.
-    ``plan_of()`` returns the graph's plan (known once the graph is compiled). A forward
-    whose backward has not run when the next call begins (a pass whose output was dropped)
-    is not a step: the next call is measured instead, and so is the next one after a step a
-    profiler of yours interrupted."""
-    state: dict[str, Any] = {"done": False, "pending": None}  # pending: the measured step whose backward is awaited
+    ``plan_of()`` returns the graph's plan (known once the graph is compiled). A graph called
+    again before the measured call's backward (a model calling it several times a step) is
+    measured from its first call to that call's backward. A measured forward whose backward
+    never runs (a pass whose output was dropped: a later call's backward ran first, and no
+    call of this step is pending) is not a step: the next call is measured instead, and so is
+    the next one after a step a profiler of yours interrupted."""
+    # pending: the measured step whose backward is awaited; passed: a later call's backward
+    # ended while it waited (its own may never run)
+    state: dict[str, Any] = {"done": False, "pending": None, "passed": False}
 
     def run(*args):
         plan = plan_of()
@@ -47,9 +51,17 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
                               "torch.profiler is recording, and the CPU measure is a profiler of its own, which "
                               "would end yours; the first step run outside a profiler is measured", stacklevel=2)
             return compiled(*args)
-        if state["pending"] is not None:  # its backward never ran: not a step
-            state["pending"].end_backward()
+        pending = state["pending"]
+        if pending is not None and not state["passed"]:  # called again within the measured step
+            outputs = compiled(*args)
+            node = compiled_backward_node(outputs)
+            if node is not None:
+                node.register_hook(lambda *_: state.update(passed=state["passed"] or state["pending"] is pending))
+            return outputs
+        if pending is not None:  # its backward never ran: not a step
+            pending.end_backward()
             state["pending"] = None
+        state["passed"] = False
         step = StepMeasure(device)
         outputs = step.forward(compiled, args)
         node = compiled_backward_node(outputs)
