@@ -9,7 +9,8 @@ import pytest
 from compile_offload.__main__ import main
 
 
-def test_explain_prints_the_plan_and_writes_the_dump(tmp_path, capsys):
+def _mlp_factory(tmp_path):
+    """A file whose ``make()`` returns a small MLP and its input, on the meta device."""
     factory = tmp_path / "models.py"
     factory.write_text(textwrap.dedent("""
         import torch
@@ -19,6 +20,11 @@ def test_explain_prints_the_plan_and_writes_the_dump(tmp_path, capsys):
                 x = torch.randn(128, 64)
             return model, (x,)
     """))
+    return factory
+
+
+def test_explain_prints_the_plan_and_writes_the_dump(tmp_path, capsys):
+    factory = _mlp_factory(tmp_path)
     out = tmp_path / "dump"
     assert main(["explain", f"{factory}:make", "--budget", "0.5", "--profile", "h100", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -33,15 +39,7 @@ def test_explain_without_budget_or_profile_flags_takes_the_config(tmp_path, caps
     environment's COMPILE_OFFLOAD_MEMORY_BUDGET / _DEVICE_PROFILE), not None."""
     import compile_offload
 
-    factory = tmp_path / "models.py"
-    factory.write_text(textwrap.dedent("""
-        import torch
-        def make():
-            with torch.device("meta"):
-                model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-                x = torch.randn(128, 64)
-            return model, (x,)
-    """))
+    factory = _mlp_factory(tmp_path)
     assert main(["explain", f"{factory}:make", "--budget", "0.5", "--profile", "h100"]) == 0
     with_flags = capsys.readouterr().out
     with compile_offload.config.patch(memory_budget=0.5, device_profile="h100"):

@@ -293,13 +293,26 @@ def test_ranks_keep_the_rivals_every_rank_kept_in_their_order():
     assert agree_on_names(mine) == mine  # one process: its own
 
 
+def _trained_under_measured_choice(model, x, steps: int, caplog) -> str:
+    """The compile_offload log of ``steps`` training steps of ``model`` compiled at budget
+    0.5 with measured plan choice (gradients checked against eager)."""
+    import compile_offload
+
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="compile_offload"):
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(
+            memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1))
+        _train(compiled, eager, x, steps=steps)
+    return caplog.text
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_under_a_process_group_a_rival_another_rank_dropped_is_not_run(monkeypatch, caplog):
     """The rivals were kept or dropped by each rank's own scheduled peak: a rank keeping one
     more ran more trial steps than the others, and their collectives crossed. Here the other
     rank kept none: only the planner's plan (and its profile step) runs."""
-    import compile_offload
     from compile_offload.pipeline import plan_choice
     from compile_offload.runtime import plan_trials
 
@@ -310,14 +323,7 @@ def test_under_a_process_group_a_rival_another_rank_dropped_is_not_run(monkeypat
 
     monkeypatch.setattr(plan_trials, "_process_group_gather", lambda: two_ranks)
     torch.manual_seed(0)
-    model = _Residual()
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    with caplog.at_level(logging.INFO, logger="compile_offload"):
-        compiled = torch.compile(model, backend=compile_offload.offload_remat(
-            memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1))
-        _train(compiled, eager, torch.randn(1024, 64), steps=1)
-    said = caplog.text
+    said = _trained_under_measured_choice(_Residual(), torch.randn(1024, 64), 1, caplog)
     assert "dropped, not kept on every rank" in said and "1 candidate plans compiled" in said, said
 
 
@@ -327,20 +333,12 @@ def test_under_a_process_group_trials_run_only_where_every_rank_would_run_them(m
     """Whether a graph tries candidates was each rank's own answer: a plan served from one
     rank's plan cache with its measured choice tries nothing there, and the other ranks'
     trials waited at their first agreement for it. Here the other rank would not try them."""
-    import compile_offload
     from compile_offload.runtime import plan_trials
 
     monkeypatch.setattr(plan_trials, "_process_group_gather",
                         lambda: lambda obj: [obj, False] if isinstance(obj, bool) else [obj, obj])
     torch.manual_seed(0)
-    model = _Residual(d=32, n=2)
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    with caplog.at_level(logging.INFO, logger="compile_offload"):
-        compiled = torch.compile(model, backend=compile_offload.offload_remat(
-            memory_budget=0.5, measured_plan_choice=True, measured_plan_steps=1))
-        _train(compiled, eager, torch.randn(512, 32), steps=2)
-    said = caplog.text
+    said = _trained_under_measured_choice(_Residual(d=32, n=2), torch.randn(512, 32), 2, caplog)
     assert "on another rank its plan tries no candidates" in said, said
     assert "candidate plans compiled" not in said
 
