@@ -74,18 +74,19 @@ def run_demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"demo: --budget: {error}") from None
     device = _device(args.device)
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
-    if args.budget is None and compile_offload.config.memory_budget is not None:
-        budget = {}  # the environment's (compile_offload.config)
-    else:  # a string, parsed by compile_offload like the environment variable
-        budget = {"memory_budget": "0.5" if args.budget is None else args.budget}
+    # The plan printed is the plan trained: explain and the backend get the same options.
+    options = {"inner_compiler": inner}
+    if args.budget is not None or compile_offload.config.memory_budget is None:
+        # a string, parsed by compile_offload like the environment variable; else the config's
+        options["memory_budget"] = "0.5" if args.budget is None else args.budget
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     tokens = torch.randint(0, 256, (8, 128), device=device)
     targets = torch.roll(tokens, -1, dims=1)
-    plan = compile_offload.explain(model, tokens, targets, **budget)
+    plan = compile_offload.explain(model, tokens, targets, **options)
     print(plan)
     print()
-    compiled = torch.compile(model, backend=compile_offload.offload_remat(inner_compiler=inner, **budget))
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(**options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
         started = time.perf_counter()
