@@ -75,8 +75,8 @@ def plan_partition(
         started = time.perf_counter()
         policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
         # The order the plan holds to (Inductor's peak-memory reordering is off under a
-        # budget): a gradient's smaller matmuls first, as that reordering would; and each
-        # matmul where the graph computes it, not folded into a later add.
+        # budget): a gradient's smaller matmuls first, as that reordering would; and each add
+        # Inductor would fold a matmul into, folded here or prevented (unfused_mm_add).
         joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
         joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
         device = device_of(tensor_value(n) for n in joint_gm.graph.nodes)

@@ -469,8 +469,9 @@ def torch_plans(shape: AnchorShape, layers: int | None = None, fit_only: bool = 
 
 def backend_analysis(model: nn.Module, x: torch.Tensor) -> JointAnalysis:
     """``model``'s joint graph as our backend plans it: in its own order (a gradient's
-    smaller matmuls first, ``passes.inductor.smaller_matmuls_first``) and with each matmul kept
-    out of a later add (``passes.inductor.unfused_mm_add``), which torch's partitioners do not do.
+    smaller matmuls first, ``passes.inductor.smaller_matmuls_first``) and with each add Inductor
+    would fold a matmul into decided, folded or not (``passes.inductor.unfused_mm_add``), which
+    torch's partitioners do not do.
     Our plans are made and predicted on this graph, torch's on the graph as traced. It is
     analysed as our backend compiles under a budget, where Inductor's horizontal fusion
     pulls no kernel ahead (``plan_order_fusion``); the unconstrained plan the optimality
