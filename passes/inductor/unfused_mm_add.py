@@ -8,8 +8,9 @@ dtype and a shape it expands from, into one ``addmm(c, a, b)`` placed where the 
 late. The plan must see that, both ways:
 
 - **Harmful folds are prevented.** Where the ``mm``'s inputs would otherwise be freed before
-  the ``add`` while something else is allocated, the fold keeps them alive. Measured on the
-  contract's GPT-2 (CPU, torch 2.13): its LM head is tied to the token embedding, and the
+  the ``add`` while something else is allocated, the fold keeps them alive; it is harmful
+  where they outweigh the ``mm``'s output, which the fold spares until the ``add``. Measured on
+  the contract's GPT-2 (CPU, torch 2.13): its LM head is tied to the token embedding, and the
   head's weight gradient is added to the embedding's gradient at the very end of the
   backward; folded, the 512 KiB logits gradient and the final hidden states stayed alive
   through the whole backward (the minimum-memory step measured 3.84 MiB for a plan of 3.28).
@@ -17,14 +18,12 @@ late. The plan must see that, both ways:
   ``sub(c, mm, alpha=-1)``: ``c - (-1 * mm)`` rounds exactly as ``c + mm`` (negation is
   exact), and Inductor fuses it with its neighbours as any pointwise op.
 - **Harmless folds are made here**, as ``addmm(c, a, b)`` where the ``add`` is, so that the
-  simulator runs the kernel Inductor runs. Left as ``mm`` and ``add``, the simulator took a
-  gradient accumulated over many uses of one weight (a recurrent cell, a layer applied many
-  times: a chain of such adds, each next to its ``mm``) for a pointwise chain Inductor inlines
-  into kernels reading many ``mm`` outputs at once. Written as ``sub`` (this pass's first
-  version prevented every fold), the chain *is* such a chain: a 16-step RNN cell on the CPU
-  measured 7.67 MB against ``torch.compile``'s 1.98 MB without a budget. An ``add`` whose other
-  operand is a ``sub`` this pass wrote is folded even where the fold holds an input: the
-  ``addmm`` ends the chain.
+  simulator runs the kernel Inductor runs. This pass's first version prevented every fold;
+  without a budget a 16-step RNN cell then measured 7.67 MB against ``torch.compile``'s
+  1.98 MB on the CPU: its weights' gradients, sums over the steps of adds each next to its
+  ``mm``, became one pointwise chain Inductor inlines into kernels reading many ``mm``
+  outputs at once. An ``add`` whose other operand is a ``sub`` this pass wrote is folded even
+  where that holds more: the ``addmm`` ends such a chain.
 """
 
 from __future__ import annotations
@@ -82,15 +81,19 @@ def _last_reads(graph: fx.Graph, roots: dict[fx.Node, fx.Node], order: dict[fx.N
     return last
 
 
-def _fold_holds_an_input(mm: fx.Node, add: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int],
-                         roots: dict[fx.Node, fx.Node], last: dict[fx.Node, int]) -> bool:
-    """Whether running ``mm`` where ``add`` is keeps one of its inputs alive past its last
-    reader while another buffer is allocated before ``add``."""
-    for read in mm.all_input_nodes:
-        end = last.get(roots.get(read, read), order[mm])
-        if end < order[add] and any(allocated_bytes(node, roots) for node in nodes[end + 1:order[add]]):
-            return True
-    return False
+def _fold_holds_more(mm: fx.Node, add: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int],
+                     roots: dict[fx.Node, fx.Node], last: dict[fx.Node, int]) -> bool:
+    """Whether running ``mm`` where ``add`` is holds more than it saves: the inputs it keeps
+    alive past their last reader while other buffers are allocated before ``add`` (graph
+    inputs are held by the caller anyway) outweigh the ``mm``'s own output, which the fold
+    no longer allocates until ``add``."""
+    held = 0
+    for root in {roots.get(read, read) for read in mm.all_input_nodes}:
+        end = last.get(root, order[mm])
+        if (root.op != "placeholder" and end < order[add]
+                and any(allocated_bytes(node, roots) for node in nodes[end + 1:order[add]])):
+            held += allocated_bytes(root, roots)
+    return held > allocated_bytes(mm, roots)
 
 
 def unfused_mm_add(gm: fx.GraphModule) -> fx.GraphModule:
@@ -108,7 +111,7 @@ def unfused_mm_add(gm: fx.GraphModule) -> fx.GraphModule:
         if not foldings:
             continue
         harmless = [(mm, other) for mm, other in foldings
-                    if other in written or not _fold_holds_an_input(mm, node, nodes, order, roots, last)]
+                    if other in written or not _fold_holds_more(mm, node, nodes, order, roots, last)]
         mm, other = (harmless or foldings)[0]
         with gm.graph.inserting_before(node):
             if harmless:

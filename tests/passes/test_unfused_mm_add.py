@@ -58,6 +58,23 @@ def test_an_add_whose_fold_holds_nothing_is_folded_here_as_inductor_would():
         torch.testing.assert_close(got, want)
 
 
+def test_an_add_whose_fold_holds_less_than_the_matmuls_output_is_folded():
+    """The fold keeps the matmul's input past its last reader, but spares its output, four
+    times larger, until the add: it holds less, and is made."""
+    def wide(a, b, c, d):
+        product = aten.mm.default(aten.mul.Tensor(a, 2.0), b)  # [16, 8] read last here, [16, 32] out
+        spacer = aten.mul.Tensor(d, 2.0)  # allocated before the add
+        return aten.add.Tensor(product, c), spacer
+
+    inputs = (torch.randn(16, 8), torch.randn(8, 32), torch.randn(16, 32), torch.randn(16, 32))
+    gm = make_fx(wide)(*inputs)
+    expected = gm(*inputs)
+    unfused_mm_add(gm)
+    assert _targets(gm).count(aten.addmm.default) == 1 and aten.sub.Tensor not in _targets(gm)
+    for got, want in zip(gm(*inputs), expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_chain_of_written_sums_is_ended_by_a_fold():
     """A weight's gradient summed over many uses: after one add written as a sum, the next
     is folded even where that holds an input, so that the sums are not one pointwise chain
