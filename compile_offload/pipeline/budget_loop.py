@@ -99,7 +99,9 @@ def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None
         return _faster_within_budget(first, replan)
     if below_the_minimum(plan):  # reported as below the minimum (planning.report_budget)
         attempts = [first, _other_start(first, replan)]
-        if below_the_minimum_in_code_too(plan):
+        if below_the_minimum_in_code_too(plan) or not (plan.count("recompute") or plan.count("offload")):
+            # a minimum plan that keeps everything is compiled without Inductor's reordering:
+            # compiled as torch.compile compiles it, its code can hold less
             attempts.append(_unconstrained(first, replan))
         tried = sum(attempt is not None for attempt in attempts) - 1
         lowest = _lower_of(*attempts)
