@@ -434,6 +434,33 @@ def test_an_optimizer_fn_that_returns_no_optimizer_is_named():
         compile_offload.fit(Net(), lambda params: None, batch(0), memory_budget="1GiB", inner_compiler="eager")
 
 
+def test_an_optimizer_class_is_an_optimizer_fn_and_an_optimizer_built_before_fit_is_refused():
+    model = Net()
+    result = compile_offload.fit(model, torch.optim.AdamW, batch(0), memory_budget="1GiB", inner_compiler="eager")
+    try:
+        assert isinstance(result.optimizer, torch.optim.AdamW)
+        assert {id(p) for p in result.optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+    finally:
+        result.close()
+        torch._dynamo.reset()
+    model = Net()
+    with pytest.raises(TypeError, match=r"optimizer_fn is an optimizer already built \(AdamW\); fit needs a function "
+                                        r"that builds it .* lambda params: AdamW\(params, lr=\.\.\.\)"):
+        compile_offload.fit(model, torch.optim.AdamW(model.parameters()), batch(0), memory_budget="1GiB")
+    with pytest.raises(TypeError, match=r"optimizer_fn='adamw' is not callable"):
+        compile_offload.fit(Net(), "adamw", batch(0), memory_budget="1GiB")
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_the_model_changes():
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"built a LBFGS, whose step needs a closure .* Fitted.step calls "
+                                        r"optimizer.step\(\) once per batch"):
+        compile_offload.fit(model, torch.optim.LBFGS, batch(0), memory_budget=BUDGET, inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def test_fit_twice_on_one_model_says_it_is_already_prepared(fitted):
     result, _ = fitted
     with pytest.raises(ValueError, match="already sharded by FSDP2: fit prepares the model in place, once"):

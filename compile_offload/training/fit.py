@@ -13,6 +13,7 @@ ordinary loop would.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -290,6 +291,7 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
                          "shards the model (FSDP2) and calls optimizer_fn with its parameters as they are then, so "
                          "build the groups inside optimizer_fn from params (named groups: "
                          "zip(model.named_parameters(), params) keeps the order)")
+    _check_steps_without_closure(optimizer)
     state_bytes, state_note = optimizer_state_bytes(optimizer, _nbytes)
     del optimizer
     model_device = params[0].device if params else torch.device("cpu")
@@ -453,6 +455,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)",
                          accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
     _check_not_prepared(model)
+    _check_optimizer_fn(optimizer_fn)
     check_mode(optimizer_step)  # before anything is prepared
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0):
@@ -534,6 +537,30 @@ def _check_not_prepared(model: nn.Module) -> None:
             raise ValueError(f"compile_offload.fit: the model's module {name or '(the root)'!r} is already {what}: "
                              "fit prepares the model in place, once. Call fit on the model as you built it (a new "
                              "instance, or one loaded from its state_dict), or keep using the Fitted it returned")
+
+
+def _check_optimizer_fn(optimizer_fn: Any) -> None:
+    """``optimizer_fn`` builds the optimizer from the parameters fit gives it: an optimizer
+    already built (on the model's parameters as they were before fit) cannot be rebuilt."""
+    if isinstance(optimizer_fn, torch.optim.Optimizer):
+        name = type(optimizer_fn).__name__
+        raise TypeError(f"compile_offload.fit: optimizer_fn is an optimizer already built ({name}); fit needs a "
+                        "function that builds it on the parameters it gives it (after moving or sharding the model), "
+                        f"such as lambda params: {name}(params, lr=...), or the class {name} itself for its defaults")
+    if not callable(optimizer_fn):
+        raise TypeError(f"compile_offload.fit: optimizer_fn={optimizer_fn!r} is not callable; pass a function that "
+                        "builds the optimizer from the parameters it is given, such as "
+                        "lambda params: torch.optim.AdamW(params, lr=1e-3)")
+
+
+def _check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
+    """``Fitted.step`` calls ``optimizer.step()`` once per batch: an optimizer whose step
+    needs a closure that evaluates the loss again (LBFGS) cannot step there."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(f"compile_offload.fit: optimizer_fn(params) built a {type(optimizer).__name__}, whose step "
+                        "needs a closure that evaluates the loss again; Fitted.step calls optimizer.step() once per "
+                        "batch, without one. Use an optimizer that steps without a closure (AdamW, SGD, ...)")
 
 
 def _check_steps_sharded_parameters(optimizer_fn: Callable, model: nn.Module) -> None:
