@@ -461,6 +461,16 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_the_model_cha
     assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+def test_a_model_or_sample_on_meta_is_refused_for_what_it_is():
+    with torch.device("meta"):
+        on_meta = Net()
+    with pytest.raises(ValueError, match=r"the model's 'blocks.0.fc1.weight' is on the meta device .* materialize it "
+                                         r"first \(model.to_empty\(device='cpu'\)"):
+        compile_offload.fit(on_meta, optimizer_fn, batch(0), memory_budget="1GiB")
+    with pytest.raises(ValueError, match="the sample has tensors on the meta device; .* pass one real batch"):
+        compile_offload.fit(Net(), optimizer_fn, {"x": batch(0).to("meta")}, memory_budget="1GiB")
+
+
 def test_fit_twice_on_one_model_says_it_is_already_prepared(fitted):
     result, _ = fitted
     with pytest.raises(ValueError, match="already sharded by FSDP2: fit prepares the model in place, once"):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..passes.plan import format_bytes
-from ..torch_api.utils import tree_map
+from ..torch_api.utils import tree_leaves, tree_map
 from .optimizer_state import optimizer_state_bytes
 from .optimizer_step import OptimizerStep, check_mode, fused_without_dtensor_rule, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
@@ -456,6 +456,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
                          accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
     _check_not_prepared(model)
     _check_optimizer_fn(optimizer_fn)
+    _check_not_on_meta(model, sample)
     check_mode(optimizer_step)  # before anything is prepared
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0):
@@ -561,6 +562,20 @@ def _check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
         raise TypeError(f"compile_offload.fit: optimizer_fn(params) built a {type(optimizer).__name__}, whose step "
                         "needs a closure that evaluates the loss again; Fitted.step calls optimizer.step() once per "
                         "batch, without one. Use an optimizer that steps without a closure (AdamW, SGD, ...)")
+
+
+def _check_not_on_meta(model: nn.Module, sample: Any) -> None:
+    """fit trains the model's values and runs it on the sample to plan each block: neither
+    can be on ``meta`` (shapes without values)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(f"compile_offload.fit: the model's {name!r} is on the meta device (a shape without "
+                             "values), and fit trains the model as it is; materialize it first "
+                             "(model.to_empty(device='cpu'), then load its weights or initialize them), or plan it "
+                             "without training with compile_offload.explain, which takes meta models")
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(sample)):
+        raise ValueError("compile_offload.fit: the sample has tensors on the meta device; fit runs the model on the "
+                         "sample to plan each block, so pass one real batch (on the host or on the device)")
 
 
 def _check_steps_sharded_parameters(optimizer_fn: Callable, model: nn.Module) -> None:
