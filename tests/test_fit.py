@@ -471,6 +471,19 @@ def test_a_model_or_sample_on_meta_is_refused_for_what_it_is():
         compile_offload.fit(Net(), optimizer_fn, {"x": batch(0).to("meta")}, memory_budget="1GiB")
 
 
+@pytest.mark.parametrize("device, message", [
+    ("meta", r"device='meta' cannot train .*; accepted: 'cuda', 'cuda:N', 'cpu'"),
+    ("gpu", r"device='gpu' is not a device .*; accepted: 'cuda', 'cuda:N', 'cpu'"),
+    pytest.param("cuda", r"device='cuda', but this machine has no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="needs a machine without CUDA")),
+    pytest.param("cuda:99", r"device='cuda:99', but this machine has \d+ CUDA device\(s\)", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_a_device_fit_cannot_train_on_is_named_before_anything_is_measured(device, message):
+    with pytest.raises(ValueError, match=message):
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="1GiB", device=device)
+
+
 def test_fit_twice_on_one_model_says_it_is_already_prepared(fitted):
     result, _ = fitted
     with pytest.raises(ValueError, match="already sharded by FSDP2: fit prepares the model in place, once"):

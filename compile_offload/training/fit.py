@@ -464,7 +464,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
                          "for no clipping)")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    device = _usable_device(device)
     if isinstance(sample, Mapping):
         inputs, input_kwargs = (), dict(sample)
     else:
@@ -576,6 +576,28 @@ def _check_not_on_meta(model: nn.Module, sample: Any) -> None:
     if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(sample)):
         raise ValueError("compile_offload.fit: the sample has tensors on the meta device; fit runs the model on the "
                          "sample to plan each block, so pass one real batch (on the host or on the device)")
+
+
+def _usable_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, checked to exist on this machine: fit trains there."""
+    accepted = "accepted: 'cuda', 'cuda:N', 'cpu', a torch.device, or None for the current CUDA device, else the CPU"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"compile_offload.fit: device={device!r} is not a device ({error}); {accepted}") from None
+    if parsed.type == "meta":
+        raise ValueError(f"compile_offload.fit: device={device!r} cannot train (meta tensors hold no values); "
+                         f"{accepted}")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"compile_offload.fit: device={device!r}, but this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False); pass device='cpu', or leave device unset for "
+                             "the CPU here and the current CUDA device where there is one")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"compile_offload.fit: device={device!r}, but this machine has {count} CUDA "
+                             f"device(s), cuda:0 to cuda:{count - 1}")
+    return parsed
 
 
 def _check_steps_sharded_parameters(optimizer_fn: Callable, model: nn.Module) -> None:
