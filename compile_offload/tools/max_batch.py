@@ -10,9 +10,10 @@ are outside it).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,10 +93,36 @@ def _plans(result: Any) -> list:
     return list(plans) if plans is not None else [result]
 
 
-def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, options: dict) -> Probe:
+class FactoryError(TypeError):
+    """What ``factory`` returned is not ``(model, inputs)`` or ``(model, inputs, loss_fn)``:
+    raised as is, not taken for a model that cannot be built on meta."""
+
+
+def _built(factory: Callable, batch: int, device: str) -> tuple[Callable, Any, Callable | None]:
+    """``factory(batch, device)`` as ``(model, inputs, loss_fn)``, checked."""
     built = factory(batch, device)
-    model, inputs = built[0], built[1]
-    plans = _plans(_explain()(model, *inputs, memory_budget=budget_bytes, **options))
+    if not (isinstance(built, (tuple, list)) and len(built) in (2, 3)):
+        what = f"a {len(built)}-tuple" if isinstance(built, (tuple, list)) else f"a {type(built).__name__}"
+        raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned {what}; it must return (model, inputs) "
+                           "or (model, inputs, loss_fn), with inputs a tuple of positional inputs, a dict of keyword "
+                           "inputs or one tensor")
+    model, inputs, loss_fn = built[0], built[1], built[2] if len(built) == 3 else None
+    if not callable(model):
+        raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned a model of type {type(model).__name__}, "
+                           "which cannot be called; return (model, inputs) with model an nn.Module or a function")
+    if loss_fn is not None and not callable(loss_fn):
+        raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned a loss_fn of type "
+                           f"{type(loss_fn).__name__}, which cannot be called; return (model, inputs, loss_fn) with "
+                           "loss_fn(output) a scalar tensor, or (model, inputs)")
+    return model, inputs, loss_fn
+
+
+def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, options: dict) -> Probe:
+    from .explain import positional_call
+
+    model, inputs, _ = _built(factory, batch, device)
+    model, args = positional_call(model, inputs)
+    plans = _plans(_explain()(model, *args, memory_budget=budget_bytes, **options))
     dynamo.reset()
     peak = sum(p.predicted_peak_bytes for p in plans)  # graphs' saved tensors add up
     seconds = sum(p.predicted_step_seconds for p in plans)
@@ -117,7 +144,8 @@ def max_batch(
     """The largest batch in ``[low, high]`` whose planned step fits ``budget``.
 
     ``factory(batch, device)`` returns ``(model, example_inputs)`` or
-    ``(model, example_inputs, loss_fn)`` built on ``device``. Probes plan on ``"meta"``
+    ``(model, example_inputs, loss_fn)`` built on ``device``; the inputs are a tuple of
+    positional inputs, a dict of keyword inputs or one tensor. Probes plan on ``"meta"``
     first and fall back to ``device`` (default: CUDA when available, else CPU) when
     planning on meta fails. ``budget`` is bytes: an int or a string such as ``"6GiB"``.
 
@@ -132,6 +160,10 @@ def max_batch(
             "a fraction or None cannot bound a batch: both are relative to the batch being tried"
         )
     budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)")
+    _check_factory(factory)
+    if not _whole(low) or low < 1 or (high is not None and (not _whole(high) or high < low)):
+        raise ValueError(f"max_batch(low={low!r}, high={high!r}): the batches tried are whole numbers with "
+                         "1 <= low <= high (or high=None)")
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     options = {} if device_profile is None else {"device_profile": device_profile}
     probes: dict[int, Probe] = {}
@@ -146,6 +178,8 @@ def max_batch(
         if planned_on[0] == "meta":
             try:
                 return _plan_batch(factory, batch, "meta", budget_bytes, options)
+            except FactoryError:
+                raise
             except Exception:  # a model or op without meta support: plan on the device
                 planned_on[0] = device
         return _plan_batch(factory, batch, device, budget_bytes, options)
@@ -178,6 +212,24 @@ def max_batch(
     return result
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_factory(factory: Any) -> None:
+    """``factory`` is called as ``factory(batch, device)``."""
+    accepted = "pass a function factory(batch, device) that returns (model, inputs) or (model, inputs, loss_fn)"
+    if not callable(factory):
+        raise TypeError(f"max_batch(factory=...): got a {type(factory).__name__}, which cannot be called; {accepted}")
+    try:
+        inspect.signature(factory).bind(1, "meta")
+    except TypeError as error:
+        raise TypeError(f"max_batch(factory=...): {getattr(factory, '__name__', factory)!r} cannot be called as "
+                        f"factory(batch, device) ({error}); {accepted}") from None
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+
+
 def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tuple[float, int]:
     """Median seconds per step of the compiled step at ``batch``, and the peak bytes one
     more step allocates above its start, at the allocator (``measure_peak``: timing and
@@ -185,14 +237,17 @@ def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tu
     from ..pipeline.backend import offload_remat
     from ..runtime.memory_tracker import measure_peak
 
-    built = factory(batch, device)
-    model, inputs = built[0], built[1]
-    loss_fn = built[2] if len(built) > 2 else (lambda out: out.float().sum())
+    model, inputs, loss_fn = _built(factory, batch, device)
+    loss_fn = loss_fn or (lambda out: out.float().sum())
     compiled = torch.compile(model, backend=offload_remat(memory_budget=budget_bytes, **options))
     on_cuda = torch.device(device).type == "cuda"
+    if isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    else:
+        args, kwargs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
 
     def step() -> None:
-        loss_fn(compiled(*inputs)).backward()
+        loss_fn(compiled(*args, **kwargs)).backward()
 
     for _ in range(1 + warmup):  # the first call compiles
         step()
