@@ -102,7 +102,8 @@ def _built(factory: Callable, batch: int, device: str) -> tuple[Callable, Any, C
     """``factory(batch, device)`` as ``(model, inputs, loss_fn)``, checked."""
     built = factory(batch, device)
     if not (isinstance(built, (tuple, list)) and len(built) in (2, 3)):
-        what = f"a {len(built)}-tuple" if isinstance(built, (tuple, list)) else f"a {type(built).__name__}"
+        what = (f"{len(built)} values" if isinstance(built, (tuple, list))
+                else f"a value of type {type(built).__name__}")
         raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned {what}; it must return (model, inputs) "
                            "or (model, inputs, loss_fn), with inputs a tuple of positional inputs, a dict of keyword "
                            "inputs or one tensor")
