@@ -736,6 +736,28 @@ def test_no_blocks_is_an_error_that_says_so():
         compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="1GiB", blocks=[], inner_compiler="eager")
 
 
+def _fit_with(**arguments):
+    values = dict(model=Net(), optimizer_fn=optimizer_fn, sample=batch(0), memory_budget="1GiB", inner_compiler="eager")
+    values.update(arguments)
+    return compile_offload.fit(values.pop("model"), values.pop("optimizer_fn"), values.pop("sample"), **values)
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(model=lambda x: x), TypeError, r"model is a function; fit shards, compiles and trains an nn.Module"),
+    (dict(model=Net().requires_grad_(False)), ValueError, "no parameter of the model requires grad"),
+    (dict(sample=None), TypeError, r"sample=None; pass one batch as the model takes it"),
+    (dict(loss_fn="mse"), TypeError, r"loss_fn='mse' is not callable; pass a function loss_fn\(output\)"),
+    (dict(blocks=Block()), TypeError, r"blocks is one Block, not a list of modules; .*blocks=\[module\] for one"),
+    (dict(blocks=3), TypeError, r"blocks=3 is not a list of modules"),
+    (dict(blocks=["blocks.0"]), TypeError, r"blocks\[0\] is a str \('blocks.0'\), not a module; .*get_submodule"),
+    (dict(blocks=[Block()]), ValueError, r"blocks\[0\] \(Block\) is not one of the model's modules"),
+])
+def test_arguments_fit_cannot_train_with_are_named_before_anything_is_prepared(arguments, error, message):
+    with pytest.raises(error, match=message):
+        _fit_with(**arguments)
+    assert not dist.is_initialized()
+
+
 class _TiedToTheHead(Net):
     """The last block's second layer shares its weight with a head outside the blocks."""
 

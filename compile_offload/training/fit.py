@@ -454,6 +454,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         raise TypeError(f"compile_offload.fit: {bytes_only}, not a fraction ({memory_budget!r})")
     budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)",
                          accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
+    _check_model_and_loss(model, sample, loss_fn)
     _check_not_prepared(model)
     _check_optimizer_fn(optimizer_fn)
     _check_not_on_meta(model, sample)
@@ -469,7 +470,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         inputs, input_kwargs = (), dict(sample)
     else:
         inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
-    blocks = list(blocks) if blocks is not None else default_blocks(model)
+    blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
                          "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
@@ -538,6 +539,45 @@ def _check_not_prepared(model: nn.Module) -> None:
             raise ValueError(f"compile_offload.fit: the model's module {name or '(the root)'!r} is already {what}: "
                              "fit prepares the model in place, once. Call fit on the model as you built it (a new "
                              "instance, or one loaded from its state_dict), or keep using the Fitted it returned")
+
+
+def _check_model_and_loss(model: Any, sample: Any, loss_fn: Any) -> None:
+    """What fit trains: an ``nn.Module`` with parameters that train, a sample to run it on,
+    and a ``loss_fn`` it can call at each step (checked here, not at the first step)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_offload.fit: model is a {type(model).__name__}; fit shards, compiles and trains an "
+                        "nn.Module (for a plain function, compile it with torch.compile(fn, backend='offload_remat'))")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("compile_offload.fit: no parameter of the model requires grad, so there is nothing to "
+                         "train; unfreeze the parameters to train (requires_grad_(True))")
+    if sample is None:
+        raise TypeError("compile_offload.fit: sample=None; pass one batch as the model takes it (a tensor, a tuple "
+                        "of positional inputs or a dict of keyword inputs): fit runs the model on it to plan")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"compile_offload.fit: loss_fn={loss_fn!r} is not callable; pass a function "
+                        "loss_fn(output) or loss_fn(output, target) returning the loss, or leave it unset when the "
+                        "model's output is the loss")
+
+
+def _blocks_of(model: nn.Module, blocks: Any) -> list[nn.Module]:
+    """``blocks=`` as a list of the model's modules (a ``ModuleList`` gives its children)."""
+    accepted = "pass the modules to shard and compile one by one, such as blocks=model.layers (an nn.ModuleList)"
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"compile_offload.fit: blocks is one {type(blocks).__name__}, not a list of modules; "
+                        f"{accepted}, or blocks=[module] for one")
+    try:
+        blocks = list(blocks)
+    except TypeError:
+        raise TypeError(f"compile_offload.fit: blocks={blocks!r} is not a list of modules; {accepted}") from None
+    mine = {id(module) for module in model.modules()}
+    for index, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"compile_offload.fit: blocks[{index}] is a {type(block).__name__} ({block!r}), not a "
+                            f"module; {accepted} (model.get_submodule(name) for a module named by a string)")
+        if id(block) not in mine:
+            raise ValueError(f"compile_offload.fit: blocks[{index}] ({type(block).__name__}) is not one of the "
+                             f"model's modules; {accepted}")
+    return blocks
 
 
 def _check_optimizer_fn(optimizer_fn: Any) -> None:
