@@ -261,6 +261,34 @@ def test_max_batch_names_a_factory_or_range_it_cannot_search_with(monkeypatch, f
     assert calls == []  # refused before anything is planned, on meta or on the device
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (dict(device="gpu"), r"max_batch\(device='gpu'\) is not a device .*; accepted: 'cuda', 'cuda:N', 'cpu'"),
+    (dict(device="meta", measure=True), r"max_batch\(measure=True, device='meta'\): meta tensors hold no values"),
+    (dict(steps=0, measure=True), r"max_batch\(steps=0, warmup=2\): the measure times steps >= 1 steps"),
+])
+def test_max_batch_names_a_device_or_measure_it_cannot_use(monkeypatch, arguments, message):
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    with pytest.raises(ValueError, match=message):
+        max_batch(_linear_factory(), "5KB", **{"device": "cpu", **arguments})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_max_batch_for_cuda_on_a_machine_without_it_plans_on_meta_and_says_why_it_did_not_measure(monkeypatch):
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    found = max_batch(_linear_factory(), "5KB", device="cuda")
+    assert found.batch == 5 and found.planned_on == "meta"
+    assert found.measure_error is None and "not measured: this machine has no CUDA device" in " ".join(found.notes)
+
+    def meta_fails(batch, device):
+        if device == "meta":
+            raise NotImplementedError("no meta kernel")
+        return _linear_factory()(batch, device)
+
+    with pytest.raises(ValueError, match=r"planning batch 1 on meta failed \(NotImplementedError: no meta kernel\), "
+                                         r"and device='cuda' to plan on instead cannot be used: this machine has no"):
+        max_batch(meta_fails, "5KB", device="cuda")
+
+
 class _Scaled(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -150,7 +150,7 @@ def max_batch(
     first and fall back to ``device`` (default: CUDA when available, else CPU) when
     planning on meta fails. ``budget`` is bytes: an int or a string such as ``"6GiB"``.
 
-    When ``measure`` is true (default: when ``device`` is CUDA), the answer is also built
+    When ``measure`` is true (default: when ``device`` is CUDA and this machine has it), the answer is also built
     on ``device``, compiled with ``offload_remat`` at the budget and timed over ``steps``
     steps after ``warmup``, giving the measured step time, and the peak one more step
     allocates above its start, at the allocator (``measure_peak``).
@@ -160,12 +160,24 @@ def max_batch(
             f"max_batch(budget={budget!r}): the budget is a number of bytes (an int, or a string such as '6GiB'); "
             "a fraction or None cannot bound a batch: both are relative to the batch being tried"
         )
-    budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)")
+    budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)",
+                               accepted="an int number of bytes, or a string with units such as '512MiB' or '6GiB'")
     _check_factory(factory)
     if not _whole(low) or low < 1 or (high is not None and (not _whole(high) or high < low)):
         raise ValueError(f"max_batch(low={low!r}, high={high!r}): the batches tried are whole numbers with "
                          "1 <= low <= high (or high=None)")
+    if not _whole(steps) or steps < 1 or not _whole(warmup) or warmup < 0:
+        raise ValueError(f"max_batch(steps={steps!r}, warmup={warmup!r}): the measure times steps >= 1 steps "
+                         "after warmup >= 0")
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        missing = _not_here(torch.device(device))
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"max_batch(device={device!r}) is not a device ({error}); accepted: 'cuda', 'cuda:N', "
+                         "'cpu', a torch.device, or None for CUDA when available, else the CPU") from None
+    if measure and missing:
+        raise ValueError(f"max_batch(measure=True, device={device!r}): {missing}, so nothing can be measured there; "
+                         "leave measure unset to plan only")
     options = {} if device_profile is None else {"device_profile": device_profile}
     probes: dict[int, Probe] = {}
     planned_on = ["meta"]
@@ -181,7 +193,11 @@ def max_batch(
                 return _plan_batch(factory, batch, "meta", budget_bytes, options)
             except FactoryError:
                 raise
-            except Exception:  # a model or op without meta support: plan on the device
+            except Exception as error:  # a model or op without meta support: plan on the device
+                if missing:
+                    raise ValueError(f"max_batch: planning batch {batch} on meta failed ({type(error).__name__}: "
+                                     f"{error}), and device={device!r} to plan on instead cannot be used: "
+                                     f"{missing}") from error
                 planned_on[0] = device
         return _plan_batch(factory, batch, device, budget_bytes, options)
 
@@ -200,7 +216,9 @@ def max_batch(
         result.notes.append("planned on meta without device_profile: explain's default profile for meta tensors, "
                             "not necessarily the target GPU's; pass device_profile to plan for it")
     if measure is None:
-        measure = torch.device(device).type == "cuda"
+        measure = torch.device(device).type == "cuda" and not missing
+        if missing and torch.device(device).type == "cuda":
+            result.notes.append(f"not measured: {missing}")
     if measure and batch is not None:
         try:
             result.measured_step_seconds, result.measured_peak_bytes = _measure(
@@ -211,6 +229,15 @@ def max_batch(
         finally:
             dynamo.reset()
     return result
+
+
+def _not_here(device: torch.device) -> str | None:
+    """Why tensors with values cannot be made on ``device`` in this process, or None."""
+    if device.type == "meta":
+        return "meta tensors hold no values"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "this machine has no CUDA device (torch.cuda.is_available() is False)"
+    return None
 
 
 def _whole(value: Any) -> bool:
