@@ -407,8 +407,11 @@ def test_a_dict_sample_is_the_models_keyword_inputs_and_a_dict_output_with_a_los
         with pytest.raises(TypeError, match=r"target=\.\.\.\) needs fit\(\.\.\., loss_fn=\.\.\.\)"):
             result.step(x=batch(0), mask=mask, target=batch(1))
         reference_optimizer = optimizer_fn(reference.parameters())
-        for step in range(2):
-            result.step(x=batch(step), mask=mask)
+        for step in range(3):
+            if step < 2:
+                result.step(x=batch(step), mask=mask)
+            else:  # one dict, as fit took the sample
+                result.step({"x": batch(step), "mask": mask})
             reference(batch(step), mask=mask)["loss"].backward()
             reference_optimizer.step()
             reference_optimizer.zero_grad()

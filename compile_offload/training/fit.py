@@ -56,12 +56,17 @@ class Fitted:
     block_min_bytes: int = 0
     corrections: int = 0
     settling: int = 0  # steps to run after a recompile before the next measured one
+    # fit's sample was a dict of keyword inputs: step(batch) with one dict takes it as step(**batch)
+    keyword_sample: bool = False
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
         ``loss_fn(output, target)`` when a target is given; without ``loss_fn`` the model's
         output is the loss (a scalar tensor, an object with a ``.loss``, or a dict with a
-        ``"loss"``)."""
+        ``"loss"``). Where fit's sample was a dict of keyword inputs, ``step(batch)`` with one
+        dict is ``step(**batch)``, as fit took the sample."""
+        if self.keyword_sample and len(inputs) == 1 and isinstance(inputs[0], Mapping) and not kwargs:
+            inputs, kwargs = (), dict(inputs[0])
         if target is not None and self.loss_fn is None:
             raise TypeError("compile_offload.fit: step(..., target=...) needs fit(..., loss_fn=...): without a loss "
                             "function the model's output is the loss, and the target would be ignored")
@@ -522,7 +527,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
                   max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                   created_process_group=created, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
-                  block_min_bytes=sizes.block_activation_min_bytes)
+                  block_min_bytes=sizes.block_activation_min_bytes, keyword_sample=isinstance(sample, Mapping))
 
 
 def _check_not_prepared(model: nn.Module) -> None:
