@@ -247,7 +247,8 @@ def _one_argument_factory(batch):
                       r"factory\(batch, device\)"),
     (_one_argument_factory, TypeError, r"'_one_argument_factory' cannot be called as factory\(batch, device\)"),
     (lambda batch, device: _linear_factory()(batch, device)[0], TypeError,
-     r"factory\(1, 'meta'\) returned a value of type Linear; it must return \(model, inputs\) or \(model, inputs, loss_fn\)"),
+     r"factory\(1, 'meta'\) returned a value of type Linear; it must return \(model, inputs\) or "
+     r"\(model, inputs, loss_fn\)"),
     (lambda batch, device: (*_linear_factory()(batch, device), None, None), TypeError, r"returned 4 values; it must"),
     (lambda batch, device: ("model", (torch.ones(batch),)), TypeError, "returned a model of type str, which cannot"),
     (_linear_factory(), ValueError, r"max_batch\(low=0, high=None\): the batches tried are whole numbers"),
