@@ -150,10 +150,10 @@ def max_batch(
     first and fall back to ``device`` (default: CUDA when available, else CPU) when
     planning on meta fails. ``budget`` is bytes: an int or a string such as ``"6GiB"``.
 
-    When ``measure`` is true (default: when ``device`` is CUDA and this machine has it), the answer is also built
-    on ``device``, compiled with ``offload_remat`` at the budget and timed over ``steps``
-    steps after ``warmup``, giving the measured step time, and the peak one more step
-    allocates above its start, at the allocator (``measure_peak``).
+    When ``measure`` is true (default: when ``device`` is CUDA and this machine has it), the
+    answer is also built on ``device``, compiled with ``offload_remat`` at the budget and
+    timed over ``steps`` steps after ``warmup``, giving the measured step time, and the peak
+    one more step allocates above its start, at the allocator (``measure_peak``).
     """
     if budget is None or isinstance(budget, float):
         raise TypeError(
