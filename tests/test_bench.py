@@ -238,6 +238,83 @@ def test_max_batch_measures_the_compiled_step_at_the_batch_it_found(monkeypatch)
     assert found.measured_peak_bytes >= 5 * 8 * 4
 
 
+def _one_argument_factory(batch):
+    return _linear_factory()(batch, "cpu")
+
+
+@pytest.mark.parametrize("factory, error, message", [
+    (None, TypeError, r"max_batch\(factory=\.\.\.\): got a NoneType, which cannot be called; pass a function "
+                      r"factory\(batch, device\)"),
+    (_one_argument_factory, TypeError, r"'_one_argument_factory' cannot be called as factory\(batch, device\)"),
+    (lambda batch, device: _linear_factory()(batch, device)[0], TypeError,
+     r"factory\(1, 'meta'\) returned a value of type Linear; it must return \(model, inputs\) or "
+     r"\(model, inputs, loss_fn\)"),
+    (lambda batch, device: (*_linear_factory()(batch, device), None, None), TypeError, r"returned 4 values; it must"),
+    (lambda batch, device: ("model", (torch.ones(batch),)), TypeError, "returned a model of type str, which cannot"),
+    (_linear_factory(), ValueError, r"max_batch\(low=0, high=None\): the batches tried are whole numbers"),
+])
+def test_max_batch_names_a_factory_or_range_it_cannot_search_with(monkeypatch, factory, error, message):
+    calls = []
+    monkeypatch.setattr(compile_offload, "explain_all", lambda *args, **kwargs: calls.append(args), raising=False)
+    low = 0 if error is ValueError else 1
+    with pytest.raises(error, match=message):
+        max_batch(factory, "1MiB", low=low, device="cpu", measure=False)
+    assert calls == []  # refused before anything is planned, on meta or on the device
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(device="gpu"), r"max_batch\(device='gpu'\) is not a device .*; accepted: 'cuda', 'cuda:N', 'cpu'"),
+    (dict(device="meta", measure=True), r"max_batch\(measure=True, device='meta'\): meta tensors hold no values"),
+    (dict(steps=0, measure=True), r"max_batch\(steps=0, warmup=2\): the measure times steps >= 1 steps"),
+])
+def test_max_batch_names_a_device_or_measure_it_cannot_use(monkeypatch, arguments, message):
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    with pytest.raises(ValueError, match=message):
+        max_batch(_linear_factory(), "5KB", **{"device": "cpu", **arguments})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_max_batch_for_cuda_on_a_machine_without_it_plans_on_meta_and_says_why_it_did_not_measure(monkeypatch):
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    found = max_batch(_linear_factory(), "5KB", device="cuda")
+    assert found.batch == 5 and found.planned_on == "meta"
+    assert found.measure_error is None and "not measured: this machine has no CUDA device" in " ".join(found.notes)
+
+    def meta_fails(batch, device):
+        if device == "meta":
+            raise NotImplementedError("no meta kernel")
+        return _linear_factory()(batch, device)
+
+    with pytest.raises(ValueError, match=r"planning batch 1 on meta failed \(NotImplementedError: no meta kernel\), "
+                                         r"and device='cuda' to plan on instead cannot be used: this machine has no"):
+        max_batch(meta_fails, "5KB", device="cuda")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=None):
+        return self.linear(x) * (1.0 if scale is None else scale)
+
+
+def test_max_batch_takes_keyword_inputs_as_a_dict_and_one_tensor_as_the_input():
+    def factory(batch, device, inputs="tuple"):
+        with torch.device(device):
+            model, x, scale = _Scaled(), torch.randn(batch, 8), torch.ones(8)
+        return model, {"tuple": (x, scale), "dict": {"x": x, "scale": scale}, "tensor": x}[inputs]
+
+    found = {kind: max_batch(lambda batch, device: factory(batch, device, kind), "1MiB", high=4, device="cpu",
+                             measure=False) for kind in ("tuple", "dict", "tensor")}
+    assert {kind: (f.batch, f.planned_on) for kind, f in found.items()} == {kind: (4, "meta") for kind in found}
+    assert found["dict"].predicted_peak_bytes == found["tuple"].predicted_peak_bytes
+    with compile_offload.config.patch(inner_compiler="eager"):
+        measured = max_batch(lambda batch, device: factory(batch, device, "dict"), "1MiB", low=2, high=2,
+                             device="cpu", measure=True, steps=1, warmup=0)
+    assert measured.measure_error is None and measured.measured_peak_bytes > 0
+
+
 # --- the command line -----------------------------------------------------------------------
 
 

@@ -23,6 +23,23 @@ META_FACTORY = textwrap.dedent("""
         return 3, (torch.randn(2, 4),)
     def needs_a_width(width):
         return make()
+    def three_values():
+        return (*make(), None)
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+        def forward(self, x, *, mask):
+            return self.linear(x).relu() * mask
+    class MaskedPositional(Masked):
+        def forward(self, x, mask):
+            return super().forward(x, mask=mask)
+    def keyword_inputs():
+        with torch.device("meta"):
+            return Masked(), {"x": torch.randn(128, 64), "mask": torch.ones(64)}
+    def positional_inputs():
+        with torch.device("meta"):
+            return MaskedPositional(), (torch.randn(128, 64), torch.ones(64))
 """)
 
 
@@ -54,7 +71,9 @@ def test_the_command_line_writes_the_dump_for_a_module_of_the_current_folder(fac
     (["no_such_module_anywhere:make"], "cannot import 'no_such_module_anywhere'"),
     (["{folder}/missing.py:make"], "no such file"),
     (["{folder}/my_models.py:absent"], "has no function 'absent'"),
-    (["{folder}/my_models.py:not_a_pair"], r"must return \(model, example_inputs\)"),
+    (["{folder}/my_models.py:not_a_pair"], r"must return \(model, example_inputs\), .*a dict of keyword inputs.*; "
+                                           "it returned a value of type int"),
+    (["{folder}/my_models.py:three_values"], r"must return \(model, example_inputs\), .*; it returned 3 values"),
     (["{folder}/my_models.py:make", "--budget", "lots"], "memory_budget='lots' is not a size"),
     (["{folder}/my_models.py:make", "--profile", "b200"], "device_profile='b200' is unknown"),
     (["{folder}/my_models.py:not_callable"], "model of type int, which cannot be called"),
@@ -70,6 +89,16 @@ def test_mistakes_exit_with_a_message_not_a_traceback(factory_folder, arguments,
         main(["explain", *(a.format(folder=factory_folder) for a in arguments)])
     assert str(exit_info.value).startswith("explain: ")
     assert re.search(message, str(exit_info.value))
+
+
+def test_a_factory_may_return_the_models_keyword_inputs_as_a_dict(factory_folder, capsys):
+    printed = {}
+    for factory in ("keyword_inputs", "positional_inputs"):
+        assert main(["explain", f"{factory_folder}/my_models.py:{factory}", "--budget", "0", "--profile", "h100"]) == 0
+        printed[factory] = capsys.readouterr().out
+    assert "predicted peak" in printed["keyword_inputs"]
+    # the plan of the same model called with the same tensors as positional inputs
+    assert printed["keyword_inputs"] == printed["positional_inputs"]
 
 
 def test_a_strict_budget_below_the_minimum_exits_with_one_line(factory_folder):

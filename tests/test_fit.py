@@ -407,8 +407,11 @@ def test_a_dict_sample_is_the_models_keyword_inputs_and_a_dict_output_with_a_los
         with pytest.raises(TypeError, match=r"target=\.\.\.\) needs fit\(\.\.\., loss_fn=\.\.\.\)"):
             result.step(x=batch(0), mask=mask, target=batch(1))
         reference_optimizer = optimizer_fn(reference.parameters())
-        for step in range(2):
-            result.step(x=batch(step), mask=mask)
+        for step in range(3):
+            if step < 2:
+                result.step(x=batch(step), mask=mask)
+            else:  # one dict, as fit took the sample
+                result.step({"x": batch(step), "mask": mask})
             reference(batch(step), mask=mask)["loss"].backward()
             reference_optimizer.step()
             reference_optimizer.zero_grad()
@@ -432,6 +435,56 @@ def test_a_budget_that_is_no_byte_count_is_named_for_what_it_is(budget, error, m
 def test_an_optimizer_fn_that_returns_no_optimizer_is_named():
     with pytest.raises(TypeError, match=r"optimizer_fn\(params\) must return a torch.optim.Optimizer .*NoneType"):
         compile_offload.fit(Net(), lambda params: None, batch(0), memory_budget="1GiB", inner_compiler="eager")
+
+
+def test_an_optimizer_class_is_an_optimizer_fn_and_an_optimizer_built_before_fit_is_refused():
+    model = Net()
+    result = compile_offload.fit(model, torch.optim.AdamW, batch(0), memory_budget="1GiB", inner_compiler="eager")
+    try:
+        assert isinstance(result.optimizer, torch.optim.AdamW)
+        assert {id(p) for p in result.optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+    finally:
+        result.close()
+        torch._dynamo.reset()
+    model = Net()
+    with pytest.raises(TypeError, match=r"optimizer_fn is an optimizer already built \(AdamW\); fit needs a function "
+                                        r"that builds it .* lambda params: AdamW\(params, lr=\.\.\.\)"):
+        compile_offload.fit(model, torch.optim.AdamW(model.parameters()), batch(0), memory_budget="1GiB")
+    with pytest.raises(TypeError, match=r"optimizer_fn='adamw' is not callable"):
+        compile_offload.fit(Net(), "adamw", batch(0), memory_budget="1GiB")
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_the_model_changes():
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"built a LBFGS, whose step needs a closure .* Fitted.step calls "
+                                        r"optimizer.step\(\) once per batch"):
+        compile_offload.fit(model, torch.optim.LBFGS, batch(0), memory_budget=BUDGET, inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_model_or_sample_on_meta_is_refused_for_what_it_is():
+    with torch.device("meta"):
+        on_meta = Net()
+    with pytest.raises(ValueError, match=r"the model's 'blocks.0.fc1.weight' is on the meta device .* materialize it "
+                                         r"first \(model.to_empty\(device='cpu'\)"):
+        compile_offload.fit(on_meta, optimizer_fn, batch(0), memory_budget="1GiB")
+    with pytest.raises(ValueError, match="the sample has tensors on the meta device; .* pass one real batch"):
+        compile_offload.fit(Net(), optimizer_fn, {"x": batch(0).to("meta")}, memory_budget="1GiB")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("meta", r"device='meta' cannot train .*; accepted: 'cuda', 'cuda:N', 'cpu'"),
+    ("gpu", r"device='gpu' is not a device .*; accepted: 'cuda', 'cuda:N', 'cpu'"),
+    pytest.param("cuda", r"device='cuda', but this machine has no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="needs a machine without CUDA")),
+    pytest.param("cuda:99", r"device='cuda:99', but this machine has \d+ CUDA device\(s\)", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_a_device_fit_cannot_train_on_is_named_before_anything_is_measured(device, message):
+    with pytest.raises(ValueError, match=message):
+        compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="1GiB", device=device)
 
 
 def test_fit_twice_on_one_model_says_it_is_already_prepared(fitted):
@@ -684,6 +737,28 @@ def test_a_step_pre_hook_is_warned_once_where_the_host_state_streams_before_it_r
 def test_no_blocks_is_an_error_that_says_so():
     with pytest.raises(ValueError, match=r"blocks=\[\] names no blocks"):
         compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget="1GiB", blocks=[], inner_compiler="eager")
+
+
+def _fit_with(**arguments):
+    values = dict(model=Net(), optimizer_fn=optimizer_fn, sample=batch(0), memory_budget="1GiB", inner_compiler="eager")
+    values.update(arguments)
+    return compile_offload.fit(values.pop("model"), values.pop("optimizer_fn"), values.pop("sample"), **values)
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(model=lambda x: x), TypeError, r"model is a function; fit shards, compiles and trains an nn.Module"),
+    (dict(model=Net().requires_grad_(False)), ValueError, "no parameter of the model requires grad"),
+    (dict(sample=None), TypeError, r"sample=None; pass one batch as the model takes it"),
+    (dict(loss_fn="mse"), TypeError, r"loss_fn='mse' is not callable; pass a function loss_fn\(output\)"),
+    (dict(blocks=Block()), TypeError, r"blocks is one Block, not a list of modules; .*blocks=\[module\] for one"),
+    (dict(blocks=3), TypeError, r"blocks=3 is not a list of modules"),
+    (dict(blocks=["blocks.0"]), TypeError, r"blocks\[0\] is a str \('blocks.0'\), not a module; .*get_submodule"),
+    (dict(blocks=[Block()]), ValueError, r"blocks\[0\] \(Block\) is not one of the model's modules"),
+])
+def test_arguments_fit_cannot_train_with_are_named_before_anything_is_prepared(arguments, error, message):
+    with pytest.raises(error, match=message):
+        _fit_with(**arguments)
+    assert not dist.is_initialized()
 
 
 class _TiedToTheHead(Net):

@@ -1,8 +1,9 @@
 """``python -m compile_offload explain MODULE:FACTORY``: print a plan and write its dump.
 
 ``FACTORY`` is a function of ``MODULE`` (an importable module name, or a path to a ``.py``
-file) that takes no arguments and returns ``(model, example_inputs)``; the model and
-inputs may live on the ``meta`` device. Nothing runs: the model is traced and planned.
+file) that takes no arguments and returns ``(model, example_inputs)``, the inputs a tuple of
+positional inputs, a dict of keyword inputs or one tensor; the model and inputs may live on
+the ``meta`` device. Nothing runs: the model is traced and planned.
 """
 
 from __future__ import annotations
@@ -107,15 +108,20 @@ def explain_options(args: argparse.Namespace) -> dict:
 def run_explain(args: argparse.Namespace) -> int:
     import compile_offload
 
+    from .explain import positional_call
+
     options = explain_options(args)
     made = load_factory(args.target)()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise SystemExit("explain: the factory must return (model, example_inputs)")
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        what = (f"{len(made)} values" if isinstance(made, (tuple, list))
+                else f"a value of type {type(made).__name__}")
+        raise SystemExit(f"explain: the factory must return (model, example_inputs), with example_inputs a tuple of "
+                         f"positional inputs, a dict of keyword inputs or one tensor; it returned {what}")
     model, inputs = made
     if not callable(model):
         raise SystemExit(f"explain: the factory returned a model of type {type(model).__name__}, which cannot be "
                          "called; return (model, example_inputs) with model an nn.Module or a function")
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    model, inputs = positional_call(model, inputs)
     try:
         plans = compile_offload.explain_all(model, *inputs, **options)
     except ValueError as error:  # ours (a budget the device cannot hold, a strict budget): no traceback

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -361,6 +361,27 @@ def _note_pinned_memory(plan: Plan) -> None:
     pinned = pinned_bytes(offloaded)
     plan.notes.append(f"pinned host memory (predicted): {format_bytes(pinned)} for {format_bytes(sum(offloaded))} "
                       f"offloaded ({pinned / sum(offloaded):.3f}x)")
+
+
+class _KeywordInputs(torch.nn.Module):
+    """``model(**dict(zip(names, values)))`` called with the values alone: explain traces
+    positional inputs, and keyword inputs passed this way are the graph's inputs too."""
+
+    def __init__(self, model: Callable[..., Any], names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *values: Any) -> Any:
+        return self.model(**dict(zip(self.names, values)))
+
+
+def positional_call(model: Callable[..., Any], inputs: Any) -> tuple[Callable[..., Any], tuple]:
+    """The model and inputs a factory returned, as ``explain_all`` takes them: a tuple or list
+    is the positional inputs, a dict the keyword inputs (a tokenizer's output), anything else
+    (a tensor) the one input."""
+    if isinstance(inputs, Mapping):
+        return _KeywordInputs(model, list(inputs)), tuple(inputs.values())
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def explain(model_or_fn, *example_inputs, memory_budget: Any = _UNSET, device_profile: Any = _UNSET, **options) -> Plan:

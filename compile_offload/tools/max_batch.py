@@ -10,9 +10,10 @@ are outside it).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,10 +93,37 @@ def _plans(result: Any) -> list:
     return list(plans) if plans is not None else [result]
 
 
-def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, options: dict) -> Probe:
+class FactoryError(TypeError):
+    """What ``factory`` returned is not ``(model, inputs)`` or ``(model, inputs, loss_fn)``:
+    raised as is, not taken for a model that cannot be built on meta."""
+
+
+def _built(factory: Callable, batch: int, device: str) -> tuple[Callable, Any, Callable | None]:
+    """``factory(batch, device)`` as ``(model, inputs, loss_fn)``, checked."""
     built = factory(batch, device)
-    model, inputs = built[0], built[1]
-    plans = _plans(_explain()(model, *inputs, memory_budget=budget_bytes, **options))
+    if not (isinstance(built, (tuple, list)) and len(built) in (2, 3)):
+        what = (f"{len(built)} values" if isinstance(built, (tuple, list))
+                else f"a value of type {type(built).__name__}")
+        raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned {what}; it must return (model, inputs) "
+                           "or (model, inputs, loss_fn), with inputs a tuple of positional inputs, a dict of keyword "
+                           "inputs or one tensor")
+    model, inputs, loss_fn = built[0], built[1], built[2] if len(built) == 3 else None
+    if not callable(model):
+        raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned a model of type {type(model).__name__}, "
+                           "which cannot be called; return (model, inputs) with model an nn.Module or a function")
+    if loss_fn is not None and not callable(loss_fn):
+        raise FactoryError(f"max_batch: factory({batch}, {device!r}) returned a loss_fn of type "
+                           f"{type(loss_fn).__name__}, which cannot be called; return (model, inputs, loss_fn) with "
+                           "loss_fn(output) a scalar tensor, or (model, inputs)")
+    return model, inputs, loss_fn
+
+
+def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, options: dict) -> Probe:
+    from .explain import positional_call
+
+    model, inputs, _ = _built(factory, batch, device)
+    model, args = positional_call(model, inputs)
+    plans = _plans(_explain()(model, *args, memory_budget=budget_bytes, **options))
     dynamo.reset()
     peak = sum(p.predicted_peak_bytes for p in plans)  # graphs' saved tensors add up
     seconds = sum(p.predicted_step_seconds for p in plans)
@@ -117,22 +145,39 @@ def max_batch(
     """The largest batch in ``[low, high]`` whose planned step fits ``budget``.
 
     ``factory(batch, device)`` returns ``(model, example_inputs)`` or
-    ``(model, example_inputs, loss_fn)`` built on ``device``. Probes plan on ``"meta"``
+    ``(model, example_inputs, loss_fn)`` built on ``device``; the inputs are a tuple of
+    positional inputs, a dict of keyword inputs or one tensor. Probes plan on ``"meta"``
     first and fall back to ``device`` (default: CUDA when available, else CPU) when
     planning on meta fails. ``budget`` is bytes: an int or a string such as ``"6GiB"``.
 
-    When ``measure`` is true (default: when ``device`` is CUDA), the answer is also built
-    on ``device``, compiled with ``offload_remat`` at the budget and timed over ``steps``
-    steps after ``warmup``, giving the measured step time, and the peak one more step
-    allocates above its start, at the allocator (``measure_peak``).
+    When ``measure`` is true (default: when ``device`` is CUDA and this machine has it), the
+    answer is also built on ``device``, compiled with ``offload_remat`` at the budget and
+    timed over ``steps`` steps after ``warmup``, giving the measured step time, and the peak
+    one more step allocates above its start, at the allocator (``measure_peak``).
     """
     if budget is None or isinstance(budget, float):
         raise TypeError(
             f"max_batch(budget={budget!r}): the budget is a number of bytes (an int, or a string such as '6GiB'); "
             "a fraction or None cannot bound a batch: both are relative to the batch being tried"
         )
-    budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)")
+    budget_bytes = parse_bytes(budget, "budget", label="max_batch(budget)",
+                               accepted="an int number of bytes, or a string with units such as '512MiB' or '6GiB'")
+    _check_factory(factory)
+    if not _whole(low) or low < 1 or (high is not None and (not _whole(high) or high < low)):
+        raise ValueError(f"max_batch(low={low!r}, high={high!r}): the batches tried are whole numbers with "
+                         "1 <= low <= high (or high=None)")
+    if not _whole(steps) or steps < 1 or not _whole(warmup) or warmup < 0:
+        raise ValueError(f"max_batch(steps={steps!r}, warmup={warmup!r}): the measure times steps >= 1 steps "
+                         "after warmup >= 0")
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        missing = _not_here(torch.device(device))
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"max_batch(device={device!r}) is not a device ({error}); accepted: 'cuda', 'cuda:N', "
+                         "'cpu', a torch.device, or None for CUDA when available, else the CPU") from None
+    if measure and missing:
+        raise ValueError(f"max_batch(measure=True, device={device!r}): {missing}, so nothing can be measured there; "
+                         "leave measure unset to plan only")
     options = {} if device_profile is None else {"device_profile": device_profile}
     probes: dict[int, Probe] = {}
     planned_on = ["meta"]
@@ -146,7 +191,13 @@ def max_batch(
         if planned_on[0] == "meta":
             try:
                 return _plan_batch(factory, batch, "meta", budget_bytes, options)
-            except Exception:  # a model or op without meta support: plan on the device
+            except FactoryError:
+                raise
+            except Exception as error:  # a model or op without meta support: plan on the device
+                if missing:
+                    raise ValueError(f"max_batch: planning batch {batch} on meta failed ({type(error).__name__}: "
+                                     f"{error}), and device={device!r} to plan on instead cannot be used: "
+                                     f"{missing}") from error
                 planned_on[0] = device
         return _plan_batch(factory, batch, device, budget_bytes, options)
 
@@ -165,7 +216,9 @@ def max_batch(
         result.notes.append("planned on meta without device_profile: explain's default profile for meta tensors, "
                             "not necessarily the target GPU's; pass device_profile to plan for it")
     if measure is None:
-        measure = torch.device(device).type == "cuda"
+        measure = torch.device(device).type == "cuda" and not missing
+        if missing and torch.device(device).type == "cuda":
+            result.notes.append(f"not measured: {missing}")
     if measure and batch is not None:
         try:
             result.measured_step_seconds, result.measured_peak_bytes = _measure(
@@ -178,6 +231,33 @@ def max_batch(
     return result
 
 
+def _not_here(device: torch.device) -> str | None:
+    """Why tensors with values cannot be made on ``device`` in this process, or None."""
+    if device.type == "meta":
+        return "meta tensors hold no values"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "this machine has no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_factory(factory: Any) -> None:
+    """``factory`` is called as ``factory(batch, device)``."""
+    accepted = "pass a function factory(batch, device) that returns (model, inputs) or (model, inputs, loss_fn)"
+    if not callable(factory):
+        raise TypeError(f"max_batch(factory=...): got a {type(factory).__name__}, which cannot be called; {accepted}")
+    try:
+        inspect.signature(factory).bind(1, "meta")
+    except TypeError as error:
+        raise TypeError(f"max_batch(factory=...): {getattr(factory, '__name__', factory)!r} cannot be called as "
+                        f"factory(batch, device) ({error}); {accepted}") from None
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+
+
 def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tuple[float, int]:
     """Median seconds per step of the compiled step at ``batch``, and the peak bytes one
     more step allocates above its start, at the allocator (``measure_peak``: timing and
@@ -185,14 +265,17 @@ def _measure(factory, batch, device, budget_bytes, options, steps, warmup) -> tu
     from ..pipeline.backend import offload_remat
     from ..runtime.memory_tracker import measure_peak
 
-    built = factory(batch, device)
-    model, inputs = built[0], built[1]
-    loss_fn = built[2] if len(built) > 2 else (lambda out: out.float().sum())
+    model, inputs, loss_fn = _built(factory, batch, device)
+    loss_fn = loss_fn or (lambda out: out.float().sum())
     compiled = torch.compile(model, backend=offload_remat(memory_budget=budget_bytes, **options))
     on_cuda = torch.device(device).type == "cuda"
+    if isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    else:
+        args, kwargs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
 
     def step() -> None:
-        loss_fn(compiled(*inputs)).backward()
+        loss_fn(compiled(*args, **kwargs)).backward()
 
     for _ in range(1 + warmup):  # the first call compiles
         step()

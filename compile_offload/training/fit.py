@@ -13,6 +13,7 @@ ordinary loop would.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ..passes.plan import format_bytes
-from ..torch_api.utils import tree_map
+from ..torch_api.utils import tree_leaves, tree_map
 from .optimizer_state import optimizer_state_bytes
 from .optimizer_step import OptimizerStep, check_mode, fused_without_dtensor_rule, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
@@ -55,12 +56,17 @@ class Fitted:
     block_min_bytes: int = 0
     corrections: int = 0
     settling: int = 0  # steps to run after a recompile before the next measured one
+    # fit's sample was a dict of keyword inputs: step(batch) with one dict takes it as step(**batch)
+    keyword_sample: bool = False
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
         ``loss_fn(output, target)`` when a target is given; without ``loss_fn`` the model's
         output is the loss (a scalar tensor, an object with a ``.loss``, or a dict with a
-        ``"loss"``)."""
+        ``"loss"``). Where fit's sample was a dict of keyword inputs, ``step(batch)`` with one
+        dict is ``step(**batch)``, as fit took the sample."""
+        if self.keyword_sample and len(inputs) == 1 and isinstance(inputs[0], Mapping) and not kwargs:
+            inputs, kwargs = (), dict(inputs[0])
         if target is not None and self.loss_fn is None:
             raise TypeError("compile_offload.fit: step(..., target=...) needs fit(..., loss_fn=...): without a loss "
                             "function the model's output is the loss, and the target would be ignored")
@@ -290,6 +296,7 @@ def measure(model: nn.Module, blocks: list[nn.Module], optimizer_fn: Callable, i
                          "shards the model (FSDP2) and calls optimizer_fn with its parameters as they are then, so "
                          "build the groups inside optimizer_fn from params (named groups: "
                          "zip(model.named_parameters(), params) keeps the order)")
+    _check_steps_without_closure(optimizer)
     state_bytes, state_note = optimizer_state_bytes(optimizer, _nbytes)
     del optimizer
     model_device = params[0].device if params else torch.device("cpu")
@@ -452,7 +459,10 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         raise TypeError(f"compile_offload.fit: {bytes_only}, not a fraction ({memory_budget!r})")
     budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)",
                          accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
+    _check_model_and_loss(model, sample, loss_fn)
     _check_not_prepared(model)
+    _check_optimizer_fn(optimizer_fn)
+    _check_not_on_meta(model, sample)
     check_mode(optimizer_step)  # before anything is prepared
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0):
@@ -460,12 +470,12 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
                          "for no clipping)")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    device = _usable_device(device)
     if isinstance(sample, Mapping):
         inputs, input_kwargs = (), dict(sample)
     else:
         inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
-    blocks = list(blocks) if blocks is not None else default_blocks(model)
+    blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
                          "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
@@ -517,7 +527,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
                   max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                   created_process_group=created, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
-                  block_min_bytes=sizes.block_activation_min_bytes)
+                  block_min_bytes=sizes.block_activation_min_bytes, keyword_sample=isinstance(sample, Mapping))
 
 
 def _check_not_prepared(model: nn.Module) -> None:
@@ -534,6 +544,105 @@ def _check_not_prepared(model: nn.Module) -> None:
             raise ValueError(f"compile_offload.fit: the model's module {name or '(the root)'!r} is already {what}: "
                              "fit prepares the model in place, once. Call fit on the model as you built it (a new "
                              "instance, or one loaded from its state_dict), or keep using the Fitted it returned")
+
+
+def _check_model_and_loss(model: Any, sample: Any, loss_fn: Any) -> None:
+    """What fit trains: an ``nn.Module`` with parameters that train, a sample to run it on,
+    and a ``loss_fn`` it can call at each step (checked here, not at the first step)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_offload.fit: model is a {type(model).__name__}; fit shards, compiles and trains an "
+                        "nn.Module (for a plain function, compile it with torch.compile(fn, backend='offload_remat'))")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("compile_offload.fit: no parameter of the model requires grad, so there is nothing to "
+                         "train; unfreeze the parameters to train (requires_grad_(True))")
+    if sample is None:
+        raise TypeError("compile_offload.fit: sample=None; pass one batch as the model takes it (a tensor, a tuple "
+                        "of positional inputs or a dict of keyword inputs): fit runs the model on it to plan")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"compile_offload.fit: loss_fn={loss_fn!r} is not callable; pass a function "
+                        "loss_fn(output) or loss_fn(output, target) returning the loss, or leave it unset when the "
+                        "model's output is the loss")
+
+
+def _blocks_of(model: nn.Module, blocks: Any) -> list[nn.Module]:
+    """``blocks=`` as a list of the model's modules (a ``ModuleList`` gives its children)."""
+    accepted = "pass the modules to shard and compile one by one, such as blocks=model.layers (an nn.ModuleList)"
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"compile_offload.fit: blocks is one {type(blocks).__name__}, not a list of modules; "
+                        f"{accepted}, or blocks=[module] for one")
+    try:
+        blocks = list(blocks)
+    except TypeError:
+        raise TypeError(f"compile_offload.fit: blocks={blocks!r} is not a list of modules; {accepted}") from None
+    mine = {id(module) for module in model.modules()}
+    for index, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"compile_offload.fit: blocks[{index}] is a {type(block).__name__} ({block!r}), not a "
+                            f"module; {accepted} (model.get_submodule(name) for a module named by a string)")
+        if id(block) not in mine:
+            raise ValueError(f"compile_offload.fit: blocks[{index}] ({type(block).__name__}) is not one of the "
+                             f"model's modules; {accepted}")
+    return blocks
+
+
+def _check_optimizer_fn(optimizer_fn: Any) -> None:
+    """``optimizer_fn`` builds the optimizer from the parameters fit gives it: an optimizer
+    already built (on the model's parameters as they were before fit) cannot be rebuilt."""
+    if isinstance(optimizer_fn, torch.optim.Optimizer):
+        name = type(optimizer_fn).__name__
+        raise TypeError(f"compile_offload.fit: optimizer_fn is an optimizer already built ({name}); fit needs a "
+                        "function that builds it on the parameters it gives it (after moving or sharding the model), "
+                        f"such as lambda params: {name}(params, lr=...), or the class {name} itself for its defaults")
+    if not callable(optimizer_fn):
+        raise TypeError(f"compile_offload.fit: optimizer_fn={optimizer_fn!r} is not callable; pass a function that "
+                        "builds the optimizer from the parameters it is given, such as "
+                        "lambda params: torch.optim.AdamW(params, lr=1e-3)")
+
+
+def _check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
+    """``Fitted.step`` calls ``optimizer.step()`` once per batch: an optimizer whose step
+    needs a closure that evaluates the loss again (LBFGS) cannot step there."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(f"compile_offload.fit: optimizer_fn(params) built a {type(optimizer).__name__}, whose step "
+                        "needs a closure that evaluates the loss again; Fitted.step calls optimizer.step() once per "
+                        "batch, without one. Use an optimizer that steps without a closure (AdamW, SGD, ...)")
+
+
+def _check_not_on_meta(model: nn.Module, sample: Any) -> None:
+    """fit trains the model's values and runs it on the sample to plan each block: neither
+    can be on ``meta`` (shapes without values)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(f"compile_offload.fit: the model's {name!r} is on the meta device (a shape without "
+                             "values), and fit trains the model as it is; materialize it first "
+                             "(model.to_empty(device='cpu'), then load its weights or initialize them), or plan it "
+                             "without training with compile_offload.explain, which takes meta models")
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(sample)):
+        raise ValueError("compile_offload.fit: the sample has tensors on the meta device; fit runs the model on the "
+                         "sample to plan each block, so pass one real batch (on the host or on the device)")
+
+
+def _usable_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, checked to exist on this machine: fit trains there."""
+    accepted = "accepted: 'cuda', 'cuda:N', 'cpu', a torch.device, or None for the current CUDA device, else the CPU"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"compile_offload.fit: device={device!r} is not a device ({error}); {accepted}") from None
+    if parsed.type == "meta":
+        raise ValueError(f"compile_offload.fit: device={device!r} cannot train (meta tensors hold no values); "
+                         f"{accepted}")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"compile_offload.fit: device={device!r}, but this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False); pass device='cpu', or leave device unset for "
+                             "the CPU here and the current CUDA device where there is one")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"compile_offload.fit: device={device!r}, but this machine has {count} CUDA "
+                             f"device(s), cuda:0 to cuda:{count - 1}")
+    return parsed
 
 
 def _check_steps_sharded_parameters(optimizer_fn: Callable, model: nn.Module) -> None:
