@@ -317,6 +317,28 @@ def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):
     assert _plan_facts(explained) == _plan_facts(kept)
 
 
+def test_a_function_over_meta_modules_is_planned_as_the_module_is():
+    """A function (a lambda, a closure, a bound method, a partial) calling modules on meta:
+    their parameters get CPU stand-ins as a module passed itself does (they met CPU inputs
+    on meta weights: a device mismatch), and the plan is the module's own."""
+    import functools
+
+    model, x = meta_gpt(layers=1, width=64, heads=2, seq=64, batch=2)
+
+    def closing_over(model):
+        return lambda t: model(t)
+
+    def call(module, t):
+        return module(t)
+
+    expected = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100").summary()
+    for fn in (lambda t: model(t), closing_over(model), model.forward, functools.partial(call, model)):
+        torch._dynamo.reset()
+        plan = compile_offload.explain(fn, x, memory_budget=0.5, device_profile="h100")
+        assert plan.summary() == expected
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
 def test_explain_on_meta_says_the_scheduled_peak_was_not_checked():
     model, x = meta_gpt(layers=1, width=64, heads=2, seq=64, batch=2)
     with warnings.catch_warnings():

@@ -52,6 +52,45 @@ def _meta_to_cpu(value: Any) -> Any:
     return value
 
 
+class _NamedModules(torch.nn.Module):
+    """A function and the modules it names, held as children: swapping their parameters
+    (``torch.func.functional_call`` on this module) swaps them for the function too."""
+
+    def __init__(self, fn: Callable[..., Any], modules: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.fn, self.named = fn, torch.nn.ModuleList(modules)
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def _modules_named_by(fn: Any) -> _NamedModules | None:
+    """The modules a function reaches by name (its closure, the globals its code names, the
+    object a bound method is bound to, a ``functools.partial``'s arguments), held with it;
+    None where it names none. Their meta parameters then get CPU stand-ins, as a module's."""
+    found: list[torch.nn.Module] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.nn.Module) and all(value is not seen for seen in found):
+            found.append(value)
+
+    call = fn
+    while hasattr(call, "func") and hasattr(call, "args"):  # functools.partial
+        for value in (*call.args, *call.keywords.values()):
+            add(value)
+        call = call.func
+    add(getattr(call, "__self__", None))
+    for cell in getattr(call, "__closure__", None) or ():
+        try:
+            add(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            pass
+    code, names = getattr(call, "__code__", None), getattr(call, "__globals__", {})
+    for name in code.co_names if code is not None else ():
+        add(names.get(name))
+    return _NamedModules(fn, found) if found else None
+
+
 def _shape_only(graph: torch.fx.GraphModule, _inputs: Any):
     """A "compiled" graph that runs on fake copies of its inputs and returns empty
     tensors: the shapes of a real run, no computation.
@@ -242,7 +281,7 @@ def explain_all(
         return compiled
 
     inputs = tree_map(_meta_to_cpu, list(example_inputs))
-    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
+    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else _modules_named_by(model_or_fn)
     has_meta_state = module is not None and any(
         t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]
     )
