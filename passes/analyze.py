@@ -134,6 +134,8 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
         parent = node.args[0]
         return recompute_ban_reason(parent) if isinstance(parent, fx.Node) else None
     if not isinstance(target, compat.OpOverload):
+        if _scalar_arithmetic(node):
+            return None
         return f"{getattr(target, '__name__', target)} is not an aten op"
     namespace = target.namespace
     if namespace in COLLECTIVE_NAMESPACES:
@@ -146,6 +148,18 @@ def recompute_ban_reason(node: fx.Node) -> str | None:
     if target._schema.is_mutable:
         return "mutates an input"
     return None
+
+
+def _scalar_arithmetic(node: fx.Node) -> bool:
+    """Python arithmetic on symbolic sizes (``operator.truediv(1.0, s0 * 64)``, BatchNorm's
+    ``1/N`` under dynamic shapes): no effects, and recomputed in the backward from the sizes,
+    as torch's partitioner does (it never saves a ``SymFloat``; Inductor's FX graph cache
+    cannot key one: a saved ``SymFloat`` bypassed it)."""
+    if getattr(node.target, "__module__", None) not in ("_operator", "operator", "math"):
+        return False
+    scalars = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return isinstance(node.meta.get("val"), scalars) and all(
+        isinstance(arg.meta.get("val"), scalars) for arg in node.all_input_nodes)
 
 
 def mutated_inputs(graph: fx.Graph, roots: dict[fx.Node, fx.Node]) -> set[fx.Node]:

@@ -1183,6 +1183,55 @@ def test_a_warm_cache_reports_the_outcome_of_a_plan_kept_as_first_made(tmp_path)
     assert warm == cold
 
 
+WARM_BATCHNORM_DYNAMIC_SCRIPT = """
+import copy, json, warnings
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+import compile_offload
+from compile_offload.pipeline import partitioner
+
+planned = []
+plan_partition = partitioner.plan_partition
+def counted(*args, **kwargs):
+    planned.append(kwargs["graph_name"])
+    return plan_partition(*args, **kwargs)
+partitioner.plan_partition = counted
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 16))
+eager = copy.deepcopy(model)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget="40KiB", device_profile="cpu"),
+                             dynamic=True)
+    for n in (8, 16):
+        x = torch.randn(n, 16)
+        compiled(x).pow(2).sum().backward()
+        eager(x).pow(2).sum().backward()
+error = max((a - b).abs().max().item() for a, b in
+            [*((p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())),
+             *((p.float(), q.float()) for p, q in zip(model.buffers(), eager.buffers()))])
+print(json.dumps({"planned": planned, "bypassed": counters["inductor"]["fxgraph_cache_bypass"],
+                  "hits": counters["inductor"]["fxgraph_cache_hit"], "error": error}))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_a_warm_cache_serves_a_dynamic_batchnorm_graph_without_planning_it_again(tmp_path):
+    """BatchNorm in training under ``dynamic=True``: its backward scales by a ``SymFloat`` of
+    the batch size, which the plan used to save for the backward; Inductor's FX graph cache
+    cannot hash a ``SymFloat`` input ("Failed to pickle cache key"), so every run bypassed the
+    cache and planned again. Recomputed in the backward from the batch size, as torch does,
+    the first process's code is cached and a second process is served it without a plan,
+    with eager's gradients and running statistics in both."""
+    cold, warm = _two_processes(tmp_path, WARM_BATCHNORM_DYNAMIC_SCRIPT)
+    assert cold["planned"] and cold["bypassed"] == 0, cold
+    assert warm["planned"] == [] and warm["bypassed"] == 0 and warm["hits"] >= 2, warm
+    assert cold["error"] < 1e-4 and warm["error"] < 1e-4
+
+
 def _two_processes(tmp_path, script):
     """``script``'s last line of JSON from two fresh processes sharing Inductor's cache."""
     import json
