@@ -28,26 +28,32 @@ late. The plan must see that, both ways:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
+from .. import compat
 from ..analyze import allocated_bytes, storage_roots
-from .node_kinds import is_pointwise, is_view, tensor_value
+from .node_kinds import is_view, tensor_value
 
 _aten = torch.ops.aten
 
 
 def _pointwise_use(node: fx.Node) -> bool:
-    """Inductor's ``is_pointwise_use``: a pointwise op, or a view all of whose users are."""
-    if is_view(node):
+    """Inductor's ``is_pointwise_use``: an op tagged pointwise, or a view or ``getitem`` all
+    of whose users are."""
+    if node.op != "call_function" or not (isinstance(node.target, compat.OpOverload) or node.target is operator.getitem):
+        return False
+    if node.target is operator.getitem or is_view(node):
         return all(_pointwise_use(user) for user in node.users)
-    return is_pointwise(node)
+    return torch.Tag.pointwise in node.target.tags
 
 
 def _foldings(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     """The ``(mm, other)`` pairs Inductor's pattern would fold ``node`` by: ``node`` a plain
-    ``add`` of an ``mm`` with no other user and a tensor of its dtype and a shape it expands
-    from, and (on a GPU) some user of ``node`` not pointwise."""
+    ``add`` of an ``mm`` with no other user and a tensor of its dtype and a shape that expands
+    to the ``mm``'s, and (on a GPU) some user of ``node`` not pointwise."""
     if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs or len(node.args) != 2:
         return []
     total = tensor_value(node)
@@ -56,11 +62,11 @@ def _foldings(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     found = []
     for mm, other in (node.args[::-1], node.args):  # Inductor tries add(other, mm) first
         if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target is _aten.mm.default
-                and len(mm.users) == 1 and isinstance(other, fx.Node)):
+                and len(mm.users) == 1 and isinstance(other, fx.Node) and other is not mm):
             continue
         c, a, b = tensor_value(other), tensor_value(mm.args[0]), tensor_value(mm.args[1])
         if (c is not None and a is not None and b is not None and c.dtype == a.dtype == b.dtype
-                and c.dtype.is_floating_point and _expands_to(c.shape, total.shape)):
+                and _expands_to(c.shape, (a.shape[0], b.shape[1]))):
             found.append((mm, other))
     return found
 

@@ -104,10 +104,21 @@ def test_adds_inductor_would_not_fold_stay():
         summed = aten.add.Tensor(product, c)  # the mm has another user: no fold
         return aten.add.Tensor(aten.mul.Tensor(c, d), 1.0), summed, aten.mul.Tensor(product, 2.0)
 
-    gm = make_fx(kept)(*_inputs())
-    before = _targets(gm)
-    unfused_mm_add(gm)
-    assert _targets(gm) == before
+    def broadcast_product(a, b, c, d):
+        # the matmul's [1, 4] output is what broadcasts to the sum's [16, 4]: no addmm can
+        return aten.add.Tensor(aten.mm.default(a[:1], b), c), d
+
+    def doubled(a, b, c, d):
+        product = aten.mm.default(a, b)
+        return aten.add.Tensor(product, product), c, d  # one user, the add, reading it twice
+
+    for fn in (kept, broadcast_product, doubled):
+        gm = make_fx(fn)(*_inputs())
+        expected = gm(*_inputs())
+        before = _targets(gm)
+        unfused_mm_add(gm)
+        assert _targets(gm) == before, fn.__name__
+        assert all(torch.equal(x, y) for x, y in zip(expected, gm(*_inputs())))
 
 
 class _TiedHead(nn.Module):
