@@ -323,6 +323,8 @@ def test_a_function_over_meta_modules_is_planned_as_the_module_is():
     on meta weights: a device mismatch), and the plan is the module's own."""
     import functools
 
+    from compile_offload.tools.explain import positional_call
+
     model, x = meta_gpt(layers=1, width=64, heads=2, seq=64, batch=2)
 
     def closing_over(model):
@@ -331,11 +333,23 @@ def test_a_function_over_meta_modules_is_planned_as_the_module_is():
     def call(module, t):
         return module(t)
 
+    class Holding:
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, t):
+            return self.module(t)
+
     expected = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100").summary()
-    for fn in (lambda t: model(t), closing_over(model), model.forward, functools.partial(call, model)):
+    for fn in (lambda t: model(t), closing_over(model), model.forward, functools.partial(call, model),
+               functools.partial(model), Holding(model)):
         torch._dynamo.reset()
         plan = compile_offload.explain(fn, x, memory_budget=0.5, device_profile="h100")
         assert plan.summary() == expected
+    # keyword inputs (the command line's and max_batch's dict inputs) reach the function too
+    fn, inputs = positional_call(lambda t: model(t), {"t": x})
+    torch._dynamo.reset()
+    assert compile_offload.explain(fn, *inputs, memory_budget=0.5, device_profile="h100").summary() == expected
     assert all(p.device.type == "meta" for p in model.parameters())
 
 

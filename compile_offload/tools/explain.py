@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -60,34 +61,51 @@ class _NamedModules(torch.nn.Module):
         super().__init__()
         self.fn, self.named = fn, torch.nn.ModuleList(modules)
 
-    def forward(self, *args: Any) -> Any:
-        return self.fn(*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 def _modules_named_by(fn: Any) -> _NamedModules | None:
-    """The modules a function reaches by name (its closure, the globals its code names, the
-    object a bound method is bound to, a ``functools.partial``'s arguments), held with it;
-    None where it names none. Their meta parameters then get CPU stand-ins, as a module's."""
+    """The modules a function reaches by name, held with it: those in its closure and in the
+    globals its code names, a bound method's object, a ``functools.partial``'s function and
+    arguments, a callable object's attributes; None where it names none. Their meta
+    parameters then get CPU stand-ins, as a module's do. (Modules reached otherwise, through a
+    global list say, are not found: pass the module itself.)"""
     found: list[torch.nn.Module] = []
 
     def add(value: Any) -> None:
         if isinstance(value, torch.nn.Module) and all(value is not seen for seen in found):
             found.append(value)
 
+    def names_in(function: Any) -> None:
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                add(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                pass
+        code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+        for name in code.co_names if code is not None else ():
+            add(names.get(name))
+
     call = fn
-    while hasattr(call, "func") and hasattr(call, "args"):  # functools.partial
+    while isinstance(call, functools.partial):
         for value in (*call.args, *call.keywords.values()):
             add(value)
         call = call.func
-    add(getattr(call, "__self__", None))
-    for cell in getattr(call, "__closure__", None) or ():
+    add(call)
+    if isinstance(call, types.MethodType):
+        add(call.__self__)
+        names_in(call.__func__)
+    elif isinstance(call, types.FunctionType):
+        names_in(call)
+    elif not isinstance(call, torch.nn.Module):  # an object with __call__ (vars, type: no __getattr__ runs)
         try:
-            add(cell.cell_contents)
-        except ValueError:  # a cell not yet filled
-            pass
-    code, names = getattr(call, "__code__", None), getattr(call, "__globals__", {})
-    for name in code.co_names if code is not None else ():
-        add(names.get(name))
+            attributes = list(vars(call).values())
+        except TypeError:  # no __dict__
+            attributes = []
+        for value in attributes:
+            add(value)
+        names_in(type(call).__dict__.get("__call__"))
     return _NamedModules(fn, found) if found else None
 
 
@@ -418,8 +436,9 @@ def positional_call(model: Callable[..., Any], inputs: Any) -> tuple[Callable[..
     """The model and inputs a factory returned, as ``explain_all`` takes them: a tuple or list
     is the positional inputs, a dict the keyword inputs (a tokenizer's output), anything else
     (a tensor) the one input."""
-    if isinstance(inputs, Mapping):
-        return _KeywordInputs(model, list(inputs)), tuple(inputs.values())
+    if isinstance(inputs, Mapping):  # the modules a function names held too (meta parameters)
+        named = None if isinstance(model, torch.nn.Module) else _modules_named_by(model)
+        return _KeywordInputs(named or model, list(inputs)), tuple(inputs.values())
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
