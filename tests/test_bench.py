@@ -273,6 +273,14 @@ def test_max_batch_names_a_device_or_measure_it_cannot_use(monkeypatch, argument
         max_batch(_linear_factory(), "5KB", **{"device": "cpu", **arguments})
 
 
+def test_max_batch_takes_numpy_whole_numbers_and_checks_steps_only_where_it_measures(monkeypatch):
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
+    found = max_batch(_linear_factory(), "5KB", low=np.int64(1), high=np.int64(8), device="cpu", steps=0,
+                      measure=False)
+    assert found.batch == 5
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_max_batch_for_cuda_on_a_machine_without_it_plans_on_meta_and_says_why_it_did_not_measure(monkeypatch):
     monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)

@@ -697,6 +697,14 @@ def test_the_default_blocks_are_the_first_module_list_that_holds_parameters():
         default_blocks(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.ReLU()])))
 
 
+def test_blocks_given_as_a_module_dict_are_its_values():
+    from compile_offload.training.fit import _blocks_of
+
+    model = Net()
+    as_dict = nn.ModuleDict({str(i): block for i, block in enumerate(model.blocks)})
+    assert _blocks_of(model, as_dict) == list(model.blocks)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_clip_grad_norm_with_a_non_finite_gradient_does_what_torchs_does(bad):
     """A NaN norm makes every gradient NaN in torch's clip_grad_norm_ (its scale is NaN); an

@@ -11,6 +11,7 @@ are outside it).
 from __future__ import annotations
 
 import inspect
+import numbers
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -166,7 +167,8 @@ def max_batch(
     if not _whole(low) or low < 1 or (high is not None and (not _whole(high) or high < low)):
         raise ValueError(f"max_batch(low={low!r}, high={high!r}): the batches tried are whole numbers with "
                          "1 <= low <= high (or high=None)")
-    if not _whole(steps) or steps < 1 or not _whole(warmup) or warmup < 0:
+    low, high = int(low), None if high is None else int(high)
+    if measure is not False and (not _whole(steps) or steps < 1 or not _whole(warmup) or warmup < 0):
         raise ValueError(f"max_batch(steps={steps!r}, warmup={warmup!r}): the measure times steps >= 1 steps "
                          "after warmup >= 0")
     device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -241,7 +243,8 @@ def _not_here(device: torch.device) -> str | None:
 
 
 def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A whole number (a numpy integer too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_factory(factory: Any) -> None:

@@ -565,8 +565,11 @@ def _check_model_and_loss(model: Any, sample: Any, loss_fn: Any) -> None:
 
 
 def _blocks_of(model: nn.Module, blocks: Any) -> list[nn.Module]:
-    """``blocks=`` as a list of the model's modules (a ``ModuleList`` gives its children)."""
+    """``blocks=`` as a list of the model's modules (a ``ModuleList`` or ``Sequential`` gives its
+    children, a ``ModuleDict`` its values)."""
     accepted = "pass the modules to shard and compile one by one, such as blocks=model.layers (an nn.ModuleList)"
+    if isinstance(blocks, nn.ModuleDict):
+        blocks = list(blocks.values())
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise TypeError(f"compile_offload.fit: blocks is one {type(blocks).__name__}, not a list of modules; "
                         f"{accepted}, or blocks=[module] for one")
