@@ -55,11 +55,14 @@ def remember(plan: Plan) -> None:
     _latest_plans[plan.graph_name] = plan
 
 
-def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
-    """Report one graph the partitioner planned, through every channel."""
+def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings, summary: bool = True) -> None:
+    """Report one graph the partitioner planned, through every channel. ``summary=False``:
+    one of the plans the budget loop compiles for the graph, of which it keeps one; the line
+    goes to DEBUG, and the loop logs the INFO line of the plan it keeps (``emit_kept``)."""
     remember(result.plan)
     folder = dump(result, joint_gm, settings)
-    log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
+    log.log(logging.INFO if summary else logging.DEBUG, "%s",
+            info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
     if result.plan.decisions:
         log.debug("%s: decisions\n%s", result.plan.graph_name, result.plan.table())
     trace_plan(result.plan)
@@ -77,6 +80,13 @@ def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
                       f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
                       stacklevel=3)
         return None
+
+
+def emit_kept(result: PartitionResult, settings: Settings) -> None:
+    """The graph's INFO line for the plan the budget loop kept, once its compiles are done:
+    ``emit``'s line, with what the loop marked on the plan (as a warm cache's record says it)."""
+    folder = None if settings.dump_dir is None else Path(settings.dump_dir) / result.plan.graph_name
+    log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None and folder.is_dir() else ""))
 
 
 def emit_cached(plan: Plan) -> None:
@@ -100,9 +110,11 @@ def info_line(result: PartitionResult) -> str:
     plan = result.plan
     if result.analysis is None:  # torch's partition was used: say why
         return f"{plan.graph_name}: not planned ({'; '.join(plan.notes) or 'no reason recorded'})"
+    # Without the scheduled peak, known once Inductor generated the code: the line a planning
+    # compile logs, whoever logs it (``emit_kept`` after the budget loop, ``emit_cached``).
     if result.solution is None:
-        return f"{plan.summary()} [from the plan cache]"
-    return f"{plan.summary()} [solver {plan.solver}, {plan.solve_seconds:.2f} s]"
+        return f"{plan.summary(scheduled=False)} [from the plan cache]"
+    return f"{plan.summary(scheduled=False)} [solver {plan.solver}, {plan.solve_seconds:.2f} s]"
 
 
 def trace_plan(plan: Plan) -> None:
