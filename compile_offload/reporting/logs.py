@@ -5,7 +5,9 @@
 and registers its logger, so our logger gets torch's handler and format. We also register
 the logger with ``torch._logging`` ourselves, so it is one of torch's loggers whatever the
 variable says, but never re-run torch's log set-up: that happens while torch is importing
-us, and a second set-up inside the first doubled every line.
+us, and a second set-up inside the first doubled every line. Named in the variable, the
+logger does not propagate to the root logger, as torch's own do (its handler prints each
+line); otherwise it does, for logging configured by the user.
 ``torch._logging.set_logs(modules={"compile_offload": logging.DEBUG})`` and plain
 ``logging.getLogger("compile_offload")`` work too.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -37,6 +40,17 @@ def register_with_torch_logging() -> None:
     from ..torch_api import utils
 
     utils.register_log(LOGGER_NAME, LOGGER_NAME)
+    if _named_in_torch_logs():
+        # torch gives the logger its own handler, as to its loggers, which do not propagate: each
+        # line is printed once, also where the root logger has a handler (logging.basicConfig).
+        # torch sets that on the loggers registered before its set-up; we register during it.
+        log.propagate = False
+
+
+def _named_in_torch_logs() -> bool:
+    """Whether ``TORCH_LOGS`` names our logger or a module under it (``+compile_offload``)."""
+    names = os.environ.get("TORCH_LOGS", "").split(",")
+    return any(name.strip().lstrip("+-").split(".")[0] == LOGGER_NAME for name in names)
 
 
 # The latest plan of each graph this process partitioned, by graph name: what
