@@ -28,7 +28,7 @@ read", also covers dynamic shapes and warm caches.
 import sys
 from typing import Optional
 
-from .torch_api.utils import Config, install_config_module
+from .torch_api.utils import Config, install_config_module, keep_environment_strings
 
 # Memory budget for one compiled forward+backward graph. Accepted values:
 #   None            no limit: the fastest plan (same saved set as torch.compile's default).
@@ -163,6 +163,9 @@ measured_plan_choice: bool = Config(default=False, env_name_default="COMPILE_OFF
 measured_plan_steps = Config(default=3, env_name_default="COMPILE_OFFLOAD_MEASURED_PLAN_STEPS", value_type=Optional[str])
 
 install_config_module(sys.modules[__name__])
+# A knob that is not a flag reads COMPILE_OFFLOAD_<NAME>=0 or 1 as the string "0" or "1" (0 or 1
+# bytes, steps, seconds), as any other value of the variable, not as the bool torch reads.
+keep_environment_strings(sys.modules[__name__], lambda knob: f"COMPILE_OFFLOAD_{knob.upper()}")
 
 # An assignment reaches every thread (torch >= 2.12 would keep it in the assigning
 # thread's context only); config.patch stays per thread. See process_config.py.

@@ -751,3 +751,23 @@ def test_a_warm_cache_tells_the_user_what_a_cold_compile_told(tmp_path):
     assert [line.split(" [")[0] for line in warm["info"]] == [line.split(" [")[0] for line in cold["info"]]
     assert all("[compiled code from Inductor's cache]" in line for line in warm["info"]), warm["info"]
     assert not any("from Inductor's cache" in line for line in cold["info"])
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '"record"', '{"schema": "compile_offload.graph_record/1", "graphs": []}',
+                                  '{"schema": "compile_offload.graph_record/1", "graphs": {}}'],
+                         ids=["list", "string", "no_graphs", "graphs_not_a_list"])
+def test_a_record_that_is_not_a_graph_record_is_ignored(tmp_path, monkeypatch, text):
+    """A record in Inductor's cache dir that is JSON but not a record of the graphs planned
+    (not an object, no graphs) is corrupt: ignored, so that the graph is compiled again and
+    reported, as a missing record is (it crashed the compile, or a warm compile reported nothing)."""
+    from compile_offload.passes.plan import Plan
+    from compile_offload.pipeline import graph_reports
+
+    monkeypatch.setattr(graph_reports, "_folder", lambda: tmp_path)
+    plan = Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=900, predicted_step_seconds=1.0,
+                baseline_peak_bytes=2000, baseline_step_seconds=1.0, min_peak_bytes=900)
+    graph_reports.store("kept", [graph_reports.GraphRecord(plan, None)])
+    (record,) = graph_reports.load("kept")
+    assert record.plan == plan and record.program is None
+    (tmp_path / "corrupt.json").write_text(text)
+    assert graph_reports.load("corrupt") is None

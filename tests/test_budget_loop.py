@@ -342,6 +342,9 @@ def test_a_plan_whose_scheduled_peak_exceeds_the_budget_is_made_again_under_a_lo
     logger.removeHandler(handler)
     logger.setLevel(level)
     assert any("re-planning under" in line for line in lines)
+    # One summary line, for the plan that runs, logged once the loop kept it (not each plan made).
+    (summary,) = [line for line in lines if "predicted peak" in line]
+    assert summary.startswith(kept.summary(scheduled=False) + " [solver"), summary
     # The compiled step is the re-planned one, and it computes what eager does.
     expected = _grads(model, x)
     torch.testing.assert_close(_grads(model, x, step), expected)

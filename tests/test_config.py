@@ -278,6 +278,41 @@ def test_environment_variables(env, expected):
     assert {k: resolved.get(k, resolved) for k in expected} == expected
 
 
+_READ_BACK_IN_FRESH_PROCESS = """
+import dataclasses, json
+import compile_offload
+import compile_offload.settings as settings
+knobs = ["memory_budget", "pinned_pool_limit", "shared_h2d_bytes", "plan_time_limit", "offload"]
+read = {knob: getattr(compile_offload.config, knob) for knob in knobs}
+before = dataclasses.asdict(settings.resolve())
+for knob, value in read.items():
+    setattr(compile_offload.config, knob, value)  # the value read, assigned back in code
+try:
+    same = dataclasses.asdict(settings.resolve()) == before
+except Exception as error:
+    same = f"{type(error).__name__}: {error}"
+print(json.dumps({"read": read, "same": same}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("raw", ["0", "1"])
+def test_an_environment_0_or_1_reads_back_as_what_it_means(raw):
+    """torch's config module reads "0"/"1" as bools: config.memory_budget read False (True),
+    which assigned back was "a bool is not a budget". A knob that is not a flag reads the
+    variable's string, as for any other value; a flag reads the bool."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_OFFLOAD_")}
+    variables = {f"COMPILE_OFFLOAD_{knob.upper()}": raw for knob in
+                 ("memory_budget", "pinned_pool_limit", "shared_h2d_bytes", "plan_time_limit")}
+    completed = subprocess.run([sys.executable, "-c", _READ_BACK_IN_FRESH_PROCESS],
+                               env={**clean, **variables, "COMPILE_OFFLOAD_OFFLOAD": raw},
+                               capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["read"] == {**{knob.removeprefix("COMPILE_OFFLOAD_").lower(): raw for knob in variables},
+                              "offload": raw == "1"}
+    assert result["same"] is True, result
+
+
 @pytest.mark.parametrize("knob", ["measured_plan_steps", "exact_max_candidates"])
 def test_a_bool_is_no_count_in_code(knob):
     with pytest.raises(ValueError, match="accepted: a positive int"):

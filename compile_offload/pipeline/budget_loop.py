@@ -413,7 +413,8 @@ class BudgetLoop:
             return inductor_compile.compile_planned(self.gm, self.example_inputs, self.settings, self.partitioner,
                                                     self.results, self.inductor_patches, None)
         compiled, records = self._compile()
-        for result in self.results:
+        for result in self.results:  # the plan kept (a compile served from the cache: its record replayed)
+            logs.emit_kept(result, self.settings)
             budget_report.report_budget(result.plan, self.settings)
         if plan_choice.applies(self):
             compiled = plan_choice.with_trials(self, compiled)

@@ -105,8 +105,12 @@ def load(key: str) -> list[GraphRecord] | None:
     path = _folder() / f"{key}.json"
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("schema") != RECORD_SCHEMA:
             return None
+        if not isinstance(data["graphs"], list) or not data["graphs"]:
+            raise ValueError("no graphs")  # a compile that planned stores at least one
         return [GraphRecord(Plan.from_dict(g["plan"]),
                             None if g["program"] is None else SymbolicProgram.from_json(g["program"]))
                 for g in data["graphs"]]

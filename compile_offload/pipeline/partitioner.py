@@ -38,8 +38,9 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         self.graph_name = graph_name
         self.on_result = on_result
         self.accelerator = accelerator  # plan_partition's: the kernels Inductor generates (None: the graph's device says)
-        # Whether each plan's budget is reported here (budget_report.report_budget); False under
-        # the budget loop, which reports once Inductor's code for the plan kept is known.
+        # Whether each plan's budget and INFO line are reported here (budget_report.report_budget,
+        # logs.emit); False under the budget loop, which reports the plan it keeps, once, when
+        # Inductor's code for it is known.
         self.report = report
 
     def __call__(
@@ -59,7 +60,7 @@ class OffloadRematPartitioner(CustomPartitionerFn):
         )
         if self.report:
             report_budget(result.plan, self.settings)
-        emit(result, gm, self.settings)
+        emit(result, gm, self.settings, summary=self.report)
         if self.on_result is not None:
             self.on_result(result)
         return result.fw_gm, result.bw_gm

@@ -5,7 +5,9 @@
 and registers its logger, so our logger gets torch's handler and format. We also register
 the logger with ``torch._logging`` ourselves, so it is one of torch's loggers whatever the
 variable says, but never re-run torch's log set-up: that happens while torch is importing
-us, and a second set-up inside the first doubled every line.
+us, and a second set-up inside the first doubled every line. Named in the variable, the
+logger does not propagate to the root logger, as torch's own do (its handler prints each
+line); otherwise it does, for logging configured by the user.
 ``torch._logging.set_logs(modules={"compile_offload": logging.DEBUG})`` and plain
 ``logging.getLogger("compile_offload")`` work too.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -37,6 +40,17 @@ def register_with_torch_logging() -> None:
     from ..torch_api import utils
 
     utils.register_log(LOGGER_NAME, LOGGER_NAME)
+    if _named_in_torch_logs():
+        # torch gives the logger its own handler, as to its loggers, which do not propagate: each
+        # line is printed once, also where the root logger has a handler (logging.basicConfig).
+        # torch sets that on the loggers registered before its set-up; we register during it.
+        log.propagate = False
+
+
+def _named_in_torch_logs() -> bool:
+    """Whether ``TORCH_LOGS`` names our logger or a module under it (``+compile_offload``)."""
+    names = os.environ.get("TORCH_LOGS", "").split(",")
+    return any(name.strip().lstrip("+-").split(".")[0] == LOGGER_NAME for name in names)
 
 
 # The latest plan of each graph this process partitioned, by graph name: what
@@ -55,11 +69,14 @@ def remember(plan: Plan) -> None:
     _latest_plans[plan.graph_name] = plan
 
 
-def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> None:
-    """Report one graph the partitioner planned, through every channel."""
+def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings, summary: bool = True) -> None:
+    """Report one graph the partitioner planned, through every channel. ``summary=False``:
+    one of the plans the budget loop compiles for the graph, of which it keeps one; the line
+    goes to DEBUG, and the loop logs the INFO line of the plan it keeps (``emit_kept``)."""
     remember(result.plan)
     folder = dump(result, joint_gm, settings)
-    log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
+    log.log(logging.INFO if summary else logging.DEBUG, "%s",
+            info_line(result) + (f" [dump: {folder}]" if folder is not None else ""))
     if result.plan.decisions:
         log.debug("%s: decisions\n%s", result.plan.graph_name, result.plan.table())
     trace_plan(result.plan)
@@ -77,6 +94,13 @@ def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
                       f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
                       stacklevel=3)
         return None
+
+
+def emit_kept(result: PartitionResult, settings: Settings) -> None:
+    """The graph's INFO line for the plan the budget loop kept, once its compiles are done:
+    ``emit``'s line, with what the loop marked on the plan (as a warm cache's record says it)."""
+    folder = None if settings.dump_dir is None else Path(settings.dump_dir) / result.plan.graph_name
+    log.info("%s", info_line(result) + (f" [dump: {folder}]" if folder is not None and folder.is_dir() else ""))
 
 
 def emit_cached(plan: Plan) -> None:
@@ -100,9 +124,11 @@ def info_line(result: PartitionResult) -> str:
     plan = result.plan
     if result.analysis is None:  # torch's partition was used: say why
         return f"{plan.graph_name}: not planned ({'; '.join(plan.notes) or 'no reason recorded'})"
+    # Without the scheduled peak, known once Inductor generated the code: the line a planning
+    # compile logs, whoever logs it (``emit_kept`` after the budget loop, ``emit_cached``).
     if result.solution is None:
-        return f"{plan.summary()} [from the plan cache]"
-    return f"{plan.summary()} [solver {plan.solver}, {plan.solve_seconds:.2f} s]"
+        return f"{plan.summary(scheduled=False)} [from the plan cache]"
+    return f"{plan.summary(scheduled=False)} [solver {plan.solver}, {plan.solve_seconds:.2f} s]"
 
 
 def trace_plan(plan: Plan) -> None:

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 from torch.utils._sympy import functions as sympy_functions  # noqa: F401  (FloorDiv, Mod, ... as torch prints them)
 
 __all__ = ["Config", "ContextDecorator", "OpOverload", "OpOverloadPacket", "UNSET_SENTINEL", "disable_current_modes",
-           "install_config_module", "queue_backward_callback", "register_log", "sympy_functions", "trace_structured",
+           "install_config_module", "keep_environment_strings", "queue_backward_callback", "register_log", "sympy_functions", "trace_structured",
            "tree_leaves", "tree_map",
            "triton_utils", "use_lazy_graph_module"]
 
@@ -55,6 +55,20 @@ try:
     from torch.utils._config_module import _UNSET_SENTINEL as UNSET_SENTINEL
 except ImportError:  # pragma: no cover - torch without the sentinel
     pass
+
+
+def keep_environment_strings(module: Any, variable_of) -> None:
+    """torch's config module reads an environment value "0" or "1" as a bool, whatever the
+    knob (``_read_env_variable``): for each knob of ``module`` that is not a flag (its default
+    is no bool), the variable's own string is what it reads from the environment instead, as
+    any other value (``"0"``: 0 bytes, not ``False``). ``variable_of(knob)``: its variable."""
+    import os
+
+    for knob, entry in module._config.items():
+        if isinstance(entry.env_value_default, bool) and not isinstance(entry.default, bool):
+            raw = os.environ.get(variable_of(knob))
+            if raw in ("0", "1"):
+                entry.env_value_default = raw
 
 
 # --- torch.utils._triton, torch.fx._lazy_graph_module --------------------------------------------
