@@ -707,7 +707,7 @@ with warnings.catch_warnings(record=True) as caught:
         compiled(torch.randn(batch, 64)).sum().backward()
 print(json.dumps({
     "warnings": sorted({str(w.message) for w in caught if "compile_offload" in str(w.message)}),
-    "info": [line for line in lines if "graph_" in line],
+    "info": [line for line in lines if line.startswith("graph_") and ": budget " in line],  # the summaries
     "pool_limit": pinned_pool.get_pool().limit_bytes,
     "plans": [plan.summary() for plan in latest_plans()],
 }))
