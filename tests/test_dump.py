@@ -124,5 +124,9 @@ def test_a_warm_compile_cache_does_not_skip_the_dump(tmp_path, captured_plans):
         for _ in range(2):
             torch._dynamo.reset()
             torch.compile(MLP(), backend=backend)(*mlp_inputs()).sum().backward()
-    assert len(captured_plans) == 2
+    # Each compile partitions (the plan, and the unconstrained one where the budget loop compares
+    # it: at 0.5 the MLP is below its minimum, whose plan keeps everything), the second as the first.
+    half = len(captured_plans) // 2
+    assert half >= 1 and len(captured_plans) == 2 * half
+    assert [p.summary() for p in captured_plans[:half]] == [p.summary() for p in captured_plans[half:]]
     assert all(plan.decisions for plan in captured_plans)
