@@ -65,13 +65,16 @@ def test_cuda_graphs_turn_offload_off_with_one_warning_and_plan_recompute_only(s
     assert plan.count("offload") == 0 and not plan.offloaded
 
     # The same budget with offload off, without CUDA graphs: the same plan.
+    # (Without CUDA graphs the budget loop may also compile the unconstrained plan to compare:
+    # the plan made for the budget is the first captured by each step.)
     reference, _ = _train_step(compile_offload.offload_remat(**{**KNOBS, "offload": False, "debug_force_offload": False}))
-    assert len(captured_plans) == 2
+    assert len(captured_plans) >= 2
     assert plan.budget_bytes == captured_plans[1].budget_bytes
     assert _decisions(plan) == _decisions(captured_plans[1])
     # Without CUDA graphs the same knobs offload (so the check above has teeth).
+    before = len(captured_plans)
     _train_step(compile_offload.offload_remat(**KNOBS))
-    assert captured_plans[2].count("offload") > 0
+    assert captured_plans[before].count("offload") > 0
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference[name])
 

@@ -76,11 +76,12 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
     not with ``torch_code=False``: under CUDA graphs, whose partition reordering moves that
     code's kernels after they were recorded). ``verified``: ``verify_budget`` will measure
     the first step (the over-budget warning says so)."""
-    kept = _within_budget(first, replan, verified)
+    kept = _within_budget(first, replan, verified, torch_code)
     return _as_torch_compiles(kept, replan) if torch_code else kept
 
 
-def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None], verified: bool = False) -> Attempt:
+def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None], verified: bool = False,
+                   torch_code: bool = True) -> Attempt:
     """``first``, or a re-planned compile of the same graph whose scheduled peak fits.
 
     ``replan(budget_bytes)`` compiles the graph again with the plan made under that byte
@@ -99,9 +100,10 @@ def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None
         return _faster_within_budget(first, replan)
     if below_the_minimum(plan):  # reported as below the minimum (planning.report_budget)
         attempts = [first, _other_start(first, replan)]
-        if below_the_minimum_in_code_too(plan) or not (plan.count("recompute") or plan.count("offload")):
+        keeps_everything = not (plan.count("recompute") or plan.count("offload"))
+        if below_the_minimum_in_code_too(plan) or (torch_code and keeps_everything):
             # a minimum plan that keeps everything is compiled without Inductor's reordering:
-            # compiled as torch.compile compiles it, its code can hold less
+            # compiled as torch.compile compiles it, its code can hold less (not under CUDA graphs)
             attempts.append(_unconstrained(first, replan))
         tried = sum(attempt is not None for attempt in attempts) - 1
         lowest = _lower_of(*attempts)
