@@ -87,8 +87,17 @@ def _last_reads(graph: fx.Graph, roots: dict[fx.Node, fx.Node], order: dict[fx.N
     return last
 
 
-def _fold_holds_more(mm: fx.Node, add: fx.Node, nodes: list[fx.Node], order: dict[fx.Node, int],
-                     roots: dict[fx.Node, fx.Node], last: dict[fx.Node, int]) -> bool:
+def _allocations_before(nodes: list[fx.Node], roots: dict[fx.Node, fx.Node]) -> list[int]:
+    """``counts[i]``: how many of ``nodes[:i]`` allocate, so that whether any node in
+    ``nodes[i:j]`` allocates is ``counts[j] > counts[i]``."""
+    counts = [0]
+    for node in nodes:
+        counts.append(counts[-1] + (allocated_bytes(node, roots) > 0))
+    return counts
+
+
+def _fold_holds_more(mm: fx.Node, add: fx.Node, order: dict[fx.Node, int], roots: dict[fx.Node, fx.Node],
+                     last: dict[fx.Node, int], allocations: list[int]) -> bool:
     """Whether running ``mm`` where ``add`` is holds more than it saves: the inputs it keeps
     alive past their last reader while other buffers are allocated before ``add`` (graph
     inputs are held by the caller anyway) outweigh the ``mm``'s own output, which the fold
@@ -96,8 +105,7 @@ def _fold_holds_more(mm: fx.Node, add: fx.Node, nodes: list[fx.Node], order: dic
     held = 0
     for root in {roots.get(read, read) for read in mm.all_input_nodes}:
         end = last.get(root, order[mm])
-        if (root.op != "placeholder" and end < order[add]
-                and any(allocated_bytes(node, roots) for node in nodes[end + 1:order[add]])):
+        if root.op != "placeholder" and end < order[add] and allocations[order[add]] > allocations[end + 1]:
             held += allocated_bytes(root, roots)
     return held > allocated_bytes(mm, roots)
 
@@ -110,6 +118,7 @@ def unfused_mm_add(gm: fx.GraphModule) -> fx.GraphModule:
     order = {node: index for index, node in enumerate(nodes)}
     roots = storage_roots(gm.graph)
     last = _last_reads(gm.graph, roots, order)
+    allocations = _allocations_before(nodes, roots)
     written: set[fx.Node] = set()
     changed = False
     for node in nodes:
@@ -117,7 +126,7 @@ def unfused_mm_add(gm: fx.GraphModule) -> fx.GraphModule:
         if not foldings:
             continue
         harmless = [(mm, other) for mm, other in foldings
-                    if other in written or not _fold_holds_more(mm, node, nodes, order, roots, last)]
+                    if other in written or not _fold_holds_more(mm, node, order, roots, last, allocations)]
         mm, other = (harmless or foldings)[0]
         with gm.graph.inserting_before(node):
             if harmless:
