@@ -144,15 +144,12 @@ def _from_environment(knob: str) -> bool:
     return override is _UNSET_SENTINEL and knob not in getattr(config, "_process_values", {})
 
 
-def parse_budget(value: object, from_environment: bool = False) -> tuple[int | None, float | None]:
-    """``memory_budget`` -> ``(bytes, None)``, ``(None, fraction)`` or ``(None, None)``."""
+def parse_budget(value: object) -> tuple[int | None, float | None]:
+    """``memory_budget`` -> ``(bytes, None)``, ``(None, fraction)`` or ``(None, None)``. From the
+    environment it is a string, "0" and "1" included (``config.keep_environment_strings``)."""
     if value is None:
         return None, None
     if isinstance(value, bool):
-        # torch's config module turns the environment strings "0"/"1" into bools.
-        raw = os.environ.get("COMPILE_OFFLOAD_MEMORY_BUDGET")
-        if from_environment and raw in ("0", "1"):
-            return int(raw), None
         raise TypeError(f"compile_offload.config.memory_budget={value!r}: a bool is not a budget; accepted: {_ACCEPTED_BUDGET}")
     if isinstance(value, float):
         if math.isnan(value) or value < 0.0 or value > 1.0:
@@ -332,10 +329,8 @@ def folder_problem(path: str) -> str | None:
     return None
 
 
-def _positive_int(knob: str, value: object, from_environment: bool = False) -> int:
+def _positive_int(knob: str, value: object) -> int:
     if isinstance(value, str) and value.strip().isdigit():  # from the environment
-        value = int(value)
-    if isinstance(value, bool) and from_environment:  # torch's config module reads "1" and "0" as bools
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"compile_offload.config.{knob}={value!r}: accepted: a positive int")
@@ -352,29 +347,19 @@ def resolve(overrides: dict | None = None) -> Settings:
     def from_environment(knob: str) -> bool:
         return not (overrides and knob in overrides) and _from_environment(knob)
 
-    def value_of(knob: str) -> object:
-        """The knob's value; for one from the environment, the variable's own "0"/"1"
-        where torch's config module turned it into a bool."""
-        value = values[knob]
-        raw = os.environ.get(f"COMPILE_OFFLOAD_{knob.upper()}")
-        if isinstance(value, bool) and raw in ("0", "1") and from_environment(knob):
-            return raw
-        return value
-
-    budget_bytes, budget_fraction = parse_budget(values["memory_budget"], from_environment("memory_budget"))
+    budget_bytes, budget_fraction = parse_budget(values["memory_budget"])
     budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
     profile = values["device_profile"]
     if profile is not None:  # "H100" is "h100", as device_profile.builtin_profile reads it
         profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,
                           PROFILE_NAMES)
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
-    exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"],
-                              from_environment("exact_max_candidates"))
-    pool_limit = value_of("pinned_pool_limit")
+    exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"])
+    pool_limit = values["pinned_pool_limit"]
     if pool_limit is not None:
         pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
     settings = Settings(
-        plan_time_limit=parse_time_limit(value_of("plan_time_limit")),
+        plan_time_limit=parse_time_limit(values["plan_time_limit"]),
         budget_bytes=budget_bytes,
         budget_fraction=budget_fraction,
         strict_budget=_flag("strict_budget", values["strict_budget"], from_environment("strict_budget")),
@@ -392,11 +377,10 @@ def resolve(overrides: dict | None = None) -> Settings:
         verify_budget=_flag("verify_budget", values["verify_budget"], from_environment("verify_budget")),
         measured_plan_choice=_flag("measured_plan_choice", values["measured_plan_choice"],
                                    from_environment("measured_plan_choice")),
-        measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"],
-                                          from_environment("measured_plan_steps")),
+        measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
-        shared_h2d_bytes=0 if values["shared_h2d_bytes"] is None else parse_bytes(value_of("shared_h2d_bytes"),
-                                                                                   "shared_h2d_bytes"),
+        shared_h2d_bytes=(0 if values["shared_h2d_bytes"] is None
+                          else parse_bytes(values["shared_h2d_bytes"], "shared_h2d_bytes")),
     )
     if settings.debug_force_offload and not settings.offload:
         raise ValueError("compile_offload.config.debug_force_offload=True needs offload=True: with offload=False "
