@@ -318,9 +318,10 @@ def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):
 
 
 def test_a_function_over_meta_modules_is_planned_as_the_module_is():
-    """A function (a lambda, a closure, a bound method, a partial) calling modules on meta:
-    their parameters get CPU stand-ins as a module passed itself does (they met CPU inputs
-    on meta weights: a device mismatch), and the plan is the module's own."""
+    """A function (a lambda, a closure, a bound method, a partial; also through a list, tuple or
+    dict) calling modules on meta: their parameters get CPU stand-ins as a module passed itself
+    does (they met CPU inputs on meta weights: a device mismatch), and the plan is the module's
+    own."""
     import functools
 
     from compile_offload.tools.explain import positional_call
@@ -340,9 +341,21 @@ def test_a_function_over_meta_modules_is_planned_as_the_module_is():
         def __call__(self, t):
             return self.module(t)
 
+    def in_list(model):
+        held = [model]
+        return lambda t: held[0](t)
+
+    class HoldingBlocks:
+        def __init__(self, module):
+            self.blocks = {"blocks": (module,)}
+
+        def __call__(self, t):
+            return self.blocks["blocks"][0](t)
+
     expected = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100").summary()
     for fn in (lambda t: model(t), closing_over(model), model.forward, functools.partial(call, model),
-               functools.partial(model), Holding(model)):
+               functools.partial(model), Holding(model), in_list(model), HoldingBlocks(model),
+               functools.partial(lambda held, t: held["m"](t), {"m": model})):
         torch._dynamo.reset()
         plan = compile_offload.explain(fn, x, memory_budget=0.5, device_profile="h100")
         assert plan.summary() == expected

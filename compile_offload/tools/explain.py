@@ -68,14 +68,19 @@ class _NamedModules(torch.nn.Module):
 def _modules_named_by(fn: Any) -> _NamedModules | None:
     """The modules a function reaches by name, held with it: those in its closure and in the
     globals its code names, a bound method's object, a ``functools.partial``'s function and
-    arguments, a callable object's attributes; None where it names none. Their meta
-    parameters then get CPU stand-ins, as a module's do. (Modules reached otherwise, through a
-    global list say, are not found: pass the module itself.)"""
+    arguments, a callable object's attributes, and the modules in lists, tuples, sets and
+    dicts among those (two levels deep); None where it names none. Their meta parameters then
+    get CPU stand-ins, as a module's do. (Modules reached otherwise, as an object's attribute
+    inside a list say, are not found: pass the module itself.)"""
     found: list[torch.nn.Module] = []
 
-    def add(value: Any) -> None:
-        if isinstance(value, torch.nn.Module) and all(value is not seen for seen in found):
-            found.append(value)
+    def add(value: Any, depth: int = 2) -> None:
+        if isinstance(value, torch.nn.Module):
+            if all(value is not seen for seen in found):
+                found.append(value)
+        elif depth and isinstance(value, (list, tuple, set, frozenset, dict)):
+            for item in list(value.values() if isinstance(value, dict) else value):
+                add(item, depth - 1)
 
     def names_in(function: Any) -> None:
         for cell in getattr(function, "__closure__", None) or ():
