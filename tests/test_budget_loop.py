@@ -571,6 +571,16 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
     asked.clear()
     below = budget_loop.Attempt("c", plan(1200, 1500, feasible=False))
     assert budget_loop.keep_within_budget(below, replan([(2000, 1700, 0.5)])) is below
+    # Predicted well (within MODEL_MISS), the minimum plan's code is still above what the
+    # unconstrained plan holds between forward and backward: that plan's code may peak lower
+    # (the model over-predicted it), so it is compared; at or below what it holds, it cannot.
+    for held, compared in ((1100, True), (1250, False), (None, False)):
+        asked.clear()
+        minimum = plan(1200, 1250, feasible=False)
+        minimum.baseline_held_bytes = held
+        kept = budget_loop.keep_within_budget(budget_loop.Attempt("c", minimum), replan([(2000, 1150, 0.5)]))
+        assert (None in asked) == compared, (held, asked)
+        assert kept.compiled == ("compiled 1" if compared else "c")
 
 
 def test_where_the_re_plans_reach_the_minimum_the_other_starts_lowest_plan_is_compared_on_hand_made_attempts():
