@@ -366,6 +366,27 @@ def test_a_function_over_meta_modules_is_planned_as_the_module_is():
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+def test_containers_a_function_holds_are_read_without_running_their_own_methods():
+    """Containers among a function's names are read through the built-in types' own methods:
+    a subclass's ``values`` or ``__iter__`` (a lazy mapping importing what it maps, an iterator
+    that never ends) does not run."""
+    from compile_offload.tools.explain import _modules_named_by
+
+    class Lazy(dict):
+        def values(self):
+            raise RuntimeError("imported everything")
+
+    class Endless(list):
+        def __iter__(self):
+            while True:
+                yield None
+
+    layer = nn.Linear(2, 2)
+    held = (Lazy(m=layer), Endless([layer, nn.ReLU()]), [object()] * 50_000)
+    named = _modules_named_by(lambda t: held[1][0](held[0]["m"](t)))
+    assert named is not None and [type(m) for m in named.named] == [nn.Linear, nn.ReLU]
+
+
 def test_explain_on_meta_says_the_scheduled_peak_was_not_checked():
     model, x = meta_gpt(layers=1, width=64, heads=2, seq=64, batch=2)
     with warnings.catch_warnings():

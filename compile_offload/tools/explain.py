@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -65,6 +66,10 @@ class _NamedModules(torch.nn.Module):
         return self.fn(*args, **kwargs)
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+_MOST_ITEMS = 10_000  # read of each container
+
+
 def _modules_named_by(fn: Any) -> _NamedModules | None:
     """The modules a function reaches by name, held with it: those in its closure and in the
     globals its code names, a bound method's object, a ``functools.partial``'s function and
@@ -73,13 +78,20 @@ def _modules_named_by(fn: Any) -> _NamedModules | None:
     get CPU stand-ins, as a module's do. (Modules reached otherwise, as an object's attribute
     inside a list say, are not found: pass the module itself.)"""
     found: list[torch.nn.Module] = []
+    seen: set[int] = set()
 
     def add(value: Any, depth: int = 2) -> None:
         if isinstance(value, torch.nn.Module):
-            if all(value is not seen for seen in found):
+            if id(value) not in seen:
+                seen.add(id(value))
                 found.append(value)
-        elif depth and isinstance(value, (list, tuple, set, frozenset, dict)):
-            for item in list(value.values() if isinstance(value, dict) else value):
+            return
+        kind = next((kind for kind in _CONTAINERS if isinstance(value, kind)), None) if depth else None
+        if kind is not None:
+            # through the built-in type's own methods: a subclass's may have effects (a lazy
+            # mapping importing what it maps) or never end
+            items = dict.values(value) if kind is dict else kind.__iter__(value)
+            for item in itertools.islice(items, _MOST_ITEMS):
                 add(item, depth - 1)
 
     def names_in(function: Any) -> None:
