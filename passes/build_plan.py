@@ -66,7 +66,8 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
         predicted_step_seconds=step_seconds(a, final, seconds) + (transfers.added_seconds if transfers else 0.0),
         baseline_peak_bytes=solution.baseline.peak_bytes,
         baseline_step_seconds=step_seconds(a, base, seconds),
-        baseline_held_bytes=(solution.baseline.timeline.held_at_backward_start
+        baseline_held_bytes=(max(solution.baseline.timeline.held_at_backward_start,
+                                 solution.baseline.timeline.held_at_end)
                              if solution.baseline.timeline else None),
         min_peak_bytes=solution.minimum.peak_bytes,
         decisions=decisions,

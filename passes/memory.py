@@ -94,6 +94,9 @@ class Timeline:
     # What stays allocated between the forward's last step and the backward's first (the
     # saved tensors and the forward's outputs): every order of the two graphs' steps holds it.
     held_at_backward_start: int = 0
+    # What is still allocated after the last step (what the step returns: the gradients, the
+    # forward's outputs): every order of the steps holds it at the end.
+    held_at_end: int = 0
 
     @property
     def peak_label(self) -> str:
@@ -122,7 +125,7 @@ def simulate(program: Program) -> Timeline:
             held = live
     peak = max(live_bytes, default=0)
     return Timeline(peak, live_bytes.index(peak) if live_bytes else 0, live_bytes, labels, kinds, program.backward_start,
-                    held)
+                    held, live)
 
 
 def live_at(program: Program, index: int) -> dict[Hashable, tuple[int, str]]:

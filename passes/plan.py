@@ -89,8 +89,9 @@ class Plan:
     # reordering on): a compile served from a cache compiles it so again.
     unconstrained: bool = False
     # Predicted bytes the unconstrained plan holds between its forward and its backward (its
-    # saved tensors and the forward's outputs): no order of its kernels peaks lower, so a
-    # budget below it is never met by torch.compile's own code. None where not simulated.
+    # saved tensors and the forward's outputs) or at its end (what the step returns: the
+    # gradients), the larger: no order of its kernels peaks lower, so a budget below it is
+    # never met by torch.compile's own code. None where not simulated.
     baseline_held_bytes: int | None = None
     # Why torch's own partition was used for the graph instead of a plan; None when planned.
     fallback: str | None = None

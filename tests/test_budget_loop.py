@@ -572,9 +572,10 @@ def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_atte
     below = budget_loop.Attempt("c", plan(1200, 1500, feasible=False))
     assert budget_loop.keep_within_budget(below, replan([(2000, 1700, 0.5)])) is below
     # Predicted well (within MODEL_MISS), the minimum plan's code is still above what the
-    # unconstrained plan holds between forward and backward: that plan's code may peak lower
-    # (the model over-predicted it), so it is compared; at or below what it holds, it cannot.
-    for held, compared in ((1100, True), (1250, False), (None, False)):
+    # unconstrained plan holds between forward and backward or at its end: that plan's code may
+    # peak lower (the model over-predicted it), so it is compared; within MODEL_MISS of what it
+    # holds, or below, it could gain too little.
+    for held, compared in ((1100, True), (1200, False), (1250, False), (None, False)):
         asked.clear()
         minimum = plan(1200, 1250, feasible=False)
         minimum.baseline_held_bytes = held

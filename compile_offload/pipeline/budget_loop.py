@@ -99,13 +99,14 @@ def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None
     if fits_below_the_minimum(plan):
         return _faster_within_budget(first, replan)
     if below_the_minimum(plan):  # reported as below the minimum (planning.report_budget)
-        attempts = [first, _other_start(first, replan)]
+        attempts = [attempt for attempt in (first, _other_start(first, replan)) if attempt is not None]
+        lower = min(attempts, key=lambda attempt: attempt.plan.scheduled_peak_bytes)
         keeps_everything = not (plan.count("recompute") or plan.count("offload"))
-        if below_the_minimum_in_code_too(plan) or (torch_code and (keeps_everything or all(
-                _unconstrained_may_hold_less(attempt.plan) for attempt in attempts if attempt is not None))):
+        if below_the_minimum_in_code_too(plan) or (torch_code and (keeps_everything
+                                                                   or _unconstrained_may_hold_less(lower.plan))):
             # a minimum plan that keeps everything is compiled without Inductor's reordering:
             # compiled as torch.compile compiles it, its code can hold less (not under CUDA graphs)
-            attempts.append(_unconstrained(first, replan))
+            attempts.append(_unconstrained(lower, replan))
         tried = sum(attempt is not None for attempt in attempts) - 1
         lowest = _lower_of(*attempts)
         outcome = "kept" if lowest is first else "unconstrained" if lowest.plan.unconstrained else "replanned"
@@ -187,13 +188,15 @@ def below_the_minimum_in_code_too(plan: Plan) -> bool:
 
 
 def _unconstrained_may_hold_less(plan: Plan) -> bool:
-    """Whether the unconstrained plan's code may peak below ``plan``'s scheduled peak: it holds
-    at least its saved tensors between the forward and the backward
-    (``Plan.baseline_held_bytes``), so not where ``plan`` is scheduled at or below that. The
-    model can rank the two wrongly however close its prediction of ``plan`` is: a 9-step
-    GRU+LSTM cell loop at batch 3 on the CPU predicted its unconstrained plan at 52.7 KiB, whose
-    code measured 38.1, below the minimum plan's 45.9 (its prediction within 2%)."""
-    return plan.baseline_held_bytes is not None and plan.scheduled_peak_bytes > plan.baseline_held_bytes
+    """Whether the unconstrained plan's code may peak below ``plan``'s scheduled peak by more
+    than ``MODEL_MISS`` of it: that code holds at least its saved tensors between the forward
+    and the backward, and the gradients at its end (``Plan.baseline_held_bytes``, predicted), so
+    not where ``plan`` is scheduled within that of it. The model can rank the two wrongly
+    however close its prediction of ``plan`` is: a 9-step GRU+LSTM cell loop at batch 3 on the
+    CPU predicted its unconstrained plan at 52.7 KiB, whose code measured 38.1, below the
+    minimum plan's 45.9 (its prediction within 2%)."""
+    held = plan.baseline_held_bytes
+    return held is not None and plan.scheduled_peak_bytes - held > MODEL_MISS * plan.scheduled_peak_bytes
 
 
 # How far a plan's scheduled peak may exceed its prediction before a minimum-memory plan over
