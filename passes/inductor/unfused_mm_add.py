@@ -115,6 +115,8 @@ def unfused_mm_add(gm: fx.GraphModule) -> fx.GraphModule:
     the fold holds nothing) or written as ``sub(other, mm, alpha=-1)`` (module docstring).
     Edits ``gm`` in place and returns it."""
     nodes = list(gm.graph.nodes)
+    if not any(_foldings(node) for node in nodes):
+        return gm
     order = {node: index for index, node in enumerate(nodes)}
     roots = storage_roots(gm.graph)
     last = _last_reads(gm.graph, roots, order)
