@@ -191,6 +191,8 @@ class Plan:
             return priced
         step = "" if self.measured_step_seconds is None else f" step {self.measured_step_seconds * 1e3:.3f} ms"
         peak = "" if self.measured_peak_bytes is None else f" peak {format_bytes(self.measured_peak_bytes)}"
+        if self.measured_candidates == 1:
+            return f"{priced}; measured plan choice: no other candidate fits the budget"
         chosen = f" ({self.measured_choice})" if self.measured_choice else ""
         return f"{priced}; measured the fastest of {self.measured_candidates} candidates{chosen}:{step}{peak}"
 

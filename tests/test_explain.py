@@ -442,7 +442,9 @@ def test_a_gpu_profile_on_host_tensors_groups_kernels_as_the_gpu_would(monkeypat
         compiled = torch.compile(model, backend=compile_offload.offload_remat(
             memory_budget=0.6, device_profile="h100", inner_compiler="eager"))
         compiled(x).sum().backward()
-    assert asked == ["triton", None, "python"]  # None: Inductor's generator for the graph's device
+    # None: Inductor's generator for the graph's device (the CPU explain's budget loop may
+    # compile a second plan to compare, analysed alike)
+    assert asked[0] == "triton" and asked[-1] == "python" and set(asked[1:-1]) == {None}
 
 
 def test_solver_refined_refines_the_greedy_plan_and_says_so(tmp_path, request):

@@ -200,6 +200,8 @@ def test_a_candidate_from_the_profile_step_joins_the_trials_after_its_warm_up():
 
 
 def test_with_no_rival_and_no_candidate_from_the_profile_the_planners_plan_runs_unmeasured():
+    """... and is adopted as the choice (one candidate), so that the plan cache stores it and
+    the next run tries nothing (it compiled and profiled everything again)."""
     calls: list[str] = []
     chosen: list = []
     runner = PlanTrials([Trial("a", _stand_in(0.0, calls, "a"), _plan())], 1 << 30, torch.device("cpu"), "g",
@@ -207,7 +209,8 @@ def test_with_no_rival_and_no_candidate_from_the_profile_the_planners_plan_runs_
     x = torch.ones(4, requires_grad=True)
     for _ in range(4):
         runner(x).sum().backward()
-    assert calls == ["a"] * 4 and runner.chosen is runner.trials[0] and chosen == []
+    assert calls == ["a"] * 4 and runner.chosen is runner.trials[0]
+    assert chosen == [(runner.trials[0], runner.trials)]
 
 
 def test_steps_without_a_backward_or_grad_are_not_counted():

@@ -181,6 +181,7 @@ def with_trials(loop, compiled):
     if len(trials) == 1 and on_profiled is None:
         log.info("%s: measured plan choice: no other plan fits the budget in Inductor's code (%.1f s of compiles); "
                  "the planner's plan runs", kept.plan.graph_name, seconds)
+        _adopt(loop, trials[0], 1, seconds, loop.cache_key)  # stored: the next run tries nothing
         return compiled
     profiling = "" if on_profiled is None else ", one more profiles the planner's plan for its kernels' times"
     log.info("%s: measured plan choice: %d candidate plans compiled in %.1f s; the next %d training steps run "
@@ -311,7 +312,9 @@ def _adopt(loop, chosen: Trial, measured: int, compile_seconds: float, cache_key
     plan.measured_step_seconds = chosen.median_seconds()
     plan.measured_peak_bytes = chosen.peak_bytes
     plan.notes.append(f"measured plan choice: the fastest of {measured} candidate plans that fits the budget "
-                      f"({chosen.name}); {compile_seconds:.1f} s of extra compiles")
+                      f"({chosen.name}); {compile_seconds:.1f} s of extra compiles" if measured > 1 else
+                      f"measured plan choice: no other candidate (none fits the budget in Inductor's code with other "
+                      f"decisions); {compile_seconds:.1f} s of extra compiles, nothing timed")
     if chosen.result is not None:
         loop.results[:] = [chosen.result]
         logs.dump(chosen.result, loop.gm, loop.settings)

@@ -203,6 +203,7 @@ class PlanTrials:
             if len(self.trials) == 1:  # nothing to compare with: the planner's plan runs, unmeasured
                 self.chosen = self.trials[0]
                 log.info("%s: measured plan choice: no other candidate; the planner's plan runs", self.graph_name)
+                self.on_chosen(self.chosen, self.trials)  # the choice is made (and stored: no trials next run)
             return
         self.trials.append(trial)
         self.schedule = self.schedule[:self.position] + [(len(self.trials) - 1, "warmup")] + self._measured_rounds()
