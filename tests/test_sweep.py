@@ -30,3 +30,14 @@ def test_a_single_budget_is_one_plan_not_one_per_character():
 def test_memory_budget_is_refused_naming_budgets():
     with pytest.raises(TypeError, match=r"compile_offload.sweep: give the budgets as budgets=\[...\]"):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5], memory_budget=0.1)
+
+
+def test_an_out_that_cannot_be_a_folder_is_refused_before_any_plan(tmp_path, monkeypatch):
+    import importlib
+
+    sweep_module = importlib.import_module("compile_offload.tools.sweep")  # the module, not the function
+    monkeypatch.setattr(sweep_module, "explain", lambda *args, **kwargs: pytest.fail("planned before checking out"))
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match=r"out=.*afile'?: it is a file, not a folder; name a folder for pareto.png"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, 0.25], out=a_file)
