@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 
 # verb -> (module, help); each module has add_<name>_arguments(parser) and run_<name>(args),
@@ -19,7 +20,8 @@ VERBS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m compile_offload",
+        # as the user ran it: the installed script, or the module
+        prog="compile-offload" if Path(sys.argv[0]).name == "compile-offload" else "python -m compile_offload",
         description="Plan, explain and benchmark the offload_remat backend. Each verb's --help says more.")
     sub = parser.add_subparsers(dest="command", required=True)
     for verb, (module_name, help_text) in VERBS.items():

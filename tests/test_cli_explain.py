@@ -25,6 +25,7 @@ META_FACTORY = textwrap.dedent("""
         return make()
     def three_values():
         return (*make(), None)
+    a_number = 5
     class Masked(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -71,6 +72,7 @@ def test_the_command_line_writes_the_dump_for_a_module_of_the_current_folder(fac
     (["no_such_module_anywhere:make"], "cannot import 'no_such_module_anywhere'"),
     (["{folder}/missing.py:make"], "no such file"),
     (["{folder}/my_models.py:absent"], "has no function 'absent'"),
+    (["{folder}/my_models.py:a_number"], r"my_models.py:a_number is a value of type int, not a function returning \(model, inputs\)"),
     (["{folder}/my_models.py:not_a_pair"], r"must return \(model, example_inputs\), .*a dict of keyword inputs.*; "
                                            "it returned a value of type int"),
     (["{folder}/my_models.py:three_values"], r"must return \(model, example_inputs\), .*; it returned 3 values"),

@@ -37,9 +37,12 @@ def load_factory(target: str):
         module = _load_file(Path(module_name))
     else:
         module = _import(module_name)
-    factory = getattr(module, factory_name, None)
-    if not callable(factory):
+    if not hasattr(module, factory_name):
         raise SystemExit(f"explain: {module_name} has no function {factory_name!r}")
+    factory = getattr(module, factory_name)
+    if not callable(factory):
+        raise SystemExit(f"explain: {module_name}:{factory_name} is a value of type {type(factory).__name__}, not a "
+                         "function returning (model, inputs)")
     try:
         inspect.signature(factory).bind()
     except TypeError as error:
