@@ -82,6 +82,16 @@ def test_the_table_of_a_step_keeps_a_recomputed_nodes_forward_time_and_scales_th
         measured_costs(forward, backward, calls, lambda name: None if name != "relu" else 1.0, "cpu")
 
 
+def test_a_recomputed_nodes_share_of_the_backward_counts_as_time_in_the_graphs_nodes():
+    """A backward whose kernels mostly recompute: the recomputed node is priced at its forward
+    time, and its backward share still counts as lined up (it was refused at 19%)."""
+    forward = _graph(_fused("op0", "mul"))
+    backward = _graph(_fused("op0", "mul", "relu"), backward=True)
+    calls = [[Event("cpp_fused_0", 1e-3)], [Event("cpp_fused_1", 9e-3)]]
+    costs = measured_costs(forward, backward, calls, {"mul": 9.0, "relu": 1.0}.get, "cpu")
+    assert costs.seconds == pytest.approx({"mul": 1e-3, "relu": 0.9e-3})
+
+
 def test_the_plans_copies_give_the_host_links_bandwidth_each_way():
     from compile_offload.inductor.kernels import Buffer
 
