@@ -224,6 +224,8 @@ def test_max_batch_reports_none_when_even_low_does_not_fit(monkeypatch):
     monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, []), raising=False)
     found = max_batch(_linear_factory(), 999, device="cpu", measure=False)
     assert found.batch is None and found.predicted_peak_bytes is None
+    assert found.notes == ["no batch fits: batch 1 (low) is planned to peak at 1000 B, above the budget of "
+                           "999 B; raise the budget or lower low"]
 
 
 def test_max_batch_measures_the_compiled_step_at_the_batch_it_found(monkeypatch):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..passes.plan import format_bytes
 from ..settings import parse_bytes
 from ..torch_api import dynamo
 
@@ -213,6 +214,11 @@ def max_batch(
         planned_on=planned_on[0],
         probes=[probes[b] for b in sorted(probes)],
     )
+    if batch is None:
+        first = probes[low]
+        result.notes.append(f"no batch fits: batch {low} (low) is planned to peak at "
+                            f"{format_bytes(first.predicted_peak_bytes)}, above the budget of {format_bytes(budget_bytes)}; "
+                            "raise the budget or lower low")
     if result.planned_on == "meta" and device_profile is None and torch.device(device).type == "cuda":
         # explain cannot tell which device meta tensors stand for.
         result.notes.append("planned on meta without device_profile: explain's default profile for meta tensors, "
