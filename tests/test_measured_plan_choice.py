@@ -634,14 +634,26 @@ def test_the_graphs_latest_plan_is_the_one_it_runs_while_candidates_are_compiled
 
 
 @pytest.mark.inductor
-def test_without_a_budget_nothing_is_tried(caplog):
+@pytest.mark.parametrize("options, why", [
+    ({}, "without a memory budget"),
+    ({"memory_budget": 0.5, "inner_compiler": "eager"}, "with inner_compiler='eager'"),
+])
+def test_where_it_cannot_act_nothing_is_tried_and_a_warning_says_so_once(caplog, monkeypatch, options, why):
     import compile_offload
+    from compile_offload.pipeline import backend
 
+    monkeypatch.setattr(backend, "_warned_measured_off", set())
     torch.manual_seed(0)
     model = _Residual(d=16, n=1)
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
-    with caplog.at_level(logging.INFO, logger="compile_offload"):
-        compiled = torch.compile(model, backend=compile_offload.offload_remat(measured_plan_choice=True))
+    with caplog.at_level(logging.INFO, logger="compile_offload"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(measured_plan_choice=True, **options))
         _train(compiled, eager, torch.randn(32, 16), steps=2)
+        torch._dynamo.reset()
+        _train(torch.compile(model, backend=compile_offload.offload_remat(measured_plan_choice=True, **options)),
+               eager, torch.randn(32, 16), steps=1)
     assert "measured plan choice" not in caplog.text
+    said = [str(w.message) for w in caught if "measured_plan_choice is off" in str(w.message)]
+    assert len(said) == 1 and f"measured_plan_choice is off {why}" in said[0], said

@@ -135,6 +135,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     plan_choice.note_compile()
     # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
     settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())
+    settings = _measured_choice_applies(settings)
     if _step_scoped(settings):
         compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
     else:
@@ -156,7 +157,31 @@ def _step_scoped(settings: Settings) -> bool:
     return settings.budget_scope == "step" and settings.budget_bytes is not None
 
 
-_warned_measured_off: list[bool] = []
+_warned_measured_off: set[str] = set()
+
+
+def _measured_choice_off(settings: Settings, why: str, stacklevel: int = 4) -> Settings:
+    """``settings`` without measured plan choice, with one warning per reason and process
+    where the user turned it on: a knob that cannot act says so rather than doing nothing."""
+    if not settings.measured_plan_choice:
+        return settings
+    if why not in _warned_measured_off:
+        _warned_measured_off.add(why)
+        warnings.warn(f"compile_offload: measured_plan_choice is off {why}", stacklevel=stacklevel)
+    return dataclasses.replace(settings, measured_plan_choice=False)
+
+
+def _measured_choice_applies(settings: Settings) -> Settings:
+    """Measured plan choice times Inductor's code of several plans under a budget: without
+    a budget there is one plan (it recomputes and copies nothing, so no rival is faster),
+    and with ``inner_compiler="eager"`` no Inductor code to time."""
+    if not settings.has_budget:
+        return _measured_choice_off(settings, "without a memory budget (the one plan recomputes and copies "
+                                    "nothing: no candidate could be faster)", stacklevel=5)
+    if settings.inner_compiler == "eager":
+        return _measured_choice_off(settings, "with inner_compiler='eager' (it times the candidates' Inductor "
+                                    "code)", stacklevel=5)
+    return settings
 
 
 def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
@@ -165,11 +190,8 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     compiles it again under its share of the step's budget once a step has been counted."""
     from ..runtime.step_budget import step_budget_for
 
-    if settings.measured_plan_choice and not _warned_measured_off:
-        _warned_measured_off.append(True)
-        warnings.warn("compile_offload: measured_plan_choice is off under budget_scope='step' (the graphs are "
-                      "compiled again once the step's budget is split between them)", stacklevel=4)
-    settings = dataclasses.replace(settings, measured_plan_choice=False)
+    settings = _measured_choice_off(settings, "under budget_scope='step' (the graphs are compiled again once "
+                                    "the step's budget is split between them)", stacklevel=5)
     minimum = dataclasses.replace(settings, budget_bytes=None, budget_fraction=0.0)
     log.info("budget_scope='step': this graph runs its minimum-memory plan (memory_budget 0.0) until a step has "
              "run; the step's budget %s is then split between its graphs", format_bytes(settings.budget_bytes))
