@@ -286,7 +286,8 @@ def _with_torch_budget(budget_bytes: int | None, budget_fraction: float | None) 
 
 
 def _folder(knob: str, folder: object) -> str | None:
-    """A folder knob: None, or a path that is (or can be made) a writable folder. An empty
+    """A folder knob: None, or a path that is (or can be made) a writable folder, a leading
+    ``~`` expanded to the home folder. An empty
     path would silently mean the current folder; a file, or a folder that cannot be created
     or written, would fail in the middle of a compile. The dump asked for is an error; the
     plan cache only saves time, so for it a warning, and the plan cache writes nothing."""
@@ -294,7 +295,7 @@ def _folder(knob: str, folder: object) -> str | None:
         return None
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"compile_offload.config.{knob}={folder!r}: accepted: None or a folder path")
-    path = os.fspath(folder)
+    path = os.path.expanduser(os.fspath(folder))  # "~/dumps" is the home folder's, as in a shell
     if not path.strip():
         raise ValueError(f"compile_offload.config.{knob}={folder!r} is an empty path; use None for no "
                          f"{'dump' if knob == 'dump_dir' else 'plan cache'}, or name a folder ('.' for this one)")

@@ -193,6 +193,17 @@ def test_an_empty_folder_path_is_an_error_not_the_current_folder(knob):
         compile_offload.settings.resolve()
 
 
+@pytest.mark.parametrize("knob", ["dump_dir", "plan_cache_dir"])
+def test_a_folder_under_the_home_folder_is_named_with_a_tilde(knob, tmp_path, monkeypatch):
+    """``"~/plans"`` is the home folder's, as a shell reads it: not a folder named ``~``
+    under the current one (docs/budget.md's example)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with config.patch(**{knob: "~/plans"}):
+        assert getattr(compile_offload.settings.resolve(), knob) == str(tmp_path / "home" / "plans")
+    assert (tmp_path / "home" / "plans").is_dir() and not (tmp_path / "~").exists()
+
+
 def test_a_dump_dir_that_cannot_be_written_fails_before_compiling(tmp_path, eager_inner, captured_plans):
     a_file = tmp_path / "a_file"
     a_file.write_text("")

@@ -41,3 +41,11 @@ def test_an_out_that_cannot_be_a_folder_is_refused_before_any_plan(tmp_path, mon
     a_file.write_text("")
     with pytest.raises(ValueError, match=r"out=.*afile'?: it is a file, not a folder; name a folder for pareto.png"):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, 0.25], out=a_file)
+
+
+def test_out_under_the_home_folder_is_named_with_a_tilde(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5], out="~/front", device_profile="cpu")
+    assert (tmp_path / "home" / "front" / "pareto.png").is_file() and not (tmp_path / "~").exists()

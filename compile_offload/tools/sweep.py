@@ -23,9 +23,10 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
         raise TypeError("compile_offload.sweep: give the budgets as budgets=[...]; memory_budget is not an option "
                         "of sweep")
     if out is not None:  # before planning every budget, not after
-        problem = folder_problem(os.fspath(out))
+        out = os.path.expanduser(os.fspath(out))
+        problem = folder_problem(out)
         if problem is not None:
-            raise ValueError(f"compile_offload.sweep: out={os.fspath(out)!r}: {problem}; name a folder for pareto.png")
+            raise ValueError(f"compile_offload.sweep: out={out!r}: {problem}; name a folder for pareto.png")
     plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
     if out is not None:
         draw_pareto(Path(out) / "pareto.png", budgets, plans)
