@@ -578,6 +578,9 @@ def test_explain_all_shows_each_graph_under_its_share_of_the_step():
     with pytest.warns(UserWarning, match="minimum-memory plans sum to .* above the memory budget 4.00 MiB"):
         lowest = compile_offload.explain_all(model, x, memory_budget="4MiB", budget_scope="step")
     assert all(p.predicted_peak_bytes == p.min_peak_bytes for p in lowest)
+    with pytest.raises(compile_offload.BudgetError, match=r"minimum-memory plans sum to .* above the memory "
+                                                          r"budget 4.00 MiB; strict_budget=True"):
+        compile_offload.explain_all(model, x, memory_budget="4MiB", budget_scope="step", strict_budget=True)
 
 
 class _EagerBetween(nn.Module):

@@ -350,7 +350,7 @@ def explain_all(
 
     plan_every_graph()
     if step_scoped:
-        shares = _step_shares(plans, settings.budget_bytes)
+        shares = _step_shares(plans, settings.budget_bytes, settings.strict_budget)
         if shares is not None:  # each graph again under its share, as the backend does after a step
             plans.clear()
             plan_every_graph()
@@ -387,11 +387,12 @@ def _our_error(error: Exception) -> Exception | None:
     return inner if raised_in.startswith("compile_offload.") else None
 
 
-def _step_shares(plans: list[Plan], budget_bytes: int) -> list[int] | None:
+def _step_shares(plans: list[Plan], budget_bytes: int, strict: bool = False) -> list[int] | None:
     """Each graph's share of a step's budget (``runtime/step_budget.split_budget``) from its
     minimum-memory plan ``plans``, one call per graph; None where a graph has no plan of ours
     or the minimums exceed the budget (then the minimum-memory plans are shown, with a
-    warning, as the backend keeps them)."""
+    warning, as the backend keeps them; ``strict``: ``BudgetError``, as the backend raises)."""
+    from ..pipeline.result import BudgetError
     from ..runtime.step_budget import need_of, split_budget
 
     needs = [need_of(f"{index}", plan, 1) for index, plan in enumerate(plans)]
@@ -399,10 +400,12 @@ def _step_shares(plans: list[Plan], budget_bytes: int) -> list[int] | None:
         return None
     shares, share = split_budget(budget_bytes, needs)
     if share < 0:
-        warnings.warn(f"compile_offload.tools.explain: budget_scope='step': the graphs' minimum-memory plans sum "
-                      f"to {format_bytes(sum(n.min_bytes for n in needs))}, above the memory budget "
-                      f"{format_bytes(budget_bytes)}; each graph keeps its minimum-memory plan",
-                      stacklevel=3)
+        message = (f"compile_offload.tools.explain: budget_scope='step': the graphs' minimum-memory plans sum "
+                   f"to {format_bytes(sum(n.min_bytes for n in needs))}, above the memory budget "
+                   f"{format_bytes(budget_bytes)}")
+        if strict:
+            raise BudgetError(f"{message}; strict_budget=True")
+        warnings.warn(f"{message}; each graph keeps its minimum-memory plan", stacklevel=3)
         return None
     return [shares[f"{index}"] for index in range(len(plans))]
 
