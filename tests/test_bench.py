@@ -228,6 +228,33 @@ def test_max_batch_reports_none_when_even_low_does_not_fit(monkeypatch):
                            "999 B; raise the budget or lower low"]
 
 
+def test_max_batch_without_high_says_where_it_stopped(monkeypatch):
+    from compile_offload.tools import max_batch as module
+
+    monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1, []), raising=False)
+    monkeypatch.setattr(module, "DEFAULT_HIGH", 64)
+    found = max_batch(_linear_factory(), "1MiB", device="cpu", measure=False)
+    assert found.batch == 64 and found.notes == ["the search stopped at batch 64, where high=None stops it; pass "
+                                                 "high= to search beyond"]
+    assert max_batch(_linear_factory(), "1MiB", high=64, device="cpu", measure=False).notes == []
+
+
+def test_max_batch_refuses_to_judge_a_graph_torch_partitioned(monkeypatch):
+    """A fallback plan's peaks read 0: taken as fitting, every batch up to high "fit"."""
+    seen: list = []
+
+    def explain(model, x, memory_budget=None, **options):
+        seen.append(x.device.type)
+        return [Plan.unplanned(feasible=False, budget_bytes=memory_budget, device_profile="cpu", solver="greedy",
+                               graph_name="graph_0", why="torch.cond", fallback="a higher-order op (cond)")]
+
+    monkeypatch.setattr(compile_offload, "explain_all", explain, raising=False)
+    with pytest.raises(ValueError, match=r"max_batch: at batch 1 graph_0 is not planned \(torch's partition runs: "
+                                         r"a higher-order op \(cond\)\), so its memory cannot be predicted"):
+        max_batch(_linear_factory(), "4KiB", high=4096, device="cpu", measure=False)
+    assert seen == ["meta"]  # not planned again on the device
+
+
 def test_max_batch_measures_the_compiled_step_at_the_batch_it_found(monkeypatch):
     """``measure=True`` trains the found batch through the backend: a step time and the
     allocator's peak on any device, no error. The step's output (batch x width floats) is

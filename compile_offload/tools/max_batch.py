@@ -14,6 +14,7 @@ import inspect
 import numbers
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,11 @@ class FactoryError(TypeError):
     raised as is, not taken for a model that cannot be built on meta."""
 
 
+class NotPlanned(ValueError):
+    """A probe's graph was partitioned by torch, not planned: no batch can be judged. Raised
+    as is, not taken for a model that cannot be planned on meta."""
+
+
 def _built(factory: Callable, batch: int, device: str) -> tuple[Callable, Any, Callable | None]:
     """``factory(batch, device)`` as ``(model, inputs, loss_fn)``, checked."""
     built = factory(batch, device)
@@ -125,8 +131,15 @@ def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, o
 
     model, inputs, _ = _built(factory, batch, device)
     model, args = positional_call(model, inputs)
-    plans = _plans(_explain()(model, *args, memory_budget=budget_bytes, **options))
+    with warnings.catch_warnings():  # a batch over the budget is an answer of the search, not the user's mistake
+        warnings.filterwarnings("ignore", message=r".*is below the minimum this planner can reach")
+        plans = _plans(_explain()(model, *args, memory_budget=budget_bytes, **options))
     dynamo.reset()
+    unplanned = [p for p in plans if getattr(p, "fallback", None) is not None]
+    if unplanned:  # torch partitioned it: no prediction (its peaks read 0), so no batch can be judged
+        raise NotPlanned(f"max_batch: at batch {batch} {unplanned[0].graph_name} is not planned (torch's partition "
+                         f"runs: {unplanned[0].fallback}), so its memory cannot be predicted and no batch can be "
+                         "judged against the budget; measure batches with measure_peak instead")
     peak = sum(p.predicted_peak_bytes for p in plans)  # graphs' saved tensors add up
     seconds = sum(p.predicted_step_seconds for p in plans)
     return Probe(batch, peak, seconds, fits=peak <= budget_bytes)
@@ -194,7 +207,7 @@ def max_batch(
         if planned_on[0] == "meta":
             try:
                 return _plan_batch(factory, batch, "meta", budget_bytes, options)
-            except FactoryError:
+            except (FactoryError, NotPlanned):
                 raise
             except Exception as error:  # a model or op without meta support: plan on the device
                 if missing:
@@ -219,6 +232,9 @@ def max_batch(
         result.notes.append(f"no batch fits: batch {low} (low) is planned to peak at "
                             f"{format_bytes(first.predicted_peak_bytes)}, above the budget of {format_bytes(budget_bytes)}; "
                             "raise the budget or lower low")
+    if high is None and batch == DEFAULT_HIGH:
+        result.notes.append(f"the search stopped at batch {DEFAULT_HIGH}, where high=None stops it; pass high= "
+                            "to search beyond")
     if result.planned_on == "meta" and device_profile is None and torch.device(device).type == "cuda":
         # explain cannot tell which device meta tensors stand for.
         result.notes.append("planned on meta without device_profile: explain's default profile for meta tensors, "
