@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 DecisionKind = Literal["keep", "recompute", "offload"]
+DECISION_KINDS = typing.get_args(DecisionKind)
 # What the budget loop did with a graph's plan (``Plan.budget_outcome``).
 BudgetOutcome = Literal["kept", "replanned", "unconstrained", "over_budget"]
 PLAN_SCHEMA = "compile_offload.plan/1"
@@ -44,6 +45,12 @@ class Decision:
     cost_seconds: float = 0.0  # predicted extra step time this decision costs
 
 
+def _check_kind(kind: object, method: str) -> None:
+    """A decision kind, not a typo that would read as "none of those"."""
+    if kind not in DECISION_KINDS:
+        raise ValueError(f"Plan.{method}({kind!r}): accepted: {', '.join(map(repr, DECISION_KINDS))}")
+
+
 @dataclass
 class Plan:
     feasible: bool  # predicted_peak_bytes <= budget (always True without a budget)
@@ -56,7 +63,7 @@ class Plan:
     decisions: list[Decision] = field(default_factory=list)
     device_profile: str = ""
     solver: str = "greedy"
-    solve_seconds: float = 0.0
+    solve_seconds: float = field(default=0.0, compare=False)  # how long planning took, not what it planned
     graph_name: str = "graph"
     notes: list[str] = field(default_factory=list)
     # What rebuilds the graphs without solving again (the plan cache): the joint-graph
@@ -151,12 +158,15 @@ class Plan:
         return self.feasible
 
     def count(self, kind: str) -> int:
+        """How many saved tensors have decision ``kind`` ("keep", "recompute" or "offload")."""
+        _check_kind(kind, "count")
         return sum(1 for d in self.decisions if d.decision == kind)
 
     def bytes_of(self, kind: str) -> int:
         """Bytes of the tensors with decision ``kind``. Exact for ``"offload"`` (only a
         storage's owner is offloaded); for keep and recompute, views of one storage each
         count the whole storage, so this is an upper bound there."""
+        _check_kind(kind, "bytes_of")
         return sum(d.bytes for d in self.decisions if d.decision == kind)
 
     def summary(self, scheduled: bool = True) -> str:

@@ -22,6 +22,16 @@ def test_plan_round_trips_through_json(tmp_path):
     assert Plan.load(tmp_path / "plan.json") == plan
 
 
+def test_the_same_plan_made_twice_is_equal_and_count_refuses_a_typo():
+    first, second = (compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
+                     for _ in range(2))
+    assert first == second  # how long each took to solve is not part of the plan
+    assert first.count("recompute") + first.count("keep") + first.count("offload") == len(first.decisions)
+    for method in (first.count, first.bytes_of):
+        with pytest.raises(ValueError, match=r"Plan\.\w+\('Recompute'\): accepted: 'keep', 'recompute', 'offload'"):
+            method("Recompute")
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"schema": "other"}', '{"schema": "compile_offload.plan/1", "x": 1}',
                                      b"\xff\xfe\x00binary"])
 def test_loading_a_corrupt_file_is_an_error(tmp_path, content):
