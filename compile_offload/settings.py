@@ -151,6 +151,8 @@ def parse_budget(value: object) -> tuple[int | None, float | None]:
         return None, None
     if isinstance(value, bool):
         raise TypeError(f"compile_offload.config.memory_budget={value!r}: a bool is not a budget; accepted: {_ACCEPTED_BUDGET}")
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):  # NumPy's float32 too
+        value = float(value)
     if isinstance(value, float):
         if math.isnan(value) or value < 0.0 or value > 1.0:
             raise ValueError(
@@ -217,13 +219,16 @@ def parse_time_limit(value: object) -> float | None:
     if value is None:
         return None
     if isinstance(value, str):
-        if value.strip().lower() in ("none", ""):
+        if not value.strip():  # as for memory_budget: an empty value would silently mean no limit
+            raise ValueError(f"compile_offload.config.plan_time_limit={value!r} is empty; use None (or leave "
+                             f"COMPILE_OFFLOAD_PLAN_TIME_LIMIT unset) for no limit; accepted: {accepted}")
+        if value.strip().lower() == "none":
             return None
         try:
             value = float(value)
         except ValueError:
             raise ValueError(f"compile_offload.config.plan_time_limit={value!r} is not a number; accepted: {accepted}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"compile_offload.config.plan_time_limit={value!r} has type {type(value).__name__}; "
                         f"accepted: {accepted}")
     if math.isnan(value) or value < 0:
@@ -249,9 +254,13 @@ def torch_activation_budget() -> float | None:
     from .torch_api.functorch import config as functorch_config
 
     value = getattr(functorch_config, "activation_memory_budget", 1.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0.0:
+        if ("unusable", repr(value)) not in _TORCH_BUDGET_ANNOUNCED:
+            _TORCH_BUDGET_ANNOUNCED.add(("unusable", repr(value)))
+            warnings.warn(f"compile_offload: torch._functorch.config.activation_memory_budget={value!r} is not a "
+                          "fraction in [0, 1]: ignored (no budget from it)", stacklevel=4)
         return None
-    return float(value) if 0.0 <= value < 1.0 else None
+    return float(value) if value < 1.0 else None  # 1.0 and above: torch saves every activation
 
 
 def _with_torch_budget(budget_bytes: int | None, budget_fraction: float | None) -> float | None:
@@ -380,8 +389,7 @@ def resolve(overrides: dict | None = None) -> Settings:
                                    from_environment("measured_plan_choice")),
         measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
-        shared_h2d_bytes=(0 if values["shared_h2d_bytes"] is None
-                          else parse_bytes(values["shared_h2d_bytes"], "shared_h2d_bytes")),
+        shared_h2d_bytes=parse_bytes(values["shared_h2d_bytes"], "shared_h2d_bytes"),
     )
     if settings.debug_force_offload and not settings.offload:
         raise ValueError("compile_offload.config.debug_force_offload=True needs offload=True: with offload=False "

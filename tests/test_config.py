@@ -98,6 +98,8 @@ BAD_VALUES = [
     ("plan_time_limit", "soon", ValueError),
     ("plan_time_limit", True, TypeError),
     ("plan_time_limit", [5], TypeError),
+    ("plan_time_limit", "", ValueError),  # was no limit, silently
+    ("shared_h2d_bytes", None, TypeError),  # was 0, silently
 ]
 
 
@@ -341,6 +343,13 @@ def test_plan_time_limit_parses_to_seconds(value, seconds):
     assert settings.resolve({"plan_time_limit": value}).plan_time_limit == seconds
 
 
+def test_numpy_floats_of_every_width_are_fractions_and_seconds():
+    np = pytest.importorskip("numpy")
+    for kind in (np.float16, np.float32, np.float64):
+        assert settings.resolve({"memory_budget": kind(0.5)}).budget_fraction == 0.5
+        assert settings.resolve({"plan_time_limit": kind(2.5)}).plan_time_limit == 2.5
+
+
 def test_device_profile_names_are_case_insensitive():
     assert settings.resolve({"device_profile": " H100 "}).device_profile == "h100"
 
@@ -380,6 +389,22 @@ def test_torch_budget_is_a_fraction_in_the_settings(fresh_torch_budget_notices):
     assert (resolved.budget_bytes, resolved.budget_fraction) == (None, 0.5)
     with torch._functorch.config.patch(activation_memory_budget=1.0):  # torch's default: no budget
         assert settings.resolve().budget_fraction is None
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan"), True, "half"])
+def test_an_unusable_torch_budget_warns_once_and_is_no_budget(fresh_torch_budget_notices, recwarn, value):
+    with torch._functorch.config.patch(activation_memory_budget=value):
+        for _ in range(2):
+            assert settings.resolve().budget_fraction is None
+    messages = [str(w.message) for w in recwarn if "activation_memory_budget" in str(w.message)]
+    assert messages == [f"compile_offload: torch._functorch.config.activation_memory_budget={value!r} is not a "
+                        "fraction in [0, 1]: ignored (no budget from it)"]
+
+
+def test_a_torch_budget_of_one_or_more_is_no_budget_and_no_warning(fresh_torch_budget_notices, recwarn):
+    with torch._functorch.config.patch(activation_memory_budget=1.5):  # torch saves every activation too
+        assert settings.resolve().budget_fraction is None
+    assert not [w for w in recwarn if "activation_memory_budget" in str(w.message)]
 
 
 def test_our_budget_wins_with_one_warning_when_they_disagree(fresh_torch_budget_notices, recwarn):
