@@ -79,6 +79,15 @@ def test_cuda_graphs_turn_offload_off_with_one_warning_and_plan_recompute_only(s
         torch.testing.assert_close(grad, reference[name])
 
 
+@pytest.mark.inductor
+@pytest.mark.parametrize("profile", [None, "cpu"])
+def test_a_cpu_graph_under_the_cpu_profile_is_not_told_about_cuda_graphs(profile):
+    """Nothing of a CPU graph is captured, and the CPU profile never offloads: no warning."""
+    _, messages = _train_step(compile_offload.offload_remat(memory_budget=0.5, device_profile=profile),
+                              mode="reduce-overhead")
+    assert messages == []
+
+
 def test_an_unknown_mode_is_refused_by_name():
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"mode='fastest'\) is not an Inductor mode"):
         torch.compile(nn.Linear(4, 2), backend=compile_offload.offload_remat(), mode="fastest")(torch.randn(3, 4))

@@ -119,6 +119,15 @@ def _without_offload_under_cuda_graphs(settings: Settings, mode_said: str) -> Se
     return dataclasses.replace(settings, offload=False)
 
 
+def _may_capture_or_offload(settings: Settings, example_inputs: Sequence[Any]) -> bool:
+    """Whether CUDA graphs concern this graph: it runs on CUDA, or it is planned as for a GPU
+    (a GPU profile, or forced offload) on a host that stands in for one. A CPU graph under the
+    CPU's own profile is never captured and never offloads: nothing to turn off or say."""
+    if device_of(example_inputs).type == "cuda" or settings.debug_force_offload:
+        return True
+    return settings.device_profile not in (None, "cpu")
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
                   inductor_patches: dict | None = None, mode: str | None = None,
                   fixed_knobs: Iterable[str] = (), owner: Any = None) -> Callable[..., Any]:
@@ -227,7 +236,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
             f"compile_offload: Inductor options {sorted(inductor_patches)} (from torch.compile's mode or options) "
             "need inner_compiler='inductor'; with inner_compiler='eager' no Inductor code runs"
         )
-    if settings.inner_compiler == "inductor" and inductor_compile.captures_cuda_graphs(inductor_patches):
+    if (settings.inner_compiler == "inductor" and inductor_compile.captures_cuda_graphs(inductor_patches)
+            and _may_capture_or_offload(settings, example_inputs)):
         if "triton.cudagraphs" not in inductor_patches:
             said = "torch._inductor.config.triton.cudagraphs=True"
         elif mode not in (None, "default"):  # torch.compile takes a mode or options, not both
