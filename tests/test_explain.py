@@ -558,3 +558,17 @@ def test_a_busy_host_link_makes_the_plan_offload_less():
     assert free.count("offload") > 0 and busy.count("offload") < free.count("offload")
     assert busy.predicted_step_seconds >= free.predicted_step_seconds
     assert busy.feasible and busy.predicted_peak_bytes <= busy.budget_bytes
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_explain_plans_a_training_step_from_an_eval_loop_too(grad_mode):
+    """Called under no_grad or inference_mode (an eval loop), explain still plans the training
+    step: it said the parameters must require grad, which they did."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    expected = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
+    with grad_mode():
+        plan = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
+        assert not torch.is_grad_enabled()  # the caller's mode is left as it was
+    assert plan.decisions and [(d.name, d.decision) for d in plan.decisions] == \
+        [(d.name, d.decision) for d in expected.decisions]

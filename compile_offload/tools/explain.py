@@ -335,13 +335,15 @@ def explain_all(
         # a graph break per backend, and would run the first pass's again.
         compiled = torch.compile(_with_own_code(run), backend=lambda gm, inputs: planning_backend(gm, inputs))
         try:
-            if lowers is None:
-                # The generated forward runs on the real tensors: leave the model's buffers (a
-                # BatchNorm's running statistics) and the random state as they were.
-                with state_kept(module):
+            # A training step is planned, whatever the caller's grad mode (an eval loop's no_grad).
+            with torch.inference_mode(False), torch.enable_grad():
+                if lowers is None:
+                    # The generated forward runs on the real tensors: leave the model's buffers (a
+                    # BatchNorm's running statistics) and the random state as they were.
+                    with state_kept(module):
+                        compiled(*inputs)
+                else:
                     compiled(*inputs)
-            else:
-                compiled(*inputs)
         except Exception as error:
             ours = _our_error(error)
             if ours is None:
