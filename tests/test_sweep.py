@@ -49,3 +49,25 @@ def test_out_under_the_home_folder_is_named_with_a_tilde(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5], out="~/front", device_profile="cpu")
     assert (tmp_path / "home" / "front" / "pareto.png").is_file() and not (tmp_path / "~").exists()
+
+
+def test_empty_budgets_and_a_bad_entry_are_named_before_planning():
+    with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets is empty"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[], out="unused")
+    with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets\[1\]='bad' is not a size"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, "bad"], device_profile="cpu")
+
+
+def test_a_graph_torch_partitions_is_returned_and_left_out_of_the_drawing(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import importlib
+
+    from compile_offload.passes.plan import Plan
+
+    sweep_module = importlib.import_module("compile_offload.tools.sweep")
+    unplanned = Plan.unplanned(feasible=False, budget_bytes=None, device_profile="cpu", solver="greedy",
+                               graph_name="graph_0", why="torch.cond", fallback="a higher-order op (cond)")
+    monkeypatch.setattr(sweep_module, "explain", lambda *args, **kwargs: unplanned)
+    plans = compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[None, 0.5], out=tmp_path)
+    assert plans == [unplanned, unplanned]
+    assert (tmp_path / "pareto.png").read_bytes().startswith(b"\x89PNG")

@@ -19,6 +19,10 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
     memory, one point per budget."""
     if isinstance(budgets, (str, numbers.Real)):  # not its characters, one by one
         budgets = [budgets]
+    budgets = list(budgets)
+    if not budgets:
+        raise ValueError("compile_offload.sweep: budgets is empty; give at least one budget, such as "
+                         "budgets=[None, 0.5, 0.0]")
     if "memory_budget" in options:
         raise TypeError("compile_offload.sweep: give the budgets as budgets=[...]; memory_budget is not an option "
                         "of sweep")
@@ -27,10 +31,23 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
         problem = folder_problem(out)
         if problem is not None:
             raise ValueError(f"compile_offload.sweep: out={out!r}: {problem}; name a folder for pareto.png")
-    plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
+    plans = [_explain_one(model_or_fn, example_inputs, index, budget, options) for index, budget in enumerate(budgets)]
     if out is not None:
         draw_pareto(Path(out) / "pareto.png", budgets, plans)
     return plans
+
+
+def _explain_one(model_or_fn, example_inputs, index: int, budget, options: dict) -> Plan:
+    """``explain`` at one budget; a budget it cannot read is named as the entry of ``budgets``."""
+    from ..settings import parse_budget
+
+    try:
+        parse_budget(budget)
+    except (TypeError, ValueError) as error:
+        message = str(error).replace(f"compile_offload.config.memory_budget={budget!r}",
+                                     f"compile_offload.sweep: budgets[{index}]={budget!r}")
+        raise type(error)(message) from None
+    return explain(model_or_fn, *example_inputs, memory_budget=budget, **options)
 
 
 def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
@@ -41,6 +58,14 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
     except ImportError as error:
         raise RuntimeError("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]'") from error
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A graph torch partitioned (a fallback) has no predictions to draw: it is left out.
+    drawn = [(budget, plan) for budget, plan in zip(budgets, plans) if plan.fallback is None and plan.baseline_step_seconds]
+    budgets, plans = [budget for budget, _ in drawn], [plan for _, plan in drawn]
+    if not plans:
+        axes.text(0.5, 0.5, "no plan to draw: torch partitioned the graph (a fallback)", ha="center",
+                  transform=axes.transAxes)
+        figure.savefig(path, dpi=100)
+        return
     unit, scale = byte_unit(max(p.predicted_peak_bytes for p in plans))
     peaks = [p.predicted_peak_bytes / scale for p in plans]
     ratios = [p.predicted_step_seconds / p.baseline_step_seconds for p in plans]
