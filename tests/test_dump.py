@@ -74,6 +74,23 @@ def test_emit_writes_the_dump_and_names_it_in_the_info_line(tmp_path, monkeypatc
     assert str(folder) in line
 
 
+def test_a_dump_that_cannot_be_written_warns_once_per_graph_not_per_plan(tmp_path):
+    """The budget loop emits every plan it compiles for a graph: each failed alike, and each
+    warned (three warnings for one graph)."""
+    import warnings
+
+    result, joint_gm, settings = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)
+    (tmp_path / "dumps").mkdir()
+    (tmp_path / "dumps" / result.plan.graph_name).write_text("a file where the graph's folder goes")
+    settings = dataclasses.replace(settings, dump_dir=str(tmp_path / "dumps"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            emit(result, joint_gm, settings, summary=False)
+    said = [str(w.message) for w in caught if "could not write the dump" in str(w.message)]
+    assert len(said) == 1 and result.plan.graph_name in said[0], said
+
+
 def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the optional plot extra draws the figures this test reads
     result, joint_gm, _ = partition_once(MLP(), mlp_inputs(), memory_budget=0.5)

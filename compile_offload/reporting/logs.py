@@ -82,6 +82,10 @@ def emit(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings, 
     trace_plan(result.plan)
 
 
+# (graph, dump folder, error) of each dump that could not be written, warned once
+_dump_failures_said: set[tuple[str, str, str]] = set()
+
+
 def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) -> Path | None:
     """Write ``result`` into ``config.dump_dir`` (over an earlier dump of the same graph); the
     graph's folder, or None without a dump folder or when it could not be written (warned)."""
@@ -90,6 +94,10 @@ def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
     try:
         return dump_result(settings.dump_dir, result, joint_gm)
     except OSError as error:  # checked when the knob was read; the folder changed since
+        said = (result.plan.graph_name, settings.dump_dir, str(error))
+        if said in _dump_failures_said:  # the budget loop's other plans of the graph fail alike
+            return None
+        _dump_failures_said.add(said)
         warnings.warn(f"compile_offload: {result.plan.graph_name}: could not write the dump into "
                       f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
                       stacklevel=3)
