@@ -28,16 +28,44 @@ KNOBS = tuple(sorted(config._config))  # every knob: each one changes the plan o
 
 
 def knob_values(skip: Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
-    """The knobs as this thread reads them now (``skip``: those a backend's options fix)."""
+    """The knobs as this thread reads them now (``skip``: those a backend's options fix),
+    each as it is understood: ``0.5`` and ``"0.5"``, ``"1MiB"`` and ``1048576`` are one value,
+    which compiled again would plan the same (and use up Dynamo's recompile limit)."""
     skip = frozenset(skip)
-    return tuple((knob, getattr(config, knob)) for knob in KNOBS if knob not in skip)
+    return tuple((knob, _understood(knob, getattr(config, knob))) for knob in KNOBS if knob not in skip)
+
+
+def _understood(knob: str, value: Any) -> Any:
+    """``value`` of ``knob`` as the settings read it, for the knobs with several spellings;
+    a value they refuse stays as written (compiling under it raises the error)."""
+    from . import settings
+
+    readers = {"memory_budget": settings.parse_budget, "plan_time_limit": settings.parse_time_limit,
+               "pinned_pool_limit": lambda v: None if v is None else settings.parse_bytes(v, knob),
+               "shared_h2d_bytes": lambda v: settings.parse_bytes(v, knob),
+               "device_profile": lambda v: v.strip().lower() if isinstance(v, str) else v}
+    if knob not in readers:
+        return value
+    try:
+        return readers[knob](value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _describe(values: tuple[tuple[str, Any], ...], changed_from: tuple[tuple[str, Any], ...] | None = None) -> str:
     if changed_from is None:
-        return ", ".join(f"{knob}={value!r}" for knob, value in values if knob == "memory_budget") or "its knobs"
+        return ", ".join(f"{knob}={_shown(knob, value)!r}" for knob, value in values
+                         if knob == "memory_budget") or "its knobs"
     old = dict(changed_from)
-    return ", ".join(f"{knob}={old.get(knob)!r} (now {value!r})" for knob, value in values if old.get(knob) != value)
+    return ", ".join(f"{knob}={_shown(knob, old.get(knob))!r} (now {_shown(knob, value)!r})"
+                     for knob, value in values if old.get(knob) != value)
+
+
+def _shown(knob: str, value: Any) -> Any:
+    """A budget as read, ``(bytes, fraction)``, shown as the one that is set."""
+    if knob == "memory_budget" and isinstance(value, tuple):
+        return value[0] if value[0] is not None else value[1]
+    return value
 
 
 def install(skip: Iterable[str] = ()) -> bool:

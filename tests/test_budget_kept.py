@@ -77,6 +77,18 @@ def test_past_dynamos_recompile_limit_a_new_budget_is_not_planned_and_can_be_mad
     torch._dynamo.reset()
 
 
+def test_spellings_of_one_budget_compile_once(eager_inner, captured_plans):
+    """0.5 and "0.5", "1MiB" and 1048576 plan alike: no recompile between them (each one
+    would use up a slot of Dynamo's recompile limit), one for a budget that differs."""
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend="offload_remat")
+    for budget in (0.5, "0.5", " 0.5 ", "1MiB", 1048576, "1 MiB"):
+        with config.patch(memory_budget=budget, device_profile=" CPU " if budget == "0.5" else "cpu"):
+            _train_step(compiled, x)
+    assert [plan.budget_bytes for plan in captured_plans][1:] == [2**20]
+    assert len(captured_plans) == 2
+
+
 def test_options_fix_their_knobs_against_config_changes(eager_inner, captured_plans):
     """A knob an offload_remat(...) option sets cannot change, so changing it in the
     config recompiles nothing."""
