@@ -169,6 +169,10 @@ def parse_budget(value: object) -> tuple[int | None, float | None]:
                              f"COMPILE_OFFLOAD_MEMORY_BUDGET unset) for no budget; accepted: {_ACCEPTED_BUDGET}")
         # A plain decimal string (as the environment gives): "0.5" is a fraction, "1000" bytes.
         if re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.", stripped):
+            if float(stripped) > 1.0:  # named as written, not as the float it reads as
+                raise ValueError(
+                    f"compile_offload.config.memory_budget={value!r}: a decimal budget is a fraction and must lie in "
+                    f"[0, 1]; for bytes give a whole number or a size with units. Accepted: {_ACCEPTED_BUDGET}")
             return parse_budget(float(stripped))
         # Exponent notation without a unit: "1e-3" is the fraction 0.001 as "0.001" is,
         # "1e9" is bytes; nothing in between is either.

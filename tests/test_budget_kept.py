@@ -186,6 +186,7 @@ def test_a_patch_stays_in_its_thread():
     ("1e400", "memory_budget='1e400' is too large"),
     ("1e400GiB", "memory_budget='1e400GiB' is too large"),
     ("2.5e0", "memory_budget='2.5e0' is neither a fraction"),
+    ("5.", "memory_budget='5.': a decimal budget is a fraction"),  # was named 5.0
 ])
 def test_bad_budget_strings_name_the_knob(value, message):
     with config.patch(memory_budget=value), pytest.raises(ValueError, match=message):
