@@ -572,3 +572,19 @@ def test_explain_plans_a_training_step_from_an_eval_loop_too(grad_mode):
         assert not torch.is_grad_enabled()  # the caller's mode is left as it was
     assert plan.decisions and [(d.name, d.decision) for d in plan.decisions] == \
         [(d.name, d.decision) for d in expected.decisions]
+
+
+def test_a_meta_module_explain_cannot_find_is_named_not_a_device_mismatch():
+    """Three levels deep the module stays on meta while the inputs are stood in for:
+    Dynamo's 'found at least two devices, cpu and meta' told the user to move tensors they
+    had all put on meta."""
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        x = torch.randn(8, 16)
+    holder = {"a": {"b": {"c": mlp}}}
+
+    def deep(t):
+        return holder["a"]["b"]["c"](t).sum()
+
+    with pytest.raises(ValueError, match=r"the function called a module on meta that explain could not find"):
+        compile_offload.explain(deep, x, memory_budget=0.5)

@@ -315,6 +315,7 @@ def explain_all(
             plans.append(result.plan)
         return compiled
 
+    meta_inputs = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tree_leaves(list(example_inputs)))
     inputs = tree_map(_meta_to_cpu, list(example_inputs))
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else _modules_named_by(model_or_fn)
     has_meta_state = module is not None and any(
@@ -346,9 +347,11 @@ def explain_all(
                     compiled(*inputs)
         except Exception as error:
             ours = _our_error(error)
-            if ours is None:
-                raise
-            raise ours from None
+            if ours is not None:
+                raise ours from None
+            if meta_inputs and not has_meta_state and "meta" in str(error) and "device" in str(error):
+                raise ValueError(_META_OUT_OF_REACH) from error
+            raise
 
     plan_every_graph()
     if step_scoped:
@@ -373,6 +376,14 @@ def explain_all(
     if recurrence:
         warnings.warn(f"compile_offload.tools.explain: {recurrence}", stacklevel=2)
     return plans
+
+
+_META_OUT_OF_REACH = (
+    "compile_offload.tools.explain: the inputs are on meta, which explain stands in for with values of their shapes, "
+    "and the function called a module on meta that explain could not find to do the same (it looks in the "
+    "function's closure and globals, a bound method's object, a functools.partial's function and arguments, a "
+    "callable object's attributes, and lists, tuples, sets and dicts held so, two levels deep); pass the module "
+    "itself as model_or_fn, or hold it where explain looks")
 
 
 def _our_error(error: Exception) -> Exception | None:
