@@ -128,3 +128,11 @@ def test_a_failing_import_inside_the_module_keeps_its_traceback(tmp_path):
             main(["explain", "broken_models:make"])
     finally:
         sys.path.remove(str(tmp_path))
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_refused_not_taken_for_no_dump(factory_folder, out):
+    # fuzz24b: --out "" printed the plan, exit 0, and wrote nothing, where dump_dir="" is an error
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", f"{factory_folder}/my_models.py:make", "--out", out])
+    assert re.fullmatch(r"explain: --out '\s*': an empty path; .*leave --out out for no dump", str(exit_info.value))

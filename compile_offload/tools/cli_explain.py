@@ -91,7 +91,10 @@ def explain_options(args: argparse.Namespace) -> dict:
         options["memory_budget"] = args.budget
     if args.profile is not None:
         options["device_profile"] = args.profile
-    if args.out:
+    if args.out is not None:
+        if not args.out.strip():  # dump_dir="" is an error in the API too: it would silently mean no dump
+            raise SystemExit(f"explain: --out {args.out!r}: an empty path; name a folder for the dump ('.' for "
+                             "this one), or leave --out out for no dump")
         options["dump_dir"] = args.out
     if args.no_offload:
         options["offload"] = False
