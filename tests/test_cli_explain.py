@@ -136,3 +136,24 @@ def test_an_empty_out_is_refused_not_taken_for_no_dump(factory_folder, out):
     with pytest.raises(SystemExit) as exit_info:
         main(["explain", f"{factory_folder}/my_models.py:make", "--out", out])
     assert re.fullmatch(r"explain: --out '\s*': an empty path; .*leave --out out for no dump", str(exit_info.value))
+
+
+def test_a_factory_file_with_a_syntax_error_is_one_line_naming_where(tmp_path):
+    # fuzz24b finding 20: 'def make(:' printed a 20-line traceback through our code
+    (tmp_path / "syntax_models.py").write_text("import torch\ndef make(:\n    pass\n")
+    for target in (f"{tmp_path}/syntax_models.py:make", "syntax_models:make"):
+        sys.path.insert(0, str(tmp_path))
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main(["explain", target])
+        finally:
+            sys.path.remove(str(tmp_path))
+        message = str(exit_info.value)
+        assert message.startswith("explain: cannot import ") and "\n" not in message
+        assert re.search(r"\(SyntaxError: .*syntax_models\.py, line 2\)\); fix the file$", message), message
+
+
+def test_an_exception_the_factory_raises_keeps_its_traceback(tmp_path):
+    (tmp_path / "raising_models.py").write_text("def make():\n    raise RuntimeError('boom in the factory')\n")
+    with pytest.raises(RuntimeError, match="boom in the factory"):
+        main(["explain", f"{tmp_path}/raising_models.py:make"])

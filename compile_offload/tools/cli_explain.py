@@ -62,8 +62,18 @@ def _load_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickle look the module up by name
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        del sys.modules[name]
+        raise SystemExit(_cannot_parse(str(path), error)) from None
     return module
+
+
+def _cannot_parse(module_name: str, error: SyntaxError) -> str:
+    """The one line for a module that is not valid Python: it cannot be imported, as a missing
+    one cannot (an exception the module or the factory raises keeps its traceback)."""
+    return f"explain: cannot import {module_name!r} ({type(error).__name__}: {error}); fix the file"
 
 
 def _import(module_name: str):
@@ -73,6 +83,8 @@ def _import(module_name: str):
         sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(module_name)
+    except SyntaxError as error:
+        raise SystemExit(_cannot_parse(module_name, error)) from None
     except ModuleNotFoundError as error:
         if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
             raise  # the module exists but an import inside it failed: its traceback says where
