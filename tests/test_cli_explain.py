@@ -157,3 +157,25 @@ def test_an_exception_the_factory_raises_keeps_its_traceback(tmp_path):
     (tmp_path / "raising_models.py").write_text("def make():\n    raise RuntimeError('boom in the factory')\n")
     with pytest.raises(RuntimeError, match="boom in the factory"):
         main(["explain", f"{tmp_path}/raising_models.py:make"])
+
+
+def test_a_dump_that_could_not_be_written_is_not_reported_written(factory_folder, capsys):
+    # fuzz24b finding 3: with out/graph_0 a file the dump failed (warned), yet the command
+    # printed "dump written to out" and exited 0.
+    out = factory_folder / "dump"
+    out.mkdir()
+    (out / "graph_0").write_text("not a folder")
+    with pytest.warns(UserWarning, match="could not write the dump"), pytest.raises(SystemExit) as exit_info:
+        main(["explain", f"{factory_folder}/my_models.py:make", "--budget", "0.5", "--profile", "h100",
+              "--out", str(out)])
+    assert re.fullmatch(rf"explain: --out {re.escape(str(out))}: the dump of graph_0 was not written "
+                        r"\(.+\); what is printed above is not in it: fix the folder "
+                        "and run again", str(exit_info.value))
+    printed = capsys.readouterr().out
+    assert "predicted peak" in printed and "dump written" not in printed
+    assert (out / "graph_0").read_text() == "not a folder"
+    # The folder fixed, the same command writes the dump and says so.
+    (out / "graph_0").unlink()
+    assert main(["explain", f"{factory_folder}/my_models.py:make", "--budget", "0.5", "--profile", "h100",
+                 "--out", str(out)]) == 0
+    assert f"dump written to {out}" in capsys.readouterr().out and (out / "graph_0" / "plan.json").is_file()

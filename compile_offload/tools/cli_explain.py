@@ -149,6 +149,16 @@ def run_explain(args: argparse.Namespace) -> int:
     for plan in plans:
         print(plan)
         print()
-    if args.out:
+    if args.out is not None:
+        from ..reporting import logs
+
+        # The dump folder as config.dump_dir holds it (a leading ~ expanded).
+        dump_dir = os.path.expanduser(args.out)
+        failed = [(plan.graph_name, why) for plan in plans
+                  if (why := logs.dump_failure(dump_dir, plan.graph_name)) is not None]
+        if failed:
+            raise SystemExit(f"explain: --out {args.out}: the dump of {', '.join(name for name, _ in failed)} was "
+                             f"not written ({failed[0][1]}); what is printed above is not in it: fix the folder "
+                             "and run again")
         print(f"dump written to {args.out}")
     return 0
