@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,35 @@ def test_counts_eager_allocations_above_the_start():
 def test_rejects_unknown_devices():
     with pytest.raises(ValueError, match="not supported"):
         measure_peak("meta")
+
+
+ACCEPTED = re.escape("; accepted: 'cpu', 'cuda', 'cuda:N' or a torch.device of those")
+
+
+@pytest.mark.parametrize("device, error, message", [
+    # fuzz24b finding 6: torch's own errors, which name neither measure_peak nor what it takes
+    ("tpu", ValueError, r"compile_offload\.measure_peak\(device='tpu'\) is not a device \(Expected one of .*\)"),
+    (None, TypeError, r"compile_offload\.measure_peak\(device=None\): a NoneType, not a device"),
+    (1.5, TypeError, r"compile_offload\.measure_peak\(device=1\.5\): a float, not a device"),
+    (True, TypeError, r"compile_offload\.measure_peak\(device=True\): a bool, not a device"),
+    ("cuda:x", ValueError, r"compile_offload\.measure_peak\(device='cuda:x'\) is not a device \(.*\)"),
+    ("meta", ValueError, r"compile_offload\.measure_peak\(device='meta'\): device type meta is not supported"),
+    (torch.device("meta"), ValueError, r"compile_offload\.measure_peak\(device=device\(type='meta'\)\): .*"),
+])
+def test_a_device_it_cannot_measure_on_is_one_error_naming_the_argument(device, error, message):
+    with pytest.raises(error) as raised:
+        compile_offload.measure_peak(device)
+    assert re.fullmatch(message + ACCEPTED, str(raised.value)), str(raised.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or getattr(torch, "accelerator", None) is None
+                    or torch.accelerator.is_available(), reason="an accelerator would make 0 a device")
+def test_a_device_index_without_an_accelerator_is_the_same_error():
+    with pytest.raises(ValueError) as raised:
+        compile_offload.measure_peak(0)
+    assert re.fullmatch(r"compile_offload\.measure_peak\(device=0\) is not a device \(.*\)" + ACCEPTED,
+                        str(raised.value)), str(raised.value)
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.inductor

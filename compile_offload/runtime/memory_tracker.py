@@ -51,15 +51,34 @@ class MeasuredPeak:
     events: int = 0  # allocator events seen (CPU); 0 on CUDA
 
 
+_ACCEPTED_DEVICES = "accepted: 'cpu', 'cuda', 'cuda:N' or a torch.device of those"
+
+
+def _device(device: object) -> torch.device:
+    """``measure_peak``'s device, or the error naming the argument and the accepted values
+    (torch's own errors name neither)."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"compile_offload.measure_peak(device={device!r}): a {type(device).__name__}, not a "
+                        f"device; {_ACCEPTED_DEVICES}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"compile_offload.measure_peak(device={device!r}) is not a device ({reason}); "
+                         f"{_ACCEPTED_DEVICES}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"compile_offload.measure_peak(device={device!r}): device type {parsed.type} is not "
+                         f"supported; {_ACCEPTED_DEVICES}")
+    return parsed
+
+
 class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu") as m``
     """Measure the peak bytes allocated on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``)
     above the start of the ``with`` block, at the allocator. Regions do not nest on CUDA
     (the peak counter is reset on entry)."""
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"compile_offload.measure_peak: device {device} is not supported; use 'cpu' or 'cuda'")
+        device = _device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("compile_offload.measure_peak: device 'cuda' asked for, but no CUDA GPU is available")
         self.result = MeasuredPeak(device)
