@@ -31,6 +31,26 @@ def test_rejects_unknown_devices():
         measure_peak("meta")
 
 
+def test_peak_bytes_read_inside_the_block_is_an_error_not_zero():
+    # fuzz24b finding 7: it read 0, which says "nothing allocated"
+    with measure_peak("cpu") as measured:
+        kept = torch.empty(250_000)
+        with pytest.raises(RuntimeError, match=r"peak_bytes was read before the with block ended; .*read it after"):
+            measured.peak_bytes  # noqa: B018
+    assert measured.peak_bytes == 250_000 * FLOAT
+    assert kept.numel() == 250_000
+
+
+def test_an_exception_in_the_block_keeps_the_peak_measured_up_to_it():
+    # fuzz24b finding 7: after an exception (an out-of-memory step, say) the peak read 0
+    with pytest.raises(KeyError), measure_peak("cpu") as measured:
+        a = torch.empty(250_000)
+        b = torch.empty(500_000)
+        del a, b
+        raise KeyError("the step failed")
+    assert measured.peak_bytes == 750_000 * FLOAT and measured.events > 0
+
+
 ACCEPTED = re.escape("; accepted: 'cpu', 'cuda', 'cuda:N' or a torch.device of those")
 
 
@@ -94,3 +114,15 @@ def test_cuda_peak_is_the_caching_allocators():
         del a
     assert measured.peak_bytes == 2**20 * FLOAT
     assert held.numel() == 2**20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_is_not_read_inside_the_block_and_kept_after_an_exception():
+    with pytest.raises(KeyError), measure_peak("cuda") as measured:
+        a = torch.empty(2**20, device="cuda")
+        with pytest.raises(RuntimeError, match="peak_bytes was read before the with block ended"):
+            measured.peak_bytes  # noqa: B018
+        del a
+        raise KeyError("the step failed")
+    assert measured.peak_bytes == 2**20 * FLOAT
