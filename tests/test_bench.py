@@ -563,6 +563,14 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--strategies", "foo"], "--strategies foo: unknown strategy 'foo'; known: "),
     (["--strategies", "eager,ours:abc"], "--strategies eager,ours:abc: .*memory_budget='abc' is not a size"),
     (["--strategies", "eager:0.5"], "--strategies eager:0.5: strategy 'eager' takes no budget"),
+    # fuzz24b: a traceback from the model's constructor once the run had started
+    (["--heads", "3", "--width", "64"], "--heads 3: --width 64 is not divisible by it; accepted: heads that divide"),
+    (["--heads", "3"], "--heads 3: the default --width 64 is not divisible by it"),
+    (["--width", "66"], "--width 66: not divisible by the default --heads 4; accepted: a multiple of --heads"),
+    (["--model", "hf_gpt2", "--width", "33"], "--width 33: not divisible by the default --heads 2"),
+    # fuzz24b: the results went to --out/../escape.*
+    (["--tag", "../escape"], "--tag ../escape: a file name prefix, not a path"),
+    (["--find-max-batch", "--budgets", "0.5"], "--find-max-batch --budgets 0.5: needs byte budgets"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an
@@ -576,6 +584,19 @@ def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message
         bench.main(["--smoke", *arguments])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("arguments", [["--heads", "3"], ["--tag", "a/b"], ["--find-max-batch", "--budgets", "0.5"],
+                                       ["--steps", "0"]])
+def test_a_rejected_bench_run_leaves_no_out_folder(arguments, tmp_path, capsys):
+    # fuzz24b finding 19: 'bench --find-max-batch --budgets 0.5 --out b9' exited 2 and left b9/
+    from compile_offload.tools import bench
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--smoke", *arguments, "--out", str(out)])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("bench: ")
+    assert not out.exists()
 
 
 def _ready(name: str, calls: list[str], fail_at: int | None = None) -> runner.Ready:

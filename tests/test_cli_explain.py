@@ -128,3 +128,54 @@ def test_a_failing_import_inside_the_module_keeps_its_traceback(tmp_path):
             main(["explain", "broken_models:make"])
     finally:
         sys.path.remove(str(tmp_path))
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_refused_not_taken_for_no_dump(factory_folder, out):
+    # fuzz24b: --out "" printed the plan, exit 0, and wrote nothing, where dump_dir="" is an error
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", f"{factory_folder}/my_models.py:make", "--out", out])
+    assert re.fullmatch(r"explain: --out '\s*': an empty path; .*leave --out out for no dump", str(exit_info.value))
+
+
+def test_a_factory_file_with_a_syntax_error_is_one_line_naming_where(tmp_path):
+    # fuzz24b finding 20: 'def make(:' printed a 20-line traceback through our code
+    (tmp_path / "syntax_models.py").write_text("import torch\ndef make(:\n    pass\n")
+    for target in (f"{tmp_path}/syntax_models.py:make", "syntax_models:make"):
+        sys.path.insert(0, str(tmp_path))
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main(["explain", target])
+        finally:
+            sys.path.remove(str(tmp_path))
+        message = str(exit_info.value)
+        assert message.startswith("explain: cannot import ") and "\n" not in message
+        assert re.search(r"\(SyntaxError: .*syntax_models\.py, line 2\)\); fix the file$", message), message
+
+
+def test_an_exception_the_factory_raises_keeps_its_traceback(tmp_path):
+    (tmp_path / "raising_models.py").write_text("def make():\n    raise RuntimeError('boom in the factory')\n")
+    with pytest.raises(RuntimeError, match="boom in the factory"):
+        main(["explain", f"{tmp_path}/raising_models.py:make"])
+
+
+def test_a_dump_that_could_not_be_written_is_not_reported_written(factory_folder, capsys):
+    # fuzz24b finding 3: with out/graph_0 a file the dump failed (warned), yet the command
+    # printed "dump written to out" and exited 0.
+    out = factory_folder / "dump"
+    out.mkdir()
+    (out / "graph_0").write_text("not a folder")
+    with pytest.warns(UserWarning, match="could not write the dump"), pytest.raises(SystemExit) as exit_info:
+        main(["explain", f"{factory_folder}/my_models.py:make", "--budget", "0.5", "--profile", "h100",
+              "--out", str(out)])
+    assert re.fullmatch(rf"explain: --out {re.escape(str(out))}: the dump of graph_0 was not written "
+                        r"\(.+\); what is printed above is not in it: fix the folder "
+                        "and run again", str(exit_info.value))
+    printed = capsys.readouterr().out
+    assert "predicted peak" in printed and "dump written" not in printed
+    assert (out / "graph_0").read_text() == "not a folder"
+    # The folder fixed, the same command writes the dump and says so.
+    (out / "graph_0").unlink()
+    assert main(["explain", f"{factory_folder}/my_models.py:make", "--budget", "0.5", "--profile", "h100",
+                 "--out", str(out)]) == 0
+    assert f"dump written to {out}" in capsys.readouterr().out and (out / "graph_0" / "plan.json").is_file()

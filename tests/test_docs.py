@@ -503,6 +503,29 @@ def test_every_cli_verb_is_in_the_reference():
     assert not missing, f"docs/reference.md does not show the command line verbs {missing}"
 
 
+def test_the_command_line_synopsis_brackets_exactly_the_optional_flags():
+    """fuzz24b: the synopsis showed ``bench ... --out DIR`` as required, where it defaults to bench_out."""
+    import re
+
+    from compile_offload.__main__ import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    reference = (REPO / "docs" / "reference.md").read_text()
+    synopsis = reference.split("## Command line", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    lines = re.split(r"\n(?=python -m compile_offload )", synopsis.strip())
+    assert len(lines) == len(verbs)
+    for line in lines:
+        verb = line.split()[3]
+        unbracketed = re.sub(r"\[[^\[\]]*\]", "", line)
+        shown_required = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", unbracketed))
+        flags = {option: action for action in verbs[verb]._actions for option in action.option_strings}
+        shown = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", line))
+        assert shown <= set(flags), f"{verb}: the synopsis shows flags {sorted(shown - set(flags))} it does not take"
+        optional = sorted(flag for flag in shown_required if not flags[flag].required)
+        assert not optional, f"{verb}: the synopsis shows {optional} as required; they are optional (bracket them)"
+
+
 # --- every warning the backend emits is in troubleshooting.md ------------------------------------
 
 WARNING_SOURCES = [*sorted((REPO / "compile_offload").rglob("*.py")), *sorted((REPO / "passes").rglob("*.py"))]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,55 @@ def test_counts_eager_allocations_above_the_start():
 def test_rejects_unknown_devices():
     with pytest.raises(ValueError, match="not supported"):
         measure_peak("meta")
+
+
+def test_peak_bytes_read_inside_the_block_is_an_error_not_zero():
+    # fuzz24b finding 7: it read 0, which says "nothing allocated"
+    with measure_peak("cpu") as measured:
+        kept = torch.empty(250_000)
+        with pytest.raises(RuntimeError, match=r"peak_bytes was read before the with block ended; .*read it after"):
+            measured.peak_bytes  # noqa: B018
+    assert measured.peak_bytes == 250_000 * FLOAT
+    assert kept.numel() == 250_000
+
+
+def test_an_exception_in_the_block_keeps_the_peak_measured_up_to_it():
+    # fuzz24b finding 7: after an exception (an out-of-memory step, say) the peak read 0
+    with pytest.raises(KeyError), measure_peak("cpu") as measured:
+        a = torch.empty(250_000)
+        b = torch.empty(500_000)
+        del a, b
+        raise KeyError("the step failed")
+    assert measured.peak_bytes == 750_000 * FLOAT and measured.events > 0
+
+
+ACCEPTED = re.escape("; accepted: 'cpu', 'cuda', 'cuda:N' or a torch.device of those")
+
+
+@pytest.mark.parametrize("device, error, message", [
+    # fuzz24b finding 6: torch's own errors, which name neither measure_peak nor what it takes
+    ("tpu", ValueError, r"compile_offload\.measure_peak\(device='tpu'\) is not a device \(Expected one of .*\)"),
+    (None, TypeError, r"compile_offload\.measure_peak\(device=None\): a NoneType, not a device"),
+    (1.5, TypeError, r"compile_offload\.measure_peak\(device=1\.5\): a float, not a device"),
+    (True, TypeError, r"compile_offload\.measure_peak\(device=True\): a bool, not a device"),
+    ("cuda:x", ValueError, r"compile_offload\.measure_peak\(device='cuda:x'\) is not a device \(.*\)"),
+    ("meta", ValueError, r"compile_offload\.measure_peak\(device='meta'\): device type meta is not supported"),
+    (torch.device("meta"), ValueError, r"compile_offload\.measure_peak\(device=device\(type='meta'\)\): .*"),
+])
+def test_a_device_it_cannot_measure_on_is_one_error_naming_the_argument(device, error, message):
+    with pytest.raises(error) as raised:
+        compile_offload.measure_peak(device)
+    assert re.fullmatch(message + ACCEPTED, str(raised.value)), str(raised.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or getattr(torch, "accelerator", None) is None
+                    or torch.accelerator.is_available(), reason="an accelerator would make 0 a device")
+def test_a_device_index_without_an_accelerator_is_the_same_error():
+    with pytest.raises(ValueError) as raised:
+        compile_offload.measure_peak(0)
+    assert re.fullmatch(r"compile_offload\.measure_peak\(device=0\) is not a device \(.*\)" + ACCEPTED,
+                        str(raised.value)), str(raised.value)
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.inductor
@@ -63,3 +114,15 @@ def test_cuda_peak_is_the_caching_allocators():
         del a
     assert measured.peak_bytes == 2**20 * FLOAT
     assert held.numel() == 2**20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_is_not_read_inside_the_block_and_kept_after_an_exception():
+    with pytest.raises(KeyError), measure_peak("cuda") as measured:
+        a = torch.empty(2**20, device="cuda")
+        with pytest.raises(RuntimeError, match="peak_bytes was read before the with block ended"):
+            measured.peak_bytes  # noqa: B018
+        del a
+        raise KeyError("the step failed")
+    assert measured.peak_bytes == 2**20 * FLOAT

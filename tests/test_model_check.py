@@ -116,6 +116,21 @@ def test_cli_rejects_an_unknown_shape_with_one_line(flag):
     assert re.fullmatch(r"model-check: .*unknown anchor shape 'foo'; known: gpt8, deep24", str(exit_info.value))
 
 
+@pytest.mark.parametrize("arguments, message", [
+    # fuzz24b finding 19: an empty table, exit 0
+    (["--shapes", ""], r"--shapes '': names no anchor shape; accepted: one or more of gpt8, deep24, comma-separated"),
+    (["--shapes", ","], r"--shapes ',': names no anchor shape; .*"),
+    # fuzz24b finding 19: accepted, then every graph's row read "too many for max_plans=-1"
+    (["--max-plans", "-1"], r"--max-plans -1: the most plans the exhaustive search may evaluate; accepted: a whole "
+                            r"number >= 1"),
+    (["--max-plans", "0"], r"--max-plans 0: .*"),
+])
+def test_cli_rejects_no_shapes_and_a_non_positive_max_plans_with_one_line(arguments, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["model-check", "--pareto-shapes", "", *arguments])
+    assert re.fullmatch(f"model-check: {message}", str(exit_info.value))
+
+
 def test_load_anchors_names_a_missing_file(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_anchors(tmp_path, ["gpt8"])

@@ -58,6 +58,11 @@ def _named_in_torch_logs() -> bool:
 _latest_plans: dict[str, Plan] = {}
 
 
+# (dump folder, graph name) -> why the graph's latest dump there failed (``dump``); the
+# ``explain`` command line reads it so as not to say a dump was written that was not.
+_dump_failures: dict[tuple[str, str], str] = {}
+
+
 def latest_plans() -> list[Plan]:
     """The most recent plan of each graph partitioned in this process, oldest first."""
     return list(_latest_plans.values())
@@ -91,9 +96,11 @@ def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
     graph's folder, or None without a dump folder or when it could not be written (warned)."""
     if settings.dump_dir is None:
         return None
+    key = (settings.dump_dir, result.plan.graph_name)
     try:
-        return dump_result(settings.dump_dir, result, joint_gm)
+        folder = dump_result(settings.dump_dir, result, joint_gm)
     except OSError as error:  # checked when the knob was read; the folder changed since
+        _dump_failures[key] = str(error)
         said = (result.plan.graph_name, settings.dump_dir, str(error))
         if said in _dump_failures_said:  # the budget loop's other plans of the graph fail alike
             return None
@@ -102,6 +109,14 @@ def dump(result: PartitionResult, joint_gm: fx.GraphModule, settings: Settings) 
                       f"config.dump_dir={settings.dump_dir!r} ({error}); the plan is used, not dumped",
                       stacklevel=3)
         return None
+    _dump_failures.pop(key, None)  # written over the graph's folder: the failed dump is replaced
+    return folder
+
+
+def dump_failure(dump_dir: str, graph_name: str) -> str | None:
+    """Why the latest dump of ``graph_name`` into ``dump_dir`` (as ``config.dump_dir`` holds it)
+    could not be written, or None when it was written or none was tried (``dump`` warned too)."""
+    return _dump_failures.get((dump_dir, graph_name))
 
 
 def emit_kept(result: PartitionResult, settings: Settings) -> None:

@@ -30,8 +30,6 @@ allocator does not round); profiling adds time, not memory, to the region.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..torch_api import profiler
@@ -42,13 +40,52 @@ def profiler_recording() -> bool:
     return profiler.profiler_enabled()
 
 
-@dataclass
 class MeasuredPeak:
-    """What ``measure_peak`` found; ``peak_bytes`` is filled when the region ends."""
+    """What ``measure_peak`` found. ``peak_bytes`` is known when the region ends: read
+    inside it, it raises rather than read as 0 ("nothing allocated"). After an exception in
+    the region it is the peak up to the exception (an out-of-memory step's is worth
+    knowing), or None where the allocator could not be read then."""
 
-    device: torch.device
-    peak_bytes: int = 0
-    events: int = 0  # allocator events seen (CPU); 0 on CUDA
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.events = 0  # allocator events seen (CPU); 0 on CUDA
+        self._peak_bytes: int | None = None
+        self._ended = False
+
+    @property
+    def peak_bytes(self) -> int | None:
+        if not self._ended:
+            raise RuntimeError("compile_offload.measure_peak: peak_bytes was read before the with block ended; "
+                               "it is measured when the block ends: read it after the block")
+        return self._peak_bytes
+
+    def _end(self, peak_bytes: int | None) -> None:
+        self._peak_bytes, self._ended = peak_bytes, True
+
+    def __repr__(self) -> str:
+        peak = self._peak_bytes if self._ended else "<not ended>"
+        return f"MeasuredPeak(device={self.device!r}, peak_bytes={peak}, events={self.events})"
+
+
+_ACCEPTED_DEVICES = "accepted: 'cpu', 'cuda', 'cuda:N' or a torch.device of those"
+
+
+def _device(device: object) -> torch.device:
+    """``measure_peak``'s device, or the error naming the argument and the accepted values
+    (torch's own errors name neither)."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"compile_offload.measure_peak(device={device!r}): a {type(device).__name__}, not a "
+                        f"device; {_ACCEPTED_DEVICES}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"compile_offload.measure_peak(device={device!r}) is not a device ({reason}); "
+                         f"{_ACCEPTED_DEVICES}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"compile_offload.measure_peak(device={device!r}): device type {parsed.type} is not "
+                         f"supported; {_ACCEPTED_DEVICES}")
+    return parsed
 
 
 class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu") as m``
@@ -57,9 +94,7 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
     (the peak counter is reset on entry)."""
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"compile_offload.measure_peak: device {device} is not supported; use 'cpu' or 'cuda'")
+        device = _device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("compile_offload.measure_peak: device 'cuda' asked for, but no CUDA GPU is available")
         self.result = MeasuredPeak(device)
@@ -86,15 +121,23 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
 
     def __exit__(self, *exc_info) -> None:
         device = self.result.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            self.result.peak_bytes = max(torch.cuda.max_memory_allocated(device) - self._start, 0)
-            return
-        self._profiler.__exit__(*exc_info)
-        if exc_info[0] is None:
-            ledger = AllocationLedger()
-            ledger.add(self._profiler)
-            self.result.peak_bytes, self.result.events = ledger.peak_bytes, ledger.events
+        if device.type != "cuda":
+            self._profiler.__exit__(*exc_info)
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                peak = max(torch.cuda.max_memory_allocated(device) - self._start, 0)
+            else:
+                ledger = AllocationLedger()
+                ledger.add(self._profiler)
+                peak, self.result.events = ledger.peak_bytes, ledger.events
+        except Exception:
+            if exc_info[0] is None:
+                raise
+            # The block's own exception (a CUDA error, say, that synchronizing raises again)
+            # is the one to see; the peak is unknown.
+            peak = None
+        self.result._end(peak)
 
 
 class AllocationLedger:

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -162,11 +163,37 @@ def check_arguments(args: argparse.Namespace) -> None:
                     args.torch_budgets)
     if args.strategies is not None:  # names and their budgets (ours:2GiB)
         _parse_flag("--strategies", lambda text: strategies_mod.expand(text.split(","), [], []), args.strategies)
+    _check_size(args)
+    if args.find_max_batch:
+        budgets = _pick(args.budgets, SMOKE_BUDGETS if args.smoke else None, "0.25,0.5,0.75")
+        if not any(isinstance(b, str) for b in strategies_mod.parse_budget_list(budgets)):
+            _fail(f"--find-max-batch --budgets {budgets}: needs byte budgets (e.g. --budgets 4GiB); a fraction "
+                  "or none scales with the batch, so it bounds no batch size")
+    if args.tag is not None and any(sep and sep in args.tag for sep in ("/", os.sep, os.altsep)):
+        _fail(f"--tag {args.tag}: a file name prefix, not a path; accepted: a name without a path separator "
+              "(the results go into --out)")
+    # Last: folder_problem creates the folder, which a rejected run should not leave behind.
     from ..settings import folder_problem
 
     problem = folder_problem(args.out)
     if problem is not None:
         _fail(f"--out {args.out}: {problem}")
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    """The transformers split their width among their heads (``workloads.DecoderBlock``,
+    GPT-2's config): a width the heads do not divide is refused before anything is built."""
+    if args.model not in ("gpt", "deep", "hf_gpt2"):
+        return  # the conv nets have no heads
+    from ..benchmarks import workloads
+
+    size = _resolve_size(args, workloads)
+    if size.width % size.heads == 0:
+        return
+    if args.heads is not None:
+        width = f"--width {size.width}" if args.width is not None else f"the default --width {size.width}"
+        _fail(f"--heads {size.heads}: {width} is not divisible by it; accepted: heads that divide the width")
+    _fail(f"--width {size.width}: not divisible by the default --heads {size.heads}; accepted: a multiple of --heads")
 
 
 def _check_fit_arguments(args: argparse.Namespace) -> None:
@@ -311,10 +338,7 @@ def _run_attribution(args, runner, size, device, dtype, budgets) -> int:
 def _run_max_batch(args, runner, workloads, size, device, dtype, budgets) -> int:
     from .max_batch import max_batch
 
-    byte_budgets = [b for b in budgets if isinstance(b, str)]
-    if not byte_budgets:
-        print("bench --find-max-batch needs byte budgets in --budgets (e.g. --budgets 4GiB)", file=sys.stderr)
-        return 2
+    byte_budgets = [b for b in budgets if isinstance(b, str)]  # some: check_arguments made sure
     skipped = [b for b in budgets if not isinstance(b, str)]
     if skipped:  # a fraction or none scales with the batch, so it bounds no batch size
         print(f"bench --find-max-batch: skipping budgets {', '.join(map(str, skipped))} (only bytes bound the batch)",

@@ -62,8 +62,18 @@ def _load_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickle look the module up by name
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        del sys.modules[name]
+        raise SystemExit(_cannot_parse(str(path), error)) from None
     return module
+
+
+def _cannot_parse(module_name: str, error: SyntaxError) -> str:
+    """The one line for a module that is not valid Python: it cannot be imported, as a missing
+    one cannot (an exception the module or the factory raises keeps its traceback)."""
+    return f"explain: cannot import {module_name!r} ({type(error).__name__}: {error}); fix the file"
 
 
 def _import(module_name: str):
@@ -73,6 +83,8 @@ def _import(module_name: str):
         sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(module_name)
+    except SyntaxError as error:
+        raise SystemExit(_cannot_parse(module_name, error)) from None
     except ModuleNotFoundError as error:
         if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
             raise  # the module exists but an import inside it failed: its traceback says where
@@ -91,7 +103,10 @@ def explain_options(args: argparse.Namespace) -> dict:
         options["memory_budget"] = args.budget
     if args.profile is not None:
         options["device_profile"] = args.profile
-    if args.out:
+    if args.out is not None:
+        if not args.out.strip():  # dump_dir="" is an error in the API too: it would silently mean no dump
+            raise SystemExit(f"explain: --out {args.out!r}: an empty path; name a folder for the dump ('.' for "
+                             "this one), or leave --out out for no dump")
         options["dump_dir"] = args.out
     if args.no_offload:
         options["offload"] = False
@@ -134,6 +149,16 @@ def run_explain(args: argparse.Namespace) -> int:
     for plan in plans:
         print(plan)
         print()
-    if args.out:
+    if args.out is not None:
+        from ..reporting import logs
+
+        # The dump folder as config.dump_dir holds it (a leading ~ expanded).
+        dump_dir = os.path.expanduser(args.out)
+        failed = [(plan.graph_name, why) for plan in plans
+                  if (why := logs.dump_failure(dump_dir, plan.graph_name)) is not None]
+        if failed:
+            raise SystemExit(f"explain: --out {args.out}: the dump of {', '.join(name for name, _ in failed)} was "
+                             f"not written ({failed[0][1]}); what is printed above is not in it: fix the folder "
+                             "and run again")
         print(f"dump written to {args.out}")
     return 0

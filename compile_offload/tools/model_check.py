@@ -683,6 +683,12 @@ def _table_head(*columns: str) -> list[str]:
 def run_model_check(args: argparse.Namespace) -> int:
     out = sys.stdout
     shapes = [s for s in args.shapes.split(",") if s]
+    if not shapes:  # an empty table, with nothing to say why
+        raise SystemExit(f"model-check: --shapes {args.shapes!r}: names no anchor shape; accepted: one or more of "
+                         f"{', '.join(SHAPES)}, comma-separated")
+    if args.max_plans < 1:  # the exhaustive search's space has at least one plan
+        raise SystemExit(f"model-check: --max-plans {args.max_plans}: the most plans the exhaustive search may "
+                         "evaluate; accepted: a whole number >= 1")
     graphs = [g for g in args.optimality_graphs.split(",") if g]
     for graph in graphs:
         if graph not in OPTIMALITY_GRAPHS:
