@@ -145,6 +145,28 @@ def test_a_first_call_whose_backward_never_runs_is_not_the_step_measured():
     assert "g: verify_budget: the first compiled step measured" in message, message
 
 
+def test_a_step_whose_first_call_is_always_detached_is_measured_from_the_call_that_trains():
+    """Self-distillation: each step computes a target with the compiled graph, grad on, and
+    detaches it, then trains on a second call. The detached call was measured, dropped at
+    the next step, and the next detached call measured instead: no step ever was (a budget
+    broken by 9%, with verify_budget on, and no warning)."""
+    from compile_offload.runtime.verify_budget import verify_first_step
+
+    from .models import CompiledFunction
+
+    plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
+                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
+    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
+    x = torch.randn(256, 64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            target = wrapped(x).detach()
+            (wrapped(x) - target).square().sum().backward()
+    (message,) = [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+    assert "g: verify_budget: the first compiled step measured" in message, message
+
+
 def test_a_graph_called_twice_in_a_step_is_measured_from_its_first_call():
     """A model calling one compiled graph several times a step: the second call found the
     first's backward pending and took the measure over, from its own smaller forward."""

@@ -34,10 +34,16 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     measured from its first call to that call's backward. A measured forward whose backward
     never runs (a pass whose output was dropped: a later call's backward ran first, and no
     call of this step is pending) is not a step: the next call is measured instead, and so is
-    the next one after a step a profiler of yours interrupted."""
+    the next one after a step a profiler of yours interrupted. Where that happens twice in a
+    row (each step's first call dropped: a target computed with grad on, then detached), a
+    step is measured from the call that trained in the last one, by its place in the step."""
     # pending: the measured step whose backward is awaited; passed: a later call's backward
-    # ended while it waited (its own may never run)
-    state: dict[str, Any] = {"done": False, "pending": None, "passed": False}
+    # ended while it waited (its own may never run), and trained: the first such call's place
+    # in the step (0 is the measured call); calls: the calls since the step began; skip: how
+    # many calls of a step run before the one measured (the calls before the one that trained
+    # in a step whose measured call was dropped: a target computed with grad on, then detached)
+    state: dict[str, Any] = {"done": False, "pending": None, "passed": False, "trained": None, "calls": 0,
+                             "skip": 0}
 
     def run(*args):
         plan = plan_of()
@@ -53,15 +59,25 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             return compiled(*args)
         pending = state["pending"]
         if pending is not None and not state["passed"]:  # called again within the measured step
+            state["calls"] += 1
+            place = state["calls"]
             outputs = compiled(*args)
             node = compiled_backward_node(outputs)
             if node is not None:
-                node.register_hook(lambda *_: state.update(passed=state["passed"] or state["pending"] is pending))
+                node.register_hook(lambda *_: _trained(state, pending, place))
             return outputs
         if pending is not None:  # its backward never ran: not a step
             pending.end_backward()
             state["pending"] = None
-        state["passed"] = False
+            # Dropped twice in a row: each step's first call is dropped (a target computed with
+            # grad on, then detached), so a step is measured from the call that trained instead.
+            state["drops"] = state.get("drops", 0) + 1
+            state["skip"], state["calls"] = (state["trained"] or 0) if state["drops"] > 1 else 0, 0
+        state["passed"], state["trained"] = False, None
+        if state["calls"] < state["skip"]:  # a call before the one that trains: not measured
+            state["calls"] += 1
+            return compiled(*args)
+        state["calls"] = 0
         step = StepMeasure(device)
         outputs = step.forward(compiled, args)
         node = compiled_backward_node(outputs)
@@ -90,6 +106,13 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
         return outputs
 
     return run
+
+
+def _trained(state: dict[str, Any], pending: Any, place: int) -> None:
+    """A backward of the call at ``place`` in the step of ``pending`` ended."""
+    if state["pending"] is pending:
+        state["passed"] = True
+        state["trained"] = place if state["trained"] is None else min(state["trained"], place)
 
 
 def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str) -> bool:
