@@ -3,6 +3,7 @@ allocator and a measured peak over the budget warns once, with the three figures
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -200,3 +201,29 @@ def test_measures_the_inductor_compiled_step():
     with torch._inductor.config.patch(fx_graph_cache=False):
         messages = _steps(model, x, steps=2, memory_budget="64KiB", inner_compiler="inductor")
     assert len(messages) == 1, messages
+
+
+@pytest.mark.inductor
+def test_a_compiled_train_step_function_runs_the_measuring_hooks_untraced(caplog):
+    """A whole train-step function compiled (loss.backward() inside: a graph break): the
+    backward hooks that measure the step ran in frames Dynamo traced, which said it would
+    ignore the profiler and could not trace time.perf_counter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 8))
+    x = torch.randn(512, 32)
+
+    def step(batch):
+        loss = model(batch).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=compile_offload.offload_remat(memory_budget=1000, verify_budget=True))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad()
+            compiled(x)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "perf_counter" in m or "will be ignored" in m], said
+    assert [m for m in said if "verify_budget: the first compiled step measured" in m]

@@ -254,10 +254,12 @@ class PlanTrials:
             return outputs
         self._pending = measure
 
+        @torch.compiler.disable  # run, not traced, under a compiled train-step function
         def backward_started(*_):
             if self._pending is measure:
                 measure.start_backward()
 
+        @torch.compiler.disable  # run, not traced, under a compiled train-step function
         def backward_done(*_):
             if self._pending is not measure:  # dropped: another step began before this backward
                 return

@@ -338,6 +338,7 @@ class StepBudget:
             self.measuring = False
             self._checked(self.meter.peak_bytes())
 
+    @torch.compiler.disable  # a backward hook: run, not traced, under a compiled train-step function
     def _backward_done(self, call: int) -> None:
         if call not in self._in_flight:  # given up on, or its backward ran before (retain_graph)
             return
@@ -518,6 +519,7 @@ class GatheredParameters:
                 self._seen.setdefault(id(arg), arg)
         self.sample()
 
+    @torch.compiler.disable  # a backward hook: run, not traced, under a compiled train-step function
     def sample(self) -> None:
         if self._seen:
             self._samples.append({key: _storage_bytes(tensor) for key, tensor in self._seen.items()})

@@ -87,10 +87,14 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             return outputs
         state["pending"] = step
 
+        # The hooks run where the backward runs: inside a compiled train-step function too,
+        # whose frames Dynamo would trace (the profiler, the clock) rather than run.
+        @torch.compiler.disable
         def backward_started(*_):
             if state["pending"] is step:
                 step.start_backward()
 
+        @torch.compiler.disable
         def backward_done(*_):
             if state["pending"] is not step:  # dropped: another call began before this backward
                 return
@@ -108,6 +112,7 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     return run
 
 
+@torch.compiler.disable
 def _trained(state: dict[str, Any], pending: Any, place: int) -> None:
     """A backward of the call at ``place`` in the step of ``pending`` ended."""
     if state["pending"] is pending:
