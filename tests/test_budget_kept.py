@@ -299,6 +299,21 @@ def test_a_larger_dynamic_size_over_the_budget_is_planned_for_at_the_next_call(c
     assert any("dynamic sizes planned at" in note for note in replanned.notes), replanned.notes
 
 
+def test_a_budget_of_zero_serves_every_dynamic_size_without_a_warning(eager_inner, captured_plans):
+    """0 asks for the minimum-memory plan, which meets it: every larger size was 'above the
+    memory budget 0 B', warned, and compiled the graph again for it."""
+    model = _deep_mlp()
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget=0, inner_compiler="eager",
+                                                                      device_profile="cpu"))
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (16, 64, 2048, 16):
+            _train_step(compiled, torch.randn(batch, 64))
+    assert not [str(w.message) for w in caught if "compile_offload" in str(w.message)]
+    assert counter.frame_count == 1
+
+
 def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner, captured_plans, monkeypatch):
     """Once a frame was compiled again for larger sizes MAX_REPLANS times, a still larger
     size over the budget warns once, naming the size, and runs the plan it has."""

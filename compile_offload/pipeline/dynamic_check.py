@@ -183,8 +183,9 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     ``budget_bytes`` may be a function giving the budget at the call (None: not known yet,
     nothing checked): under ``budget_scope="step"`` a graph's minimum-memory plan, which runs
     every size but the one its share's plan was compiled for, is checked against its share of
-    the step's budget once the split has made it."""
-    if budget_bytes is None or not programs:
+    the step's budget once the split has made it. A budget of 0 asks for the minimum-memory
+    plan, which every size runs as it is: nothing to check."""
+    if budget_bytes is None or budget_bytes == 0 or not programs:
         return compiled
     where = _symbol_locations(example_inputs)
     symbols = sorted({s for program in programs for s in program.symbols})
@@ -203,7 +204,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal warned
         limit = budget_bytes() if share else budget_bytes
-        if not warned and limit is not None:
+        if not warned and limit:  # None: not split yet; 0: the minimum-memory plan asked for
             # Read before the call: a boxed call (one list) may clear the list.
             inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
             sizes = tuple(_read(inputs, where[s]) for s in symbols)
@@ -433,7 +434,7 @@ def sizes_covering_all(settings: Settings, programs: list[SymbolicProgram], grap
     byte budget: ``settings`` planning at the next of them, or, after ``MAX_SIZES_TRIED``,
     at each size symbol's largest recorded size (a combination no call may have had, but one
     that covers them all). Else None: the plan keeps the budget at every recorded size."""
-    if not settings.sizes_to_cover or settings.budget_bytes is None or not programs:
+    if not settings.sizes_to_cover or not settings.budget_bytes or not programs:  # 0: the minimum-memory plan
         return None
     planned = settings.planning_sizes
     over = None
