@@ -292,6 +292,49 @@ def test_a_step_budget_below_the_minimum_plans_raises_under_strict_budget():
         graph(x).sum().backward()
 
 
+def test_a_step_budget_of_zero_runs_every_graph_at_its_minimum_without_a_warning():
+    """0 asks for the minimum-memory plans, which meet it: under budget_scope='step' the
+    split warned that they sum 'above the memory budget 0 B' (a BudgetError under
+    strict_budget), and explain_all said the same."""
+    torch.manual_seed(0)
+    model, x = _ThreeGraphs(d=16), torch.randn(64, 16)
+    options = {"memory_budget": 0, "budget_scope": "step", "strict_budget": True, "inner_compiler": "eager",
+               "device_profile": "cpu"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _peaks(model, copy.deepcopy(model), x, steps=3, **options)
+        plans = compile_offload.explain_all(model, x, **options)
+    assert not [str(w.message) for w in caught if "compile_offload" in str(w.message)]
+    assert len(plans) == 3 and all(p.predicted_peak_bytes == p.min_peak_bytes for p in plans)
+
+
+def test_a_compiled_train_step_function_runs_the_step_budgets_hooks_untraced(caplog):
+    """With loss.backward() inside a compiled function, the callbacks the step budget queues
+    for the end of the backward ran in frames Dynamo traced: one of ours recompiled per
+    parameter shape until Dynamo's recompile limit named it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(2), nn.Conv1d(4, 4, 3, padding=1),
+                          nn.LayerNorm(64), nn.Linear(64, 8))  # parameters of 1, 2, 3 and 4 dimensions
+
+    def step(batch):
+        loss = model(batch).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=compile_offload.offload_remat(
+        memory_budget="64KiB", budget_scope="step", inner_compiler="eager", device_profile="cpu"))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG, logger="torch._dynamo"):
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad()
+            compiled(torch.randn(16, 3, 8, 8))
+    traced = [r.getMessage() for r in caplog.records if "start compiling" in r.getMessage()
+              and "compile_offload/runtime/" in r.getMessage().splitlines()[0]]
+    assert not traced, traced[:3]
+    assert not [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+
+
 def test_a_graph_sent_back_to_its_minimum_runs_its_first_compile_again(caplog):
     """Four calls of the block where the split counted two: the minimum-memory plans no longer
     fit, and the block goes back to the plan it was first compiled at, not to a re-plan under

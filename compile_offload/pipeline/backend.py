@@ -163,7 +163,7 @@ def _step_scoped(settings: Settings) -> bool:
     """Whether the graph's byte budget is the step's (``budget_scope="step"``), not for a
     fraction (each graph's own). A DDPOptimizer bucket graph is one of the step's graphs like
     any other: split by what it needs, where ``"graph"`` splits a byte budget evenly (``ddp.py``)."""
-    return settings.budget_scope == "step" and settings.budget_bytes is not None
+    return settings.budget_scope == "step" and bool(settings.budget_bytes)  # 0: every graph at its minimum
 
 
 _warned_measured_off: set[str] = set()

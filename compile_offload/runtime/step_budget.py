@@ -272,8 +272,8 @@ class StepBudget:
                 if graph.left_out:  # not replaced by its frame's later compile after all: never left out again
                     graph.left_out, graph.revived = False, True
                 if budget.state == "count":
-                    node.register_prehook(lambda *_: budget.gathered.sample())
-                node.register_hook(lambda *_: budget._backward_done(call))
+                    node.register_prehook(_untraced(budget.gathered.sample))
+                node.register_hook(_untraced(budget._backward_done, call))
             return outputs
 
         run.graph = graph
@@ -338,7 +338,6 @@ class StepBudget:
             self.measuring = False
             self._checked(self.meter.peak_bytes())
 
-    @torch.compiler.disable  # a backward hook: run, not traced, under a compiled train-step function
     def _backward_done(self, call: int) -> None:
         if call not in self._in_flight:  # given up on, or its backward ran before (retain_graph)
             return
@@ -519,7 +518,6 @@ class GatheredParameters:
                 self._seen.setdefault(id(arg), arg)
         self.sample()
 
-    @torch.compiler.disable  # a backward hook: run, not traced, under a compiled train-step function
     def sample(self) -> None:
         if self._seen:
             self._samples.append({key: _storage_bytes(tensor) for key, tensor in self._seen.items()})
@@ -547,8 +545,15 @@ def _under_share(plan_of: Callable[[], Plan | None], share: int) -> Callable[[],
 
 
 def _after_backward(callback: Callable[[], None]) -> None:
+    callback = torch.compiler.disable(callback)  # run, not traced, under a compiled train-step function
     if not queue_backward_callback(callback):  # not inside a backward: now
         callback()
+
+
+def _untraced(function: Callable[..., None], *args: Any) -> Callable[..., None]:
+    """A backward hook calling ``function(*args)``, which Dynamo runs rather than traces when
+    the backward runs inside a compiled train-step function."""
+    return torch.compiler.disable(lambda *_: function(*args))
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:

@@ -64,7 +64,7 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             outputs = compiled(*args)
             node = compiled_backward_node(outputs)
             if node is not None:
-                node.register_hook(lambda *_: _trained(state, pending, place))
+                node.register_hook(torch.compiler.disable(lambda *_: _trained(state, pending, place)))
             return outputs
         if pending is not None:  # its backward never ran: not a step
             pending.end_backward()
@@ -112,7 +112,6 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     return run
 
 
-@torch.compiler.disable
 def _trained(state: dict[str, Any], pending: Any, place: int) -> None:
     """A backward of the call at ``place`` in the step of ``pending`` ended."""
     if state["pending"] is pending:

@@ -291,7 +291,7 @@ def explain_all(
     # memory model groups them as Triton would. With the budget loop the graph's own device
     # decides (it is lowered for real).
     for_gpu_here = _gpu_profile_on_host(settings, device)
-    step_scoped = settings.budget_scope == "step" and settings.budget_bytes is not None
+    step_scoped = settings.budget_scope == "step" and bool(settings.budget_bytes)  # 0: every graph at its minimum
     # budget_scope="step": the graphs' minimum-memory plans first (as the backend's first
     # step runs them), then each graph under its share of the step's budget
     shares: list[int] | None = None
