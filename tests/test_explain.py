@@ -570,6 +570,9 @@ def test_explain_plans_a_training_step_from_an_eval_loop_too(grad_mode):
     with grad_mode():
         plan = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100")
         assert not torch.is_grad_enabled()  # the caller's mode is left as it was
+        made_here = torch.randn(32, 16)  # an inference tensor under inference_mode: not for autograd as it is
+        on_this_machine = compile_offload.explain(model, made_here, memory_budget=0.5)  # compiled for real
+    assert on_this_machine.decisions
     assert plan.decisions and [(d.name, d.decision) for d in plan.decisions] == \
         [(d.name, d.decision) for d in expected.decisions]
 

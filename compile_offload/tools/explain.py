@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import re
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -47,10 +48,15 @@ _UNSET: Any = object()
 
 
 def _meta_to_cpu(value: Any) -> Any:
-    """An uninitialised CPU tensor for a meta one (untouched pages cost no memory)."""
+    """An uninitialised CPU tensor for a meta one (untouched pages cost no memory), and a
+    normal copy of an inference tensor (one made under ``inference_mode``: an eval loop's
+    batch), which autograd cannot save for a backward."""
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
         return empty.requires_grad_(value.requires_grad)
+    if isinstance(value, torch.Tensor) and value.is_inference():  # made under inference_mode: not for autograd
+        with torch.inference_mode(False):
+            return value.clone().requires_grad_(value.requires_grad)
     return value
 
 
@@ -349,7 +355,7 @@ def explain_all(
             ours = _our_error(error)
             if ours is not None:
                 raise ours from None
-            if meta_inputs and not has_meta_state and "meta" in str(error) and "device" in str(error):
+            if meta_inputs and not has_meta_state and _META_MISMATCH.search(str(error)):
                 raise ValueError(_META_OUT_OF_REACH) from error
             raise
 
@@ -378,12 +384,15 @@ def explain_all(
     return plans
 
 
+# Dynamo's (and ATen's) device mismatch between the stood-in inputs and a meta tensor
+_META_MISMATCH = re.compile(r"found at least two devices, (cpu and meta|meta and cpu)|"
+                            r"Expected all tensors to be on the same device.*\bmeta\b")
 _META_OUT_OF_REACH = (
     "compile_offload.tools.explain: the inputs are on meta, which explain stands in for with values of their shapes, "
-    "and the function called a module on meta that explain could not find to do the same (it looks in the "
-    "function's closure and globals, a bound method's object, a functools.partial's function and arguments, a "
-    "callable object's attributes, and lists, tuples, sets and dicts held so, two levels deep); pass the module "
-    "itself as model_or_fn, or hold it where explain looks")
+    "and the function used a module or tensor on meta that explain could not find to do the same (it finds "
+    "modules in the function's closure and globals, a bound method's object, a functools.partial's function and "
+    "arguments, a callable object's attributes, and lists, tuples, sets and dicts held so, two levels deep); pass "
+    "the module itself as model_or_fn, hold it where explain looks, or pass a meta tensor as an input")
 
 
 def _our_error(error: Exception) -> Exception | None:
