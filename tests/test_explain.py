@@ -589,5 +589,8 @@ def test_a_meta_module_explain_cannot_find_is_named_not_a_device_mismatch():
     def deep(t):
         return holder["a"]["b"]["c"](t).sum()
 
-    with pytest.raises(ValueError, match=r"the function called a module on meta that explain could not find"):
+    with pytest.raises(ValueError, match=r"the function used a module or tensor on meta that explain could not find"):
         compile_offload.explain(deep, x, memory_budget=0.5)
+    weight = torch.randn(16, 64, device="meta", requires_grad=True)  # a plain tensor, not a module
+    with pytest.raises(ValueError, match=r"or pass a meta tensor as an input"):
+        compile_offload.explain(lambda t: (t @ weight).relu().sum(), x, memory_budget=0.5)
