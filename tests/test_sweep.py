@@ -51,11 +51,17 @@ def test_out_under_the_home_folder_is_named_with_a_tilde(tmp_path, monkeypatch):
     assert (tmp_path / "home" / "front" / "pareto.png").is_file() and not (tmp_path / "~").exists()
 
 
-def test_empty_budgets_and_a_bad_entry_are_named_before_planning():
+def test_empty_budgets_and_a_bad_entry_are_named_before_planning(monkeypatch):
+    import importlib
+
+    sweep_module = importlib.import_module("compile_offload.tools.sweep")
+    monkeypatch.setattr(sweep_module, "explain", lambda *args, **kwargs: pytest.fail("planned before checking"))
     with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets is empty"):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[], out="unused")
-    with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets\[1\]='bad' is not a size"):
-        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, "bad"], device_profile="cpu")
+    with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets\[2\]='bad' is not a size"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, "1MiB", "bad"])
+    with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets\[0\]=1.5: a float budget is a fraction"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[1.5])
 
 
 def test_a_graph_torch_partitions_is_returned_and_left_out_of_the_drawing(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +32,25 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
         problem = folder_problem(out)
         if problem is not None:
             raise ValueError(f"compile_offload.sweep: out={out!r}: {problem}; name a folder for pareto.png")
-    plans = [_explain_one(model_or_fn, example_inputs, index, budget, options) for index, budget in enumerate(budgets)]
+    for index, budget in enumerate(budgets):  # every entry read before the first plan (planning takes a while)
+        _check_budget(index, budget)
+    plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
     if out is not None:
         draw_pareto(Path(out) / "pareto.png", budgets, plans)
     return plans
 
 
-def _explain_one(model_or_fn, example_inputs, index: int, budget, options: dict) -> Plan:
-    """``explain`` at one budget; a budget it cannot read is named as the entry of ``budgets``."""
+def _check_budget(index: int, budget) -> None:
+    """A budget ``explain`` can read, or the error naming it as ``budgets[index]``."""
     from ..settings import parse_budget
 
     try:
         parse_budget(budget)
     except (TypeError, ValueError) as error:
-        message = str(error).replace(f"compile_offload.config.memory_budget={budget!r}",
-                                     f"compile_offload.sweep: budgets[{index}]={budget!r}")
+        # "compile_offload.config.memory_budget=<the value as read> is ... / : ..." names this entry instead
+        message = re.sub(r"^compile_offload\.config\.memory_budget=.*?(?=: | is )",
+                         f"compile_offload.sweep: budgets[{index}]={budget!r}", str(error), count=1)
         raise type(error)(message) from None
-    return explain(model_or_fn, *example_inputs, memory_budget=budget, **options)
 
 
 def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
