@@ -47,9 +47,9 @@ def _understood(knob: str, value: Any) -> Any:
     if knob not in readers:
         return value
     try:
-        return readers[knob](value)
+        return "read", readers[knob](value)
     except (TypeError, ValueError):
-        return value
+        return "as written", value  # never equal to a value read, whatever it holds
 
 
 def _describe(values: tuple[tuple[str, Any], ...], changed_from: tuple[tuple[str, Any], ...] | None = None) -> str:
@@ -62,8 +62,12 @@ def _describe(values: tuple[tuple[str, Any], ...], changed_from: tuple[tuple[str
 
 
 def _shown(knob: str, value: Any) -> Any:
-    """A budget as read, ``(bytes, fraction)``, shown as the one that is set."""
-    if knob == "memory_budget" and isinstance(value, tuple):
+    """A knob's value as ``_understood`` tagged it, shown as the user wrote it (a budget
+    read as ``(bytes, fraction)``: the one that is set)."""
+    if not (isinstance(value, tuple) and len(value) == 2 and value[0] in ("read", "as written")):
+        return value
+    how, value = value
+    if how == "read" and knob == "memory_budget":
         return value[0] if value[0] is not None else value[1]
     return value
 

@@ -43,7 +43,7 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     # many calls of a step run before the one measured (the calls before the one that trained
     # in a step whose measured call was dropped: a target computed with grad on, then detached)
     state: dict[str, Any] = {"done": False, "pending": None, "passed": False, "trained": None, "calls": 0,
-                             "skip": 0}
+                             "skip": 0, "drops": 0}
 
     def run(*args):
         plan = plan_of()
@@ -71,7 +71,7 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             state["pending"] = None
             # Dropped twice in a row: each step's first call is dropped (a target computed with
             # grad on, then detached), so a step is measured from the call that trained instead.
-            state["drops"] = state.get("drops", 0) + 1
+            state["drops"] += 1
             state["skip"], state["calls"] = (state["trained"] or 0) if state["drops"] > 1 else 0, 0
         state["passed"], state["trained"] = False, None
         if state["calls"] < state["skip"]:  # a call before the one that trains: not measured
@@ -98,7 +98,7 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
         def backward_done(*_):
             if state["pending"] is not step:  # dropped: another call began before this backward
                 return
-            state["pending"] = None
+            state["pending"], state["drops"] = None, 0  # its own backward ran: no drop in a row
             step.end_backward()
             if step.interrupted:  # a profiler opened between the forward and this backward: measure the next
                 return
