@@ -87,6 +87,12 @@ def test_spellings_of_one_budget_compile_once(eager_inner, captured_plans):
             _train_step(compiled, x)
     assert [plan.budget_bytes for plan in captured_plans][1:] == [2**20]
     assert len(captured_plans) == 2
+    # a value the settings refuse is compared as written: it compiles again, and raises there
+    with config.patch(memory_budget=(None, 0.5), device_profile="cpu"), pytest.raises(
+            torch._dynamo.exc.BackendCompilerFailed, match=r"memory_budget=\(None, 0.5\) has type tuple"):
+        with config.patch(memory_budget=0.5):
+            _train_step(compiled, x)
+        _train_step(compiled, x)
 
 
 def test_options_fix_their_knobs_against_config_changes(eager_inner, captured_plans):
