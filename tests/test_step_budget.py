@@ -355,12 +355,20 @@ def test_a_graph_sent_back_to_its_minimum_runs_its_first_compile_again(caplog):
     assert recompiled == [15 * MIB] and calls[-1] == "block@15"
     with pytest.warns(UserWarning, match="minimum-memory plans need 35.00 MiB"):
         step(7)  # 7 x 5 MiB > 30 MiB
-    with caplog.at_level(logging.INFO, logger="compile_offload"):
+    with caplog.at_level(logging.INFO, logger="compile_offload"), warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
         step(7)
     assert recompiled == [15 * MIB] and calls[-1] == "block"  # its first compile, not a re-plan
     assert "is its minimum: it runs its minimum-memory plan" in caplog.text
     assert budget.graphs()[0].budget_bytes == low
     assert block.graph_plan_of().budget_bytes == low  # what verify_budget measures it against: its share
+    with warnings.catch_warnings(record=True) as more:
+        warnings.simplefilter("always")
+        budget._share(budget._needs)  # split again with the same figures (a graph compiled later, say)
+        step(8)
+    # the same figures: not said again; new ones (8 calls): said
+    said = [str(w.message) for w in [*again, *more] if "minimum-memory plans need" in str(w.message)]
+    assert len(said) == 1 and "need 40.00 MiB" in said[0], said
 
 
 class _Meter:

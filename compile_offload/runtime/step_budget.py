@@ -479,7 +479,9 @@ class StepBudget:
                        f"the memory budget {format_bytes(self.budget_bytes)}")
             if self.strict:
                 raise BudgetError(f"{message}; strict_budget=True")
-            warnings.warn(f"{message}; each keeps its minimum-memory plan", stacklevel=2)
+            if message not in self._warned:  # a split again with the same figures (a graph added) says nothing new
+                self._warned.add(message)
+                warnings.warn(f"{message}; each keeps its minimum-memory plan", stacklevel=2)
             for graph in graphs:  # a graph under an earlier share goes back down to its minimum
                 if graph.name in shares and graph.budget_bytes is not None:
                     graph.budget_bytes, graph.pending = shares[graph.name], True
