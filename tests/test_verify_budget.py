@@ -125,16 +125,22 @@ def test_a_call_on_fake_tensors_is_not_the_first_step():
     assert "g: verify_budget: the first compiled step measured" in message, message
 
 
-def test_a_first_call_whose_backward_never_runs_is_not_the_step_measured():
-    """A forward with grad on whose output is dropped (a sanity pass without no_grad) was
-    taken as the step to measure; its backward never ran, and no step ever was measured."""
+def _verified_stand_in():
+    """A compiled graph's stand-in (its backward is waited for) under ``verify_first_step``,
+    with a budget of 1 byte: the step it measures warns."""
     from compile_offload.runtime.verify_budget import verify_first_step
+
+    from .models import CompiledFunction
 
     plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
                 baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
-    from .models import CompiledFunction  # a compiled graph's stand-in: its backward is waited for
+    return verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
 
-    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
+
+def test_a_first_call_whose_backward_never_runs_is_not_the_step_measured():
+    """A forward with grad on whose output is dropped (a sanity pass without no_grad) was
+    taken as the step to measure; its backward never ran, and no step ever was measured."""
+    wrapped = _verified_stand_in()
     x = torch.randn(256, 64, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -151,13 +157,7 @@ def test_a_step_whose_first_call_is_always_detached_is_measured_from_the_call_th
     detaches it, then trains on a second call. The detached call was measured, dropped at
     the next step, and the next detached call measured instead: no step ever was (a budget
     broken by 9%, with verify_budget on, and no warning)."""
-    from compile_offload.runtime.verify_budget import verify_first_step
-
-    from .models import CompiledFunction
-
-    plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
-                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
-    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
+    wrapped = _verified_stand_in()
     x = torch.randn(256, 64, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -171,13 +171,7 @@ def test_a_step_whose_first_call_is_always_detached_is_measured_from_the_call_th
 def test_a_graph_called_twice_in_a_step_is_measured_from_its_first_call():
     """A model calling one compiled graph several times a step: the second call found the
     first's backward pending and took the measure over, from its own smaller forward."""
-    from compile_offload.runtime.verify_budget import verify_first_step
-
-    from .models import CompiledFunction
-
-    plan = Plan(feasible=True, budget_bytes=1, predicted_peak_bytes=1, predicted_step_seconds=0.0,
-                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
-    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g")
+    wrapped = _verified_stand_in()
     large, small = torch.randn(1024, 256, requires_grad=True), torch.randn(4, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
