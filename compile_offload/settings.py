@@ -144,19 +144,21 @@ def _from_environment(knob: str) -> bool:
     return override is _UNSET_SENTINEL and knob not in getattr(config, "_process_values", {})
 
 
-def parse_budget(value: object) -> tuple[int | None, float | None]:
+def parse_budget(value: object,
+                 label: str = "compile_offload.config.memory_budget") -> tuple[int | None, float | None]:
     """``memory_budget`` -> ``(bytes, None)``, ``(None, fraction)`` or ``(None, None)``. From the
-    environment it is a string, "0" and "1" included (``config.keep_environment_strings``)."""
+    environment it is a string, "0" and "1" included (``config.keep_environment_strings``).
+    Errors name ``label`` (``sweep`` names the entry of its list)."""
     if value is None:
         return None, None
     if isinstance(value, bool):
-        raise TypeError(f"compile_offload.config.memory_budget={value!r}: a bool is not a budget; accepted: {_ACCEPTED_BUDGET}")
+        raise TypeError(f"{label}={value!r}: a bool is not a budget; accepted: {_ACCEPTED_BUDGET}")
     if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):  # NumPy's float32 too
         value = float(value)
     if isinstance(value, float):
         if math.isnan(value) or value < 0.0 or value > 1.0:
             raise ValueError(
-                f"compile_offload.config.memory_budget={value!r}: a float budget is a fraction and must lie in "
+                f"{label}={value!r}: a float budget is a fraction and must lie in "
                 f"[0, 1]; for bytes pass an int or a string with units. Accepted: {_ACCEPTED_BUDGET}"
             )
         return None, value
@@ -165,30 +167,30 @@ def parse_budget(value: object) -> tuple[int | None, float | None]:
         if stripped.lower() == "none":
             return None, None
         if not stripped:
-            raise ValueError(f"compile_offload.config.memory_budget={value!r} is empty; use None (or leave "
+            raise ValueError(f"{label}={value!r} is empty; use None (or leave "
                              f"COMPILE_OFFLOAD_MEMORY_BUDGET unset) for no budget; accepted: {_ACCEPTED_BUDGET}")
         # A plain decimal string (as the environment gives): "0.5" is a fraction, "1000" bytes.
         if re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.", stripped):
             if float(stripped) > 1.0:  # named as written, not as the float it reads as
                 raise ValueError(
-                    f"compile_offload.config.memory_budget={value!r}: a decimal budget is a fraction and must lie in "
+                    f"{label}={value!r}: a decimal budget is a fraction and must lie in "
                     f"[0, 1]; for bytes give a whole number or a size with units. Accepted: {_ACCEPTED_BUDGET}")
-            return parse_budget(float(stripped))
+            return parse_budget(float(stripped), label)
         # Exponent notation without a unit: "1e-3" is the fraction 0.001 as "0.001" is,
         # "1e9" is bytes; nothing in between is either.
         if re.fullmatch(r"[0-9]*\.?[0-9]+[eE][+-]?[0-9]+", stripped):
             number = float(stripped)
             if number <= 1.0:
-                return parse_budget(number)
+                return parse_budget(number, label)
             if not math.isfinite(number):
-                raise ValueError(f"compile_offload.config.memory_budget={value!r} is too large to be a number of "
+                raise ValueError(f"{label}={value!r} is too large to be a number of "
                                  f"bytes; accepted: {_ACCEPTED_BUDGET}")
             if not number.is_integer():
                 raise ValueError(
-                    f"compile_offload.config.memory_budget={value!r} is neither a fraction in [0, 1] nor a whole "
+                    f"{label}={value!r} is neither a fraction in [0, 1] nor a whole "
                     f"number of bytes; accepted: {_ACCEPTED_BUDGET}"
                 )
-    return parse_bytes(value, "memory_budget"), None
+    return parse_bytes(value, "memory_budget", label=label), None
 
 
 def _choice(knob: str, value: object, accepted: tuple[str, ...]) -> str:

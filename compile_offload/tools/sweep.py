@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +43,7 @@ def _check_budget(index: int, budget) -> None:
     """A budget ``explain`` can read, or the error naming it as ``budgets[index]``."""
     from ..settings import parse_budget
 
-    try:
-        parse_budget(budget)
-    except (TypeError, ValueError) as error:
-        # "compile_offload.config.memory_budget=<the value as read> is ... / : ..." names this entry instead
-        message = re.sub(r"^compile_offload\.config\.memory_budget=.*?(?=: | is )",
-                         f"compile_offload.sweep: budgets[{index}]={budget!r}", str(error), count=1)
-        raise type(error)(message) from None
+    parse_budget(budget, label=f"compile_offload.sweep: budgets[{index}]")
 
 
 def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
