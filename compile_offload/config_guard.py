@@ -38,12 +38,8 @@ def knob_values(skip: Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
 def _understood(knob: str, value: Any) -> Any:
     """``value`` of ``knob`` as the settings read it, for the knobs with several spellings;
     a value they refuse stays as written (compiling under it raises the error)."""
-    from . import settings
+    from .settings import SPELLED_KNOBS as readers
 
-    readers = {"memory_budget": settings.parse_budget, "plan_time_limit": settings.parse_time_limit,
-               "pinned_pool_limit": lambda v: None if v is None else settings.parse_bytes(v, knob),
-               "shared_h2d_bytes": lambda v: settings.parse_bytes(v, knob),
-               "device_profile": lambda v: v.strip().lower() if isinstance(v, str) else v}
     if knob not in readers:
         return value
     try:

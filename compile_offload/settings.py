@@ -6,13 +6,16 @@ unconstrained plan is known) from here on; nothing downstream reads the config m
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import numbers
 import os
 import re
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from . import config
 from .passes.cost import BUILTIN_PROFILE_MEMORY_BYTES, BUILTIN_PROFILES
@@ -242,12 +245,18 @@ def parse_time_limit(value: object) -> float | None:
     return float(value)
 
 
-def check_option_names(options: dict) -> None:
-    """Reject unknown option names (``torch.compile(options=...)``) instead of ignoring them."""
+def check_option_names(options: dict, other_names: Iterable[str] = ()) -> None:
+    """Reject unknown option names (``torch.compile(options=...)``) instead of ignoring them.
+    ``other_names``: names accepted elsewhere (Inductor's options), offered as corrections too."""
     known = set(config.get_config_copy())
-    unknown = sorted(set(options) - known)
+    unknown = sorted(set(options) - known, key=str)
     if unknown:
-        raise ValueError(f"compile_offload: unknown option(s) {unknown}; known options: {', '.join(sorted(known))}")
+        names = sorted(known | set(other_names))
+        close = {name: difflib.get_close_matches(name, names, n=1) for name in unknown if isinstance(name, str)}
+        hints = "; ".join(f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match)
+        elsewhere = " (and Inductor's options, torch._inductor.config)" if other_names else ""
+        raise ValueError(f"compile_offload: unknown option(s) {unknown}{f' ({hints})' if hints else ''}; "
+                         f"known options: {', '.join(sorted(known))}{elsewhere}")
 
 
 # What was already said about torch's activation_memory_budget (said once per value pair).
@@ -353,6 +362,26 @@ def _positive_int(knob: str, value: object) -> int:
     return value
 
 
+def _device_profile(value: object) -> str | None:
+    """"H100" is "h100", as ``device_profile.builtin_profile`` reads it."""
+    if value is None:
+        return None
+    return _choice("device_profile", value.strip().lower() if isinstance(value, str) else value, PROFILE_NAMES)
+
+
+# The knobs with several spellings of one value, each with the reader that turns a spelling
+# into that value (raising TypeError or ValueError for what is not one). ``resolve`` reads
+# them so, and so does the guard that recompiles a graph when a knob changes (config_guard):
+# ``0.5`` and ``"0.5"``, ``"1MiB"`` and ``1048576`` are one value to both.
+SPELLED_KNOBS: dict[str, Callable[[object], Any]] = {
+    "memory_budget": parse_budget,
+    "plan_time_limit": parse_time_limit,
+    "pinned_pool_limit": lambda value: None if value is None else parse_bytes(value, "pinned_pool_limit"),
+    "shared_h2d_bytes": lambda value: parse_bytes(value, "shared_h2d_bytes"),
+    "device_profile": _device_profile,
+}
+
+
 def resolve(overrides: dict | None = None) -> Settings:
     """Read ``compile_offload.config`` (with ``overrides`` on top) and validate every knob."""
     values = config.get_config_copy()
@@ -363,19 +392,13 @@ def resolve(overrides: dict | None = None) -> Settings:
     def from_environment(knob: str) -> bool:
         return not (overrides and knob in overrides) and _from_environment(knob)
 
-    budget_bytes, budget_fraction = parse_budget(values["memory_budget"])
+    read = {knob: reader(values[knob]) for knob, reader in SPELLED_KNOBS.items()}
+    budget_bytes, budget_fraction = read["memory_budget"]
     budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
-    profile = values["device_profile"]
-    if profile is not None:  # "H100" is "h100", as device_profile.builtin_profile reads it
-        profile = _choice("device_profile", profile.strip().lower() if isinstance(profile, str) else profile,
-                          PROFILE_NAMES)
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
     exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"])
-    pool_limit = values["pinned_pool_limit"]
-    if pool_limit is not None:
-        pool_limit = parse_bytes(pool_limit, "pinned_pool_limit")
     settings = Settings(
-        plan_time_limit=parse_time_limit(values["plan_time_limit"]),
+        plan_time_limit=read["plan_time_limit"],
         budget_bytes=budget_bytes,
         budget_fraction=budget_fraction,
         strict_budget=_flag("strict_budget", values["strict_budget"], from_environment("strict_budget")),
@@ -386,16 +409,16 @@ def resolve(overrides: dict | None = None) -> Settings:
         exact_max_candidates=exact_max,
         dump_dir=folders["dump_dir"],
         plan_cache_dir=folders["plan_cache_dir"],
-        device_profile=profile,
+        device_profile=read["device_profile"],
         inner_compiler=_choice("inner_compiler", values["inner_compiler"], INNER_COMPILERS),
-        pinned_pool_limit=pool_limit,
+        pinned_pool_limit=read["pinned_pool_limit"],
         suppress_errors=_flag("suppress_errors", values["suppress_errors"], from_environment("suppress_errors")),
         verify_budget=_flag("verify_budget", values["verify_budget"], from_environment("verify_budget")),
         measured_plan_choice=_flag("measured_plan_choice", values["measured_plan_choice"],
                                    from_environment("measured_plan_choice")),
         measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
-        shared_h2d_bytes=parse_bytes(values["shared_h2d_bytes"], "shared_h2d_bytes"),
+        shared_h2d_bytes=read["shared_h2d_bytes"],
     )
     if settings.debug_force_offload and not settings.offload:
         raise ValueError("compile_offload.config.debug_force_offload=True needs offload=True: with offload=False "

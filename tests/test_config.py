@@ -163,6 +163,14 @@ def test_unknown_option_name_is_rejected():
         compile_offload.offload_remat(memory_budgte="1GiB")
 
 
+def test_unknown_option_name_offers_the_nearest_known_name():
+    with pytest.raises(ValueError, match=r"'memory_budgte': did you mean 'memory_budget'\?"):
+        settings.resolve({"memory_budgte": "1GiB"})
+    with pytest.raises(ValueError) as info:  # nothing near: no guess
+        settings.resolve({"zzz": 1})
+    assert "did you mean" not in str(info.value)
+
+
 def test_offload_remat_validates_at_once():
     """A bad option fails when the backend is made, before anything is compiled."""
     with pytest.raises(ValueError) as info:

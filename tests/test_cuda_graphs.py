@@ -102,7 +102,9 @@ def test_inductor_options_with_the_eager_inner_compiler_are_refused_by_name(spel
 
 
 def test_an_option_neither_ours_nor_inductors_is_refused_by_name():
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"unknown option\(s\) \['triton.cudagraph'\]"):
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
+                       match=r"unknown option\(s\) \['triton.cudagraph'\] \('triton.cudagraph': did you mean "
+                             r"'triton.cudagraphs'\?\).*and Inductor's options"):
         torch.compile(nn.Linear(4, 2), backend="offload_remat",
                       options={"triton.cudagraph": True, "inner_compiler": "eager"})(torch.randn(3, 4))
 

@@ -86,7 +86,7 @@ def split_options(options: dict | None) -> tuple[dict, dict]:
     known_inductor = inductor_config.get_config_copy()
     ours = {name: value for name, value in options.items() if name not in known_inductor or name in config.get_config_copy()}
     inductor = {name: value for name, value in options.items() if name not in ours}
-    settings_mod.check_option_names(ours)
+    settings_mod.check_option_names(ours, other_names=known_inductor)
     return ours, inductor
 
 
