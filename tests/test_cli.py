@@ -71,6 +71,7 @@ def test_demo_trains_and_prints_the_loss(capsys):
 @pytest.mark.parametrize("arguments, message", [
     (["--budget", "abc"], r"^demo: --budget: .*memory_budget='abc' is not a size"),
     (["--budget", "5.0"], r"^demo: --budget: .*must lie in \[0, 1\]"),
+    (["--budget", " "], r"^demo: --budget ' ': an empty budget; leave --budget out .*'none' for no budget"),
     (["--device", "tpu"], r"^demo: --device 'tpu' is not a device"),
     (["--device", "meta"], r"^demo: --device 'meta': the demo trains on cpu or cuda"),
 ])

@@ -138,6 +138,16 @@ def test_an_empty_out_is_refused_not_taken_for_no_dump(factory_folder, out):
     assert re.fullmatch(r"explain: --out '\s*': an empty path; .*leave --out out for no dump", str(exit_info.value))
 
 
+@pytest.mark.parametrize("budget", ["", "  "])
+def test_an_empty_budget_is_refused_naming_the_flag_not_the_environment(factory_folder, budget):
+    # it said to leave COMPILE_OFFLOAD_MEMORY_BUDGET unset, which the user of the flag never set
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", f"{factory_folder}/my_models.py:make", "--budget", budget])
+    message = str(exit_info.value)
+    assert re.fullmatch(r"explain: --budget '\s*': an empty budget; leave --budget out .*", message)
+    assert "COMPILE_OFFLOAD_MEMORY_BUDGET" not in message
+
+
 def test_a_factory_file_with_a_syntax_error_is_one_line_naming_where(tmp_path):
     # fuzz24b finding 20: 'def make(:' printed a 20-line traceback through our code
     (tmp_path / "syntax_models.py").write_text("import torch\ndef make(:\n    pass\n")

@@ -100,6 +100,9 @@ def explain_options(args: argparse.Namespace) -> dict:
 
     options = {}
     if args.budget is not None:
+        if not args.budget.strip():  # as for --out: an empty value must not silently mean no budget
+            raise SystemExit(f"explain: --budget {args.budget!r}: an empty budget; leave --budget out (or give "
+                             "'none') for no budget, else bytes ('4GiB') or a fraction ('0.5')")
         options["memory_budget"] = args.budget
     if args.profile is not None:
         options["device_profile"] = args.profile

@@ -68,6 +68,9 @@ def run_demo(args: argparse.Namespace) -> int:
     import compile_offload
     from ..settings import parse_budget
 
+    if args.budget is not None and not args.budget.strip():
+        raise SystemExit(f"demo: --budget {args.budget!r}: an empty budget; leave --budget out for the demo's "
+                         "default, give 'none' for no budget, else bytes ('4GiB') or a fraction ('0.5')")
     try:
         parse_budget(args.budget)
     except (TypeError, ValueError) as error:
