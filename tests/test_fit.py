@@ -983,3 +983,121 @@ def test_on_cuda_the_measured_step_keeps_the_budget_or_one_warning_names_its_pea
     assert peak is not None
     assert (peak <= budget * 1.01 and not named) or (len(named) == 1 and f"{peak} bytes" in str(named[0].message)), (
         peak, [str(w.message) for w in named])
+
+
+# --------------------------------------------------------------------------- odd models and optimizers (fuzz25a)
+
+
+def test_an_optimizer_fn_that_reads_params_twice_trains_every_group():
+    """It was called with model.parameters(), a generator: the second comprehension found it
+    empty, and the biases were silently never trained."""
+
+    def two_groups(params):
+        return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=1e-2)
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, two_groups, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert result.plan.fsdp2
+        assert [len(group["params"]) for group in result.optimizer.param_groups] == [9, 9]
+        reference_optimizer = two_groups(list(reference.parameters()))
+        for step in range(2):
+            result.step(batch(step))
+            loss_fn(reference(batch(step))).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        assert_same_parameters(result.model, reference)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_two_fitted_models_share_the_group_fit_created_until_the_last_closes():
+    """Closing the first destroyed the one-rank group the second still trained in."""
+    torch.manual_seed(0)
+    first = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                inner_compiler="eager")
+    second = None
+    try:
+        second = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                     inner_compiler="eager")
+        assert first.created_process_group and second.created_process_group
+        assert any("an earlier fit created" in note for note in second.plan.notes)
+        first.step(batch(0))
+        first.close()
+        assert dist.is_initialized()
+        second.step(batch(1))  # raised: the group was gone
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        torch._dynamo.reset()
+    assert not dist.is_initialized()
+
+
+def test_a_user_group_is_left_to_the_user():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                     inner_compiler="eager")
+        assert result.plan.fsdp2 and not result.created_process_group
+        result.close()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+class _Shared(Net):
+    """ALBERT-style layer sharing, and a pruned layer standing as nn.Identity."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=1)
+        shared = Block()
+        self.blocks = nn.ModuleList([shared, nn.Identity(), shared, Block()])
+
+
+def test_a_block_listed_twice_is_one_block_and_a_parameterless_entry_is_left_out():
+    torch.manual_seed(0)
+    model = _Shared()
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        plan = result.plan
+        assert plan.blocks == 2  # the shared block and the last one; not the Identity
+        assert plan.block_calls == 3  # the shared block runs twice: it was counted 4 times (hooked twice)
+        assert any("block 0 2 times" in note for note in plan.notes), plan.notes
+        assert_trains_like_an_eager_loop(result, reference, steps=2)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+    model = _Shared()  # given as blocks=, the shared module twice: one block, said in the notes
+    listed = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager", blocks=[model.blocks[0], model.blocks[2], model.blocks[3]])
+    listed.close()
+    torch._dynamo.reset()
+    assert listed.plan.blocks == 2 and any("listed are 2 modules" in note for note in listed.plan.notes)
+
+
+def test_a_parameterless_block_given_by_the_user_is_refused_by_name():
+    model = _Shared()
+    with pytest.raises(ValueError, match=r"blocks\[1\] \(Identity\) has no parameters"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            inner_compiler="eager", blocks=model.blocks)
+
+
+def test_a_block_mixing_dtypes_is_refused_before_fsdp2_shards_it():
+    """FSDP2 asserted at the first step, with the model already sharded in place."""
+    model = Net()
+    model.blocks[1].fc2.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"block 1 has parameters of 2 dtypes: float32 \('fc1.weight'\), "
+                                         r"bfloat16 \('fc2.weight'\)"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert not any(hasattr(p, "full_tensor") for p in model.parameters())  # not sharded

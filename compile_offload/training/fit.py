@@ -151,11 +151,10 @@ class Fitted:
                       "prediction leaves out is in the plan's notes", stacklevel=3)
 
     def close(self) -> None:
-        """Destroy the one-rank process group ``fit`` created (nothing when it made none)."""
-        import torch.distributed as dist
-
-        if self.created_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the one-rank process group ``fit`` created, destroying it when no other
+        ``Fitted`` trains in it (nothing when this one trains in no group of fit's)."""
+        if self.created_process_group:
+            _leave_own_group()
             self.created_process_group = False
 
 
@@ -194,12 +193,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the first ``nn.ModuleList`` in the model that holds parameters (a
-    transformer's blocks; a list of parameterless modules before them, such as dropouts or
-    activations, is not the blocks)."""
+    """The children with parameters of the first ``nn.ModuleList`` in the model that holds
+    parameters (a transformer's blocks; a list of parameterless modules before them, such as
+    dropouts or activations, is not the blocks)."""
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 and any(True for _ in module.parameters()):
-            return list(module)
+            # a parameterless entry (an nn.Identity standing for a pruned layer) has nothing to
+            # shard, and no graph of its own to plan: it runs as it is
+            return [block for block in module if any(True for _ in block.parameters())]
     raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks with parameters; pass "
                      "blocks=[...], the modules to shard and compile one by one")
 
@@ -402,12 +403,36 @@ def _a_fraction(text: str) -> bool:
         return False
 
 
+# The one-rank process group fit created, and how many ``Fitted`` train in it: two models
+# prepared by fit in one process share it, and the last one closed destroys it.
+_OWN_GROUP: dict[str, Any] = {"group": None, "users": 0}
+
+
 def _one_rank_group(device: torch.device) -> str:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _OWN_GROUP.update(group=dist.group.WORLD, users=0)
     return backend
+
+
+def _in_own_group() -> bool:
+    """Whether the process group now is the one-rank group an earlier fit created."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and _OWN_GROUP["group"] is not None and dist.group.WORLD is _OWN_GROUP["group"]
+
+
+def _leave_own_group() -> None:
+    import torch.distributed as dist
+
+    if not _in_own_group():  # destroyed already (by the user), or replaced by another group
+        return
+    _OWN_GROUP["users"] -= 1
+    if _OWN_GROUP["users"] <= 0:
+        dist.destroy_process_group()
+        _OWN_GROUP.update(group=None, users=0)
 
 
 def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], sample: Any, *,
@@ -417,7 +442,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     """Prepare ``model`` to train under ``memory_budget`` bytes of device memory (per rank)
     for parameters, gradients, optimizer state and activations together.
 
-    ``optimizer_fn(params)`` builds the optimizer (after FSDP2 wraps the parameters);
+    ``optimizer_fn(params)`` builds the optimizer (after FSDP2 wraps the parameters; a list);
     ``sample``: the model's inputs for one batch (a tensor, a tuple of positional inputs,
     or a dict of keyword inputs, as ``Fitted.step(**batch)`` then takes them), used to plan
     the activations; ``blocks``: the modules sharded and compiled one by one (default: the
@@ -429,7 +454,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     an optimizer step pre-hook runs too late for the state streamed through the device);
     other keyword ``options`` are the backend's knobs (``inner_compiler=...``).
     The model is prepared in place (``Fitted.model is model``). Without a process group and
-    where FSDP2 is needed, a one-rank group is created (``Fitted.close()`` destroys it).
+    where FSDP2 is needed, a one-rank group is created (``Fitted.close()`` destroys it when
+    no other model ``fit`` prepared trains in it).
     Raises ``ValueError`` when the budget cannot hold even the host placement.
     """
     import torch.distributed as dist
@@ -476,6 +502,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     else:
         inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
     blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
+    listed = len(blocks)
+    blocks = list({id(block): block for block in blocks}.values())  # one module listed twice is one block
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
                          "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
@@ -484,10 +512,15 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
 
     sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
     plan = plan_step(budget, sizes)
+    if listed > len(blocks):
+        plan.notes.append(f"the {listed} blocks listed are {len(blocks)} modules (a module listed more than once, "
+                          "shared across layers): each is sharded and compiled once")
     if plan.fsdp2:
         _check_no_parameter_shared_across_blocks(model, blocks)
+        _check_one_dtype_per_shard(model, blocks)
         _check_steps_sharded_parameters(optimizer_fn, model)
     had_group = dist.is_available() and dist.is_initialized()
+    created = False
     try:
         created = _prepare(model, blocks, plan, device)
         # the blocks' reloads share the host link with FSDP2's parameter uploads (StepPlan.shared_h2d_bytes)
@@ -499,7 +532,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
                 block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
 
         compile_blocks(plan.per_block_activation_budget_bytes)
-        optimizer = optimizer_fn(model.parameters())
+        # a list, as measure() gives it: an optimizer_fn that reads params twice (one group of
+        # the matrices, one of the rest) would find a generator empty the second time
+        optimizer = optimizer_fn(list(model.parameters()))
         stepper = None
         if plan.cpu_offload:
             fused_note = prefer_fused(optimizer)
@@ -512,8 +547,11 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
             plan.notes.append(f"optimizer_step={optimizer_step!r} changes nothing: no state is on the host, and the "
                               "optimizer steps it on the device")
     except BaseException:
-        if not had_group and dist.is_initialized():  # the one-rank group fit made
+        if created:  # this model trains in the group fit made: it leaves it
+            _leave_own_group()
+        elif not had_group and _in_own_group():  # the one-rank group fit made just now, before failing
             dist.destroy_process_group()
+            _OWN_GROUP.update(group=None, users=0)
         raise
     plan.notes.append(f"each of the {plan.blocks} blocks compiled with memory_budget "
                       f"{format_bytes(plan.per_block_activation_budget_bytes)}")
@@ -585,6 +623,9 @@ def _blocks_of(model: nn.Module, blocks: Any) -> list[nn.Module]:
         if id(block) not in mine:
             raise ValueError(f"compile_offload.fit: blocks[{index}] ({type(block).__name__}) is not one of the "
                              f"model's modules; {accepted}")
+        if not any(True for _ in block.parameters()):
+            raise ValueError(f"compile_offload.fit: blocks[{index}] ({type(block).__name__}) has no parameters: "
+                             "nothing of it to shard or train; leave it out of blocks= (it runs as it is)")
     return blocks
 
 
@@ -681,6 +722,24 @@ def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.M
                              "of the model. Tie parameters outside the blocks, or pass blocks= without that block")
 
 
+def _check_one_dtype_per_shard(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """FSDP2 flattens the parameters of each ``fully_shard`` (each block, and the root with the
+    rest of the model) into one buffer of one dtype, and asserts so at the first step, after
+    the model was sharded in place. Refuse a mix before anything is prepared."""
+    groups = [(f"block {index}", list(block.named_parameters())) for index, block in enumerate(blocks)]
+    groups.append(("the model outside the blocks", _parameters_outside(model, blocks)))
+    for where, named in groups:
+        dtypes: dict[torch.dtype, str] = {}
+        for name, param in named:
+            dtypes.setdefault(param.dtype, name)
+        if len(dtypes) > 1:
+            mix = ", ".join(f"{str(dtype).removeprefix('torch.')} ({name!r})" for dtype, name in dtypes.items())
+            raise ValueError(f"compile_offload.fit: {where} has parameters of {len(dtypes)} dtypes: {mix}; this budget "
+                             "shards the model with FSDP2, which keeps each block's parameters (and the rest of the "
+                             "model's) in one dtype. Cast them to one dtype (autocast computes in another), or give a "
+                             "budget that keeps the state on the device")
+
+
 def _parameters_outside(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """The model's parameters reached through modules other than the blocks (by name)."""
     block_ids = {id(block) for block in blocks}
@@ -699,7 +758,8 @@ def _parameters_outside(model: nn.Module, blocks: list[nn.Module]) -> list[tuple
 
 def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:
     """Shard with FSDP2 where the plan says so (every block, then the root), else move the
-    model to the device. Whether a one-rank process group was created."""
+    model to the device. Whether the model trains in the one-rank process group fit created
+    (now or for an earlier model), which ``Fitted.close()`` then leaves."""
     import torch.distributed as dist
 
     created = False
@@ -711,7 +771,11 @@ def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: 
             backend = _one_rank_group(device)
             created = True
             plan.notes.append(f"no process group: fit created a one-rank {backend} group (Fitted.close() "
-                              "destroys it)")
+                              "destroys it, once every model that trains in it is closed)")
+        elif _in_own_group():
+            created = True
+            plan.notes.append("trains in the one-rank process group an earlier fit created (Fitted.close() destroys "
+                              "it, once every model that trains in it is closed)")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         pin = device.type == "cuda"
         policy = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
@@ -722,6 +786,8 @@ def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: 
             plan.notes.append("host memory is not pinned: pinning needs CUDA")
     else:
         model.to(device)
+    if created:
+        _OWN_GROUP["users"] += 1
     if device.type == "cpu":
         plan.notes.append("on the CPU host and device are one memory: FSDP2's CPU offload moves nothing, and the "
                           "device peak can only be measured on a GPU")
