@@ -104,6 +104,9 @@ def test_between_the_two_placements_the_first_blocks_keep_their_state_on_the_dev
     one = plan_step(needed_host + block_state + KIB, sizes())
     assert one.blocks_on_device == 1 and "on the device for block 0, on the host for the rest" in str(one)
     assert "block 0 keeps its on the device" in str(one)
+    # the split's notes say what stays, not the host placement's "all three on the host" (fuzz25a)
+    assert "all three on the host" not in text and "all three on the host" in str(host)
+    assert "besides the blocks kept, the device holds" in text
     assert "CPUOffloadPolicy after the first 2 blocks" in text
     # more budget keeps more blocks, never fewer; all of them only where the device placement fits
     plans = [plan_step(needed_host + k * block_state, sizes()) for k in range(6)]
@@ -1101,3 +1104,30 @@ def test_a_block_mixing_dtypes_is_refused_before_fsdp2_shards_it():
                             inner_compiler="eager")
     assert not dist.is_initialized()
     assert not any(hasattr(p, "full_tensor") for p in model.parameters())  # not sharded
+
+
+def test_more_kinds_of_one_block_class_than_dynamo_recompiles_are_refused_before_anything_is_prepared():
+    """Past recompile_limit the last blocks ran uncompiled, outside the budget, while the plan
+    said each was compiled under it (fuzz25a)."""
+
+    class Widths(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            widths = [64, 48, 32, 24]
+            self.blocks = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return x
+
+    model = Widths()
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(
+            ValueError, match=r"3 kinds of Linear \(blocks 0, 1, 2: other shapes\).*recompile_limit \(2\).*at least 3"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn, inner_compiler="eager")
+    assert not dist.is_initialized() and not any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def test_a_model_without_parameters_is_refused_as_such():
+    with pytest.raises(ValueError, match=r"the model \(GELU\) has no parameters"):
+        compile_offload.fit(nn.GELU(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn)

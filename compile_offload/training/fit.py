@@ -504,6 +504,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
     listed = len(blocks)
     blocks = list({id(block): block for block in blocks}.values())  # one module listed twice is one block
+    _check_recompile_limit(blocks)
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
                          "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
@@ -590,6 +591,10 @@ def _check_model_and_loss(model: Any, sample: Any, loss_fn: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_offload.fit: model is a {type(model).__name__}; fit shards, compiles and trains an "
                         "nn.Module (for a plain function, compile it with torch.compile(fn, backend='offload_remat'))")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"compile_offload.fit: the model ({type(model).__name__}) has no parameters, so there is "
+                         "nothing to train, shard or keep under the budget; for its activations alone, compile it "
+                         "with torch.compile(model, backend='offload_remat')")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("compile_offload.fit: no parameter of the model requires grad, so there is nothing to "
                          "train; unfreeze the parameters to train (requires_grad_(True))")
@@ -720,6 +725,26 @@ def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.M
             raise ValueError(f"compile_offload.fit: the model's parameter {name!r} is also {owner[id(param)]}'s; FSDP2 "
                              "shards each block on its own and cannot share a parameter between a block and the rest "
                              "of the model. Tie parameters outside the blocks, or pass blocks= without that block")
+
+
+def _check_recompile_limit(blocks: list[nn.Module]) -> None:
+    """Blocks of one class but of several kinds (widths) are compiles of one forward's code,
+    and past Dynamo's ``recompile_limit`` the rest run uncompiled: outside the budget, while
+    the plan says each was compiled under it. Refuse that before anything is prepared."""
+    from ..torch_api.dynamo import config as dynamo_config
+
+    limit = dynamo_config.recompile_limit
+    kinds: dict[Any, list[int]] = {}
+    for index in distinct_blocks(blocks):
+        forward = type(blocks[index]).forward
+        kinds.setdefault(getattr(forward, "__code__", forward), []).append(index)
+    for indices in kinds.values():
+        if len(indices) > limit:
+            raise ValueError(f"compile_offload.fit: the blocks are {len(indices)} kinds of "
+                             f"{type(blocks[indices[0]]).__name__} (blocks {', '.join(map(str, indices))}: other "
+                             f"shapes), each one more compile of its forward, and past "
+                             f"torch._dynamo.config.recompile_limit ({limit}) Dynamo runs the rest uncompiled, "
+                             f"outside the budget; raise it to at least {len(indices)} before fit")
 
 
 def _check_one_dtype_per_shard(model: nn.Module, blocks: list[nn.Module]) -> None:

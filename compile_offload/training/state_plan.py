@@ -261,17 +261,19 @@ def plan_step(budget_bytes: int, sizes: StateSizes) -> StepPlan:
                 f"{format_bytes(on_device + device_activation_min)}.")
         where, fsdp2, offload = HOST, True, True
         kept, kept_bytes = _blocks_that_fit(budget_bytes - state_on_device - activation_min, sizes, ranks)
+        too_much = (f"parameters + gradients + optimizer state + activations' minimum "
+                    f"({format_bytes(on_device + device_activation_min)}) exceed the budget")
+        held = (f"{format_bytes(held_params)} of unsharded parameters ({held_how}) and {format_bytes(held_grads)} of "
+                "gradients outside the blocks")
         if kept:
             where = SPLIT
             state_on_device += kept_bytes
-            notes.append(f"the state of all blocks does not fit: {_first_blocks(kept)} "
-                         f"{'keeps its' if kept == 1 else 'keep theirs'} on the device "
-                         f"({format_bytes(kept_bytes)}), the other {n - kept} and the parameters outside the "
-                         "blocks go to the host through FSDP2's CPUOffloadPolicy")
-        notes.append(f"parameters + gradients + optimizer state + activations' minimum "
-                     f"({format_bytes(on_device + device_activation_min)}) exceed the budget: all three on the host "
-                     f"through FSDP2's CPUOffloadPolicy; the device holds {format_bytes(held_params)} of unsharded "
-                     f"parameters ({held_how}) and {format_bytes(held_grads)} of gradients outside the blocks")
+            notes.append(f"{too_much}: {_first_blocks(kept)} {'keeps its' if kept == 1 else 'keep theirs'} on the "
+                         f"device ({format_bytes(kept_bytes)}), the other {n - kept} and the parameters outside the "
+                         f"blocks go to the host through FSDP2's CPUOffloadPolicy; besides the blocks kept, the "
+                         f"device holds {held}")
+        else:
+            notes.append(f"{too_much}: all three on the host through FSDP2's CPUOffloadPolicy; the device holds {held}")
 
     host_blocks = sizes.block_parameter_bytes[kept:] if where == SPLIT else sizes.block_parameter_bytes
     shared_h2d = -(-max(host_blocks) // ranks) if offload else 0  # each rank uploads its shard, then all-gathers
