@@ -594,3 +594,13 @@ def test_a_meta_module_explain_cannot_find_is_named_not_a_device_mismatch():
     weight = torch.randn(16, 64, device="meta", requires_grad=True)  # a plain tensor, not a module
     with pytest.raises(ValueError, match=r"or pass a meta tensor as an input"):
         compile_offload.explain(lambda t: (t @ weight).relu().sum(), x, memory_budget=0.5)
+
+
+def test_a_forced_offload_is_in_the_plans_offloaded_as_in_its_decisions():
+    # fuzz25b: the decisions said offload while Plan.offloaded stayed empty
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 32))
+    plan = compile_offload.explain(model, torch.randn(128, 32, requires_grad=True), memory_budget=0.5,
+                                   inner_compiler="eager", device_profile="h100", debug_force_offload=True)
+    offloaded = {d.name for d in plan.decisions if d.decision == "offload"}
+    assert offloaded and set(plan.offloaded) == offloaded
+    assert all(distance >= 0 for distance in plan.offloaded.values())

@@ -53,15 +53,21 @@ def force_offload(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, plan: Plan, sett
     if placed is not None:
         tensors, transfers = placed
         fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, tensors, transfers, num_fwd_outputs)
+        distances = {node.name: transfers.reload_distance.get(node, 1) for node in tensors}
     else:
+        distance = 1 if settings.prefetch else 0
         fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
-                                       prefetch_distance=1 if settings.prefetch else 0)
+                                       prefetch_distance=distance)
+        distances = dict.fromkeys(names, distance)
     offloaded = set(names)
     for decision in plan.decisions:
         if decision.name in offloaded:
             decision.decision = "offload"
             decision.reason = "debug_force_offload=True"
-    plan.notes.append(f"debug_force_offload: {len(offloaded)} saved tensors offloaded")
+    # the decisions and Plan.offloaded agree (the predicted peak and step stay the plan's before forcing)
+    plan.offloaded = {**plan.offloaded, **{name: distances[name] for name in names}}
+    plan.notes.append(f"debug_force_offload: {len(offloaded)} saved tensors offloaded (the predicted peak and step "
+                      "time are the plan's before they were)")
     return fw_gm, bw_gm
 
 
