@@ -63,6 +63,9 @@ class Settings:
     # Not a knob: the budget loop's compile of the other start's lowest plan, where the budget is
     # below the minimum (``passes.solve.joint.lowest_solution``; None: the model's choice).
     lowest_start: str | None = None
+    # Not a knob: measured plan choice's compile of torch's own plan, the saved set torch's
+    # partitioner chooses under activation_memory_budget=torch_fraction (``passes.solve.torch_plan``).
+    torch_fraction: float | None = None
     # Not a knob: a dynamic graph's size symbols planned at a size other than their hint, by
     # name: sizes its frame was compiled at (``pipeline/dynamic_check.plan_at_largest_sizes``).
     planning_sizes: tuple[tuple[str, int], ...] = ()

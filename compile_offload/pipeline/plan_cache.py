@@ -39,7 +39,8 @@ from ..settings import Settings
 # The settings a plan depends on, besides the graph (planning sizes enter through its sizes) and
 # the device profile (``shared_h2d_bytes`` through it): they key the cache.
 _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "debug_force_offload", "solver",
-                   "exact_max_candidates", "inner_compiler", "measured_plan_choice", "lowest_start")
+                   "exact_max_candidates", "inner_compiler", "measured_plan_choice", "lowest_start",
+                   "torch_fraction")
 # The settings that decide no plan (what is done with it, reported or measured), or reach the
 # key another way: ``tests/test_plan_cache.py`` holds every field of ``Settings`` to one of the two.
 _NOT_DECIDING = ("strict_budget", "dump_dir", "plan_cache_dir", "device_profile", "pinned_pool_limit",

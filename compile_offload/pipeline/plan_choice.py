@@ -10,7 +10,11 @@ faster. The candidates, besides the plan the budget loop kept:
   peak to the unconstrained plan's): predicted faster and over the budget, it runs only
   where its Inductor code fits the budget after all;
 - the plan made a tenth of that range lower: more recomputation, predicted slower;
-- where the kept plan offloads, the plan made under the same budget without offload.
+- where the kept plan offloads, the plan made under the same budget without offload;
+- torch's own plan: the saved set ``torch.compile``'s partitioner chooses under the largest
+  ``activation_memory_budget`` whose plan the memory model predicts within the budget
+  (``passes.solve.torch_plan``), so that at equal memory the plan that runs is never slower,
+  as measured, than torch's where both fit.
 
 Each is a full compile past the caches (``BudgetLoop.replan``); one whose scheduled peak
 (its Inductor code) exceeds the budget is dropped, and so is one whose decisions equal an
@@ -36,6 +40,7 @@ import torch
 from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
 from ..passes.cost import launches_kernel, node_seconds
+from ..passes.solve.torch_plan import fitting_fraction
 from ..runtime import kernel_costs
 from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs, agree_on_names, process_group_ranks
 from ..torch_api import guards
@@ -152,20 +157,10 @@ def with_trials(loop, compiled):
     started = time.perf_counter()
     trials = [Trial("the planner's plan", compiled, kept.plan, kept)]
     for name, budget, changes in rivals(kept.plan, loop.settings):
-        attempt = loop.replan(budget, **changes)
-        if attempt is None or attempt.plan.scheduled_peak_bytes is None:
-            continue
-        plan = attempt.plan
-        if plan.scheduled_peak_bytes > kept.plan.budget_bytes:
-            log.debug("%s: measured plan choice: %s dropped, its scheduled peak %s is over the budget %s",
-                      kept.plan.graph_name, name, format_bytes(plan.scheduled_peak_bytes),
-                      format_bytes(kept.plan.budget_bytes))
-            continue
-        if any(_same_decisions(plan, t.plan) for t in trials):
-            continue
-        plan.replanned_under(kept.plan.budget_bytes, budget)
-        plan.budget_outcome = "kept"
-        trials.append(Trial(name, attempt.compiled, plan, attempt.result))
+        _add_rival(trials, kept, name, budget, loop.replan(budget, **changes))
+    torch_plan = torch_rival(loop, kept)
+    if torch_plan is not None:
+        _add_rival(trials, kept, *torch_plan)
     on_profiled = _measured_cost_candidate(loop, trials)
     # Every rank must run the same schedule: a rival runs, and the profile step is taken,
     # where every rank has it.
@@ -295,6 +290,62 @@ def rivals(plan: Plan, settings) -> list[tuple[str, int, dict]]:
     if settings.offload and plan.count("offload"):
         found.append(("offload off", plan.budget_bytes, {"offload": False}))
     return found
+
+
+def _add_rival(trials: list[Trial], kept, name: str, budget: int | None, attempt) -> None:
+    """``attempt`` (a rival compiled, or None) joins ``trials`` where its scheduled peak fits
+    the kept plan's budget and its decisions are new."""
+    if attempt is None or attempt.plan.scheduled_peak_bytes is None:
+        return
+    plan = attempt.plan
+    if plan.scheduled_peak_bytes > kept.plan.budget_bytes:
+        log.debug("%s: measured plan choice: %s dropped, its scheduled peak %s is over the budget %s",
+                  kept.plan.graph_name, name, format_bytes(plan.scheduled_peak_bytes),
+                  format_bytes(kept.plan.budget_bytes))
+        return
+    if any(_same_decisions(plan, t.plan) for t in trials):
+        return
+    plan.replanned_under(kept.plan.budget_bytes, budget)
+    plan.budget_outcome = "kept"
+    trials.append(Trial(name, attempt.compiled, plan, attempt.result))
+
+
+# How many times torch's plan is planned again at a lower fraction where its Inductor code
+# peaked over the budget (as the budget loop plans its own again, ``budget_loop.py``).
+TORCH_REPLANS = 2
+
+
+def torch_rival(loop, kept) -> tuple[str, int, Any] | None:
+    """(name, budget, compiled attempt) of torch's own plan (``passes.solve.torch_plan``) at the
+    largest ``activation_memory_budget`` whose Inductor code fits the kept plan's budget: the
+    fraction the memory model predicts within the budget, lowered by what the code peaked
+    over it (at most ``TORCH_REPLANS`` times). None where no fraction fits, or the graph has
+    no analysis (torch's own partition ran)."""
+    budget = kept.plan.budget_bytes
+    if budget is None or kept.analysis is None:
+        return None
+    target, tried = budget, set()
+    for _ in range(TORCH_REPLANS + 1):
+        try:
+            fraction = fitting_fraction(kept.analysis, target)
+        except Exception as error:  # noqa: BLE001  a rival is optional: torch's knapsack may refuse a graph
+            log.info("%s: measured plan choice: torch's plan is not a candidate (its partitioner's knapsack raised "
+                     "%s: %s)", kept.plan.graph_name, type(error).__name__, error)
+            return None
+        if fraction is None or fraction in tried:
+            return None
+        tried.add(fraction)
+        attempt = loop.replan(budget, torch_fraction=fraction)
+        name = f"torch's plan, budget {fraction:g}"
+        if attempt is None or attempt.plan.scheduled_peak_bytes is None:
+            return None
+        over = attempt.plan.scheduled_peak_bytes - budget
+        if over <= 0:
+            return name, budget, attempt
+        log.debug("%s: measured plan choice: %s peaks %s over the budget in Inductor's code; planned again lower",
+                  kept.plan.graph_name, name, format_bytes(over))
+        target -= over
+    return None
 
 
 def _same_decisions(a: Plan, b: Plan) -> bool:

@@ -33,6 +33,7 @@ from ..passes.solve.recompute import (Candidate, Solution, SolverError, lowest_p
                                       without_banned_recompute)
 from ..passes.inductor.smaller_matmuls_first import smaller_matmuls_first
 from ..passes.inductor.unfused_mm_add import unfused_mm_add
+from ..passes.solve.torch_plan import torch_plan_solution
 from ..passes.solve.joint import OffloadOptions, solve_joint
 from .place_offloads import force_offload, insert_planned_offloads, planned_placement
 from .result import BudgetError, PartitionResult
@@ -209,26 +210,35 @@ def _solve_and_partition(joint: compat.JointGraph, policy_tags, settings: Settin
                               "tried (it searches recomputation only, without per-segment checkpointing or offload)")
         return better
 
-    solution = solve(seconds)
     refinement = None
-    if settings.solver == "refined":  # opt-in: it spends the slack the greedy leaves (design.md, "Refinement")
-        unrefined = solution
-        solution, refinement = refine_solution(analysis, solution, base_saved, seconds, offload, progress)
-    if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
-        preferring = solve(policy.biased(seconds)) if policy.bias else None
-        solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload, base_saved)
-        if not settings.debug_force_offload:  # which offloads all it can anyway
-            no_offload = "offload=False" if not settings.offload else "the cpu profile: host memory is the device's own"
-            solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
-                                                  base_saved, graph_name)
+    if settings.torch_fraction is not None:  # torch's own plan, measured beside the planner's (plan_choice.py)
+        solution = torch_plan_solution(analysis, base_saved, seconds, settings.torch_fraction, settings.budget_bytes)
+    else:
+        solution = solve(seconds)
+        if settings.solver == "refined":  # opt-in: it spends the slack the greedy leaves (design.md, "Refinement")
+            unrefined = solution
+            solution, refinement = refine_solution(analysis, solution, base_saved, seconds, offload, progress)
+        if policy:  # checkpoint policies: PREFER_SAVE as a cost bias, *_CPU_OFFLOAD applied after solving
+            preferring = solve(policy.biased(seconds)) if policy.bias else None
+            solution = user_policy.follow_preferences(analysis, policy, solution, preferring, seconds, offload,
+                                                      base_saved)
+            if not settings.debug_force_offload:  # which offloads all it can anyway
+                no_offload = ("offload=False" if not settings.offload
+                              else "the cpu profile: host memory is the device's own")
+                solution = user_policy.offload_tagged(analysis, policy, solution, seconds, offload, no_offload,
+                                                      base_saved, graph_name)
     chosen = solution.chosen
     # Placing the planned copies recompiles the backward: once is enough.
     fw_gm, bw_gm = build_graphs(analysis, chosen.saved, recompile=not chosen.offloaded, offloaded=chosen.offloaded)
     fw_gm, bw_gm = insert_planned_offloads(fw_gm, bw_gm, chosen.offloaded, chosen.transfers, num_fwd_outputs)
-    solver = "greedy" if greedy_ran else settings.solver  # what ran: the exact solver may have refused or lost
+    # what ran: the exact solver may have refused or lost; torch's plan is torch's partitioner's
+    solver = "torch" if settings.torch_fraction is not None else "greedy" if greedy_ran else settings.solver
     plan = build_plan(analysis, solution, seconds, solver=solver, profile_name=profile.name,
                       graph_name=graph_name, solve_seconds=time.perf_counter() - started)
     user_policy.annotate(plan, policy, analysis, graph_name)
+    if settings.torch_fraction is not None:
+        plan.notes.append(f"torch's own plan: the saved set torch.compile's partitioner chooses under "
+                          f"activation_memory_budget={settings.torch_fraction:g}")
     if measured is not None:
         plan.cost_source = "measured"
         links = [f"{way} {rate / 1e9:.1f} GB/s" for way, rate in (("to the host", measured.d2h_bandwidth),

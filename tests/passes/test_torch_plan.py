@@ -1,0 +1,94 @@
+"""``passes.solve.torch_plan``: torch's own plan at equal memory, the saved set its
+partitioner's knapsack chooses under ``activation_memory_budget``, at the largest fraction
+predicted to fit a budget (a rival in measured plan choice)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from compile_offload.passes import compat
+from compile_offload.passes.analyze import analyze_joint
+from compile_offload.passes.cost import BUILTIN_PROFILES, node_seconds
+from compile_offload.passes.inductor.rules import PYTHON
+from compile_offload.passes.solve import torch_plan
+from compile_offload.passes.solve.joint import Evaluator
+from compile_offload.passes.solve.recompute import Prefix, without_banned_recompute
+
+from .joint_capture import capture
+
+FRACTIONS = [step / torch_plan.FRACTIONS for step in range(1, torch_plan.FRACTIONS)]
+
+
+class _Residual(nn.Module):
+    """Residual MLP blocks: norms and activations torch's knapsack may recompute (never a
+    matmul), which lowers the peak."""
+
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def _peak(a, base, fraction: float) -> int:
+    return Evaluator(a, lambda _node: 0.0, None, base)(Prefix(torch_plan.torch_saved(a, fraction), frozenset(),
+                                                             ())).peak_bytes
+
+
+def _peak_of(a, base, saved) -> int:
+    return Evaluator(a, lambda _node: 0.0, None, base)(Prefix(saved, frozenset(), ())).peak_bytes
+
+
+def _observe(joint, _inputs) -> dict:
+    """Everything the tests read, taken on the joint graph before torch's partition runs on it."""
+    a = analyze_joint(joint, PYTHON)
+    base = without_banned_recompute(a, compat.min_cut_saved_values(joint))  # as the planner's start
+    peaks = {fraction: _peak(a, base, fraction) for fraction in FRACTIONS}
+    lowest, highest = min(peaks.values()), max(peaks.values())
+    budget = (lowest + highest) // 2
+    baseline = _peak_of(a, base, frozenset(base))
+    fraction = torch_plan.fitting_fraction(a, budget)
+    profile = BUILTIN_PROFILES["h100"]
+    solution = torch_plan.torch_plan_solution(a, base, lambda node: node_seconds(node, profile), fraction, budget)
+    return {
+        "baseline": baseline, "peaks": peaks, "lowest": lowest, "highest": highest, "budget": budget, "fraction": fraction,
+        "none_below_lowest": torch_plan.fitting_fraction(a, lowest - 1),
+        "solution": solution, "saved": torch_plan.torch_saved(a, fraction), "base": frozenset(base),
+        "over": torch_plan.torch_plan_solution(a, base, lambda node: 0.0, fraction, solution.chosen.peak_bytes - 1),
+    }
+
+
+@functools.cache
+def _tower() -> dict:
+    seen, _ = capture(_Residual(), torch.randn(1024, 64), hook=_observe)
+    return seen
+
+
+def test_the_fraction_found_is_the_largest_whose_plan_is_predicted_to_fit():
+    seen = _tower()
+    assert seen["lowest"] < seen["highest"] and seen["budget"] < seen["baseline"]
+    fraction, peaks = seen["fraction"], seen["peaks"]
+    assert fraction is not None and peaks[fraction] <= seen["budget"]
+    assert all(peak > seen["budget"] for higher, peak in peaks.items() if higher > fraction)
+
+
+def test_no_fraction_where_even_torchs_lowest_plan_is_over_the_budget():
+    assert _tower()["none_below_lowest"] is None
+
+
+def test_the_solution_saves_what_torch_saves_and_explains_each_recompute():
+    seen = _tower()
+    solution, saved = seen["solution"], seen["saved"]
+    assert solution.chosen.saved == saved and solution.baseline.saved == seen["base"]
+    assert solution.feasible and solution.budget_bytes == seen["budget"]
+    assert solution.chosen.peak_bytes <= seen["budget"]
+    assert solution.recomputed and set(solution.recomputed) == seen["base"] - saved
+    assert solution.chosen.extra_seconds > 0  # it recomputes: slower than the unconstrained plan
+    assert not seen["over"].feasible
