@@ -532,6 +532,9 @@ def test_measured_choice_trains_like_eager_and_the_plan_cache_keeps_the_choice(t
                 break
     said = caplog.text
     assert "<- runs" in said, said
+    # torch's own plan at equal memory was among them: its first fraction's code peaked over the
+    # budget, and the next one down joined (passes/solve/torch_plan.py, plan_choice.torch_rival)
+    assert "torch's plan, budget" in said, said
     # The profiled step priced the graph's nodes from its kernels, and the plan made from them
     # was a candidate unless it repeated one already measured.
     assert "nodes priced from their kernels' times" in said, said
@@ -657,3 +660,22 @@ def test_where_it_cannot_act_nothing_is_tried_and_a_warning_says_so_once(caplog,
     assert "measured plan choice" not in caplog.text
     said = [str(w.message) for w in caught if "measured_plan_choice is off" in str(w.message)]
     assert len(said) == 1 and f"measured_plan_choice is off {why}" in said[0], said
+
+
+def test_torchs_plan_is_no_rival_where_a_checkpoint_policy_asks_to_offload(monkeypatch):
+    """torch's plan offloads nothing: run in place of the planner's, it would drop a tensor the
+    user tagged *_CPU_OFFLOAD."""
+    from types import SimpleNamespace as NS
+
+    from compile_offload.pipeline import plan_choice
+
+    asked = []
+    monkeypatch.setattr(plan_choice, "fitting_fraction", lambda *args, **kwargs: asked.append(args) and None)
+
+    def kept(tag: str):
+        nodes = [NS(meta={}), NS(meta={"recompute": NS(name=tag)})]
+        return NS(plan=NS(budget_bytes=1000, graph_name="g"), analysis=NS(joint=NS(gm=NS(graph=NS(nodes=nodes)))))
+
+    assert plan_choice.torch_rival(None, kept("MUST_CPU_OFFLOAD")) is None and not asked
+    assert plan_choice.torch_rival(None, kept("PREFER_CPU_OFFLOAD")) is None and not asked
+    assert plan_choice.torch_rival(None, kept("MUST_SAVE")) is None and len(asked) == 1  # looked for, none fits

@@ -13,8 +13,9 @@ faster. The candidates, besides the plan the budget loop kept:
 - where the kept plan offloads, the plan made under the same budget without offload;
 - torch's own plan: the saved set ``torch.compile``'s partitioner chooses under the largest
   ``activation_memory_budget`` whose plan the memory model predicts within the budget
-  (``passes.solve.torch_plan``), so that at equal memory the plan that runs is never slower,
-  as measured, than torch's where both fit.
+  (``passes.solve.torch_plan``; ``torch_rival``), so that at equal memory torch's choice is
+  measured beside ours where it fits. Not where a checkpoint policy asks to offload (torch's
+  plan would drop that).
 
 Each is a full compile past the caches (``BudgetLoop.replan``); one whose scheduled peak
 (its Inductor code) exceeds the budget is dropped, and so is one whose decisions equal an
@@ -318,34 +319,42 @@ TORCH_REPLANS = 2
 def torch_rival(loop, kept) -> tuple[str, int, Any] | None:
     """(name, budget, compiled attempt) of torch's own plan (``passes.solve.torch_plan``) at the
     largest ``activation_memory_budget`` whose Inductor code fits the kept plan's budget: the
-    fraction the memory model predicts within the budget, lowered by what the code peaked
-    over it (at most ``TORCH_REPLANS`` times). None where no fraction fits, or the graph has
-    no analysis (torch's own partition ran)."""
+    fraction the memory model predicts within the budget; where the code peaked over it, the
+    next fraction down predicted under that plan's own prediction less the excess (at most
+    ``TORCH_REPLANS`` times). None where no fraction fits, the graph has no analysis (torch's
+    own partition ran), or a checkpoint policy asks to offload (torch's plan offloads nothing)."""
     budget = kept.plan.budget_bytes
-    if budget is None or kept.analysis is None:
+    if budget is None or kept.analysis is None or _offload_tagged(kept.analysis):
         return None
-    target, tried = budget, set()
+    target, below, saved_at = budget, 1.0, {}
     for _ in range(TORCH_REPLANS + 1):
         try:
-            fraction = fitting_fraction(kept.analysis, target)
+            fraction = fitting_fraction(kept.analysis, target, below=below, saved_at=saved_at)
         except Exception as error:  # noqa: BLE001  a rival is optional: torch's knapsack may refuse a graph
             log.info("%s: measured plan choice: torch's plan is not a candidate (its partitioner's knapsack raised "
                      "%s: %s)", kept.plan.graph_name, type(error).__name__, error)
             return None
-        if fraction is None or fraction in tried:
+        if fraction is None:
             return None
-        tried.add(fraction)
         attempt = loop.replan(budget, torch_fraction=fraction)
         name = f"torch's plan, budget {fraction:g}"
         if attempt is None or attempt.plan.scheduled_peak_bytes is None:
             return None
         over = attempt.plan.scheduled_peak_bytes - budget
         if over <= 0:
+            # its figures against the planner's: the lowest peak the planner reached stays its own
+            attempt.plan.min_peak_bytes = min(attempt.plan.min_peak_bytes, kept.plan.min_peak_bytes)
             return name, budget, attempt
         log.debug("%s: measured plan choice: %s peaks %s over the budget in Inductor's code; planned again lower",
                   kept.plan.graph_name, name, format_bytes(over))
-        target -= over
+        target, below = attempt.plan.predicted_peak_bytes - over, fraction
     return None
+
+
+def _offload_tagged(analysis) -> bool:
+    """Whether a checkpoint policy tags a node of the graph for offload (``*_CPU_OFFLOAD``)."""
+    return any(str(getattr(node.meta.get("recompute"), "name", "")).endswith("CPU_OFFLOAD")
+               for node in analysis.joint.gm.graph.nodes)
 
 
 def _same_decisions(a: Plan, b: Plan) -> bool:

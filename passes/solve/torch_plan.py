@@ -4,7 +4,7 @@ fraction whose plan the memory model predicts within a budget.
 
 Measured plan choice times it beside the planner's plan (``compile_offload/pipeline/plan_choice.py``):
 the planner ranks plans by a cost model, which can misjudge a device; with torch's own choice
-among the plans measured, the plan that runs is never the slower of the two where both fit.
+among the plans measured, it runs where it measures faster (by that choice's rule).
 
 Limits: the fractions tried are the multiples of ``1 / FRACTIONS`` below 1, from the top,
 each running torch's knapsack once, until one is predicted to fit. They are all tried, not
@@ -32,14 +32,21 @@ def torch_saved(a: JointAnalysis, fraction: float) -> frozenset[fx.Node]:
     return frozenset(without_banned_recompute(a, compat.budget_saved_values(a.joint, fraction)))
 
 
-def fitting_fraction(a: JointAnalysis, budget_bytes: int) -> float | None:
-    """The largest multiple of ``1 / FRACTIONS`` below 1 at which torch's plan is predicted
-    to peak within ``budget_bytes`` (the least it recomputes, as a torch user raises
-    ``activation_memory_budget`` while the step fits); None where none is."""
+def fitting_fraction(a: JointAnalysis, budget_bytes: int, below: float = 1.0,
+                     saved_at: dict[float, frozenset[fx.Node]] | None = None) -> float | None:
+    """The largest multiple of ``1 / FRACTIONS`` below ``below`` (and 1) at which torch's plan
+    is predicted to peak within ``budget_bytes`` (the least it recomputes, as a torch user
+    raises ``activation_memory_budget`` while the step fits); None where none is.
+    ``saved_at``: torch's saved sets by fraction, kept between calls (each is a knapsack)."""
+    saved_at = {} if saved_at is None else saved_at
     evaluate = Evaluator(a, lambda _node: 0.0, None, compat.min_cut_saved_values(a.joint))  # peaks only
     for step in range(FRACTIONS - 1, 0, -1):
         fraction = step / FRACTIONS
-        if evaluate(Prefix(torch_saved(a, fraction), frozenset(), ())).peak_bytes <= budget_bytes:
+        if fraction >= below:
+            continue
+        if fraction not in saved_at:
+            saved_at[fraction] = torch_saved(a, fraction)
+        if evaluate(Prefix(saved_at[fraction], frozenset(), ())).peak_bytes <= budget_bytes:
             return fraction
     return None
 
