@@ -961,6 +961,17 @@ def test_still_over_after_the_corrections_one_warning_names_the_peak(fitted):
     assert result.plan.per_block_activation_budget_bytes >= result.block_min_bytes
 
 
+def test_no_correction_compiles_the_blocks_past_dynamos_recompile_limit(fitted):
+    """Each correction compiles the blocks again: past recompile_limit the rest would run
+    uncompiled, outside the budget, so the correction that would pass it is not made."""
+    result, _ = fitted
+    assert result.block_kinds == 1
+    with torch._dynamo.config.patch(recompile_limit=2):  # the first compile and one correction
+        measured, named = _steps_with(result, _Meter(int(BUDGET * 1.05)), 10)
+    assert result.corrections == 1 and measured == [2, 4]
+    assert len(named) == 1 and "after 1 correction(s)" in named[0]
+
+
 @pytest.mark.cuda
 def test_on_cuda_the_measured_step_keeps_the_budget_or_one_warning_names_its_peak():
     """The user's contract on a GPU, for the whole step (parameters, gradients, optimizer state,
@@ -1073,6 +1084,7 @@ def test_a_block_listed_twice_is_one_block_and_a_parameterless_entry_is_left_out
     try:
         plan = result.plan
         assert plan.blocks == 2  # the shared block and the last one; not the Identity
+        assert any("entries 1 (Identity) have no parameters" in note for note in plan.notes), plan.notes
         assert plan.block_calls == 3  # the shared block runs twice: it was counted 4 times (hooked twice)
         assert any("block 0 2 times" in note for note in plan.notes), plan.notes
         assert_trains_like_an_eager_loop(result, reference, steps=2)
@@ -1098,7 +1110,7 @@ def test_a_block_mixing_dtypes_is_refused_before_fsdp2_shards_it():
     """FSDP2 asserted at the first step, with the model already sharded in place."""
     model = Net()
     model.blocks[1].fc2.to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"block 1 has parameters of 2 dtypes: float32 \('fc1.weight'\), "
+    with pytest.raises(ValueError, match=r"block 1 trains parameters of 2 dtypes: float32 \('fc1.weight'\), "
                                          r"bfloat16 \('fc2.weight'\)"):
         compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
                             inner_compiler="eager")
@@ -1131,3 +1143,41 @@ def test_more_kinds_of_one_block_class_than_dynamo_recompiles_are_refused_before
 def test_a_model_without_parameters_is_refused_as_such():
     with pytest.raises(ValueError, match=r"the model \(GELU\) has no parameters"):
         compile_offload.fit(nn.GELU(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn)
+
+
+def test_a_frozen_parameter_of_another_dtype_is_accepted_and_trains():
+    """FSDP2 asks one dtype of the parameters it trains only (review of the mixed-dtype check)."""
+    torch.manual_seed(0)
+    model = Net()
+    model.blocks[1].fc2.to(torch.bfloat16).requires_grad_(False)
+    model.blocks[1].forward = lambda x, block=model.blocks[1]: block.fc2(F.gelu(block.fc1(x)).bfloat16()).float()
+    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        assert result.plan.fsdp2
+        before = full(model.blocks[1].fc1.weight).detach().clone()
+        losses = [result.step(batch(step)) for step in range(2)]
+        assert all(torch.isfinite(loss) for loss in losses)
+        assert not torch.equal(full(model.blocks[1].fc1.weight).detach(), before)  # its trained neighbour trained
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_closing_a_model_after_its_group_was_replaced_leaves_the_new_group_alone():
+    """fit(A) made a group, the user destroyed it, fit(B) made another: A.close() destroyed B's."""
+    torch.manual_seed(0)
+    first = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                inner_compiler="eager")
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+    second = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    try:
+        first.close()
+        assert dist.is_initialized()
+        second.step(batch(0))
+    finally:
+        second.close()
+        torch._dynamo.reset()
+    assert not dist.is_initialized()

@@ -16,7 +16,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,8 @@ class Fitted:
     # clips the gradients' total norm after the backward, before any optimizer step
     max_grad_norm: float | None = None
     created_process_group: bool = False
+    # the one-rank group fit created that this model trains in (``close`` leaves that one only)
+    joined_group: Any = field(default=None, repr=False)
     # steps the optimizer: the host state where the plan says (``optimizer_step.OptimizerStep``)
     optimizer_step: OptimizerStep | None = None
     # measures one whole step's device peak at the allocator (CUDA: ``CudaStepMeter``; None on the CPU)
@@ -54,6 +56,7 @@ class Fitted:
     # the lowest one they can take (their minimum-memory plan's peak)
     recompile: Callable[[int], None] | None = None
     block_min_bytes: int = 0
+    block_kinds: int = 1  # the most kinds of blocks one forward's code is compiled for
     corrections: int = 0
     settling: int = 0  # steps to run after a recompile before the next measured one
     # fit's sample was a dict of keyword inputs: step(batch) with one dict takes it as step(**batch)
@@ -133,7 +136,8 @@ class Fitted:
         per_block = self.plan.per_block_activation_budget_bytes
         calls = self.plan.block_calls or self.plan.blocks  # each call's plan runs under the lowered budget
         lowered = max(self.block_min_bytes, per_block - -(-(peak - budget) // calls))
-        if self.recompile is not None and self.corrections < MAX_CORRECTIONS and lowered < per_block:
+        if (self.recompile is not None and self.corrections < MAX_CORRECTIONS and lowered < per_block
+                and self._recompile_fits()):
             self.corrections += 1
             self.plan.notes.append(f"step {self.steps} measured {format_bytes(peak)} at the allocator, over the budget "
                                    f"by {format_bytes(peak - budget)}: the blocks compiled again with memory_budget "
@@ -150,12 +154,20 @@ class Fitted:
                       f"{format_bytes(per_block)}, their minimum {format_bytes(self.block_min_bytes)}); what the "
                       "prediction leaves out is in the plan's notes", stacklevel=3)
 
+    def _recompile_fits(self) -> bool:
+        """Whether compiling the blocks once more stays within Dynamo's ``recompile_limit``:
+        each compile of them adds ``block_kinds`` entries to one forward's code, and past the
+        limit the rest would run uncompiled, outside the budget."""
+        from ..torch_api.dynamo import config as dynamo_config
+
+        return (self.corrections + 2) * self.block_kinds <= dynamo_config.recompile_limit
+
     def close(self) -> None:
         """Leave the one-rank process group ``fit`` created, destroying it when no other
         ``Fitted`` trains in it (nothing when this one trains in no group of fit's)."""
         if self.created_process_group:
-            _leave_own_group()
-            self.created_process_group = False
+            _leave_own_group(self.joined_group)
+            self.created_process_group, self.joined_group = False, None
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -196,11 +208,21 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     """The children with parameters of the first ``nn.ModuleList`` in the model that holds
     parameters (a transformer's blocks; a list of parameterless modules before them, such as
     dropouts or activations, is not the blocks)."""
+    # a parameterless entry (an nn.Identity standing for a pruned layer) has nothing to shard,
+    # and no graph of its own to plan: it runs as it is (``_parameterless_entries``)
+    return [block for block in _block_list(model) if any(True for _ in block.parameters())]
+
+
+def _parameterless_entries(model: nn.Module) -> list[str]:
+    """The entries of the default blocks' ``ModuleList`` left out for having no parameters."""
+    return [f"{index} ({type(block).__name__})" for index, block in enumerate(_block_list(model))
+            if not any(True for _ in block.parameters())]
+
+
+def _block_list(model: nn.Module) -> nn.ModuleList:
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 and any(True for _ in module.parameters()):
-            # a parameterless entry (an nn.Identity standing for a pruned layer) has nothing to
-            # shard, and no graph of its own to plan: it runs as it is
-            return [block for block in module if any(True for _ in block.parameters())]
+            return module
     raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks with parameters; pass "
                      "blocks=[...], the modules to shard and compile one by one")
 
@@ -424,10 +446,13 @@ def _in_own_group() -> bool:
     return dist.is_initialized() and _OWN_GROUP["group"] is not None and dist.group.WORLD is _OWN_GROUP["group"]
 
 
-def _leave_own_group() -> None:
+def _leave_own_group(group: Any) -> None:
+    """A model leaves ``group``, the one-rank group fit created that it joined; the last to
+    leave destroys it. Nothing where that group is gone (destroyed by the user, and perhaps
+    another created since, by fit or the user)."""
     import torch.distributed as dist
 
-    if not _in_own_group():  # destroyed already (by the user), or replaced by another group
+    if group is None or group is not _OWN_GROUP["group"] or not _in_own_group():
         return
     _OWN_GROUP["users"] -= 1
     if _OWN_GROUP["users"] <= 0:
@@ -501,10 +526,11 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         inputs, input_kwargs = (), dict(sample)
     else:
         inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
+    left_out = [] if blocks is not None else _parameterless_entries(model)
     blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
     listed = len(blocks)
     blocks = list({id(block): block for block in blocks}.values())  # one module listed twice is one block
-    _check_recompile_limit(blocks)
+    block_kinds = _check_recompile_limit(blocks)
     if not blocks:
         raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
                          "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
@@ -513,6 +539,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
 
     sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
     plan = plan_step(budget, sizes)
+    if left_out:
+        plan.notes.append(f"the blocks' list's entries {', '.join(left_out)} have no parameters: not blocks, they run "
+                          "as they are, uncompiled (their activations are not planned)")
     if listed > len(blocks):
         plan.notes.append(f"the {listed} blocks listed are {len(blocks)} modules (a module listed more than once, "
                           "shared across layers): each is sharded and compiled once")
@@ -521,9 +550,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         _check_one_dtype_per_shard(model, blocks)
         _check_steps_sharded_parameters(optimizer_fn, model)
     had_group = dist.is_available() and dist.is_initialized()
-    created = False
+    joined = None
     try:
-        created = _prepare(model, blocks, plan, device)
+        joined = _prepare(model, blocks, plan, device)
         # the blocks' reloads share the host link with FSDP2's parameter uploads (StepPlan.shared_h2d_bytes)
         link = {"shared_h2d_bytes": plan.shared_h2d_bytes} if plan.shared_h2d_bytes else {}
 
@@ -548,8 +577,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
             plan.notes.append(f"optimizer_step={optimizer_step!r} changes nothing: no state is on the host, and the "
                               "optimizer steps it on the device")
     except BaseException:
-        if created:  # this model trains in the group fit made: it leaves it
-            _leave_own_group()
+        if joined is not None:  # this model trains in the group fit made: it leaves it
+            _leave_own_group(joined)
         elif not had_group and _in_own_group():  # the one-rank group fit made just now, before failing
             dist.destroy_process_group()
             _OWN_GROUP.update(group=None, users=0)
@@ -565,8 +594,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         meter = CudaStepMeter(device)
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
                   max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                  created_process_group=created, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
-                  block_min_bytes=sizes.block_activation_min_bytes, keyword_sample=isinstance(sample, Mapping))
+                  created_process_group=joined is not None, joined_group=joined, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
+                  block_min_bytes=sizes.block_activation_min_bytes, block_kinds=block_kinds, keyword_sample=isinstance(sample, Mapping))
 
 
 def _check_not_prepared(model: nn.Module) -> None:
@@ -727,10 +756,11 @@ def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.M
                              "of the model. Tie parameters outside the blocks, or pass blocks= without that block")
 
 
-def _check_recompile_limit(blocks: list[nn.Module]) -> None:
+def _check_recompile_limit(blocks: list[nn.Module]) -> int:
     """Blocks of one class but of several kinds (widths) are compiles of one forward's code,
     and past Dynamo's ``recompile_limit`` the rest run uncompiled: outside the budget, while
-    the plan says each was compiled under it. Refuse that before anything is prepared."""
+    the plan says each was compiled under it. Refuse that before anything is prepared; else
+    the most kinds of one forward (each correction of the blocks' budget compiles them again)."""
     from ..torch_api.dynamo import config as dynamo_config
 
     limit = dynamo_config.recompile_limit
@@ -745,23 +775,25 @@ def _check_recompile_limit(blocks: list[nn.Module]) -> None:
                              f"shapes), each one more compile of its forward, and past "
                              f"torch._dynamo.config.recompile_limit ({limit}) Dynamo runs the rest uncompiled, "
                              f"outside the budget; raise it to at least {len(indices)} before fit")
+    return max(map(len, kinds.values()), default=1)
 
 
 def _check_one_dtype_per_shard(model: nn.Module, blocks: list[nn.Module]) -> None:
-    """FSDP2 flattens the parameters of each ``fully_shard`` (each block, and the root with the
-    rest of the model) into one buffer of one dtype, and asserts so at the first step, after
-    the model was sharded in place. Refuse a mix before anything is prepared."""
+    """FSDP2 asks the trained parameters of each ``fully_shard`` (each block, and the root with
+    the rest of the model) to share one dtype, and asserts so at the first step, after the
+    model was sharded in place. Refuse a mix before anything is prepared."""
     groups = [(f"block {index}", list(block.named_parameters())) for index, block in enumerate(blocks)]
     groups.append(("the model outside the blocks", _parameters_outside(model, blocks)))
     for where, named in groups:
         dtypes: dict[torch.dtype, str] = {}
         for name, param in named:
-            dtypes.setdefault(param.dtype, name)
+            if param.requires_grad:  # FSDP2 asks one dtype of the parameters it trains (a frozen one may differ)
+                dtypes.setdefault(param.dtype, name)
         if len(dtypes) > 1:
             mix = ", ".join(f"{str(dtype).removeprefix('torch.')} ({name!r})" for dtype, name in dtypes.items())
-            raise ValueError(f"compile_offload.fit: {where} has parameters of {len(dtypes)} dtypes: {mix}; this budget "
-                             "shards the model with FSDP2, which keeps each block's parameters (and the rest of the "
-                             "model's) in one dtype. Cast them to one dtype (autocast computes in another), or give a "
+            raise ValueError(f"compile_offload.fit: {where} trains parameters of {len(dtypes)} dtypes: {mix}; this "
+                             "budget shards the model with FSDP2, which keeps the trained parameters of each block (and "
+                             "of the rest of the model) in one dtype. Cast them to one dtype (autocast computes in another), or give a "
                              "budget that keeps the state on the device")
 
 
@@ -781,10 +813,10 @@ def _parameters_outside(model: nn.Module, blocks: list[nn.Module]) -> list[tuple
     return found
 
 
-def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> bool:
+def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: torch.device) -> Any:
     """Shard with FSDP2 where the plan says so (every block, then the root), else move the
-    model to the device. Whether the model trains in the one-rank process group fit created
-    (now or for an earlier model), which ``Fitted.close()`` then leaves."""
+    model to the device. The one-rank process group fit created (now or for an earlier model)
+    where the model trains in it, which ``Fitted.close()`` then leaves; else None."""
     import torch.distributed as dist
 
     created = False
@@ -816,4 +848,4 @@ def _prepare(model: nn.Module, blocks: list[nn.Module], plan: StepPlan, device: 
     if device.type == "cpu":
         plan.notes.append("on the CPU host and device are one memory: FSDP2's CPU offload moves nothing, and the "
                           "device peak can only be measured on a GPU")
-    return created
+    return _OWN_GROUP["group"] if created else None
