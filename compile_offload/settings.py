@@ -243,9 +243,14 @@ def parse_time_limit(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"compile_offload.config.plan_time_limit={value!r} has type {type(value).__name__}; "
                         f"accepted: {accepted}")
-    if math.isnan(value) or value < 0:
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past a float's range (10**400): no limit a float can hold
+        raise ValueError(f"compile_offload.config.plan_time_limit={value!r} is too large; accepted: {accepted} "
+                         "(None for no limit)") from None
+    if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"compile_offload.config.plan_time_limit={value!r}: accepted: {accepted}")
-    return float(value)
+    return seconds
 
 
 def check_option_names(options: dict, other_names: Iterable[str] = ()) -> None:

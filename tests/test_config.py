@@ -351,6 +351,14 @@ def test_plan_time_limit_parses_to_seconds(value, seconds):
     assert settings.resolve({"plan_time_limit": value}).plan_time_limit == seconds
 
 
+def test_a_time_limit_past_a_floats_range_is_a_value_error_not_an_overflow():
+    with pytest.raises(ValueError, match=r"plan_time_limit=1000.* is too large"):
+        settings.resolve({"plan_time_limit": 10**400})
+    from compile_offload import config_guard
+
+    assert config_guard._understood("plan_time_limit", 10**400)[0] == "as written"  # the guard does not raise
+
+
 def test_numpy_floats_of_every_width_are_fractions_and_seconds():
     np = pytest.importorskip("numpy")
     for kind in (np.float16, np.float32, np.float64):

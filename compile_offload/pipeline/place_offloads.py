@@ -49,6 +49,8 @@ def force_offload(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, plan: Plan, sett
     # RNG state of a checkpointed dropout) has nothing to reload into: it stays.
     received = {node.name for node in bw_gm.graph.nodes if node.op == "placeholder"}
     names = [name for name in eligible_saved_tensors(fw_gm, num_fwd_outputs) if name in received]
+    if not names:  # nothing left to force (a plan from the plan cache offloads them already)
+        return fw_gm, bw_gm
     placed = transfers_for(names) if transfers_for is not None else None
     if placed is not None:
         tensors, transfers = placed
