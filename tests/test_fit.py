@@ -215,10 +215,11 @@ def assert_same_parameters(model: nn.Module, reference: nn.Module) -> None:
 BUDGET = 550 * KIB  # the whole state is about 2 MiB
 
 
-def assert_trains_like_an_eager_loop(result, reference: nn.Module, steps: int, tokens: int = 8) -> None:
-    """``steps`` steps of the fitted model and of a plain eager loop (AdamW) on ``reference``,
-    on the same batches; then their parameters are equal."""
-    reference_optimizer = optimizer_fn(reference.parameters())
+def assert_trains_like_an_eager_loop(result, reference: nn.Module, steps: int, tokens: int = 8,
+                                     optimizer=optimizer_fn) -> None:
+    """``steps`` steps of the fitted model and of a plain eager loop (``optimizer``, AdamW by
+    default) on ``reference``, on the same batches; then their parameters are equal."""
+    reference_optimizer = optimizer(list(reference.parameters()))
     for step in range(steps):
         x = batch(step, tokens=tokens)
         result.step(x)
@@ -1002,6 +1003,14 @@ def test_on_cuda_the_measured_step_keeps_the_budget_or_one_warning_names_its_pea
 # --------------------------------------------------------------------------- odd models and optimizers (fuzz25a)
 
 
+def _fit_beside_a_copy(model: nn.Module, optimizer=optimizer_fn):
+    """(``model`` prepared by fit under BUDGET, an untouched copy of it to train eagerly beside)."""
+    reference = copy.deepcopy(model)
+    result = compile_offload.fit(model, optimizer, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    return result, reference
+
+
 def test_an_optimizer_fn_that_reads_params_twice_trains_every_group():
     """It was called with model.parameters(), a generator: the second comprehension found it
     empty, and the biases were silently never trained."""
@@ -1011,34 +1020,28 @@ def test_an_optimizer_fn_that_reads_params_twice_trains_every_group():
                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=1e-2)
 
     torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    result = compile_offload.fit(model, two_groups, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                 inner_compiler="eager")
+    result, reference = _fit_beside_a_copy(Net(), two_groups)
     try:
         assert result.plan.fsdp2
         assert [len(group["params"]) for group in result.optimizer.param_groups] == [9, 9]
-        reference_optimizer = two_groups(list(reference.parameters()))
-        for step in range(2):
-            result.step(batch(step))
-            loss_fn(reference(batch(step))).backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-        assert_same_parameters(result.model, reference)
+        assert_trains_like_an_eager_loop(result, reference, steps=2, optimizer=two_groups)
     finally:
         result.close()
         torch._dynamo.reset()
 
 
+def _fit_net():
+    """A fresh Net prepared by fit under BUDGET (its state on the host: FSDP2 on a one-rank group)."""
+    return _fit_beside_a_copy(Net())[0]
+
+
 def test_two_fitted_models_share_the_group_fit_created_until_the_last_closes():
     """Closing the first destroyed the one-rank group the second still trained in."""
     torch.manual_seed(0)
-    first = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                inner_compiler="eager")
+    first = _fit_net()
     second = None
     try:
-        second = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                     inner_compiler="eager")
+        second = _fit_net()
         assert first.created_process_group and second.created_process_group
         assert any("an earlier fit created" in note for note in second.plan.notes)
         first.step(batch(0))
@@ -1056,8 +1059,7 @@ def test_two_fitted_models_share_the_group_fit_created_until_the_last_closes():
 def test_a_user_group_is_left_to_the_user():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                     inner_compiler="eager")
+        result = _fit_net()
         assert result.plan.fsdp2 and not result.created_process_group
         result.close()
         assert dist.is_initialized()
@@ -1077,10 +1079,7 @@ class _Shared(Net):
 
 def test_a_block_listed_twice_is_one_block_and_a_parameterless_entry_is_left_out():
     torch.manual_seed(0)
-    model = _Shared()
-    reference = copy.deepcopy(model)
-    result = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                 inner_compiler="eager")
+    result, reference = _fit_beside_a_copy(_Shared())
     try:
         plan = result.plan
         assert plan.blocks == 2  # the shared block and the last one; not the Identity
@@ -1167,12 +1166,10 @@ def test_a_frozen_parameter_of_another_dtype_is_accepted_and_trains():
 def test_closing_a_model_after_its_group_was_replaced_leaves_the_new_group_alone():
     """fit(A) made a group, the user destroyed it, fit(B) made another: A.close() destroyed B's."""
     torch.manual_seed(0)
-    first = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                inner_compiler="eager")
+    first = _fit_net()
     dist.destroy_process_group()
     torch._dynamo.reset()
-    second = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
-                                 inner_compiler="eager")
+    second = _fit_net()
     try:
         first.close()
         assert dist.is_initialized()

@@ -69,6 +69,20 @@ class Tower(nn.Module):
         return x.mean()
 
 
+class ResidualMLP(nn.Module):
+    """``x + mlp(norm(x))`` ``depth`` times: the residual stream is the only value between blocks."""
+
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
 CHAIN_OPS = ("linear", "tanh", "relu", "mul", "sin")
 
 

@@ -18,23 +18,9 @@ from compile_offload.passes.offload import eligible_for_offload
 from compile_offload.passes.solve import joint, segments
 from compile_offload.passes.solve.joint import Evaluator, solve_joint
 
-from .joint_capture import capture_analysis
+from .joint_capture import ResidualMLP, capture_analysis
 
 SECONDS = functools.partial(node_seconds, profile=BUILTIN_PROFILES["h100"])
-
-
-class ResidualMLP(nn.Module):
-    """``x + mlp(norm(x))`` ``depth`` times: the residual stream is the only value between blocks."""
-
-    def __init__(self, width: int = 32, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(depth))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return x.pow(2).mean()
 
 
 class SharedScale(nn.Module):

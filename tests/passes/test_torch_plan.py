@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from compile_offload.passes import compat
 from compile_offload.passes.analyze import analyze_joint
@@ -17,24 +16,9 @@ from compile_offload.passes.solve import torch_plan
 from compile_offload.passes.solve.joint import Evaluator
 from compile_offload.passes.solve.recompute import Prefix, without_banned_recompute
 
-from .joint_capture import capture
+from .joint_capture import ResidualMLP, capture
 
 FRACTIONS = [step / torch_plan.FRACTIONS for step in range(1, torch_plan.FRACTIONS)]
-
-
-class _Residual(nn.Module):
-    """Residual MLP blocks: norms and activations torch's knapsack may recompute (never a
-    matmul), which lowers the peak."""
-
-    def __init__(self, width: int = 64, depth: int = 3) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(depth))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return x.square().mean()
 
 
 def _peak(a, base, fraction: float) -> int:
@@ -67,7 +51,7 @@ def _observe(joint, _inputs) -> dict:
 
 @functools.cache
 def _tower() -> dict:
-    seen, _ = capture(_Residual(), torch.randn(1024, 64), hook=_observe)
+    seen, _ = capture(ResidualMLP(width=64, depth=3), torch.randn(1024, 64), hook=_observe)
     return seen
 
 
