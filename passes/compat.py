@@ -141,13 +141,19 @@ def has_backward(joint: JointGraph) -> bool:
     return len(joint.node_info.required_bw_nodes) > 0
 
 
-def min_cut_saved_values(joint: JointGraph) -> list[fx.Node]:
-    """The saved set torch.compile's default partitioner chooses (no memory budget)."""
+def _set_dist_from_bw(joint: JointGraph) -> None:
+    """Each node's distance to the backward, which torch's partitioner reads (set by
+    ``min_cut_rematerialization_partition`` before it chooses a saved set)."""
     for node in reversed(joint.gm.graph.nodes):
         if node.op == "output" or not joint.node_info.is_required_fw(node):
             node.dist_from_bw = int(1e9) if node.op == "output" else 0
         else:
             node.dist_from_bw = min((user.dist_from_bw + 1 for user in node.users), default=int(1e9))
+
+
+def min_cut_saved_values(joint: JointGraph) -> list[fx.Node]:
+    """The saved set torch.compile's default partitioner chooses (no memory budget)."""
+    _set_dist_from_bw(joint)
     return list(_p.choose_saved_values_set(joint.gm.graph, joint.node_info, memory_budget=1.0))
 
 
@@ -159,7 +165,7 @@ def budget_saved_values(joint: JointGraph, memory_budget: float) -> list[fx.Node
     ``torch._functorch.config``."""
     if not 0.0 <= memory_budget <= 1.0:
         raise ValueError(f"activation_memory_budget must be in [0, 1], got {memory_budget!r}")
-    min_cut_saved_values(joint)  # sets the dist_from_bw the knapsack reads
+    _set_dist_from_bw(joint)  # its min-cut, the knapsack's start, runs inside choose_saved_values_set
     with _p.config.patch(activation_memory_budget=memory_budget):
         return list(_p.choose_saved_values_set(joint.gm.graph, joint.node_info, memory_budget=memory_budget))
 

@@ -41,7 +41,7 @@ import torch
 from ..passes.plan import Plan, format_bytes
 from ..reporting import logs
 from ..passes.cost import launches_kernel, node_seconds
-from ..passes.solve.torch_plan import fitting_fraction
+from ..passes.solve.torch_plan import TorchPlans, fitting_fraction
 from ..runtime import kernel_costs
 from ..runtime.plan_trials import PlanTrials, Trial, agree_all, agree_on_costs, agree_on_names, process_group_ranks
 from ..torch_api import guards
@@ -326,10 +326,10 @@ def torch_rival(loop, kept) -> tuple[str, int, Any] | None:
     budget = kept.plan.budget_bytes
     if budget is None or kept.analysis is None or _offload_tagged(kept.analysis):
         return None
-    target, below, saved_at = budget, 1.0, {}
+    target, below, plans = budget, 1.0, TorchPlans(kept.analysis)
     for _ in range(TORCH_REPLANS + 1):
         try:
-            fraction = fitting_fraction(kept.analysis, target, below=below, saved_at=saved_at)
+            fraction = fitting_fraction(plans, target, below=below)
         except Exception as error:  # noqa: BLE001  a rival is optional: torch's knapsack may refuse a graph
             log.info("%s: measured plan choice: torch's plan is not a candidate (its partitioner's knapsack raised "
                      "%s: %s)", kept.plan.graph_name, type(error).__name__, error)

@@ -32,21 +32,36 @@ def torch_saved(a: JointAnalysis, fraction: float) -> frozenset[fx.Node]:
     return frozenset(without_banned_recompute(a, compat.budget_saved_values(a.joint, fraction)))
 
 
-def fitting_fraction(a: JointAnalysis, budget_bytes: int, below: float = 1.0,
-                     saved_at: dict[float, frozenset[fx.Node]] | None = None) -> float | None:
+class TorchPlans:
+    """torch's plans of one graph, kept between looks (measured plan choice looks again lower
+    where Inductor's code peaked over the budget): the saved set at each fraction (a knapsack
+    each) and the peaks-only evaluator (a min-cut), each made once, when first needed."""
+
+    def __init__(self, a: JointAnalysis):
+        self.analysis = a
+        self._saved_at: dict[float, frozenset[fx.Node]] = {}
+        self._peak_of: Evaluator | None = None
+
+    def saved(self, fraction: float) -> frozenset[fx.Node]:
+        if fraction not in self._saved_at:
+            self._saved_at[fraction] = torch_saved(self.analysis, fraction)
+        return self._saved_at[fraction]
+
+    def peak_bytes(self, fraction: float) -> int:
+        """The memory model's peak of torch's plan at ``fraction``."""
+        if self._peak_of is None:
+            self._peak_of = Evaluator(self.analysis, lambda _node: 0.0, None,
+                                      compat.min_cut_saved_values(self.analysis.joint))
+        return self._peak_of(Prefix(self.saved(fraction), frozenset(), ())).peak_bytes
+
+
+def fitting_fraction(plans: TorchPlans, budget_bytes: int, below: float = 1.0) -> float | None:
     """The largest multiple of ``1 / FRACTIONS`` below ``below`` (and 1) at which torch's plan
     is predicted to peak within ``budget_bytes`` (the least it recomputes, as a torch user
-    raises ``activation_memory_budget`` while the step fits); None where none is.
-    ``saved_at``: torch's saved sets by fraction, kept between calls (each is a knapsack)."""
-    saved_at = {} if saved_at is None else saved_at
-    evaluate = Evaluator(a, lambda _node: 0.0, None, compat.min_cut_saved_values(a.joint))  # peaks only
+    raises ``activation_memory_budget`` while the step fits); None where none is."""
     for step in range(FRACTIONS - 1, 0, -1):
         fraction = step / FRACTIONS
-        if fraction >= below:
-            continue
-        if fraction not in saved_at:
-            saved_at[fraction] = torch_saved(a, fraction)
-        if evaluate(Prefix(saved_at[fraction], frozenset(), ())).peak_bytes <= budget_bytes:
+        if fraction < below and plans.peak_bytes(fraction) <= budget_bytes:
             return fraction
     return None
 

@@ -4,7 +4,9 @@ predicted to fit a budget (a rival in measured plan choice)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from unittest import mock
 
 import torch
 
@@ -38,15 +40,35 @@ def _observe(joint, _inputs) -> dict:
     lowest, highest = min(peaks.values()), max(peaks.values())
     budget = (lowest + highest) // 2
     baseline = _peak_of(a, base, frozenset(base))
-    fraction = torch_plan.fitting_fraction(a, budget)
+    with _counting() as counts:  # three looks, as measured plan choice makes at most
+        plans = torch_plan.TorchPlans(a)
+        fraction = torch_plan.fitting_fraction(plans, budget)
+        none_below_lowest = torch_plan.fitting_fraction(plans, lowest - 1)
+        below_found = torch_plan.fitting_fraction(plans, budget, below=fraction)
     profile = BUILTIN_PROFILES["h100"]
     solution = torch_plan.torch_plan_solution(a, base, lambda node: node_seconds(node, profile), fraction, budget)
     return {
         "baseline": baseline, "peaks": peaks, "lowest": lowest, "highest": highest, "budget": budget, "fraction": fraction,
-        "none_below_lowest": torch_plan.fitting_fraction(a, lowest - 1),
+        "none_below_lowest": none_below_lowest, "below_found": below_found, "counts": counts,
         "solution": solution, "saved": torch_plan.torch_saved(a, fraction), "base": frozenset(base),
         "over": torch_plan.torch_plan_solution(a, base, lambda node: 0.0, fraction, solution.chosen.peak_bytes - 1),
     }
+
+
+@contextlib.contextmanager
+def _counting():
+    """Counts the min-cuts and knapsacks ``torch_plan`` runs inside the block."""
+    counts = {"min_cuts": 0, "knapsacks": 0}
+
+    def counted(kind, run):
+        def call(*args):
+            counts[kind] += 1
+            return run(*args)
+        return call
+
+    with mock.patch.object(compat, "min_cut_saved_values", counted("min_cuts", compat.min_cut_saved_values)), \
+            mock.patch.object(torch_plan, "torch_saved", counted("knapsacks", torch_plan.torch_saved)):
+        yield counts
 
 
 @functools.cache
@@ -65,6 +87,19 @@ def test_the_fraction_found_is_the_largest_whose_plan_is_predicted_to_fit():
 
 def test_no_fraction_where_even_torchs_lowest_plan_is_over_the_budget():
     assert _tower()["none_below_lowest"] is None
+
+
+def test_a_look_below_a_fraction_finds_the_largest_lower_one_that_fits():
+    seen = _tower()
+    fitting_lower = [fraction for fraction, peak in seen["peaks"].items()
+                     if fraction < seen["fraction"] and peak <= seen["budget"]]
+    assert seen["below_found"] == max(fitting_lower, default=None)
+
+
+def test_each_fraction_is_planned_once_across_looks():
+    """Each fraction's knapsack and the peaks' min-cut run once for one graph, however often
+    measured plan choice looks again."""
+    assert _tower()["counts"] == {"min_cuts": 1, "knapsacks": torch_plan.FRACTIONS - 1}
 
 
 def test_the_solution_saves_what_torch_saves_and_explains_each_recompute():
