@@ -97,7 +97,7 @@ plan_cache_dir = Config(default=None, env_name_default="COMPILE_OFFLOAD_PLAN_CAC
 
 # Device profile of the cost model: None measures the current device once (cached in the
 # user cache dir; the built-in "cpu" profile on machines without a GPU), or a built-in
-# name: "h100", "a100", "rtx4090", "cpu". A GPU profile for a training graph on a non-CUDA
+# name: "h100", "h200", "a100", "rtx4090", "cpu". A GPU profile for a training graph on a non-CUDA
 # device warns (the plan stays correct; its trade-offs are that GPU's); explain() plans for
 # a GPU on a CPU-only machine without a warning.
 device_profile = Config(default=None, env_name_default="COMPILE_OFFLOAD_DEVICE_PROFILE", value_type=Optional[str])

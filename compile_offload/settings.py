@@ -374,7 +374,9 @@ def _device_profile(value: object) -> str | None:
     """"H100" is "h100", as ``device_profile.builtin_profile`` reads it."""
     if value is None:
         return None
-    return _choice("device_profile", value.strip().lower() if isinstance(value, str) else value, PROFILE_NAMES)
+    if isinstance(value, str) and value.strip().lower() in PROFILE_NAMES:
+        return value.strip().lower()
+    return _choice("device_profile", value, PROFILE_NAMES)  # refused, naming the value as given
 
 
 # The knobs with several spellings of one value, each with the reader that turns a spelling

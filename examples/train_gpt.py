@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "unconstrained plan saves ('0.75'), a size ('64MiB'), or 'none'; default: "
                              "compile_offload.config (COMPILE_OFFLOAD_MEMORY_BUDGET), 0.75 where that is unset")
     parser.add_argument("--profile", default=None,
-                        help="device profile of the cost model: h100, a100, rtx4090, cpu (default: "
+                        help="device profile of the cost model: h100, h200, a100, rtx4090, cpu (default: "
                              "compile_offload.config: measure this machine's GPU, or 'cpu' without one)")
     parser.add_argument("--dump-dir", default=None,
                         help="write each graph's plan, graphs and predicted timeline under this folder "

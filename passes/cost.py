@@ -176,6 +176,10 @@ GPU_DATASHEETS: dict[str, GpuDatasheet] = {
     # (tensor core); HBM3 3.35 TB/s. Pinned copies measured: d2h 55.1, h2d 54.9 GB/s.
     "h100": GpuDatasheet({"bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0, "float8_e5m2": 1979.0,
                           "float32": 67.0, "float64": 67.0}, 3.35, 55.1, 54.9),
+    # H200 SXM 141GB (dense): the H100's chip and rates, HBM3e 4.8 TB/s; the same PCIe 5 x16
+    # host link, so the H100's measured pinned-copy figures (not measured on an H200).
+    "h200": GpuDatasheet({"bfloat16": 989.0, "float16": 989.0, "float8_e4m3fn": 1979.0, "float8_e5m2": 1979.0,
+                          "float32": 67.0, "float64": 67.0}, 4.8, 55.1, 54.9),
     # A100 SXM4 80GB (dense): bf16/fp16 312 TFLOP/s, fp32 19.5, fp64 19.5 (tensor core);
     # HBM2e 2.04 TB/s; PCIe 4 x16 pinned copies ~25 GB/s. No fp8.
     "a100": GpuDatasheet({"bfloat16": 312.0, "float16": 312.0, "float32": 19.5, "float64": 19.5}, 2.04, 25.0, 25.0),
@@ -205,10 +209,11 @@ H100_DATASHEET = _gpu_profile("h100-datasheet", *GPU_DATASHEETS["h100"], compute
 H100_CALIBRATION = {"compute": 0.745, "memory": 0.98, "launch": 3e-6}
 
 
-# Fitted constants per profile (the others use the priors above).
-_FITTED = {"h100": {"compute_efficiency": H100_CALIBRATION["compute"],
-                    "memory_efficiency": H100_CALIBRATION["memory"],
-                    "launch_overhead_seconds": H100_CALIBRATION["launch"]}}
+# Fitted constants per profile (the others use the priors above). The h200 profile takes
+# the h100's: the same chip, fitted on H100 steps only.
+_H100_FITTED = {"compute_efficiency": H100_CALIBRATION["compute"], "memory_efficiency": H100_CALIBRATION["memory"],
+                "launch_overhead_seconds": H100_CALIBRATION["launch"]}
+_FITTED = {"h100": _H100_FITTED, "h200": _H100_FITTED}
 
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     **{name: _gpu_profile(name, *sheet, **_FITTED.get(name, {})) for name, sheet in GPU_DATASHEETS.items()},
@@ -226,10 +231,12 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     ),
 }
 
-# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts),
-# nominal: on the GPU itself the budget check uses the total CUDA reports, a little less
-# (an "80 GB" H100 reports about 79.2 GiB). The cpu profile has none.
-BUILTIN_PROFILE_MEMORY_BYTES: dict[str, int] = {"h100": 80 * 2**30, "a100": 80 * 2**30, "rtx4090": 24 * 2**30}
+# Device memory of the GPUs the built-in profiles describe (the 80 GB H100 and A100 parts,
+# the 141 GB H200), nominal: on the GPU itself the budget check uses the total CUDA reports,
+# a little less (an "80 GB" H100 reports about 79.2 GiB, an H200 140.4 GiB). The cpu profile
+# has none.
+BUILTIN_PROFILE_MEMORY_BYTES: dict[str, int] = {"h100": 80 * 2**30, "h200": 141 * 2**30, "a100": 80 * 2**30,
+                                                "rtx4090": 24 * 2**30}
 
 
 # --------------------------------------------------------------------------------------------

@@ -368,6 +368,12 @@ def test_numpy_floats_of_every_width_are_fractions_and_seconds():
 
 def test_device_profile_names_are_case_insensitive():
     assert settings.resolve({"device_profile": " H100 "}).device_profile == "h100"
+    assert settings.resolve({"device_profile": "H200"}).device_profile == "h200"
+
+
+def test_an_unknown_device_profile_is_named_as_written():
+    with pytest.raises(ValueError, match=r"device_profile='V100' is unknown; accepted: h100, h200"):
+        settings.resolve({"device_profile": "V100"})
 
 
 # --------------------------------------------------------------------------- torch's budget knob

@@ -43,7 +43,7 @@ def forget_process_cache(monkeypatch):
 
 # ---------------------------------------------------------------------------- by name
 
-@pytest.mark.parametrize("name", ["h100", "a100", "rtx4090", "cpu"])
+@pytest.mark.parametrize("name", ["h100", "h200", "a100", "rtx4090", "cpu"])
 def test_builtin_profiles_by_name(name):
     assert dp.resolve_profile(name) is BUILTIN_PROFILES[name]
     assert dp.resolve_profile(name.upper(), CUDA0) is BUILTIN_PROFILES[name]

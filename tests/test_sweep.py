@@ -64,6 +64,18 @@ def test_empty_budgets_and_a_bad_entry_are_named_before_planning(monkeypatch):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[1.5])
 
 
+def test_out_without_matplotlib_is_refused_before_planning(monkeypatch, tmp_path):
+    import importlib
+
+    sweep_module = importlib.import_module("compile_offload.tools.sweep")
+    monkeypatch.setattr(sweep_module, "explain", lambda *args, **kwargs: pytest.fail("planned before checking"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "matplotlib" else real_find_spec(name, *args))
+    with pytest.raises(RuntimeError, match=r"draws with matplotlib: pip install 'compile_offload\[plot\]'"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, 0.25], out=tmp_path)
+
+
 def test_a_graph_torch_partitions_is_returned_and_left_out_of_the_drawing(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import importlib

@@ -51,7 +51,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--budgets", help="our budgets: fractions and sizes, e.g. 0.25,0.5,0.75,2GiB (default: 0.25,0.5,0.75)")
     sweep.add_argument("--torch-budgets", help="torch activation_memory_budget sweep (default: 0.5,0.0)")
     sweep.add_argument("--inner-compiler", choices=("inductor", "eager"), help="ours: default inductor (eager with --smoke)")
-    sweep.add_argument("--device-profile", help="ours: cost-model profile (h100, a100, rtx4090, cpu)")
+    sweep.add_argument("--device-profile", help="ours: cost-model profile (h100, h200, a100, rtx4090, cpu)")
     sweep.add_argument("--steps", type=int, help="timed steps (default 8; 2 with --smoke)")
     sweep.add_argument("--warmup", type=int, help="steps after the first call before timing (default 2; 1 with --smoke)")
     sweep.add_argument("--time-limit", type=float, help="start no new strategy after this many seconds")

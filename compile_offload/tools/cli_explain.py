@@ -22,7 +22,7 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                         help="e.g. my_models:make_gpt or path/to/models.py:make_gpt; the factory returns (model, inputs)")
     parser.add_argument("--budget", default=None, help="bytes ('4GiB', '512MB') or a fraction ('0.5'); default: "
                         "COMPILE_OFFLOAD_MEMORY_BUDGET, else no limit")
-    parser.add_argument("--profile", default=None, help="device profile: h100, a100, rtx4090, cpu (default: "
+    parser.add_argument("--profile", default=None, help="device profile: h100, h200, a100, rtx4090, cpu (default: "
                         "COMPILE_OFFLOAD_DEVICE_PROFILE, else this machine)")
     parser.add_argument("--out", default=None, help="folder for the dump (graphs, plan.json, report.md, timeline.png)")
     parser.add_argument("--no-offload", action="store_true", help="keep or recompute only")

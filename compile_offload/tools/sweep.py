@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 import os
 from pathlib import Path
@@ -31,12 +32,18 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
         problem = folder_problem(out)
         if problem is not None:
             raise ValueError(f"compile_offload.sweep: out={out!r}: {problem}; name a folder for pareto.png")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise RuntimeError(NO_MATPLOTLIB)
     for index, budget in enumerate(budgets):  # every entry read before the first plan (planning takes a while)
         _check_budget(index, budget)
     plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
     if out is not None:
         draw_pareto(Path(out) / "pareto.png", budgets, plans)
     return plans
+
+
+NO_MATPLOTLIB = ("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]' "
+                 "(or leave out out= for the plans alone)")
 
 
 def _check_budget(index: int, budget) -> None:
@@ -52,7 +59,7 @@ def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
     try:
         figure, axes = new_figure((6, 4))
     except ImportError as error:
-        raise RuntimeError("compile_offload.sweep(out=...) draws with matplotlib: pip install 'compile_offload[plot]'") from error
+        raise RuntimeError(NO_MATPLOTLIB) from error
     path.parent.mkdir(parents=True, exist_ok=True)
     # A graph torch partitioned (a fallback) has no predictions to draw: it is left out.
     drawn = [(budget, plan) for budget, plan in zip(budgets, plans) if plan.fallback is None and plan.baseline_step_seconds]

@@ -263,8 +263,8 @@ def test_profile_round_trips_through_json(name):
 
 
 def test_builtin_profiles_exist_and_gpus_favour_bf16():
-    assert {"h100", "a100", "rtx4090", "cpu"} <= set(BUILTIN_PROFILES)
-    for name in ("h100", "a100", "rtx4090"):
+    assert {"h100", "h200", "a100", "rtx4090", "cpu"} <= set(BUILTIN_PROFILES)
+    for name in ("h100", "h200", "a100", "rtx4090"):
         profile = BUILTIN_PROFILES[name]
         assert profile.peak_flops(torch.bfloat16) > profile.peak_flops(torch.float32)
         assert profile.memory_bandwidth > profile.d2h_bandwidth
@@ -274,6 +274,14 @@ def test_h100_figures_are_achievable_fractions_of_the_datasheet():
     assert 0.6 * 989e12 <= H100.peak_flops("bfloat16") <= 0.85 * 989e12
     assert 0.7 * 3.35e12 <= H100.memory_bandwidth <= 3.35e12
     assert (H100.d2h_bandwidth, H100.h2d_bandwidth) == (55.1e9, 54.9e9)  # measured pinned copies on an H100 (docs/benchmarks.md)
+
+
+def test_h200_is_the_h100_chip_with_faster_memory():
+    h200 = BUILTIN_PROFILES["h200"]
+    assert h200.peak_flops("bfloat16") == H100.peak_flops("bfloat16")
+    assert h200.launch_overhead_seconds == H100.launch_overhead_seconds
+    assert h200.memory_bandwidth == pytest.approx(H100.memory_bandwidth * 4.8 / 3.35)
+    assert (h200.d2h_bandwidth, h200.h2d_bandwidth) == (H100.d2h_bandwidth, H100.h2d_bandwidth)
 
 
 def test_unlisted_dtypes_fall_back_to_float32_rate():
