@@ -27,7 +27,6 @@ policies: they reach it through the inputs it already has.
 Tags are read before ``passes.compat.prepare_joint``, which tags the boundaries of
 consecutive regions ``MUST_SAVE`` itself (torch's rule, not the user's), and found again by
 node name in the prepared graph (its CSE copies nodes under their names).
-The ``*_CPU_OFFLOAD`` policies exist in torch >= 2.13; on older torch they never occur.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from compile_offload.passes import user_policy
 from .models import check_training_parity
 
 aten = torch.ops.aten
-HAS_OFFLOAD_POLICIES = hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD")  # torch >= 2.13
+HAS_OFFLOAD_POLICIES = hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD")
 needs_offload_policies = pytest.mark.skipif(not HAS_OFFLOAD_POLICIES, reason="CheckpointPolicy has no CPU_OFFLOAD")
 
 
