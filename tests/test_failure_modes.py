@@ -968,6 +968,9 @@ def test_a_budget_above_the_profiles_gpu_memory_is_an_error():
         torch.compile(model, backend=eager_backend(memory_budget="25GiB", device_profile="rtx4090"))(x)
     plan = compile_offload.explain(model, x, memory_budget="70GiB", device_profile="h100")  # fits: no error
     assert plan.budget_bytes == 70 * 2**30
+    assert compile_offload.explain(model, x, memory_budget="100GiB", device_profile="h200").budget_bytes == 100 * 2**30
+    with pytest.raises(ValueError, match=r"memory_budget=142\.00 GiB is more than the 141\.00 GiB of memory"):
+        compile_offload.explain(model, x, memory_budget="142GiB", device_profile="h200")
 
 
 @pytest.mark.cuda

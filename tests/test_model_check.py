@@ -161,6 +161,22 @@ def test_the_builtin_h100_constants_are_what_the_fit_gives_on_the_shipped_anchor
             "launch": fit.launch_overhead_seconds} == H100_CALIBRATION
 
 
+@pytest.mark.slow
+def test_the_h200_profile_predicts_the_measured_h200_compile_steps():
+    """The h200 profile's memory fraction is fitted to the torch.compile steps of the H200
+    runs (docs/benchmarks.md): each anchor's compile step is predicted within 2% of the
+    range measured there."""
+    from compile_offload.passes.cost import BUILTIN_PROFILES, H200_MEASURED_COMPILE_MS
+    from compile_offload.tools.model_check import anchor_predictions, torch_plans
+
+    for shape in load_anchors():
+        (compile_row,) = [p.record() for p in anchor_predictions(torch_plans(shape, fit_only=True),
+                                                                  BUILTIN_PROFILES["h200"])
+                          if p.record()["strategy"] == "compile"]
+        low, high = H200_MEASURED_COMPILE_MS[shape.name]
+        assert 0.98 * low <= compile_row["predicted_ms"] <= 1.02 * high, (shape.name, compile_row)
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_the_anchor_step_of_torchs_default_plan_is_predicted_at_the_cpu_allocator():

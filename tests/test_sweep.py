@@ -1,5 +1,7 @@
 """compile_offload.tools.sweep: one plan per budget and the predicted Pareto plot."""
 
+import sys
+
 import pytest
 
 import compile_offload
@@ -69,9 +71,7 @@ def test_out_without_matplotlib_is_refused_before_planning(monkeypatch, tmp_path
 
     sweep_module = importlib.import_module("compile_offload.tools.sweep")
     monkeypatch.setattr(sweep_module, "explain", lambda *args, **kwargs: pytest.fail("planned before checking"))
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name == "matplotlib" else real_find_spec(name, *args))
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure raises ImportError
     with pytest.raises(RuntimeError, match=r"draws with matplotlib: pip install 'compile_offload\[plot\]'"):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, 0.25], out=tmp_path)
 

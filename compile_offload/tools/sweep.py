@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import numbers
 import os
 from pathlib import Path
@@ -32,8 +31,10 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
         problem = folder_problem(out)
         if problem is not None:
             raise ValueError(f"compile_offload.sweep: out={out!r}: {problem}; name a folder for pareto.png")
-        if importlib.util.find_spec("matplotlib") is None:
-            raise RuntimeError(NO_MATPLOTLIB)
+        try:  # a broken install too (found, but failing to import)
+            import matplotlib.figure  # noqa: F401
+        except ImportError as error:
+            raise RuntimeError(NO_MATPLOTLIB) from error
     for index, budget in enumerate(budgets):  # every entry read before the first plan (planning takes a while)
         _check_budget(index, budget)
     plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]

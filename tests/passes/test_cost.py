@@ -276,11 +276,11 @@ def test_h100_figures_are_achievable_fractions_of_the_datasheet():
     assert (H100.d2h_bandwidth, H100.h2d_bandwidth) == (55.1e9, 54.9e9)  # measured pinned copies on an H100 (docs/benchmarks.md)
 
 
-def test_h200_is_the_h100_chip_with_faster_memory():
+def test_h200_is_the_h100_chip():
     h200 = BUILTIN_PROFILES["h200"]
     assert h200.peak_flops("bfloat16") == H100.peak_flops("bfloat16")
     assert h200.launch_overhead_seconds == H100.launch_overhead_seconds
-    assert h200.memory_bandwidth == pytest.approx(H100.memory_bandwidth * 4.8 / 3.35)
+    assert 0.5 * 4.8e12 <= h200.memory_bandwidth <= 4.8e12
     assert (h200.d2h_bandwidth, h200.h2d_bandwidth) == (H100.d2h_bandwidth, H100.h2d_bandwidth)
 
 

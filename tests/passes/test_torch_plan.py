@@ -93,7 +93,7 @@ def test_a_look_below_a_fraction_finds_the_largest_lower_one_that_fits():
     seen = _tower()
     fitting_lower = [fraction for fraction, peak in seen["peaks"].items()
                      if fraction < seen["fraction"] and peak <= seen["budget"]]
-    assert seen["below_found"] == max(fitting_lower, default=None)
+    assert fitting_lower and seen["below_found"] == max(fitting_lower)
 
 
 def test_each_fraction_is_planned_once_across_looks():
