@@ -60,9 +60,9 @@ def applies(loop) -> bool:
     """Whether measured plan choice runs for the graph ``loop`` (a ``BudgetLoop``) compiled:
     the knob on, a training graph, sizes that do not change between calls, and one plan with
     decisions, its scheduled peak known, not a plan already chosen by measurement nor the
-    unconstrained plan (it recomputes and copies nothing: no rival is faster). Under a process
-    group, where it runs on every rank compiling the graph (a plan served from one rank's plan
-    cache, say, tries nothing there)."""
+    unconstrained plan, nor one with its decisions (it recomputes and copies nothing: no rival
+    is faster; an INFO line says so). Under a process group, where it runs on every rank compiling the graph (a plan
+    served from one rank's plan cache, say, tries nothing there)."""
     if not loop.settings.measured_plan_choice or not graph_reports.trains(loop.example_inputs):
         return False
     name = loop.partitioner.graph_name
@@ -79,11 +79,21 @@ def applies(loop) -> bool:
     plan = loop.results[0].plan if len(loop.results) == 1 else None
     here = bool(plan is not None and plan.decisions and plan.budget_bytes is not None
                 and plan.scheduled_peak_bytes is not None and not plan.measured_candidates and not plan.unconstrained)
+    if here and _nothing_to_try(plan) is not None:
+        log.info("%s: measured plan choice tries no candidates for this graph: %s", name, _nothing_to_try(plan))
+        here = False
     everywhere = agree_all(here)  # every rank compiling this graph gets here: the same answer on all
     if here and not everywhere:
         log.info("%s: measured plan choice is off for this graph: on another rank its plan tries no candidates "
                  "(served from that rank's plan cache, say), and every rank runs the same trials", name)
     return everywhere
+
+
+def _nothing_to_try(plan: Plan) -> str | None:
+    """Why no candidate could beat ``plan`` by the choice's rule, or None."""
+    if not plan.count("recompute") and not plan.count("offload"):
+        return "its plan recomputes and copies nothing beyond torch.compile's own (no rival is faster)"
+    return None
 
 
 # Dynamo frame id -> its compile whose graphs try candidates under a process group (all the
@@ -179,11 +189,17 @@ def with_trials(loop, compiled):
                  "the planner's plan runs", kept.plan.graph_name, seconds)
         _adopt(loop, trials[0], 1, seconds, loop.cache_key)  # stored: the next run tries nothing
         return compiled
-    profiling = "" if on_profiled is None else ", one more profiles the planner's plan for its kernels' times"
-    log.info("%s: measured plan choice: %d candidate plans compiled in %.1f s; the next %d training steps run "
-             "them in turn%s", kept.plan.graph_name, len(trials), seconds,
-             len(trials) * (loop.settings.measured_plan_steps + 1 + (device_of(loop.example_inputs).type != "cuda")),
-             profiling)
+    if len(trials) == 1:
+        log.info("%s: measured plan choice: no other plan fits the budget in Inductor's code (%.1f s of compiles); "
+                 "the next training step profiles the planner's plan, and a plan priced from its kernels' times "
+                 "joins where it differs", kept.plan.graph_name, seconds)
+    else:
+        profiling = "" if on_profiled is None else (", one more profiles the planner's plan for its kernels' times "
+                                                    "(a plan priced from them may join, with steps of its own)")
+        log.info("%s: measured plan choice: %d candidate plans compiled in %.1f s; the next %d training steps run "
+                 "them in turn%s", kept.plan.graph_name, len(trials), seconds,
+                 len(trials) * (loop.settings.measured_plan_steps + 1 + (device_of(loop.example_inputs).type != "cuda")),
+                 profiling)
 
     def on_chosen(chosen: Trial, measured: list[Trial]) -> None:
         _adopt(loop, chosen, len(measured), seconds, loop.cache_key)
