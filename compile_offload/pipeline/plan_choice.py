@@ -79,8 +79,9 @@ def applies(loop) -> bool:
     plan = loop.results[0].plan if len(loop.results) == 1 else None
     here = bool(plan is not None and plan.decisions and plan.budget_bytes is not None
                 and plan.scheduled_peak_bytes is not None and not plan.measured_candidates and not plan.unconstrained)
-    if here and _nothing_to_try(plan) is not None:
-        log.info("%s: measured plan choice tries no candidates for this graph: %s", name, _nothing_to_try(plan))
+    why_not = _nothing_to_try(plan) if here else None
+    if why_not is not None:
+        log.info("%s: measured plan choice tries no candidates for this graph: %s", name, why_not)
         here = False
     everywhere = agree_all(here)  # every rank compiling this graph gets here: the same answer on all
     if here and not everywhere:
