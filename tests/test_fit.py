@@ -894,6 +894,55 @@ def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path, scenario
             torch.testing.assert_close(result["parameters"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def two_rank_uneven_scenario(rank: int, budget: int = BUDGET) -> dict:
+    """Each rank's sample of another size (4 rows on rank 0, 12 on rank 1): the ranks planned
+    apart, could place the state apart, and the streamed optimizer step's collectives then
+    waited for a rank that never joined; a budget too small for one rank alone raised there
+    while the other went on. Returns the plan's placement, or the error."""
+    torch.manual_seed(0)
+    try:
+        result = compile_offload.fit(Net(), optimizer_fn, batch(0, rank, 4 if rank == 0 else 12),
+                                     memory_budget=budget, loss_fn=loss_fn, optimizer_step="device",
+                                     inner_compiler="eager")
+    except ValueError as error:
+        return {"error": str(error)}
+    for step in range(2):
+        result.step(batch(step, rank, 4 if rank == 0 else 12))
+    plan = result.plan
+    return {"placement": (plan.parameters_on, plan.blocks_on_device, plan.per_block_activation_budget_bytes),
+            "notes": plan.notes}
+
+
+def two_rank_too_small_scenario(rank: int) -> dict:
+    """A budget a byte below the smallest that fits the rank with the larger sample: the other
+    rank's sample alone would fit it."""
+    try:
+        compile_offload.fit(Net(), optimizer_fn, batch(0, rank, 4 if rank == 0 else 12), memory_budget=KIB,
+                            loss_fn=loss_fn, inner_compiler="eager")
+    except ValueError as error:
+        smallest = int(re.search(r"\((\d+) bytes\)\. A budget of at least that fits", str(error)).group(1))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, smallest)
+    return two_rank_uneven_scenario(rank, budget=max(gathered) - 1)
+
+
+@pytest.mark.slow
+def test_ranks_with_samples_of_other_sizes_place_the_state_alike(tmp_path):
+    from tests.test_distributed import _spawn
+
+    first, second = _spawn(two_rank_uneven_scenario, tmp_path)
+    assert "error" not in first and first["placement"] == second["placement"]
+    assert any("the ranks measured different sizes" in note for note in first["notes"])
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_raises_on_every_rank(tmp_path):
+    from tests.test_distributed import _spawn
+
+    first, second = _spawn(two_rank_too_small_scenario, tmp_path)
+    assert "below what training needs" in first["error"] and first["error"] == second["error"]
+
+
 class _Meter:
     """A stand-in for ``CudaStepMeter``: the peaks a test says, one per measured step (the
     last repeats), and the steps measured."""
@@ -969,15 +1018,25 @@ def test_still_over_after_the_corrections_one_warning_names_the_peak(fitted):
     assert result.plan.per_block_activation_budget_bytes >= result.block_min_bytes
 
 
-def test_no_correction_compiles_the_blocks_past_dynamos_recompile_limit(fitted):
+@pytest.mark.parametrize("limit,corrections", [(4, 1), (3, 0)])
+def test_no_correction_compiles_the_blocks_past_dynamos_recompile_limit(fitted, limit, corrections):
     """Each correction compiles the blocks again: past recompile_limit the rest would run
-    uncompiled, outside the budget, so the correction that would pass it is not made."""
+    uncompiled, outside the budget, so the correction that would pass it is not made. Each
+    compile of this Net's blocks adds 2 versions of their forward (the first block's input
+    requires no grad, the later blocks' does): counted as Dynamo holds them, not as one per
+    kind of block (with a limit of 2 a correction was made, and the blocks ran uncompiled)."""
+    from compile_offload.torch_api.dynamo import compiled_entries, compiled_graph_count
+
     result, _ = fitted
     assert result.block_kinds == 1
-    with torch._dynamo.config.patch(recompile_limit=2):  # the first compile and one correction
+    with torch._dynamo.config.patch(recompile_limit=limit):
         measured, named = _steps_with(result, _Meter(int(BUDGET * 1.05)), 10)
-    assert result.corrections == 1 and measured == [2, 4]
-    assert len(named) == 1 and "after 1 correction(s)" in named[0]
+        assert compiled_entries(Block.forward.__code__) == 2 * (corrections + 1) <= limit
+        before = compiled_graph_count()
+        result.step(batch(0, rank=1))
+        assert compiled_graph_count() == before  # every block runs a version compiled under its budget
+    assert result.corrections == corrections and measured == [2, 4][:corrections + 1]
+    assert len(named) == 1 and f"after {corrections} correction(s)" in named[0]
 
 
 @pytest.mark.cuda
@@ -1040,6 +1099,87 @@ def test_an_optimizer_fn_that_reads_params_twice_trains_every_group():
 def _fit_net():
     """A fresh Net prepared by fit under BUDGET (its state on the host: FSDP2 on a one-rank group)."""
     return _fit_beside_a_copy(Net())[0]
+
+
+def test_fits_one_after_another_in_one_process_each_compile_their_blocks():
+    """Each fit compiled its blocks into the versions Dynamo keeps of their forward's code, and
+    the versions of earlier fits stayed after their models were gone: past recompile_limit
+    (the fourth fit at the default 8) the blocks ran uncompiled, outside the budget, while the
+    plan said each was compiled under it. fit drops the earlier versions, and says so."""
+    from compile_offload.torch_api.dynamo import compiled_entries, compiled_graph_count
+
+    compiled = []
+    try:
+        with torch._dynamo.config.patch(recompile_limit=3):  # each fit of this Net adds 2 versions
+            for index in range(3):
+                result = _fit_net()
+                try:
+                    before = compiled_graph_count()
+                    result.step(batch(0))
+                    result.step(batch(1))
+                    compiled.append(compiled_graph_count() - before)
+                    assert compiled_entries(Block.forward.__code__) == 2
+                    dropped = [note for note in result.plan.notes if "fit dropped them" in note]
+                    assert len(dropped) == (index > 0) and all("Block.forward (2)" in note for note in dropped)
+                finally:
+                    result.close()
+    finally:
+        torch._dynamo.reset()
+    assert compiled == [2, 2, 2]
+
+
+def test_a_step_after_close_raises():
+    """close() left the group; a step after it ran on as if nothing had happened."""
+    result = _fit_net()
+    try:
+        result.step(batch(0))
+    finally:
+        result.close()
+        torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"step\(\) after close\(\)"):
+        result.step(batch(1))
+
+
+class Stages(nn.Module):
+    """Blocks in stages: a ModuleList of ModuleLists (containers, never called themselves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(Block() for _ in range(2)) for _ in range(2))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                x = x + block(x)
+        return self.head(x)
+
+
+def test_blocks_in_stages_are_the_stages_entries():
+    """The default took the stages (never called) as the blocks, and the error said to check
+    blocks=, which the user had not passed."""
+    from compile_offload.training.fit import default_blocks
+
+    torch.manual_seed(0)
+    model = Stages()
+    assert default_blocks(model) == [block for stage in model.stages for block in stage]
+    sgd = lambda params: torch.optim.SGD(params, lr=1e-2)  # noqa: E731  (AdamW turns rounding into lr-sized steps)
+    result, reference = _fit_beside_a_copy(model, sgd)
+    try:
+        assert result.plan.blocks == 4
+        assert_trains_like_an_eager_loop(result, reference, steps=3, optimizer=sgd)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_a_block_the_forward_never_calls_is_named_with_where_the_blocks_came_from():
+    torch.manual_seed(0)
+    model = Stages()
+    with pytest.raises(ValueError, match=r"never reached the block ModuleList: the model's forward does not call it.*"
+                                         r"first nn.ModuleList with parameters"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            blocks=list(model.stages), inner_compiler="eager")
 
 
 def test_two_fitted_models_share_the_group_fit_created_until_the_last_closes():

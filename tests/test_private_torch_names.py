@@ -45,6 +45,8 @@ INVENTORY = {
     "torch._dynamo.backends.registry.register_backend",
     "torch._dynamo.config",
     "torch._dynamo.device_interface",
+    "torch._dynamo.eval_frame._debug_get_cache_entry_list",
+    "torch._dynamo.eval_frame.reset_code",
     "torch._dynamo.reset",
     "torch._dynamo.source.GlobalStateSource",
     "torch._dynamo.utils.counters",

@@ -1,7 +1,8 @@
 """torch._dynamo: the backend registry, ``reset``, Dynamo's config, the device interface,
 ``GlobalStateSource`` (guards on global state, ``add_frame_guard``), the ``aot_autograd`` backend helper, the
-count of graphs compiled, and whether a module was compiled in place (``nn.Module.compile``
-keeps the compiled call in ``Module._compiled_call_impl``).
+count of graphs compiled, the compiled versions of one code object (counted and dropped), and
+whether a module was compiled in place (``nn.Module.compile`` keeps the compiled call in
+``Module._compiled_call_impl``).
 
 Checked on torch 2.11-2.14 (installed: 2.13).
 """
@@ -13,9 +14,9 @@ from typing import Any
 import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
-__all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_graph_count", "config",
-           "compiled_in_place", "device_interface", "global_state_source", "graph_input_sources", "register_backend",
-           "reset"]
+__all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_entries",
+           "compiled_graph_count", "config", "compiled_in_place", "device_interface", "drop_compiled",
+           "global_state_source", "graph_input_sources", "register_backend", "reset"]
 
 
 def reset() -> None:
@@ -104,6 +105,26 @@ def graph_input_sources(gm: torch.fx.GraphModule) -> list[tuple[str, Any]]:
         name = source.name() if callable(source.name) else source.name  # a method before torch 2.13
         found.append((str(name), value))
     return found
+
+
+def compiled_entries(code: Any) -> int:
+    """How many compiled versions (cache entries) Dynamo holds for the code object ``code``:
+    past ``config.recompile_limit`` of them it runs the code uncompiled."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code))
+
+
+def drop_compiled(code: Any) -> int:
+    """Drop every compiled version Dynamo holds for ``code`` (``torch._dynamo.eval_frame.reset_code``,
+    as ``torch._dynamo.reset`` does for all code); the next call compiles it again. Returns
+    how many there were."""
+    from torch._dynamo.eval_frame import reset_code
+
+    entries = compiled_entries(code)
+    if entries:
+        reset_code(code)
+    return entries
 
 
 def compiled_in_place(module: torch.nn.Module) -> bool:

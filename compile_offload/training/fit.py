@@ -52,11 +52,13 @@ class Fitted:
     # measures one whole step's device peak at the allocator (CUDA: ``CudaStepMeter``; None on the CPU)
     meter: Any = None
     steps: int = 0
+    closed: bool = False
     # compiles the blocks again under a per-block budget (``fit``'s ``compile_blocks``), and
     # the lowest one they can take (their minimum-memory plan's peak)
     recompile: Callable[[int], None] | None = None
     block_min_bytes: int = 0
     block_kinds: int = 1  # the most kinds of blocks one forward's code is compiled for
+    blocks: list[nn.Module] = field(default_factory=list, repr=False)  # the modules compiled one by one
     corrections: int = 0
     settling: int = 0  # steps to run after a recompile before the next measured one
     # fit's sample was a dict of keyword inputs: step(batch) with one dict takes it as step(**batch)
@@ -68,6 +70,9 @@ class Fitted:
         output is the loss (a scalar tensor, an object with a ``.loss``, or a dict with a
         ``"loss"``). Where fit's sample was a dict of keyword inputs, ``step(batch)`` with one
         dict is ``step(**batch)``, as fit took the sample."""
+        if self.closed:
+            raise RuntimeError("compile_offload.fit: step() after close(): this Fitted left its process group; call "
+                               "fit again on a new model (or one loaded from this one's state_dict) to train on")
         if self.keyword_sample and len(inputs) == 1 and isinstance(inputs[0], Mapping) and not kwargs:
             inputs, kwargs = (), dict(inputs[0])
         if target is not None and self.loss_fn is None:
@@ -156,15 +161,20 @@ class Fitted:
 
     def _recompile_fits(self) -> bool:
         """Whether compiling the blocks once more stays within Dynamo's ``recompile_limit``:
-        each compile of them adds ``block_kinds`` entries to one forward's code, and past the
-        limit the rest would run uncompiled, outside the budget."""
-        from ..torch_api.dynamo import config as dynamo_config
+        each compile of them adds entries to their forward's code (at least ``block_kinds``;
+        as many again as the compiles so far added, where that is more), and past the limit
+        the rest would run uncompiled, outside the budget."""
+        from ..torch_api.dynamo import compiled_entries, config as dynamo_config
 
-        return (self.corrections + 2) * self.block_kinds <= dynamo_config.recompile_limit
+        used = max([compiled_entries(code) for code in _forward_codes(self.blocks)], default=0)
+        per_compile = max(self.block_kinds, -(-used // (self.corrections + 1)))
+        return max(used, (self.corrections + 1) * self.block_kinds) + per_compile <= dynamo_config.recompile_limit
 
     def close(self) -> None:
         """Leave the one-rank process group ``fit`` created, destroying it when no other
-        ``Fitted`` trains in it (nothing when this one trains in no group of fit's)."""
+        ``Fitted`` trains in it (nothing when this one trains in no group of fit's); ``step``
+        then raises."""
+        self.closed = True
         if self.created_process_group:
             _leave_own_group(self.joined_group)
             self.created_process_group, self.joined_group = False, None
@@ -207,16 +217,31 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def default_blocks(model: nn.Module) -> list[nn.Module]:
     """The children with parameters of the first ``nn.ModuleList`` in the model that holds
     parameters (a transformer's blocks; a list of parameterless modules before them, such as
-    dropouts or activations, is not the blocks)."""
+    dropouts or activations, is not the blocks); where its entries are lists themselves
+    (stages of blocks), their entries, in order."""
     # a parameterless entry (an nn.Identity standing for a pruned layer) has nothing to shard,
     # and no graph of its own to plan: it runs as it is (``_parameterless_entries``)
-    return [block for block in _block_list(model) if any(True for _ in block.parameters())]
+    return [block for _, block in _block_entries(model) if any(True for _ in block.parameters())]
 
 
 def _parameterless_entries(model: nn.Module) -> list[str]:
     """The entries of the default blocks' ``ModuleList`` left out for having no parameters."""
-    return [f"{index} ({type(block).__name__})" for index, block in enumerate(_block_list(model))
+    return [f"{index} ({type(block).__name__})" for index, block in _block_entries(model)
             if not any(True for _ in block.parameters())]
+
+
+def _block_entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(index, module) of the default blocks' list's entries; a list nested in it (a stage of
+    blocks: a container, never called itself) gives its entries, indexed as ``stage.block``."""
+
+    def entries(modules: nn.ModuleList, prefix: str) -> list[tuple[str, nn.Module]]:
+        found = []
+        for index, module in enumerate(modules):
+            name = f"{prefix}{index}"
+            found += entries(module, f"{name}.") if isinstance(module, nn.ModuleList) else [(name, module)]
+        return found
+
+    return entries(_block_list(model), "")
 
 
 def _block_list(model: nn.Module) -> nn.ModuleList:
@@ -261,8 +286,9 @@ def _block_input(model: nn.Module, block: nn.Module, inputs: tuple, kwargs: dict
     finally:
         handle.remove()
     if not seen:
-        raise _NotReached(f"compile_offload.fit: the sample never reached the block {type(block).__name__}; "
-                          "check blocks=")
+        raise _NotReached(f"compile_offload.fit: the sample never reached the block {type(block).__name__}: the "
+                          "model's forward does not call it. Check blocks= (without it the blocks are the entries of "
+                          "the model's first nn.ModuleList with parameters); pass the modules the forward calls")
     args, block_kwargs = seen[0]
 
     def detached(value, grad: bool = False):
@@ -537,7 +563,15 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
                          "parameters")
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
+    try:
+        sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
+    except Exception as error:
+        if world_size == 1:
+            raise
+        _agree_across_ranks(budget, None, error)  # the other ranks raise too, where they would wait for this one
+        raise
+    if world_size > 1:
+        sizes = _agree_across_ranks(budget, sizes, None)
     plan = plan_step(budget, sizes)
     if left_out:
         plan.notes.append(f"the blocks' list's entries {', '.join(left_out)} have no parameters: not blocks, they run "
@@ -561,6 +595,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
             for block in blocks:
                 block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
 
+        stale = _drop_earlier_compiles(blocks)
+        if stale:
+            plan.notes.append(stale)
         compile_blocks(plan.per_block_activation_budget_bytes)
         # a list, as measure() gives it: an optimizer_fn that reads params twice (one group of
         # the matrices, one of the rest) would find a generator empty the second time
@@ -595,7 +632,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     return Fitted(plan=plan, model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
                   max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                   created_process_group=joined is not None, joined_group=joined, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
-                  block_min_bytes=sizes.block_activation_min_bytes, block_kinds=block_kinds, keyword_sample=isinstance(sample, Mapping))
+                  block_min_bytes=sizes.block_activation_min_bytes, block_kinds=block_kinds, blocks=blocks,
+                  keyword_sample=isinstance(sample, Mapping))
 
 
 def _check_not_prepared(model: nn.Module) -> None:
@@ -776,6 +814,77 @@ def _check_recompile_limit(blocks: list[nn.Module]) -> int:
                              f"torch._dynamo.config.recompile_limit ({limit}) Dynamo runs the rest uncompiled, "
                              f"outside the budget; raise it to at least {len(indices)} before fit")
     return max(map(len, kinds.values()), default=1)
+
+
+def _agree_across_ranks(budget: int, sizes: StateSizes | None, error: BaseException | None) -> StateSizes:
+    """Under a process group of several ranks: the sizes every rank plans from, so that all
+    place the state alike (FSDP2 shards every block on every rank, and the optimizer step's
+    collectives run where every rank steps alike). Each rank's sample may differ (an uneven
+    batch): the largest figure of all ranks stands for each. Raises on every rank where one
+    could not measure (``error`` on that rank) or the budgets differ."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (budget, sizes, None if error is None else f"{type(error).__name__}: {error}"))
+    failed = [(rank, why) for rank, (_, _, why) in enumerate(gathered) if why is not None]
+    if failed:
+        if error is not None:
+            raise error
+        rank, why = failed[0]
+        raise RuntimeError(f"compile_offload.fit: rank {rank} could not plan the step ({why}); every rank stops, "
+                           "where this one would wait for it at the first collective")
+    budgets = [entry[0] for entry in gathered]
+    if len(set(budgets)) > 1:
+        raise ValueError("compile_offload.fit: memory_budget differs between the ranks ("
+                         + ", ".join(f"rank {rank}: {format_bytes(b)}" for rank, b in enumerate(budgets))
+                         + "); every rank places the state alike (FSDP2 shards each block on all of them): pass one "
+                         "budget, the smallest device's")
+    all_sizes = [entry[1] for entry in gathered]
+    merged = {}
+    for item in dataclasses.fields(StateSizes):
+        values = [getattr(each, item.name) for each in all_sizes]
+        if item.name == "notes":
+            merged[item.name] = tuple(dict.fromkeys(note for each in values for note in each))
+        elif isinstance(values[0], tuple):
+            merged[item.name] = tuple(max(column) for column in zip(*values))
+        else:
+            merged[item.name] = max(values)
+    if any(each != all_sizes[0] for each in all_sizes[1:]):
+        merged["notes"] += ("the ranks measured different sizes (their samples differ): every rank plans from the "
+                            "largest figure of all ranks",)
+    return StateSizes(**merged)
+
+
+def _forward_codes(blocks: list[nn.Module]) -> list[Any]:
+    """The code objects of the blocks' forwards, once each: where Dynamo keeps their compiled
+    versions (``Module.compile`` compiles the forward)."""
+    codes = {}
+    for block in blocks:
+        forward = type(block).forward
+        code = getattr(forward, "__code__", None)
+        if code is not None:
+            codes[id(code)] = code
+    return list(codes.values())
+
+
+def _drop_earlier_compiles(blocks: list[nn.Module]) -> str | None:
+    """Drop the compiled versions Dynamo holds of the blocks' forwards from earlier compiles in
+    this process (an earlier ``fit`` of a model of the same blocks, whose versions stay in the
+    forward's cache after that model is gone): each fit adds its own, and past
+    ``recompile_limit`` Dynamo would run this fit's blocks uncompiled, outside the budget,
+    while the plan says they were compiled under it. A note saying so, or None."""
+    from ..torch_api.dynamo import drop_compiled
+
+    dropped = [(code.co_qualname if hasattr(code, "co_qualname") else code.co_name, count)
+               for code in _forward_codes(blocks) for count in [drop_compiled(code)] if count]
+    if not dropped:
+        return None
+    named = ", ".join(f"{name} ({count})" for name, count in dropped)
+    return (f"the blocks' forward had compiled versions from earlier compiles in this process: {named}; fit dropped "
+            "them, so that its blocks compile within torch._dynamo.config.recompile_limit (code still using them "
+            "compiles again at its next call)")
 
 
 def _check_one_dtype_per_shard(model: nn.Module, blocks: list[nn.Module]) -> None:
