@@ -19,8 +19,8 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: F401
 from torch._inductor.virtualized import V  # noqa: F401
 
 __all__ = ["CustomPartitionerFn", "V", "cache_dir", "compile_fx", "compile_fx_inner", "compile_fx_module", "config",
-           "decomposition_table", "fresh_backend", "graph", "hints", "ir", "list_mode_options", "memory", "scheduler",
-           "scheduler_pass_base", "triton_codegen", "wrapper_lines"]
+           "decomposition_table", "fresh_backend", "graph", "hints", "ir", "list_mode_options", "memory",
+           "dependencies", "scheduler", "scheduler_pass_base", "triton_codegen", "wrapper_lines"]
 
 # --- compiling ----------------------------------------------------------------------------------
 
@@ -109,6 +109,13 @@ def scheduler():
     return module
 
 
+def dependencies():
+    """``torch._inductor.dependencies`` (the scheduler's ``WeakDep``, ``StarDep``)."""
+    import torch._inductor.dependencies as module
+
+    return module
+
+
 def graph():
     """``torch._inductor.graph`` (``GraphLowering``)."""
     import torch._inductor.graph as module
@@ -121,3 +128,4 @@ def triton_codegen():
     import torch._inductor.codegen.triton as module
 
     return module
+
