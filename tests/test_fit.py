@@ -916,14 +916,41 @@ def two_rank_uneven_scenario(rank: int, budget: int = BUDGET) -> dict:
 def two_rank_too_small_scenario(rank: int) -> dict:
     """A budget a byte below the smallest that fits the rank with the larger sample: the other
     rank's sample alone would fit it."""
-    try:
+    with pytest.raises(ValueError) as refused:
         compile_offload.fit(Net(), optimizer_fn, batch(0, rank, 4 if rank == 0 else 12), memory_budget=KIB,
                             loss_fn=loss_fn, inner_compiler="eager")
-    except ValueError as error:
-        smallest = int(re.search(r"\((\d+) bytes\)\. A budget of at least that fits", str(error)).group(1))
+    smallest = int(re.search(r"\((\d+) bytes\)\. A budget of at least that fits", str(refused.value)).group(1))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, smallest)
     return two_rank_uneven_scenario(rank, budget=max(gathered) - 1)
+
+
+def two_rank_one_fails_scenario(rank: int) -> dict:
+    """Rank 1's sample has the wrong width (its model raises while fit measures it), then a
+    budget that differs between the ranks: each raised on its rank alone, and the other
+    rank waited for it at the first collective."""
+    errors = []
+    for budget, sample in ((BUDGET, batch(0, rank) if rank == 0 else torch.randn(8, 3)),
+                           (BUDGET + rank * KIB, batch(0, rank))):
+        try:
+            compile_offload.fit(Net(), optimizer_fn, sample, memory_budget=budget, loss_fn=loss_fn,
+                                inner_compiler="eager")
+        except (RuntimeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    return {"errors": errors}
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_raises_on_every_rank(tmp_path):
+    from tests.test_distributed import _spawn
+
+    first, second = _spawn(two_rank_one_fails_scenario, tmp_path)
+    assert len(first["errors"]) == len(second["errors"]) == 2
+    assert first["errors"][0].startswith("RuntimeError: compile_offload.fit: rank 1 could not plan the step")
+    assert second["errors"][0].split(":")[0].endswith("RuntimeError")  # rank 1's own (Dynamo's, on its sample)
+    assert "could not plan" not in second["errors"][0]
+    assert first["errors"][1] == second["errors"][1]
+    assert "memory_budget differs between the ranks" in first["errors"][1]
 
 
 @pytest.mark.slow
@@ -1280,8 +1307,8 @@ def test_more_kinds_of_one_block_class_than_dynamo_recompiles_are_refused_before
             return x
 
     model = Widths()
-    with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(
-            ValueError, match=r"3 kinds of Linear \(blocks 0, 1, 2: other shapes\).*recompile_limit \(2\).*at least 3"):
+    with torch._dynamo.config.patch(recompile_limit=3), pytest.raises(
+            ValueError, match=r"3 kinds of Linear \(blocks 0, 1, 2: other shapes\).*recompile_limit \(3\).*at least 4"):
         compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn, inner_compiler="eager")
     assert not dist.is_initialized() and not any(hasattr(p, "full_tensor") for p in model.parameters())
 

@@ -119,11 +119,13 @@ def drop_compiled(code: Any) -> int:
     """Drop every compiled version Dynamo holds for ``code`` (``torch._dynamo.eval_frame.reset_code``,
     as ``torch._dynamo.reset`` does for all code); the next call compiles it again. Returns
     how many there were."""
+    from torch._dynamo.convert_frame import compile_lock
     from torch._dynamo.eval_frame import reset_code
 
-    entries = compiled_entries(code)
-    if entries:
-        reset_code(code)
+    with compile_lock:  # as torch._dynamo.reset holds it
+        entries = compiled_entries(code)
+        if entries:
+            reset_code(code)
     return entries
 
 

@@ -12,6 +12,7 @@ ordinary loop would.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -317,7 +318,9 @@ def _block_activations(block: nn.Module, args: tuple, kwargs: dict, device: torc
 
     on_device = block if all(p.device == device for p in block.parameters()) else copy.deepcopy(block).to(device)
     target = _WithKwargs(on_device, _to(kwargs, device)) if kwargs else on_device
-    plans = explain_all(target, *_to(args, device), memory_budget=0.0, **options)
+    # measured_plan_choice off: it times nothing here, and under a process group it would
+    # agree with the other ranks in the middle of fit's own agreement
+    plans = explain_all(target, *_to(args, device), memory_budget=0.0, **{**options, "measured_plan_choice": False})
     minimum = sum(max(p.min_peak_bytes, p.predicted_peak_bytes, p.scheduled_peak_bytes or 0) for p in plans)
     saved = sum(p.timeline_bytes[p.backward_start - 1] if 0 < p.backward_start <= len(p.timeline_bytes)
                 else max(p.min_peak_bytes, p.predicted_peak_bytes) for p in plans)
@@ -514,64 +517,65 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     from ..pipeline.backend import offload_remat
     from ..settings import parse_bytes
 
-    if "memory_budget" in options:
-        raise TypeError("compile_offload.fit: memory_budget is fit's own argument")
-    if options.get("budget_scope", "graph") != "graph":
-        raise ValueError(f"compile_offload.fit: budget_scope={options['budget_scope']!r} does not apply: fit bounds "
-                         "the whole step itself (it splits memory_budget between the state it keeps on the device "
-                         "and the blocks' compiled graphs, each of which gets its share as its own budget); leave "
-                         "budget_scope unset")
-    from .. import config
-
-    scope_note = (f"budget_scope={config.budget_scope!r} (config) is not applied to the blocks: fit splits the "
-                  "step's budget itself" if config.budget_scope != "graph" else None)
-    options = {**options, "budget_scope": "graph"}  # each block's share is its graph's budget, whatever the config
-    bytes_only = "memory_budget is bytes (an int or a size such as '20GiB')"
-    if memory_budget is None:
-        raise TypeError(f"compile_offload.fit: {bytes_only}: fit needs one for the device")
-    if isinstance(memory_budget, float):
-        what = "a fraction" if 0 <= memory_budget <= 1 else "a float"
-        raise TypeError(f"compile_offload.fit: {bytes_only}, not {what} ({memory_budget!r})")
-    if isinstance(memory_budget, str) and _a_fraction(memory_budget):
-        raise TypeError(f"compile_offload.fit: {bytes_only}, not a fraction ({memory_budget!r})")
-    budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)",
-                         accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
-    _check_model_and_loss(model, sample, loss_fn)
-    _check_not_prepared(model)
-    _check_optimizer_fn(optimizer_fn)
-    _check_not_on_meta(model, sample)
-    check_mode(optimizer_step)  # before anything is prepared
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0):
-        raise ValueError(f"compile_offload.fit: max_grad_norm={max_grad_norm!r} must be a positive number (or None "
-                         "for no clipping)")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = _usable_device(device)
-    if isinstance(sample, Mapping):
-        inputs, input_kwargs = (), dict(sample)
-    else:
-        inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
-    left_out = [] if blocks is not None else _parameterless_entries(model)
-    blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
-    listed = len(blocks)
-    blocks = list({id(block): block for block in blocks}.values())  # one module listed twice is one block
-    block_kinds = _check_recompile_limit(blocks)
-    if not blocks:
-        raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
-                         "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
-                         "parameters")
+    # Under a process group every rank checks and measures, then all agree (``_agree_across_ranks``):
+    # an error on one rank raises on every rank, where the others would wait for it.
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
+    budget = None
     try:
+        if "memory_budget" in options:
+            raise TypeError("compile_offload.fit: memory_budget is fit's own argument")
+        if options.get("budget_scope", "graph") != "graph":
+            raise ValueError(f"compile_offload.fit: budget_scope={options['budget_scope']!r} does not apply: fit bounds "
+                             "the whole step itself (it splits memory_budget between the state it keeps on the device "
+                             "and the blocks' compiled graphs, each of which gets its share as its own budget); leave "
+                             "budget_scope unset")
+        from .. import config
+
+        scope_note = (f"budget_scope={config.budget_scope!r} (config) is not applied to the blocks: fit splits the "
+                      "step's budget itself" if config.budget_scope != "graph" else None)
+        options = {**options, "budget_scope": "graph"}  # each block's share is its graph's budget, whatever the config
+        bytes_only = "memory_budget is bytes (an int or a size such as '20GiB')"
+        if memory_budget is None:
+            raise TypeError(f"compile_offload.fit: {bytes_only}: fit needs one for the device")
+        if isinstance(memory_budget, float):
+            what = "a fraction" if 0 <= memory_budget <= 1 else "a float"
+            raise TypeError(f"compile_offload.fit: {bytes_only}, not {what} ({memory_budget!r})")
+        if isinstance(memory_budget, str) and _a_fraction(memory_budget):
+            raise TypeError(f"compile_offload.fit: {bytes_only}, not a fraction ({memory_budget!r})")
+        budget = parse_bytes(memory_budget, "fit_budget", label="compile_offload.fit(memory_budget=...)",
+                             accepted="an int number of bytes, or a string with units such as '512MiB', '6GB' or '6GiB'")
+        _check_model_and_loss(model, sample, loss_fn)
+        _check_not_prepared(model)
+        _check_optimizer_fn(optimizer_fn)
+        _check_not_on_meta(model, sample)
+        check_mode(optimizer_step)  # before anything is prepared
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ValueError(f"compile_offload.fit: max_grad_norm={max_grad_norm!r} must be a positive number (or None "
+                             "for no clipping)")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = _usable_device(device)
+        if isinstance(sample, Mapping):
+            inputs, input_kwargs = (), dict(sample)
+        else:
+            inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
+        left_out = [] if blocks is not None else _parameterless_entries(model)
+        blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
+        listed = len(blocks)
+        blocks = list({id(block): block for block in blocks}.values())  # one module listed twice is one block
+        block_kinds = _check_recompile_limit(blocks)
+        if not blocks:
+            raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
+                             "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
+                             "parameters")
         sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
     except Exception as error:
-        if world_size == 1:
-            raise
-        _agree_across_ranks(budget, None, error)  # the other ranks raise too, where they would wait for this one
+        if world_size > 1:
+            _agree_across_ranks(budget, None, error, device)
         raise
     if world_size > 1:
-        sizes = _agree_across_ranks(budget, sizes, None)
+        sizes = _agree_across_ranks(budget, sizes, None, device)
     plan = plan_step(budget, sizes)
     if left_out:
         plan.notes.append(f"the blocks' list's entries {', '.join(left_out)} have no parameters: not blocks, they run "
@@ -595,7 +599,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
             for block in blocks:
                 block.compile(backend=backend)  # in place: the module tree, its names and FSDP2's hooks stay
 
-        stale = _drop_earlier_compiles(blocks)
+        stale = _drop_earlier_compiles(blocks, block_kinds)
         if stale:
             plan.notes.append(stale)
         compile_blocks(plan.per_block_activation_budget_bytes)
@@ -807,27 +811,38 @@ def _check_recompile_limit(blocks: list[nn.Module]) -> int:
         forward = type(blocks[index]).forward
         kinds.setdefault(getattr(forward, "__code__", forward), []).append(index)
     for indices in kinds.values():
-        if len(indices) > limit:
+        # one compiled version per kind, and one more where the first block's input requires no grad
+        if len(indices) + 1 > limit:
             raise ValueError(f"compile_offload.fit: the blocks are {len(indices)} kinds of "
                              f"{type(blocks[indices[0]]).__name__} (blocks {', '.join(map(str, indices))}: other "
-                             f"shapes), each one more compile of its forward, and past "
-                             f"torch._dynamo.config.recompile_limit ({limit}) Dynamo runs the rest uncompiled, "
-                             f"outside the budget; raise it to at least {len(indices)} before fit")
+                             f"shapes), each one more compile of its forward (and one more for a first block fed "
+                             f"the batch itself), and past torch._dynamo.config.recompile_limit ({limit}) Dynamo "
+                             f"runs the rest uncompiled, outside the budget; raise it to at least "
+                             f"{len(indices) + 1} before fit")
     return max(map(len, kinds.values()), default=1)
 
 
-def _agree_across_ranks(budget: int, sizes: StateSizes | None, error: BaseException | None) -> StateSizes:
+def _agree_across_ranks(budget: int | None, sizes: StateSizes | None, error: BaseException | None,
+                        device: Any = None) -> StateSizes:
     """Under a process group of several ranks: the sizes every rank plans from, so that all
     place the state alike (FSDP2 shards every block on every rank, and the optimizer step's
     collectives run where every rank steps alike). Each rank's sample may differ (an uneven
     batch): the largest figure of all ranks stands for each. Raises on every rank where one
-    could not measure (``error`` on that rank) or the budgets differ."""
+    could not check its arguments or measure (``error`` on that rank) or the budgets differ.
+    ``device``: fit's device (NCCL gathers objects through the current CUDA device)."""
     import dataclasses
 
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (budget, sizes, None if error is None else f"{type(error).__name__}: {error}"))
+    payload = ("compile_offload.fit", budget, sizes, None if error is None else f"{type(error).__name__}: {error}")
+    on_device = device if isinstance(device, torch.device) and device.type == "cuda" else None
+    with torch.cuda.device(on_device) if on_device is not None else contextlib.nullcontext():
+        dist.all_gather_object(gathered, payload)
+    if any(not (isinstance(entry, tuple) and entry[:1] == ("compile_offload.fit",)) for entry in gathered):
+        raise RuntimeError("compile_offload.fit: the ranks are out of step: another collective of theirs met fit's "
+                           "agreement on the plan")
+    gathered = [entry[1:] for entry in gathered]
     failed = [(rank, why) for rank, (_, _, why) in enumerate(gathered) if why is not None]
     if failed:
         if error is not None:
@@ -851,40 +866,51 @@ def _agree_across_ranks(budget: int, sizes: StateSizes | None, error: BaseExcept
             merged[item.name] = tuple(max(column) for column in zip(*values))
         else:
             merged[item.name] = max(values)
-    if any(each != all_sizes[0] for each in all_sizes[1:]):
+    if any(dataclasses.replace(each, notes=()) != dataclasses.replace(all_sizes[0], notes=()) for each in all_sizes[1:]):
         merged["notes"] += ("the ranks measured different sizes (their samples differ): every rank plans from the "
                             "largest figure of all ranks",)
     return StateSizes(**merged)
 
 
-def _forward_codes(blocks: list[nn.Module]) -> list[Any]:
-    """The code objects of the blocks' forwards, once each: where Dynamo keeps their compiled
-    versions (``Module.compile`` compiles the forward)."""
-    codes = {}
+def _forwards(blocks: list[nn.Module]) -> list[Callable[..., Any]]:
+    """The blocks' forward functions, once each (by their code object: where Dynamo keeps
+    their compiled versions, ``Module.compile`` compiling the forward), with their count of
+    kinds of block (``distinct_blocks``) compiled through each."""
+    forwards: dict[int, Any] = {}
     for block in blocks:
         forward = type(block).forward
-        code = getattr(forward, "__code__", None)
-        if code is not None:
-            codes[id(code)] = code
-    return list(codes.values())
+        if getattr(forward, "__code__", None) is not None:
+            forwards.setdefault(id(forward.__code__), forward)
+    return list(forwards.values())
 
 
-def _drop_earlier_compiles(blocks: list[nn.Module]) -> str | None:
-    """Drop the compiled versions Dynamo holds of the blocks' forwards from earlier compiles in
-    this process (an earlier ``fit`` of a model of the same blocks, whose versions stay in the
-    forward's cache after that model is gone): each fit adds its own, and past
-    ``recompile_limit`` Dynamo would run this fit's blocks uncompiled, outside the budget,
-    while the plan says they were compiled under it. A note saying so, or None."""
-    from ..torch_api.dynamo import drop_compiled
+def _forward_codes(blocks: list[nn.Module]) -> list[Any]:
+    return [forward.__code__ for forward in _forwards(blocks)]
 
-    dropped = [(code.co_qualname if hasattr(code, "co_qualname") else code.co_name, count)
-               for code in _forward_codes(blocks) for count in [drop_compiled(code)] if count]
+
+def _drop_earlier_compiles(blocks: list[nn.Module], block_kinds: int) -> str | None:
+    """Where compiling the blocks would pass Dynamo's ``recompile_limit`` on a forward whose
+    code holds compiled versions from earlier compiles in this process (an earlier ``fit`` of
+    a model of the same blocks: its versions stay in the forward's cache after that model is
+    gone), drop those versions: past the limit Dynamo would run this fit's blocks uncompiled,
+    outside the budget, while the plan says they were compiled under it. Other live models
+    whose layers share that forward compile again at their next call. A note saying so, or
+    None. A compile adds one version per kind of block, and one more where the first block's
+    input, unlike the later blocks', requires no grad."""
+    from ..torch_api.dynamo import compiled_entries, config as dynamo_config, drop_compiled
+
+    limit = dynamo_config.recompile_limit
+    dropped = []
+    for forward in _forwards(blocks):
+        held = compiled_entries(forward.__code__)
+        if held and held + block_kinds + 1 > limit:
+            dropped.append((forward.__qualname__, drop_compiled(forward.__code__)))
     if not dropped:
         return None
     named = ", ".join(f"{name} ({count})" for name, count in dropped)
-    return (f"the blocks' forward had compiled versions from earlier compiles in this process: {named}; fit dropped "
-            "them, so that its blocks compile within torch._dynamo.config.recompile_limit (code still using them "
-            "compiles again at its next call)")
+    return (f"the blocks' forward had compiled versions from earlier compiles in this process: {named}; compiling "
+            f"this fit's blocks would pass torch._dynamo.config.recompile_limit ({limit}), so fit dropped them "
+            "(other models whose layers share that forward compile again at their next call)")
 
 
 def _check_one_dtype_per_shard(model: nn.Module, blocks: list[nn.Module]) -> None:
