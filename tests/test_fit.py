@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
+import types
 import warnings
 
 import pytest
@@ -1148,6 +1149,45 @@ def test_fits_one_after_another_in_one_process_each_compile_their_blocks():
                     assert compiled_entries(Block.forward.__code__) == 2
                     dropped = [note for note in result.plan.notes if "fit dropped them" in note]
                     assert len(dropped) == (index > 0) and all("Block.forward (2)" in note for note in dropped)
+                finally:
+                    result.close()
+    finally:
+        torch._dynamo.reset()
+    assert compiled == [2, 2, 2]
+
+
+def _halved_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.fc2(F.gelu(self.fc1(x))) * 0.5
+
+
+class NetOfInstanceForwards(Net):
+    """Blocks whose forward is set on each instance, not on their class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.forward = types.MethodType(_halved_forward, block)
+
+
+def test_fits_one_after_another_count_a_forward_set_on_the_instance():
+    """The versions were counted and dropped on the class's forward, while Dynamo kept them on
+    the code the blocks run, the instance's: the third fit at recompile_limit 3 found nothing
+    to drop and its blocks ran uncompiled."""
+    from compile_offload.torch_api.dynamo import compiled_entries, compiled_graph_count
+
+    compiled = []
+    try:
+        with torch._dynamo.config.patch(recompile_limit=3):
+            for index in range(3):
+                result = _fit_beside_a_copy(NetOfInstanceForwards())[0]
+                try:
+                    before = compiled_graph_count()
+                    result.step(batch(0))
+                    result.step(batch(1))
+                    compiled.append(compiled_graph_count() - before)
+                    assert compiled_entries(_halved_forward.__code__) == 2
+                    dropped = [note for note in result.plan.notes if "fit dropped them" in note]
+                    assert len(dropped) == (index > 0) and all("_halved_forward (2)" in note for note in dropped)
                 finally:
                     result.close()
     finally:

@@ -128,4 +128,3 @@ def triton_codegen():
     import torch._inductor.codegen.triton as module
 
     return module
-

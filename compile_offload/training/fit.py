@@ -808,7 +808,7 @@ def _check_recompile_limit(blocks: list[nn.Module]) -> int:
     limit = dynamo_config.recompile_limit
     kinds: dict[Any, list[int]] = {}
     for index in distinct_blocks(blocks):
-        forward = type(blocks[index]).forward
+        forward = _forward_of(blocks[index])
         kinds.setdefault(getattr(forward, "__code__", forward), []).append(index)
     for indices in kinds.values():
         # one compiled version per kind, and one more where the first block's input requires no grad
@@ -878,10 +878,17 @@ def _forwards(blocks: list[nn.Module]) -> list[Callable[..., Any]]:
     kinds of block (``distinct_blocks``) compiled through each."""
     forwards: dict[int, Any] = {}
     for block in blocks:
-        forward = type(block).forward
+        forward = _forward_of(block)
         if getattr(forward, "__code__", None) is not None:
             forwards.setdefault(id(forward.__code__), forward)
     return list(forwards.values())
+
+
+def _forward_of(block: nn.Module) -> Callable[..., Any]:
+    """The function ``block``'s calls run: its class's ``forward``, or one set on the
+    instance (a bound method or a plain function), whose code then holds the compiled versions."""
+    forward = block.forward
+    return getattr(forward, "__func__", forward)
 
 
 def _forward_codes(blocks: list[nn.Module]) -> list[Any]:
