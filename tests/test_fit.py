@@ -20,6 +20,7 @@ import copy
 import re
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def test_the_state_goes_to_the_host_when_it_does_not_fit():
     plan = plan_step(budget, sizes())
     assert (plan.parameters_on, plan.gradients_on, plan.optimizer_state_on) == ("host",) * 3
     assert plan.fsdp2 and plan.cpu_offload
-    # held: outside parameters + the largest block and the next one, outside gradients
+    # held: outside parameters + the two neighbouring blocks largest together, outside gradients
     assert plan.state_on_device_bytes == (10 + 2 * 100 + 10) * KIB
     assert plan.activation_budget_bytes == budget - plan.state_on_device_bytes
     # FSDP2 offloads each block's gradients after its backward: none kept for the step
@@ -82,6 +83,20 @@ def test_the_state_goes_to_the_host_when_it_does_not_fit():
     assert plan.shared_h2d_bytes == 100 * KIB and "host link: 100.00 KiB of parameters uploaded" in str(plan)
     two_ranks = plan_step(600 * KIB, sizes(world_size=2))
     assert two_ranks.parameters_on == "host" and two_ranks.shared_h2d_bytes == 50 * KIB  # each rank its shard
+
+
+def test_fsdp2_holds_the_two_neighbouring_blocks_largest_together():
+    """Each block's parameters are gathered while the one before it runs: with blocks of 50,
+    10, 40 and 40 KiB blocks 2 and 3 are held together (80 KiB), not the largest block and the
+    next one (60 KiB)."""
+    from compile_offload.training.state_plan import _held_unsharded
+
+    unequal = (50 * KIB, 10 * KIB, 40 * KIB, 40 * KIB)
+    held, how = _held_unsharded(sizes(parameter_bytes=150 * KIB, block_parameter_bytes=unequal,
+                                      block_gradient_bytes=unequal))
+    assert held == 10 * KIB + 80 * KIB and "blocks 2 and 3 80.00 KiB" in how
+    assert _held_unsharded(sizes(parameter_bytes=60 * KIB, block_parameter_bytes=(50 * KIB,),
+                                 block_gradient_bytes=(50 * KIB,)))[0] == 60 * KIB
 
 
 def test_between_the_two_placements_the_first_blocks_keep_their_state_on_the_device():
@@ -854,19 +869,21 @@ def test_fit_leaves_the_models_buffers_and_the_random_state_as_they_were():
 
 
 def two_rank_scenario(rank: int, optimizer_step: str = "auto", tokens: int = 8, budget: int = BUDGET,
-                      steps: int = 3) -> dict:
+                      steps: int = 3, max_grad_norm: float | None = None) -> dict:
     """On each of 2 gloo ranks: fit (the group exists), ``steps`` steps on this rank's batches; the
     reference is a plain loop on the mean of both ranks' losses (FSDP2 averages gradients)."""
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
     result = compile_offload.fit(model, optimizer_fn, batch(0, rank, tokens), memory_budget=budget, loss_fn=loss_fn,
-                                 optimizer_step=optimizer_step, inner_compiler="eager")
+                                 optimizer_step=optimizer_step, inner_compiler="eager", max_grad_norm=max_grad_norm)
     reference_optimizer = optimizer_fn(reference.parameters())
     for step in range(steps):
         result.step(batch(step, rank, tokens))
         expected = (loss_fn(reference(batch(step, 0, tokens))) + loss_fn(reference(batch(step, 1, tokens)))) / 2
         expected.backward()
+        if max_grad_norm is not None:
+            assert torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm) > max_grad_norm  # it clips
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     gathered = {name: full(p).detach().clone() for name, p in result.model.named_parameters()}
@@ -881,9 +898,15 @@ def two_rank_streamed_scenario(rank: int) -> dict:
     return two_rank_scenario(rank, optimizer_step="device", tokens=64, budget=5 * BUDGET // 2, steps=4)
 
 
+def two_rank_clipped_scenario(rank: int) -> dict:
+    """Gradients clipped to a norm taken over both ranks' shards (summed on the mesh's device)."""
+    return two_rank_scenario(rank, optimizer_step="host", max_grad_norm=0.01)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,optimizer_step", [(two_rank_scenario, "host"),
-                                                     (two_rank_streamed_scenario, "device")])
+                                                     (two_rank_streamed_scenario, "device"),
+                                                     (two_rank_clipped_scenario, "host")])
 def test_two_ranks_train_like_an_eager_loop_over_both_batches(tmp_path, scenario, optimizer_step):
     from tests.test_distributed import _spawn
 
@@ -973,16 +996,20 @@ def test_a_budget_too_small_raises_on_every_rank(tmp_path):
 
 class _Meter:
     """A stand-in for ``CudaStepMeter``: the peaks a test says, one per measured step (the
-    last repeats), and the steps measured."""
+    last repeats), and the steps measured; the forward and backward's, and the optimizer
+    step's (``optimizer_peak``, else the same)."""
 
-    def __init__(self, *peaks: int) -> None:
-        self.peaks, self.measured = list(peaks), []
+    def __init__(self, *peaks: int, optimizer_peak: int | None = None) -> None:
+        self.peaks, self.measured, self.optimizer_peak = list(peaks), [], optimizer_peak
 
     def start(self) -> None:
         self.measured.append(None)
 
+    def phase_peak_bytes(self) -> int:
+        return self.peaks[min(len(self.measured), len(self.peaks)) - 1]
+
     def absolute_peak_bytes(self) -> int:
-        peak = self.peaks[min(len(self.measured), len(self.peaks)) - 1]
+        peak = self.phase_peak_bytes() if self.optimizer_peak is None else self.optimizer_peak
         self.measured[-1] = peak
         return peak
 
@@ -1044,6 +1071,19 @@ def test_still_over_after_the_corrections_one_warning_names_the_peak(fitted):
     assert result.corrections == MAX_CORRECTIONS and measured == [2, 4, 6]  # each after its recompiling step
     assert len(named) == 1 and f"{over} bytes" in named[0] and "correction(s)" in named[0]
     assert result.plan.per_block_activation_budget_bytes >= result.block_min_bytes
+
+
+def test_a_step_over_the_budget_in_its_optimizer_step_alone_warns_at_once(fitted):
+    """The forward and backward within the budget, the optimizer step over it: the blocks were
+    compiled again twice under lower budgets, which could not lower it, before the warning."""
+    result, _ = fitted
+    per_block = result.plan.per_block_activation_budget_bytes
+    over = int(BUDGET * 1.05)
+    measured, named = _steps_with(result, _Meter(int(BUDGET * 0.9), optimizer_peak=over), 6)
+    assert measured == [2] and result.corrections == 0 and result.settled
+    assert result.plan.per_block_activation_budget_bytes == per_block
+    assert len(named) == 1 and "in the optimizer step" in named[0] and f"{over} bytes" in named[0]
+    assert result.plan.measured_device_peak_bytes == over
 
 
 @pytest.mark.parametrize("limit,corrections", [(4, 1), (3, 0)])
@@ -1193,6 +1233,71 @@ def test_fits_one_after_another_count_a_forward_set_on_the_instance():
     finally:
         torch._dynamo.reset()
     assert compiled == [2, 2, 2]
+
+
+class _SeesTheOutput(torch.autograd.Function):
+    """The loss itself; its backward, the first the backward pass runs, notes whether the
+    model's output is still alive."""
+
+    alive: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, loss, output_ref):
+        ctx.output_ref = output_ref
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SeesTheOutput.alive.append(ctx.output_ref() is not None)
+        return grad, None
+
+
+def test_the_models_output_is_not_held_through_the_backward():
+    """step() held the model's output (the logits; an HF output's cache) until it returned:
+    on the device through the backward and the optimizer step, beside the blocks' budget."""
+
+    def mean_loss(output):  # a mean saves nothing of its input: only step() could hold the output
+        return _SeesTheOutput.apply(output.mean(), weakref.ref(output))
+
+    result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=mean_loss,
+                                 inner_compiler="eager")
+    try:
+        _SeesTheOutput.alive.clear()
+        result.step(batch(1))
+        assert _SeesTheOutput.alive == [False]
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
+def test_a_cuda_device_other_than_the_current_one_is_refused(monkeypatch):
+    """FSDP2 shards and trains on the current CUDA device: with device='cuda:1' while cuda:0 is
+    current, the model trained on cuda:0 while the meter and the streamed step used cuda:1."""
+    from compile_offload.training.fit import _usable_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=r"device='cuda:1' is not the current CUDA device \(cuda:0\).*set_device\(1\)"):
+        _usable_device("cuda:1")
+    assert _usable_device("cuda:0") == torch.device("cuda", 0)
+    assert _usable_device("cuda") == torch.device("cuda")
+
+
+def test_measured_plan_choice_is_off_for_the_blocks_on_cuda_and_says_so():
+    """Its trial steps reset the device's peak counter inside the step fit's meter measures:
+    the meter read part of a step, of a candidate plan."""
+    from compile_offload.training.fit import _blocks_options
+
+    options = {"inner_compiler": "inductor", "measured_plan_choice": True}
+    with pytest.warns(UserWarning, match="measured_plan_choice is off for the blocks on CUDA"):
+        assert _blocks_options(options, torch.device("cuda")) == {**options, "measured_plan_choice": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _blocks_options(options, torch.device("cpu")) is options  # no step meter on the CPU
+        assert _blocks_options({}, torch.device("cuda")) == {}
+    with compile_offload.config.patch(measured_plan_choice=True), pytest.warns(UserWarning, match="off for the blocks"):
+        assert _blocks_options({}, torch.device("cuda")) == {"measured_plan_choice": False}
 
 
 def test_a_step_after_close_raises():

@@ -123,12 +123,15 @@ def test_an_optimizer_without_state_streams_every_parameter():
     assert all(n == len(list(model.parameters())) for n in streamed)
 
 
-@pytest.mark.parametrize("streamed_costs,expected", [((1.0, 1.0), DEVICE), ((1.0, 3.5), HOST)])
+@pytest.mark.parametrize("streamed_costs,expected", [((1.0, 1.0, 1.0), DEVICE), ((1.0, 1.0, 3.5), HOST),
+                                                     ((10.0, 1.0, 1.0), DEVICE)])
 def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_the_spread(streamed_costs, expected):
     """With a stand-in clock under which the host step takes 3 s and the streamed one
-    ``streamed_costs`` (in turn): the first step untimed, then TRIALS of each alternating,
-    then the chosen one; a streamed trial slower than a host one keeps the host step; every
-    step's update is right."""
+    ``streamed_costs`` (in turn): the first step and the first streamed one untimed, then
+    TRIALS of each alternating, then the chosen one; a streamed trial slower than a host one
+    keeps the host step; every step's update is right. The first streamed step pins the host
+    state and makes the streams (10 s here): timed, it kept the host step where streaming
+    was 3 times faster."""
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
@@ -156,14 +159,14 @@ def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_th
 
     stepper._streamed, optimizer.step = streamed, host_step
 
-    _train(model, stepper.step, 1 + 2 * TRIALS + 2)
+    _train(model, stepper.step, 2 + 2 * TRIALS + 2)
     reference_optimizer = optimizer_fn(reference.parameters())
-    _train(reference, reference_optimizer.step, 1 + 2 * TRIALS + 2)
+    _train(reference, reference_optimizer.step, 2 + 2 * TRIALS + 2)
 
     assert stepper.chosen == expected
-    assert ran[0] == HOST and ran[1:1 + 2 * TRIALS] == [DEVICE, HOST] * TRIALS
-    assert ran[1 + 2 * TRIALS:] == [expected] * 2, ran
-    assert [stepper.times[w] for w in (HOST, DEVICE)] == [[3.0] * TRIALS, list(streamed_costs)]
+    assert ran[:2] == [HOST, DEVICE] and ran[2:2 + 2 * TRIALS] == [DEVICE, HOST] * TRIALS
+    assert ran[2 + 2 * TRIALS:] == [expected] * 2, ran
+    assert [stepper.times[w] for w in (HOST, DEVICE)] == [[3.0] * TRIALS, list(streamed_costs[1:1 + TRIALS])]
     assert "measured host" in stepper.describe()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
@@ -360,3 +363,24 @@ def test_the_host_step_uses_torchs_fused_kernels_where_the_implementation_was_le
     chosen = torch.optim.AdamW(Net().parameters(), foreach=False)
     assert prefer_fused(chosen) is None and chosen.param_groups[0]["fused"] is None
     assert prefer_fused(torch.optim.RMSprop(Net().parameters())) is None  # no fused kernel on the host
+
+
+def test_the_step_on_the_device_uses_torchs_fused_kernels_where_the_implementation_was_left_to_torch():
+    """All state on a CUDA device: torch's default there (foreach) held temporaries of the
+    parameters' size (Adam's square roots of its second moments) beside the budget; the fused
+    kernels step in place. SGD groups of sharded parameters, which fused SGD cannot step, are
+    left to torch there (on the host they get foreach)."""
+    from compile_offload.training.optimizer_step import prefer_fused
+
+    adamw = torch.optim.AdamW(Net().parameters())
+    note = prefer_fused(adamw, on_host=False)
+    assert all(group["fused"] is True for group in adamw.param_groups)
+    assert "fused=True in 1 of 1" in note and "on the device in place" in note and "host" not in note
+
+    class Sharded(torch.Tensor):  # stands for FSDP2's DTensor: what prefer_fused looks for
+        def to_local(self):
+            return self
+
+    sgd = torch.optim.SGD([torch.zeros(2).as_subclass(Sharded).requires_grad_()], lr=0.1)
+    assert prefer_fused(sgd, on_host=False) is None and sgd.param_groups[0]["foreach"] is None
+    assert "foreach=True" in prefer_fused(sgd) and sgd.param_groups[0]["foreach"] is True

@@ -121,6 +121,8 @@ INVENTORY = {
     "torch._C._current_graph_task_id",
     # torch.optim.optimizer: the step pre-hooks registered for every optimizer
     "torch.optim.optimizer._global_optimizer_pre_hooks",
+    # torch.optim.optimizer: the step post-hooks registered for every optimizer
+    "torch.optim.optimizer._global_optimizer_post_hooks",
     # torch.utils._config_module
     "torch.utils._config_module.Config",
     "torch.utils._config_module.ContextDecorator",

@@ -189,6 +189,13 @@ class CudaStepMeter:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
+    def phase_peak_bytes(self) -> int:
+        """As ``absolute_peak_bytes``, and the peak counter starts again: the next read
+        gives the peak of what ran after this one (a step's optimizer step after its backward)."""
+        peak = self.absolute_peak_bytes()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
 
 class StepBudget:
     """The graphs one backend compiled under one byte budget, and the split between them.

@@ -1,6 +1,7 @@
-"""The optimizers' private corners: the step pre-hooks an optimizer holds
-(``Optimizer._optimizer_step_pre_hooks``) and those registered for every optimizer
-(``torch.optim.optimizer._global_optimizer_pre_hooks``).
+"""The optimizers' private corners: the step pre- and post-hooks an optimizer holds
+(``Optimizer._optimizer_step_pre_hooks``, ``_optimizer_step_post_hooks``) and those
+registered for every optimizer (``torch.optim.optimizer._global_optimizer_pre_hooks``,
+``_global_optimizer_post_hooks``).
 
 Checked on torch 2.11-2.14 (installed: 2.13).
 """
@@ -16,3 +17,11 @@ def step_pre_hook_count(optimizer: torch.optim.Optimizer) -> int:
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     return len(getattr(optimizer, "_optimizer_step_pre_hooks", {})) + len(_global_optimizer_pre_hooks)
+
+
+def step_post_hook_count(optimizer: torch.optim.Optimizer) -> int:
+    """How many step post-hooks run when ``optimizer.step()`` returns: its own
+    (``register_step_post_hook``) and the global ones (``register_optimizer_step_post_hook``)."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    return len(getattr(optimizer, "_optimizer_step_post_hooks", {})) + len(_global_optimizer_post_hooks)

@@ -91,9 +91,13 @@ class Fitted:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("compile_offload.fit: the loss must be a one-element tensor; pass loss_fn= when the "
                             f"model's output is not its loss (got {type(loss).__name__})")
+        del output  # the logits (a model output's cache) would stay on the device through the backward and the optimizer step
         loss.backward()
         if self.max_grad_norm is not None:
             clip_grad_norm(self.model.parameters(), self.max_grad_norm)
+        # the forward and backward (the blocks' plans) apart from the optimizer step, which no
+        # budget of the blocks' lowers
+        blocks_peak = self.meter.phase_peak_bytes() if metered else 0
         if self.optimizer_step is None:
             self.optimizer.step()
         else:
@@ -104,7 +108,7 @@ class Fitted:
                 self.plan.notes.append(self.optimizer_step.describe())
         self.optimizer.zero_grad()
         if metered:
-            self._check(self.meter.absolute_peak_bytes())
+            self._check(blocks_peak, self.meter.absolute_peak_bytes())
         return loss.detach()
 
     @property
@@ -128,25 +132,36 @@ class Fitted:
             return False
         return True
 
-    def _check(self, peak: int) -> None:
+    def _check(self, blocks_peak: int, optimizer_peak: int) -> None:
         """The user's contract: the step's device peak within the budget, or one warning that
-        names it. Over it, the blocks are first compiled again under a budget lowered by the
-        excess shared between their calls (at most ``MAX_CORRECTIONS`` times, never below their
-        minimum-memory plan), and the step after the recompiling one is measured again."""
+        names it. Where the forward and backward (``blocks_peak``) are over it, the blocks are
+        first compiled again under a budget lowered by the excess shared between their calls
+        (at most ``MAX_CORRECTIONS`` times, never below their minimum-memory plan), and the
+        step after the recompiling one is measured again. Where only the optimizer step is
+        (``optimizer_peak``), no budget of the blocks' lowers it: the warning says so at once."""
         from ..runtime.verify_budget import TOLERANCE
 
+        peak = max(blocks_peak, optimizer_peak)
         self.plan.measured_device_peak_bytes = peak
         budget = self.plan.budget_bytes
         if peak <= budget * (1 + TOLERANCE):
             return
+        if blocks_peak <= budget * (1 + TOLERANCE):
+            warnings.warn(f"compile_offload.fit: step {self.steps} measured {format_bytes(peak)} ({peak} bytes) at the "
+                          f"device's allocator in the optimizer step, above the memory budget {format_bytes(budget)} "
+                          f"(+{peak / budget - 1:.1%}; predicted {format_bytes(self.plan.predicted_device_peak_bytes)}), "
+                          f"while the forward and backward peaked at {format_bytes(blocks_peak)}: no budget of the "
+                          "blocks' lowers it; what the prediction leaves out is in the plan's notes", stacklevel=3)
+            return
         per_block = self.plan.per_block_activation_budget_bytes
         calls = self.plan.block_calls or self.plan.blocks  # each call's plan runs under the lowered budget
-        lowered = max(self.block_min_bytes, per_block - -(-(peak - budget) // calls))
+        lowered = max(self.block_min_bytes, per_block - -(-(blocks_peak - budget) // calls))
         if (self.recompile is not None and self.corrections < MAX_CORRECTIONS and lowered < per_block
                 and self._recompile_fits()):
             self.corrections += 1
-            self.plan.notes.append(f"step {self.steps} measured {format_bytes(peak)} at the allocator, over the budget "
-                                   f"by {format_bytes(peak - budget)}: the blocks compiled again with memory_budget "
+            self.plan.notes.append(f"step {self.steps} measured {format_bytes(blocks_peak)} at the allocator in its forward "
+                                   f"and backward, over the budget by {format_bytes(blocks_peak - budget)}: the blocks "
+                                   "compiled again with memory_budget "
                                    f"{format_bytes(lowered)} (was {format_bytes(per_block)})")
             self.recompile(lowered)
             self.plan.per_block_activation_budget_bytes = lowered
@@ -193,10 +208,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
             by_device.setdefault(param.grad.device, []).append(param.grad)
     if not by_device:
         return torch.zeros(())
-    norms = []
-    for grads in by_device.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().cpu())
+    norms = [_norm_over_ranks(grads).float().cpu() for grads in by_device.values()]
     total = torch.linalg.vector_norm(torch.stack(norms))
     scale = max_norm / (float(total) + 1e-6)
     if not scale >= 1.0:  # a NaN norm too: every gradient becomes NaN, as torch.nn.utils.clip_grad_norm_ makes them
@@ -204,6 +216,28 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
             for grad in grads:
                 grad.mul_(scale)
     return total
+
+
+def _norm_over_ranks(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of one device's ``grads``, over all ranks' shards where they are FSDP2's
+    (DTensors sharded on a one-dimensional mesh). Their squared norms are summed on the
+    mesh's device: the gradients FSDP2 keeps on the host are host tensors, and under an
+    NCCL-only process group a collective of host tensors has no backend (torch's
+    ``clip_grad_norm_`` fails there: pytorch#148532)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    norm = torch.nn.utils.get_total_norm(grads)
+    if not isinstance(norm, DTensor):
+        return norm
+    mesh = grads[0].device_mesh
+    if mesh.ndim != 1 or any(not isinstance(g, DTensor) or g.device_mesh != mesh
+                             or not all(isinstance(p, Shard) for p in g.placements) for g in grads):
+        return norm.full_tensor()
+    squared = torch.nn.utils.get_total_norm([g.to_local() for g in grads]).double().square()
+    squared = squared.to(mesh.device_type)  # the current device of that type: the group's
+    dist.all_reduce(squared, group=mesh.get_group())
+    return squared.sqrt()
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -556,6 +590,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         device = _usable_device(device)
+        options = _blocks_options(options, device)
         if isinstance(sample, Mapping):
             inputs, input_kwargs = (), dict(sample)
         else:
@@ -607,10 +642,11 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         # the matrices, one of the rest) would find a generator empty the second time
         optimizer = optimizer_fn(list(model.parameters()))
         stepper = None
-        if plan.cpu_offload:
-            fused_note = prefer_fused(optimizer)
+        if plan.cpu_offload or device.type == "cuda":
+            fused_note = prefer_fused(optimizer, on_host=plan.cpu_offload)
             if fused_note:
                 plan.notes.append(fused_note)
+        if plan.cpu_offload:
             stepper = OptimizerStep(optimizer, device, mode=optimizer_step, chunk_bytes=plan.optimizer_step_chunk_bytes)
             plan.optimizer_step = "measured" if stepper.chosen is None else stepper.chosen
             plan.notes.append(stepper.describe())
@@ -743,6 +779,20 @@ def _check_not_on_meta(model: nn.Module, sample: Any) -> None:
                          "sample to plan each block, so pass one real batch (on the host or on the device)")
 
 
+def _blocks_options(options: dict, device: torch.device) -> dict:
+    """The backend's options for the blocks: on CUDA without ``measured_plan_choice``, with a
+    warning where it was asked for (in ``options`` or the config). Its trial steps reset the
+    device's peak counter, which fit's step meter reads over a whole step, and run candidate
+    plans in the steps fit measures."""
+    from ..settings import resolve
+
+    if device.type != "cuda" or not resolve(options).measured_plan_choice:
+        return options
+    warnings.warn("compile_offload.fit: measured_plan_choice is off for the blocks on CUDA: its trial steps reset the "
+                  "device's peak counter, which fit's step meter reads over a whole step", stacklevel=3)
+    return {**options, "measured_plan_choice": False}
+
+
 def _usable_device(device: torch.device | str) -> torch.device:
     """``device`` as a ``torch.device``, checked to exist on this machine: fit trains there."""
     accepted = "accepted: 'cuda', 'cuda:N', 'cpu', a torch.device, or None for the current CUDA device, else the CPU"
@@ -762,6 +812,11 @@ def _usable_device(device: torch.device | str) -> torch.device:
         if parsed.index is not None and parsed.index >= count:
             raise ValueError(f"compile_offload.fit: device={device!r}, but this machine has {count} CUDA "
                              f"device(s), cuda:0 to cuda:{count - 1}")
+        current = torch.cuda.current_device()
+        if parsed.index is not None and parsed.index != current:
+            raise ValueError(f"compile_offload.fit: device={device!r} is not the current CUDA device (cuda:{current}), "
+                             "where FSDP2 shards and trains; call torch.cuda.set_device("
+                             f"{parsed.index}) before fit (as each rank does with its LOCAL_RANK under torchrun)")
     return parsed
 
 

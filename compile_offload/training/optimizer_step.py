@@ -20,19 +20,21 @@ the host's cores, the link and the optimizer. ``OptimizerStep`` runs the step ei
   step as usual.
 
 ``mode="auto"`` decides by measurement: the first step runs on the host (it creates the
-state as torch's optimizer does), then ``TRIALS`` steps each way alternate, timed with the
-device synchronized before and after. The streamed step wins where its slowest trial beats
+state as torch's optimizer does), the second streams untimed (it pins the host state and
+makes the streams, once), then ``TRIALS`` steps each way alternate, timed with the device
+synchronized before and after. The streamed step wins where its slowest trial beats
 the host's fastest (faster beyond the trials' spread; otherwise torch's own way stays). On N
 ranks the times are summed over the ranks first, so that every rank picks the same. Every
 trial step is a real step: training is the same either way, within the arithmetic's rounding.
 
-Whichever way it runs, where the state is on the host and the optimizer is torch's Adam,
-AdamW or SGD with its implementation left to torch (``fused`` and ``foreach`` unset),
-``prefer_fused`` sets ``fused=True``: torch's default on the host is its for-loop
-implementation, several times slower than the fused one (docs/design.md); on the device the
-fused kernels are torch's fastest too. SGD's fused op has no rule for FSDP2's sharded
-parameters (DTensors), so its groups holding them get ``foreach=True``. A ``fused`` or
-``foreach`` the user set is kept.
+Whichever way it runs, where the optimizer is torch's Adam, AdamW or SGD with its
+implementation left to torch (``fused`` and ``foreach`` unset), ``prefer_fused`` sets
+``fused=True``: torch's default on the host is its for-loop implementation, several times
+slower than the fused one (docs/design.md); on a CUDA device torch's default (foreach) holds
+temporaries of the parameters' size that the budget leaves out, while the fused kernels
+step in place. SGD's fused op has no rule for FSDP2's sharded parameters (DTensors), so on
+the host its groups holding them get ``foreach=True``. A ``fused`` or ``foreach`` the user
+set is kept.
 
 Limits: the streamed path handles torch.optim's own optimizers (the state of a parameter:
 tensors of its shape, and scalar step counters kept where the optimizer keeps them); other
@@ -51,6 +53,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,12 +75,17 @@ FUSED_ON_HOST_AND_DEVICE = ("Adam", "AdamW", "SGD")
 FUSED_ON_DTENSORS = ("Adam", "AdamW")
 
 
-def prefer_fused(optimizer: torch.optim.Optimizer) -> str | None:
+def prefer_fused(optimizer: torch.optim.Optimizer, on_host: bool = True) -> str | None:
     """Set ``fused=True`` in each parameter group that leaves the implementation to torch
     (``fused`` and ``foreach`` None, not ``differentiable``, floating-point parameters) of a
-    torch.optim Adam, AdamW or SGD; ``foreach=True`` instead where the group holds FSDP2's
-    sharded parameters (DTensors) and torch's fused op has no rule for them (SGD); a note
-    saying so, or None where nothing changed."""
+    torch.optim Adam, AdamW or SGD; a note saying so, or None where nothing changed.
+
+    ``on_host``: the state steps on the host, where torch's default is its for-loop; groups
+    holding FSDP2's sharded parameters (DTensors) whose fused op has no rule for them (SGD)
+    get ``foreach=True`` instead. Else all of it is on the device, where torch's default
+    (foreach) holds temporaries of the parameters' size that the step's budget does not
+    count (Adam's square roots of its second moments), and the fused kernels step in place;
+    there SGD's sharded groups are left to torch."""
     cls = type(optimizer)
     if cls.__name__ not in FUSED_ON_HOST_AND_DEVICE or not cls.__module__.startswith("torch.optim"):
         return None
@@ -87,13 +95,18 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> str | None:
                 and all(torch.is_floating_point(p) for p in group["params"])):
             sharded = any(hasattr(p, "to_local") for p in group["params"])
             kind = "foreach" if sharded and cls.__name__ not in FUSED_ON_DTENSORS else "fused"
+            if kind == "foreach" and not on_host:
+                continue
             group[kind] = True
             changed[kind] += 1
     if not changed:
         return None
     said = " and ".join(f"{kind}=True in {count}" for kind, count in sorted(changed.items(), reverse=True))
-    return (f"{cls.__name__}: {said} of {len(optimizer.param_groups)} parameter group(s) that left the "
-            "implementation to torch: its " + ("fused kernels" if "fused" in changed else "foreach kernels")
+    start = f"{cls.__name__}: {said} of {len(optimizer.param_groups)} parameter group(s) that left the implementation to torch: "
+    if not on_host:
+        return (start + "its fused kernels step the state on the device in place, where torch's default (foreach) "
+                "holds temporaries of the parameters' size that the budget does not count")
+    return (start + "its " + ("fused kernels" if "fused" in changed else "foreach kernels")
             + ", not its default for-loop, step the state on the host"
             + ("" if "foreach" not in changed else
                " (foreach where its fused op has no rule for FSDP2's sharded parameters)"))
@@ -157,6 +170,7 @@ class OptimizerStep:
     checked: bool = False
     stepped: bool = False  # whether a step has run
     warned_hooks: bool = False  # the step pre-hooks' warning was given
+    warmed: bool = False  # the untimed streamed step before the trials has run
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -186,6 +200,10 @@ class OptimizerStep:
                 self.chosen = HOST
         if self.chosen is not None:
             self._streamed() if self.chosen == DEVICE else self.optimizer.step()
+            return
+        if not self.warmed:  # the first streamed step pins the host state and makes its streams: not timed
+            self.warmed = True
+            self._streamed()
             return
         where = DEVICE if len(self.times[DEVICE]) <= len(self.times[HOST]) else HOST
         self._synchronize()
@@ -243,7 +261,7 @@ class OptimizerStep:
         """Where the host state steps, and why, in one line (for the plan's notes)."""
         if self.chosen is None:
             return (f"optimizer step: measuring, host against streamed through the device ({TRIALS} steps each, "
-                    "after the first)")
+                    "after a first step on the host and an untimed streamed one)")
         where = "on the host" if self.chosen == HOST else (
             f"streamed through the device, {format_bytes(self.chunk_bytes)} of parameters, gradients and state "
             "at a time")
@@ -296,6 +314,10 @@ class OptimizerStep:
                 if id(p) in streamed:
                     set_aside[p], p.grad = p.grad, None
         try:
+            if self._streams is not None and optim.step_post_hook_count(self.optimizer):
+                # step post-hooks run inside optimizer.step(): they read (an EMA) or change (a
+                # clamp) the host tensors the downloads are writing
+                self._streams[1].synchronize()
             self.optimizer.step()
         finally:
             for p, grad in set_aside.items():
@@ -345,20 +367,19 @@ class OptimizerStep:
     def _stage(self, params: list[nn.Parameter], group: dict) -> _Staged:
         cuda = self.device.type == "cuda"
         shadows, states = [], []
-        context = contextlib.nullcontext()
+        upload = None
         if cuda:
             upload = self._streams[0]
             upload.wait_stream(torch.cuda.current_stream(self.device))  # the memory may be the last group's
-            context = torch.cuda.stream(upload)
-        with context:
-            for p in params:
-                shadow = nn.Parameter(self._to_device(_local(p)), requires_grad=p.requires_grad)
-                shadow.grad = self._to_device(_local(p.grad))
-                state = self.optimizer.state[p]
-                if cuda:
-                    self._pin(state)
-                shadows.append(shadow)
-                states.append({k: self._to_device(_local(v)) if self._moves(v, group) else v for k, v in state.items()})
+        for p in params:
+            shadow = nn.Parameter(self._to_device(_local(p), upload), requires_grad=p.requires_grad)
+            shadow.grad = self._to_device(_local(p.grad), upload)
+            state = self.optimizer.state[p]
+            if cuda:
+                self._pin(state)
+            shadows.append(shadow)
+            states.append({k: self._to_device(_local(v), upload) if self._moves(v, group) else v
+                           for k, v in state.items()})
         ready = upload.record_event() if cuda else None
         return _Staged(params=params, shadows=shadows, states=states, ready=ready)
 
@@ -376,16 +397,24 @@ class OptimizerStep:
                 for key, value in state.items():
                     if self._moves(host_state[key], group):
                         _local(host_state[key]).copy_(value, non_blocking=cuda)
-                if cuda:  # allocated on the upload stream, read by the step's and the download's
+                if cuda:  # allocated on the step's stream, written by the upload's (recorded then), read by the download's
                     for tensor in (shadow, shadow.grad, *(v for v in state.values() if isinstance(v, torch.Tensor))):
                         if tensor.device.type == "cuda":
-                            tensor.record_stream(compute)
                             tensor.record_stream(download)
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` on the device (a copy even where the device is the host)."""
+    def _to_device(self, tensor: torch.Tensor, upload: Any = None) -> torch.Tensor:
+        """A copy of ``tensor`` on the device (a copy even where the device is the host), made
+        on the ``upload`` stream where there is one. Its memory is allocated on the current
+        (the step's) stream, whose pool serves the next forward once the group is done: on
+        the upload stream's it would stay cached beside the budget, unseen by the allocated
+        bytes the step's meter reads."""
         out = torch.empty_like(tensor, device=self.device)
-        out.copy_(tensor, non_blocking=self.device.type == "cuda")
+        if upload is None:
+            out.copy_(tensor)
+            return out
+        with torch.cuda.stream(upload):
+            out.copy_(tensor, non_blocking=True)
+        out.record_stream(upload)
         return out
 
     @staticmethod

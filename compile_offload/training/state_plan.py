@@ -27,8 +27,8 @@ the optimizer steps that state on the host or streamed through the device
 most ``optimizer_step_chunk_bytes``, a third of what the budget leaves beside the state held,
 which the activations have freed by then). The device holds, at a time:
 
-- the unsharded parameters of the largest block and of the next one (FSDP2 prefetches one
-  block ahead), plus that block's unsharded gradients (see below: they are counted in the
+- the unsharded parameters of the two neighbouring blocks largest together (FSDP2 prefetches
+  one block ahead), plus the block's unsharded gradients (see below: they are counted in the
   block's activations);
 - the parameters and gradients outside the blocks (the root's FSDP2 group: embeddings, a
   head), unsharded for the whole step (FSDP2 does not reshard the root after its forward);
@@ -194,16 +194,16 @@ class StepPlan:
 
 def _held_unsharded(sizes: StateSizes) -> tuple[int, str]:
     """Parameters FSDP2 holds unsharded on the device at a time: the root's (outside the
-    blocks) all step, the largest block's and the next one's (prefetched one ahead).
-    (bytes, how)."""
+    blocks) all step, and two neighbouring blocks' (each block's prefetched while the one
+    before it runs): the largest such pair. (bytes, how)."""
     block_params = list(sizes.block_parameter_bytes)
-    largest = max(range(len(block_params)), key=block_params.__getitem__)
-    following = block_params[largest + 1] if largest + 1 < len(block_params) else (
-        block_params[largest - 1] if largest > 0 else 0)
-    params = sizes.outside_parameter_bytes + block_params[largest] + following
-    how = (f"outside the blocks {format_bytes(sizes.outside_parameter_bytes)} + the largest block "
-           f"{format_bytes(block_params[largest])} + the next one {format_bytes(following)}")
-    return params, how
+    if len(block_params) == 1:
+        pair, which = block_params[0], "the one block"
+    else:
+        first = max(range(len(block_params) - 1), key=lambda i: block_params[i] + block_params[i + 1])
+        pair, which = block_params[first] + block_params[first + 1], f"blocks {first} and {first + 1}"
+    how = f"outside the blocks {format_bytes(sizes.outside_parameter_bytes)} + {which} {format_bytes(pair)}"
+    return sizes.outside_parameter_bytes + pair, how
 
 
 def _first_blocks(count: int) -> str:
