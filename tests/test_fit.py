@@ -898,6 +898,43 @@ def two_rank_streamed_scenario(rank: int) -> dict:
     return two_rank_scenario(rank, optimizer_step="device", tokens=64, budget=5 * BUDGET // 2, steps=4)
 
 
+def two_rank_norm_scenario(rank: int) -> dict:
+    """``_norm_over_ranks`` of gradients sharded over 2 ranks (uneven, one shard empty), with
+    every DTensor collective noted: DTensor's own norm all-reduces the shards' local (host)
+    norms, which an NCCL-only group cannot do with host tensors."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from compile_offload.training.fit import _norm_over_ranks
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    fulls = [torch.randn(5, 3), torch.randn(1, 4), torch.randn(0, 2)]
+    grads = [distribute_tensor(full, mesh, [Shard(0)]) for full in fulls]
+    collectives, real = [], funcol.all_reduce
+
+    def noted(tensor, *args, **kwargs):
+        collectives.append(tensor.device.type)
+        return real(tensor, *args, **kwargs)
+
+    funcol.all_reduce = noted
+    try:
+        norm = float(_norm_over_ranks(grads))
+    finally:
+        funcol.all_reduce = real
+    return {"collectives": collectives, "norm": norm, "expected": float(torch.nn.utils.get_total_norm(fulls))}
+
+
+@pytest.mark.slow
+def test_the_norm_over_ranks_takes_no_dtensor_collective_of_host_norms(tmp_path):
+    from tests.test_distributed import _spawn
+
+    for result in _spawn(two_rank_norm_scenario, tmp_path):
+        assert result["collectives"] == []
+        assert result["norm"] == pytest.approx(result["expected"], rel=1e-6)
+
+
 def two_rank_clipped_scenario(rank: int) -> dict:
     """Gradients clipped to a norm taken over both ranks' shards (summed on the mesh's device)."""
     return two_rank_scenario(rank, optimizer_step="host", max_grad_norm=0.01)
@@ -1074,8 +1111,9 @@ def test_still_over_after_the_corrections_one_warning_names_the_peak(fitted):
 
 
 def test_a_step_over_the_budget_in_its_optimizer_step_alone_warns_at_once(fitted):
-    """The forward and backward within the budget, the optimizer step over it: the blocks were
-    compiled again twice under lower budgets, which could not lower it, before the warning."""
+    """The forward and backward within the budget, the optimizer step over it: before, the
+    blocks were compiled again twice under lower budgets, which could not lower it, before the
+    warning; now it warns at the first measured step and leaves the blocks as they are."""
     result, _ = fitted
     per_block = result.plan.per_block_activation_budget_bytes
     over = int(BUDGET * 1.05)
@@ -1207,6 +1245,20 @@ class NetOfInstanceForwards(Net):
         super().__init__()
         for block in self.blocks:
             block.forward = types.MethodType(_halved_forward, block)
+
+
+def test_a_forward_without_code_of_its_own_counts_the_classs():
+    """A functools.partial set as forward (as some wrappers do) has no code: the block was left
+    out of the count; its class's forward stands for it, as before."""
+    import functools
+
+    from compile_offload.training.fit import _forward_of
+
+    block = Block()
+    block.forward = functools.partial(Block.forward, block)
+    assert _forward_of(block) is Block.forward
+    block.forward = types.MethodType(_halved_forward, block)
+    assert _forward_of(block) is _halved_forward
 
 
 def test_fits_one_after_another_count_a_forward_set_on_the_instance():

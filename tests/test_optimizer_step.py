@@ -368,8 +368,8 @@ def test_the_host_step_uses_torchs_fused_kernels_where_the_implementation_was_le
 def test_the_step_on_the_device_uses_torchs_fused_kernels_where_the_implementation_was_left_to_torch():
     """All state on a CUDA device: torch's default there (foreach) held temporaries of the
     parameters' size (Adam's square roots of its second moments) beside the budget; the fused
-    kernels step in place. SGD groups of sharded parameters, which fused SGD cannot step, are
-    left to torch there (on the host they get foreach)."""
+    kernels step in place. SGD is left to torch there: its default holds no such temporaries,
+    and fused SGD refuses sparse gradients (an Embedding(sparse=True) trained before)."""
     from compile_offload.training.optimizer_step import prefer_fused
 
     adamw = torch.optim.AdamW(Net().parameters())
@@ -384,3 +384,5 @@ def test_the_step_on_the_device_uses_torchs_fused_kernels_where_the_implementati
     sgd = torch.optim.SGD([torch.zeros(2).as_subclass(Sharded).requires_grad_()], lr=0.1)
     assert prefer_fused(sgd, on_host=False) is None and sgd.param_groups[0]["foreach"] is None
     assert "foreach=True" in prefer_fused(sgd) and sgd.param_groups[0]["foreach"] is True
+    plain_sgd = torch.optim.SGD(Net().parameters(), lr=0.1)
+    assert prefer_fused(plain_sgd, on_host=False) is None and plain_sgd.param_groups[0]["fused"] is None

@@ -200,8 +200,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
     """Scale the gradients so that their total 2-norm is at most ``max_norm`` (as
     ``torch.nn.utils.clip_grad_norm_``), whether they are plain tensors or FSDP2's sharded
     ones, and wherever they live: a split placement has gradients on the device and on the
-    host. Each device's norm is taken over all ranks' shards (``full_tensor``). Returns the
-    total norm before clipping."""
+    host. Each device's norm is taken over all ranks' shards (``_norm_over_ranks``). Returns
+    the total norm before clipping."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
@@ -227,15 +227,18 @@ def _norm_over_ranks(grads: list[torch.Tensor]) -> torch.Tensor:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    norm = torch.nn.utils.get_total_norm(grads)
-    if not isinstance(norm, DTensor):
-        return norm
-    mesh = grads[0].device_mesh
-    if mesh.ndim != 1 or any(not isinstance(g, DTensor) or g.device_mesh != mesh
-                             or not all(isinstance(p, Shard) for p in g.placements) for g in grads):
-        return norm.full_tensor()
-    squared = torch.nn.utils.get_total_norm([g.to_local() for g in grads]).double().square()
-    squared = squared.to(mesh.device_type)  # the current device of that type: the group's
+    # decided from the gradients, not from a norm of them: DTensor's norm of several shards
+    # already all-reduces their local (host) norms
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.get_total_norm(grads)
+    mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
+    if mesh is None or mesh.ndim != 1 or any(not isinstance(g, DTensor) or g.device_mesh != mesh
+                                             or not all(isinstance(p, Shard) for p in g.placements) for g in grads):
+        return torch.nn.utils.get_total_norm(grads).full_tensor()
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads])
+    if mesh.size() == 1:
+        return local
+    squared = local.double().square().to(mesh.device_type)  # the current device of that type: the group's
     dist.all_reduce(squared, group=mesh.get_group())
     return squared.sqrt()
 
@@ -943,7 +946,9 @@ def _forward_of(block: nn.Module) -> Callable[..., Any]:
     """The function ``block``'s calls run: its class's ``forward``, or one set on the
     instance (a bound method or a plain function), whose code then holds the compiled versions."""
     forward = block.forward
-    return getattr(forward, "__func__", forward)
+    forward = getattr(forward, "__func__", forward)
+    # a callable without code of its own (functools.partial): the class's forward, as before
+    return forward if getattr(forward, "__code__", None) is not None else type(block).forward
 
 
 def _forward_codes(blocks: list[nn.Module]) -> list[Any]:

@@ -30,9 +30,9 @@ trial step is a real step: training is the same either way, within the arithmeti
 Whichever way it runs, where the optimizer is torch's Adam, AdamW or SGD with its
 implementation left to torch (``fused`` and ``foreach`` unset), ``prefer_fused`` sets
 ``fused=True``: torch's default on the host is its for-loop implementation, several times
-slower than the fused one (docs/design.md); on a CUDA device torch's default (foreach) holds
-temporaries of the parameters' size that the budget leaves out, while the fused kernels
-step in place. SGD's fused op has no rule for FSDP2's sharded parameters (DTensors), so on
+slower than the fused one (docs/design.md); with the state on a CUDA device torch's default
+for Adam and AdamW (foreach) holds temporaries of the parameters' size that the budget leaves
+out, while the fused kernels step in place (SGD is left to torch there). SGD's fused op has no rule for FSDP2's sharded parameters (DTensors), so on
 the host its groups holding them get ``foreach=True``. A ``fused`` or ``foreach`` the user
 set is kept.
 
@@ -85,7 +85,7 @@ def prefer_fused(optimizer: torch.optim.Optimizer, on_host: bool = True) -> str 
     get ``foreach=True`` instead. Else all of it is on the device, where torch's default
     (foreach) holds temporaries of the parameters' size that the step's budget does not
     count (Adam's square roots of its second moments), and the fused kernels step in place;
-    there SGD's sharded groups are left to torch."""
+    there SGD is left to torch (its default holds no such temporaries)."""
     cls = type(optimizer)
     if cls.__name__ not in FUSED_ON_HOST_AND_DEVICE or not cls.__module__.startswith("torch.optim"):
         return None
@@ -95,8 +95,8 @@ def prefer_fused(optimizer: torch.optim.Optimizer, on_host: bool = True) -> str 
                 and all(torch.is_floating_point(p) for p in group["params"])):
             sharded = any(hasattr(p, "to_local") for p in group["params"])
             kind = "foreach" if sharded and cls.__name__ not in FUSED_ON_DTENSORS else "fused"
-            if kind == "foreach" and not on_host:
-                continue
+            if not on_host and cls.__name__ not in FUSED_ON_DTENSORS:
+                continue  # SGD's default holds no temporaries of the parameters' size (and fused SGD refuses sparse gradients)
             group[kind] = True
             changed[kind] += 1
     if not changed:
@@ -314,9 +314,10 @@ class OptimizerStep:
                 if id(p) in streamed:
                     set_aside[p], p.grad = p.grad, None
         try:
-            if self._streams is not None and optim.step_post_hook_count(self.optimizer):
-                # step post-hooks run inside optimizer.step(): they read (an EMA) or change (a
-                # clamp) the host tensors the downloads are writing
+            if self._streams is not None and (optim.step_pre_hook_count(self.optimizer)
+                                              or optim.step_post_hook_count(self.optimizer)):
+                # step hooks run inside optimizer.step(): they read (an EMA, a norm logged) or
+                # change (a clamp) the host tensors the downloads are writing
                 self._streams[1].synchronize()
             self.optimizer.step()
         finally:
