@@ -259,6 +259,62 @@ def test_a_wait_without_its_copy_raises(device):
     assert ops.pending_transfer_count() == 0
 
 
+class _CudaEvent:
+    """Stands for an offload's CUDA event on the CPU: notes when the CPU waits for it."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def _offloaded_as_on_cuda(monkeypatch) -> tuple[torch.Tensor, torch.Tensor, _CudaEvent]:
+    """(source, host tensor, its event): an offload pending as on CUDA, its stream wait a no-op."""
+    monkeypatch.setattr(ops, "_wait", lambda pending: None)
+    x = _base(torch.float32)
+    host = ops.offload(x, False)
+    event = _CudaEvent()
+    ops._pending[host.data_ptr()].event = event
+    return x, host, event
+
+
+def test_a_wait_keeping_another_tensor_alive_than_its_offload_read_raises(monkeypatch):
+    """Where generated code handed offload and wait_offload different copies of the source,
+    the memory the copy read was kept alive by nothing and could be reused under the copy on
+    CUDA: the host tensor may be torn, so the wait raises instead of returning it."""
+    x, host, _ = _offloaded_as_on_cuda(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"wait_offload: the tensor it keeps alive .* is not the memory its offload read"):
+        ops.wait_offload(host, x.clone())
+    x, host, _ = _offloaded_as_on_cuda(monkeypatch)
+    assert_bitwise_equal(ops.wait_offload(host, x[1:]), x)  # a view of the memory read: the same storage
+    assert ops.pending_transfer_count() == 0
+
+
+def test_under_saved_tensor_hooks_the_cpu_waits_for_the_offload(monkeypatch):
+    """save_on_cpu's pack hook copies the saved host tensor on the CPU as the forward
+    returns: before the copy into it had finished on CUDA, it read a torn tensor."""
+    x, host, event = _offloaded_as_on_cuda(monkeypatch)
+    ops.wait_offload(host, x)
+    assert event.synchronized == 0  # no hooks: the compute stream's wait is enough
+    x, host, event = _offloaded_as_on_cuda(monkeypatch)
+    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        ops.wait_offload(host, x)
+    assert event.synchronized == 1
+
+
+@pytest.mark.parametrize("op", ["offload", "reload"])
+def test_copies_refuse_a_cuda_graph_capture(monkeypatch, op):
+    """Captured, a copy's Python bookkeeping ran once: every replay copied into host buffers
+    the pool had since handed to other copies."""
+    x = _base(torch.float32)
+    host = ops.wait_offload(ops.offload(x, False), x)
+    monkeypatch.setattr(ops, "_capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match=rf"compile_offload.{op}: a CUDA graph is being captured"):
+        ops.offload(x, False) if op == "offload" else ops.reload(host, x.device)
+    assert ops.pending_transfer_count() == 0
+
+
 def test_a_zero_element_wait_has_nothing_to_wait_for():
     x = _base(torch.float32)[:0]
     host = ops.wait_offload(ops.offload(x, False), x)

@@ -36,6 +36,7 @@ INVENTORY = {
     "torch._C._AutoDispatchBelowAutograd",
     "torch._C._autograd",
     "torch._C._autograd._profiler_enabled",
+    "torch._C._autograd._top_saved_tensors_default_hooks",
     "torch._C._profiler._EventType",
     # torch._dynamo
     "torch._dynamo",
@@ -156,6 +157,7 @@ AREA_MODULES = {
     "torch.cuda.memory": "profiler",
     "torch._C": "cuda",
     "torch._C._current_graph_task_id": "utils",
+    "torch._C._autograd._top_saved_tensors_default_hooks": "utils",
     "torch.cuda": "cuda",
     "torch.utils": "utils",
     "torch.fx": "utils",

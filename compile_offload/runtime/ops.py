@@ -94,6 +94,7 @@ import torch
 from ..passes import compat
 from ..passes.offload import OffloadOps, is_non_overlapping
 from ..torch_api import cuda as torch_cuda
+from ..torch_api.utils import saved_tensors_hooks_active
 
 from . import pinned_pool
 
@@ -208,6 +209,22 @@ def _wait(pending: _Pending | None) -> None:
     # which from here on runs after the copy, so the allocator may reuse them at once.
 
 
+def _capturing(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(device: torch.device, op: str) -> None:
+    """A copy's bookkeeping (its host buffer from the pool, its event, the pending entry) runs
+    in Python, once while a CUDA graph is captured and never at its replays: each replay
+    would copy into host buffers the pool has since handed to other copies."""
+    if _capturing(device):
+        raise RuntimeError(
+            f"compile_offload.{op}: a CUDA graph is being captured (torch.cuda.graph, make_graphed_callables), "
+            "and offloaded copies cannot be replayed by one: their host buffers and events are kept in Python. "
+            "Capture a step compiled with compile_offload.config.offload = False, or let torch.compile's "
+            "mode='reduce-overhead' capture it (offload is then turned off for you)")
+
+
 def _normalize(device: torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -259,6 +276,7 @@ def _host_tensor(src: torch.Tensor, stride: list[int]) -> torch.Tensor:
 def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
     """Start copying ``src`` to host memory; returns the host tensor (not readable before
     ``wait_offload``). See the module docstring for ``contiguous_host``."""
+    _refuse_capture(src.device, "offload")
     if not contiguous_host and not _is_dense(src):
         raise ValueError(
             f"compile_offload.offload: a tensor with size {tuple(src.shape)} and stride {src.stride()} "
@@ -306,6 +324,7 @@ def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | Non
     """Start copying ``host`` to a fresh tensor on ``device`` with ``stride`` (None: the host
     tensor's own stride); returns it (not readable before ``wait_reload``)."""
     device = _normalize(device)
+    _refuse_capture(device, "reload")
     if stride is None:
         stride = host.stride()
     else:
@@ -370,8 +389,28 @@ _lib.define("wait_reload(Tensor(a) reloaded, Tensor host) -> Tensor(a)", tags=_C
 
 
 def _wait_offload_impl(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Compute stream waits for ``host``'s copy; ``source`` was kept alive until here."""
-    _wait(_pop_pending(host, "wait_offload"))
+    """Compute stream waits for ``host``'s copy; ``source`` was kept alive until here.
+
+    Two checks on CUDA. ``source`` must be the memory the offload read: where a code
+    generation handed the two ops different copies of it, the one the offload read was kept
+    alive by nothing and could be reused under the copy, so this raises rather than return
+    a host tensor that may be torn. And where saved-tensor hooks are set (``save_on_cpu``,
+    a compressing pack hook), the host tensor returned here reaches them on the CPU as the
+    forward returns, before the compute stream has reached the copy's end: the CPU waits
+    for the copy first."""
+    pending = _pop_pending(host, "wait_offload")
+    if pending is not None and pending.event is not None:
+        read = pending.keepalive[0]
+        if source.untyped_storage().data_ptr() != read.untyped_storage().data_ptr():
+            raise RuntimeError(
+                f"compile_offload.wait_offload: the tensor it keeps alive (size {tuple(source.shape)}, data_ptr "
+                f"{source.data_ptr():#x}) is not the memory its offload read (data_ptr {read.data_ptr():#x}): the "
+                "generated code passed the two ops different copies, so the memory the copy read was kept alive "
+                "by nothing and may have been reused under it. Set compile_offload.config.offload = False for "
+                "this model, and please report it")
+        if saved_tensors_hooks_active():
+            pending.event.synchronize()
+    _wait(pending)
     return torch.ops.aten.alias.default(host)
 
 

@@ -1,8 +1,8 @@
 """Private utilities of torch outside the compiler stack: ``torch.utils._config_module`` (the
 config machinery ``compile_offload.config`` is built on), ``torch.utils._pytree``,
 ``torch.utils._python_dispatch``, ``torch.utils._sympy``, ``torch.utils._triton``,
-``torch.fx._lazy_graph_module``, ``torch._logging``, ``torch._ops`` and the autograd engine's
-``queue_callback``.
+``torch.fx._lazy_graph_module``, ``torch._logging``, ``torch._ops``, the autograd engine's
+``queue_callback`` and the saved-tensor hooks set (``torch._C._autograd``).
 (``torch._prims_common`` is wrapped in ``passes/compat.py``: ``is_non_overlapping_and_dense``.)
 
 Checked on torch 2.11-2.14 (installed: 2.13).
@@ -37,6 +37,15 @@ def queue_backward_callback(callback) -> bool:
     except RuntimeError:  # "Final callbacks can only be installed during backward pass."
         return False
     return True
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are set on this thread (``torch.autograd.graph.saved_tensors_hooks``,
+    ``save_on_cpu``): the autograd Function that runs a compiled forward hands its saved
+    tensors to their pack hook as the forward returns."""
+    import torch
+
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
 def in_backward() -> bool:
