@@ -60,9 +60,11 @@ Layouts. The round trip preserves size, stride and every element bitwise; the re
 tensor has storage offset 0.
 
 * ``offload(x, contiguous_host=False)``: the host tensor has ``x``'s size and stride and
-  holds exactly ``numel`` elements; ``x`` must be non-overlapping and dense (contiguous,
+  holds exactly ``numel`` elements where ``x`` is non-overlapping and dense (contiguous,
   permuted, or a view with a storage offset), so the copy is one memcpy of exactly the
-  bytes needed.
+  bytes needed. Where it is not (a buffer Inductor padded on a GPU, dense when planned),
+  it is gathered as with ``contiguous_host=True``; the fake kernel, which Inductor runs
+  again on its real layouts, decides alike.
 * ``offload(x, contiguous_host=True)`` (any non-overlapping layout, e.g. a slice with a
   step): ``x`` is first gathered into a contiguous temporary on the compute stream (kept
   alive until the wait) and the host tensor is contiguous.
@@ -277,11 +279,7 @@ def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
     """Start copying ``src`` to host memory; returns the host tensor (not readable before
     ``wait_offload``). See the module docstring for ``contiguous_host``."""
     _refuse_capture(src.device, "offload")
-    if not contiguous_host and not _is_dense(src):
-        raise ValueError(
-            f"compile_offload.offload: a tensor with size {tuple(src.shape)} and stride {src.stride()} "
-            "is not dense; pass contiguous_host=True"
-        )
+    contiguous_host = _gathers(src, contiguous_host)
     payload = src.contiguous() if contiguous_host else src  # gathered on the compute stream
     host = _host_tensor(src, _host_stride(src, contiguous_host))
     if host.numel() == 0:
@@ -297,7 +295,15 @@ def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
 
 @offload.register_fake
 def _offload_fake(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
-    return torch.empty_strided(src.shape, _host_stride(src, contiguous_host), dtype=src.dtype, device="cpu")
+    return torch.empty_strided(src.shape, _host_stride(src, _gathers(src, contiguous_host)), dtype=src.dtype,
+                               device="cpu")
+
+
+def _gathers(src: torch.Tensor, contiguous_host: bool) -> bool:
+    """Whether the host copy is contiguous: where asked, and where ``src`` is not dense after
+    all (a buffer Inductor padded on a GPU, whose fake value at planning time was dense). The
+    fake kernel runs again on Inductor's real layout, so both kernels decide alike."""
+    return contiguous_host or not _is_dense(src)
 
 
 def _offload_setup(ctx, inputs, output) -> None:
