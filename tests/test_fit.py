@@ -1207,31 +1207,38 @@ def _fit_net():
     return _fit_beside_a_copy(Net())[0]
 
 
-def test_fits_one_after_another_in_one_process_each_compile_their_blocks():
-    """Each fit compiled its blocks into the versions Dynamo keeps of their forward's code, and
-    the versions of earlier fits stayed after their models were gone: past recompile_limit
-    (the fourth fit at the default 8) the blocks ran uncompiled, outside the budget, while the
-    plan said each was compiled under it. fit drops the earlier versions, and says so."""
+def _three_fits_compile_their_blocks(model_fn, forward) -> None:
+    """Three fits of ``model_fn()`` at recompile_limit 3 (each fit adds 2 versions of the
+    blocks' ``forward``): each compiles its 2 graphs, the later ones after dropping the
+    earlier versions, with a note naming ``forward``."""
     from compile_offload.torch_api.dynamo import compiled_entries, compiled_graph_count
 
     compiled = []
     try:
-        with torch._dynamo.config.patch(recompile_limit=3):  # each fit of this Net adds 2 versions
+        with torch._dynamo.config.patch(recompile_limit=3):
             for index in range(3):
-                result = _fit_net()
+                result = _fit_beside_a_copy(model_fn())[0]
                 try:
                     before = compiled_graph_count()
                     result.step(batch(0))
                     result.step(batch(1))
                     compiled.append(compiled_graph_count() - before)
-                    assert compiled_entries(Block.forward.__code__) == 2
+                    assert compiled_entries(forward.__code__) == 2
                     dropped = [note for note in result.plan.notes if "fit dropped them" in note]
-                    assert len(dropped) == (index > 0) and all("Block.forward (2)" in note for note in dropped)
+                    assert len(dropped) == (index > 0) and all(f"{forward.__qualname__} (2)" in note for note in dropped)
                 finally:
                     result.close()
     finally:
         torch._dynamo.reset()
     assert compiled == [2, 2, 2]
+
+
+def test_fits_one_after_another_in_one_process_each_compile_their_blocks():
+    """Each fit compiled its blocks into the versions Dynamo keeps of their forward's code, and
+    the versions of earlier fits stayed after their models were gone: past recompile_limit
+    (the fourth fit at the default 8) the blocks ran uncompiled, outside the budget, while the
+    plan said each was compiled under it. fit drops the earlier versions, and says so."""
+    _three_fits_compile_their_blocks(Net, Block.forward)
 
 
 def _halved_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1265,26 +1272,7 @@ def test_fits_one_after_another_count_a_forward_set_on_the_instance():
     """The versions were counted and dropped on the class's forward, while Dynamo kept them on
     the code the blocks run, the instance's: the third fit at recompile_limit 3 found nothing
     to drop and its blocks ran uncompiled."""
-    from compile_offload.torch_api.dynamo import compiled_entries, compiled_graph_count
-
-    compiled = []
-    try:
-        with torch._dynamo.config.patch(recompile_limit=3):
-            for index in range(3):
-                result = _fit_beside_a_copy(NetOfInstanceForwards())[0]
-                try:
-                    before = compiled_graph_count()
-                    result.step(batch(0))
-                    result.step(batch(1))
-                    compiled.append(compiled_graph_count() - before)
-                    assert compiled_entries(_halved_forward.__code__) == 2
-                    dropped = [note for note in result.plan.notes if "fit dropped them" in note]
-                    assert len(dropped) == (index > 0) and all("_halved_forward (2)" in note for note in dropped)
-                finally:
-                    result.close()
-    finally:
-        torch._dynamo.reset()
-    assert compiled == [2, 2, 2]
+    _three_fits_compile_their_blocks(NetOfInstanceForwards, _halved_forward)
 
 
 class _SeesTheOutput(torch.autograd.Function):
