@@ -280,7 +280,8 @@ def test_on_cuda_the_streamed_step_of_host_parameters_equals_the_host_step(name)
     """Parameters on the host (pinned, as FSDP2 offloads them) and on the device, in one
     optimizer: the host ones stream through the GPU in groups on copy streams, the device ones
     step in place; parameters and state after 3 steps equal the same optimizer's steps on a
-    copy, and the host tensors are complete when step() returns."""
+    copy, and the host tensors are complete when step() returns. Every host state tensor the
+    groups copy is pinned (fused kernels' step counters too), so their copies are asynchronous."""
     torch.manual_seed(0)
     shapes = [(256, 512), (512,), (1024, 256), (256,)] * 3
     host = [nn.Parameter(torch.randn(s).pin_memory()) for s in shapes]
@@ -302,6 +303,10 @@ def test_on_cuda_the_streamed_step_of_host_parameters_equals_the_host_step(name)
         torch.testing.assert_close(p, q)
         for key, value in reference_optimizer.state[q].items():
             torch.testing.assert_close(optimizer.state[p][key], value, msg=key)
+    group = optimizer.param_groups[0]
+    moved = [v for p in host for v in optimizer.state[p].values() if stepper._moves(v, group)]
+    assert moved and all(v.is_pinned() for v in moved)
+    assert any(v.dim() == 0 for v in moved) == (name == "adamw-fused")
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0])

@@ -377,7 +377,7 @@ class OptimizerStep:
             shadow.grad = self._to_device(_local(p.grad), upload)
             state = self.optimizer.state[p]
             if cuda:
-                self._pin(state)
+                self._pin(state, group)
             shadows.append(shadow)
             states.append({k: self._to_device(_local(v), upload) if self._moves(v, group) else v
                            for k, v in state.items()})
@@ -418,12 +418,12 @@ class OptimizerStep:
         out.record_stream(upload)
         return out
 
-    @staticmethod
-    def _pin(state: dict) -> None:
-        """Pin the host state once, so that its copies are asynchronous (torch's optimizer
-        makes it with ``zeros_like``, which does not pin)."""
+    def _pin(self, state: dict, group: dict) -> None:
+        """Pin the host state that moves once, so that its copies are asynchronous (torch's
+        optimizer makes it with ``zeros_like``, which does not pin), the fused kernels' step
+        counters with it: a pageable one makes its non-blocking copies synchronous."""
         for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if self._moves(value, group):
                 local = _local(value)
                 if local.device.type == "cpu" and not local.is_pinned():
                     local.data = local.pin_memory()
