@@ -169,7 +169,8 @@ class Fitted:
             self.settling = 1  # the next step compiles (and verify_budget resets the peak counter in it)
             return
         warnings.warn(f"compile_offload.fit: step {self.steps} measured {format_bytes(peak)} ({peak} bytes) at the "
-                      f"device's allocator, above the memory budget {format_bytes(budget)} "
+                      f"device's allocator (forward and backward {format_bytes(blocks_peak)}, optimizer step "
+                      f"{format_bytes(optimizer_peak)}), above the memory budget {format_bytes(budget)} "
                       f"(+{peak / budget - 1:.1%}; predicted {format_bytes(self.plan.predicted_device_peak_bytes)}) "
                       f"after {self.corrections} correction(s) of the blocks' budget (now "
                       f"{format_bytes(per_block)}, their minimum {format_bytes(self.block_min_bytes)}); what the "
