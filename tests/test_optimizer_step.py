@@ -123,6 +123,32 @@ def test_an_optimizer_without_state_streams_every_parameter():
     assert all(n == len(list(model.parameters())) for n in streamed)
 
 
+def test_the_global_step_hooks_run_once_per_step_however_many_groups_stream():
+    """Hooks registered for every optimizer (torch.optim.optimizer.register_optimizer_step_pre_hook
+    and _post_hook) see the user's optimizer.step() once per step: the copies of the optimizer
+    that step the streamed groups run without them (each group's step ran them before)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
+    groups: list[int] = []
+    real = stepper._step_chunks
+    stepper._step_chunks = lambda group, chunks: groups.append(len(chunks)) or real(group, chunks)
+    seen: list[tuple[str, int]] = []
+    handles = [register_optimizer_step_pre_hook(lambda opt, *_: seen.append(("pre", id(opt)))),
+               register_optimizer_step_post_hook(lambda opt, *_: seen.append(("post", id(opt))))]
+    try:
+        with pytest.warns(UserWarning, match="the optimizer has step pre-hooks"):
+            _train(model, stepper.step, 3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert stepper.chosen == DEVICE and max(groups) > 1  # several groups streamed in one step
+    assert seen == [("pre", id(optimizer)), ("post", id(optimizer))] * 3
+
+
 @pytest.mark.parametrize("streamed_costs,expected", [((1.0, 1.0, 1.0), DEVICE), ((1.0, 1.0, 3.5), HOST),
                                                      ((10.0, 1.0, 1.0), DEVICE)])
 def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_the_spread(streamed_costs, expected):

@@ -362,7 +362,7 @@ class OptimizerStep:
             inner = copy.copy(self.optimizer)  # same class and defaults, none of the user's hooks
             inner.param_groups = [{**group, "params": current.shadows}]
             inner.state = defaultdict(dict, zip(current.shadows, current.states))
-            inner.step()
+            optim.step_without_hooks(inner)  # the global hooks run once, in the user's optimizer.step()
             self._unstage(current, group)
 
     def _stage(self, params: list[nn.Parameter], group: dict) -> _Staged:
