@@ -595,6 +595,63 @@ def test_20_adamw_steps_are_bitwise_equal_and_allocate_no_new_host_memory():
     assert all(s == samples[2] for s in samples[2:]), samples
 
 
+_FAIL = {"forward": False}
+
+
+@torch.library.custom_op("compile_offload_test::fail_when_asked", mutates_args=())
+def _fail_when_asked(x: torch.Tensor) -> torch.Tensor:
+    if _FAIL["forward"]:
+        raise RuntimeError("the step ran out of memory (a test's stand-in)")
+    return x.clone()
+
+
+_fail_when_asked.register_fake(lambda x: torch.empty_like(x))
+_fail_when_asked.register_autograd(lambda ctx, grad: grad)
+
+
+class _FailsBetweenACopyAndItsWait(nn.Module):
+    """``h`` is saved for the backward (GELU's input and the product's), offloaded where it is
+    made and waited for at its last forward use, the product, after the op that can fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return (self.fc2(_fail_when_asked(F.gelu(h))) * h).sum()
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_forward_that_raises_between_a_copy_and_its_wait_forgets_its_copies(inner_compiler):
+    """A training loop that catches an out-of-memory error and tries again: the copies the
+    failed forward started, which no wait can reach any more, are waited for and forgotten
+    (before, each failed step left their entries, device memory included, until
+    drain_pending_transfers()); the next steps train as before."""
+    torch.manual_seed(0)
+    model = _FailsBetweenACopyAndItsWait()
+    reference = copy.deepcopy(model)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(
+            inner_compiler=inner_compiler, debug_force_offload=True))
+        x = torch.randn(4, 16)
+        compiled(x).backward()
+        assert any(d.decision == "offload" for d in logs.latest_plans()[-1].decisions)
+        for _ in range(3):
+            _FAIL["forward"] = True
+            try:
+                with pytest.raises(RuntimeError, match="ran out of memory"):
+                    compiled(x)
+            finally:
+                _FAIL["forward"] = False
+            assert ops.pending_transfer_count() == 0
+        compiled(x).backward()
+    for _ in range(2):
+        reference(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 # --------------------------------------------------------------------------- §5.7 views
 
 

@@ -307,7 +307,11 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
     from ..torch_api import dynamo, inductor
 
     def run_as_python(graph: torch.fx.GraphModule, _inputs: Sequence[Any]):
-        return boxed_python(graph)
+        from ..inductor.copy_order import has_copy_ops
+        from ..runtime.ops import forgetting_copies_on_error
+
+        run = boxed_python(graph)
+        return forgetting_copies_on_error(run) if has_copy_ops(graph) else run
 
     # Dynamo's aot_autograd wrapper, not aot_module_simplified itself: DDPOptimizer (one
     # graph per DDP bucket) counts AOTAutograd compiles through the wrapper's counter to

@@ -54,7 +54,12 @@ copy was already waited for, and returning would let compute read memory a copy 
 be writing. (Zero-element tensors have no copy and no entry.) An entry keeps both ends of its
 copy alive, with the copy's device-side temporaries, so a step that raises between a copy
 and its wait leaks them instead of letting the allocator or the pinned pool reuse memory a
-copy still reads or writes; ``drain_pending_transfers()`` finishes and forgets such leftovers.
+copy still reads or writes. A copy and its wait are in one graph (the forward's offload and
+wait, the backward's reload and wait), so the entries a graph call leaves when it raises (an
+out-of-memory error a training loop catches to try a smaller batch) can never be waited for:
+``forgetting_copies_on_error`` wraps each compiled graph that has copies, and on an exception
+waits for that call's copies and forgets them (the entries record the call that made them,
+per thread). ``drain_pending_transfers()`` finishes and forgets every leftover, of any call.
 
 Layouts. The round trip preserves size, stride and every element bitwise; the reloaded
 tensor has storage offset 0.
@@ -88,8 +93,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -155,12 +161,16 @@ class _Pending:
     event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
     device: torch.device
     keepalive: tuple  # temporaries the copy reads or writes, freed once waited for
+    call: object | None = None  # the graph call that made it (``forgetting_copies_on_error``)
 
 
 _pending: dict[int, _Pending] = {}
+_calls = threading.local()  # .running: the graph calls under way on this thread, innermost last
 
 
 def _register_pending(key_tensor: torch.Tensor, pending: _Pending) -> None:
+    running = getattr(_calls, "running", None)
+    pending.call = running[-1] if running else None
     with _lock:
         _pending[key_tensor.data_ptr()] = pending
 
@@ -202,6 +212,36 @@ def drain_pending_transfers() -> int:
         if entry.event is not None:
             entry.event.synchronize()
     return len(pending)
+
+
+def forgetting_copies_on_error(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
+    """``compiled`` (a graph's boxed callable) whose calls, when they raise, first wait for
+    the copies they started and left without their waits, and forget them (module doc)."""
+
+    def run(args: list) -> Any:
+        call = object()
+        running = _calls.__dict__.setdefault("running", [])
+        running.append(call)
+        try:
+            return compiled(args)
+        except BaseException:
+            _forget_copies_of(call)
+            raise
+        finally:
+            running.pop()
+
+    run._boxed_call = True
+    return run
+
+
+def _forget_copies_of(call: object) -> int:
+    with _lock:
+        keys = [key for key, entry in _pending.items() if entry.call is call]
+        left = [_pending.pop(key) for key in keys]
+    for entry in left:
+        if entry.event is not None:
+            entry.event.synchronize()
+    return len(left)
 
 
 def _wait(pending: _Pending | None) -> None:

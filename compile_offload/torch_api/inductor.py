@@ -128,3 +128,13 @@ def triton_codegen():
     import torch._inductor.codegen.triton as module
 
     return module
+
+
+def wrap_compiled_call(compiled: Any, wrap: Any) -> bool:
+    """Inductor's compiled graph (an ``OutputCode``, which calls its ``current_callable``)
+    runs ``wrap(current_callable)`` from now on; False where it holds no callable."""
+    current = getattr(compiled, "current_callable", None)
+    if current is None:
+        return False
+    compiled.current_callable = wrap(current)
+    return True
