@@ -710,7 +710,7 @@ def test_counting_block_calls_leaves_the_random_generators_as_they_were():
     assert random.getstate() == before[0] and torch.equal(torch.random.get_rng_state(), before[1])
 
 
-def test_the_default_blocks_are_the_first_module_list_that_holds_parameters():
+def test_the_default_blocks_are_the_module_lists_that_hold_parameters():
     from compile_offload.training.fit import default_blocks
 
     class Wrapped(nn.Module):
@@ -721,6 +721,10 @@ def test_the_default_blocks_are_the_first_module_list_that_holds_parameters():
 
     model = Wrapped()
     assert default_blocks(model) == list(model.net.blocks)
+    encoder_decoder = EncoderDecoder()
+    inner = encoder_decoder.decoder.blocks[0].parts = nn.ModuleList([nn.Linear(2, 2)])  # inside a block: not blocks
+    blocks = default_blocks(encoder_decoder)
+    assert blocks == [*encoder_decoder.encoder.blocks, *encoder_decoder.decoder.blocks] and inner[0] not in blocks
     with pytest.raises(ValueError, match="no nn.ModuleList of blocks with parameters"):
         default_blocks(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.ReLU()])))
 
@@ -1355,6 +1359,51 @@ def test_a_step_after_close_raises():
         result.step(batch(1))
 
 
+class EncoderDecoder(nn.Module):
+    """Two lists of blocks, an encoder's and a decoder's (T5, BART, Whisper; a vision tower's
+    and a language model's), each in a module of its own; the decoder's blocks take the
+    encoder's output as a keyword."""
+
+    class DecoderBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.cross = Block(), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+            return self.block(x) + self.cross(memory)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Module(), nn.Module()
+        self.encoder.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.decoder.blocks = nn.ModuleList(self.DecoderBlock() for _ in range(2))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = x
+        for block in self.encoder.blocks:
+            memory = memory + block(memory)
+        for block in self.decoder.blocks:
+            x = x + block(x, memory=memory)
+        return self.head(x)
+
+
+def test_an_encoder_decoders_default_blocks_are_both_lists_and_it_trains_like_an_eager_loop():
+    """The default took the first list only: the decoder's blocks stayed outside fit's blocks,
+    their parameters held whole and their activations in no block's budget, with no word of it."""
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    sgd = lambda params: torch.optim.SGD(params, lr=1e-2)  # noqa: E731
+    result, reference = _fit_beside_a_copy(model, sgd)
+    try:
+        assert result.plan.blocks == 4
+        assert any("2 kinds" in note for note in result.plan.notes), result.plan.notes
+        assert_trains_like_an_eager_loop(result, reference, steps=3, optimizer=sgd)
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
 class Stages(nn.Module):
     """Blocks in stages: a ModuleList of ModuleLists (containers, never called themselves)."""
 
@@ -1392,7 +1441,7 @@ def test_a_block_the_forward_never_calls_is_named_with_where_the_blocks_came_fro
     torch.manual_seed(0)
     model = Stages()
     with pytest.raises(ValueError, match=r"never reached the block ModuleList: the model's forward does not call it.*"
-                                         r"first nn.ModuleList with parameters"):
+                                         r"model's nn.ModuleLists with parameters"):
         compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
                             blocks=list(model.stages), inner_compiler="eager")
 

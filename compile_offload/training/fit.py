@@ -254,24 +254,26 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children with parameters of the first ``nn.ModuleList`` in the model that holds
-    parameters (a transformer's blocks; a list of parameterless modules before them, such as
-    dropouts or activations, is not the blocks); where its entries are lists themselves
-    (stages of blocks), their entries, in order."""
+    """The children with parameters of the model's ``nn.ModuleList``s that hold parameters
+    and are not inside another such list, in the model's order (a transformer's blocks; an
+    encoder's and a decoder's; a vision tower's and a language model's; a list of
+    parameterless modules, such as dropouts or activations, is not blocks); where a list's
+    entries are lists themselves (stages of blocks), their entries, in order."""
     # a parameterless entry (an nn.Identity standing for a pruned layer) has nothing to shard,
     # and no graph of its own to plan: it runs as it is (``_parameterless_entries``)
     return [block for _, block in _block_entries(model) if any(True for _ in block.parameters())]
 
 
 def _parameterless_entries(model: nn.Module) -> list[str]:
-    """The entries of the default blocks' ``ModuleList`` left out for having no parameters."""
+    """The entries of the default blocks' lists left out for having no parameters."""
     return [f"{index} ({type(block).__name__})" for index, block in _block_entries(model)
             if not any(True for _ in block.parameters())]
 
 
 def _block_entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(index, module) of the default blocks' list's entries; a list nested in it (a stage of
-    blocks: a container, never called itself) gives its entries, indexed as ``stage.block``."""
+    """(index, module) of the default blocks' lists' entries (indexed by the list's name
+    where there are several); a list nested in an entry's place (a stage of blocks: a
+    container, never called itself) gives its entries, indexed as ``stage.block``."""
 
     def entries(modules: nn.ModuleList, prefix: str) -> list[tuple[str, nn.Module]]:
         found = []
@@ -280,15 +282,23 @@ def _block_entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
             found += entries(module, f"{name}.") if isinstance(module, nn.ModuleList) else [(name, module)]
         return found
 
-    return entries(_block_list(model), "")
+    lists = _block_lists(model)
+    return [entry for name, modules in lists for entry in entries(modules, f"{name}." if len(lists) > 1 else "")]
 
 
-def _block_list(model: nn.Module) -> nn.ModuleList:
-    for module in model.modules():
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """(name, list) of the ``nn.ModuleList``s with parameters that no other such list holds."""
+    found, inside = [], set()
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
         if isinstance(module, nn.ModuleList) and len(module) > 0 and any(True for _ in module.parameters()):
-            return module
-    raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks with parameters; pass "
-                     "blocks=[...], the modules to shard and compile one by one")
+            found.append((name, module))
+            inside.update(id(m) for m in module.modules())
+    if not found:
+        raise ValueError("compile_offload.fit: the model has no nn.ModuleList of blocks with parameters; pass "
+                         "blocks=[...], the modules to shard and compile one by one")
+    return found
 
 
 class _Captured(Exception):
@@ -327,7 +337,7 @@ def _block_input(model: nn.Module, block: nn.Module, inputs: tuple, kwargs: dict
     if not seen:
         raise _NotReached(f"compile_offload.fit: the sample never reached the block {type(block).__name__}: the "
                           "model's forward does not call it. Check blocks= (without it the blocks are the entries of "
-                          "the model's first nn.ModuleList with parameters); pass the modules the forward calls")
+                          "the model's nn.ModuleLists with parameters); pass the modules the forward calls")
     args, block_kwargs = seen[0]
 
     def detached(value, grad: bool = False):
@@ -538,7 +548,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     ``sample``: the model's inputs for one batch (a tensor, a tuple of positional inputs,
     or a dict of keyword inputs, as ``Fitted.step(**batch)`` then takes them), used to plan
     the activations; ``blocks``: the modules sharded and compiled one by one (default: the
-    children of the first ``nn.ModuleList``); ``device``: default the current CUDA device,
+    children of the model's ``nn.ModuleList``s, ``default_blocks``); ``device``: default the current CUDA device,
     else the CPU; ``optimizer_step``: where the state on the host steps, ``"auto"`` (measured
     over the first steps), ``"host"`` or ``"device"`` (streamed through it; see
     ``training/optimizer_step.py``); ``max_grad_norm``: clip the gradients' total norm to it
@@ -606,8 +616,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         block_kinds = _check_recompile_limit(blocks)
         if not blocks:
             raise ValueError("compile_offload.fit: blocks=[] names no blocks to shard and compile; pass the modules "
-                             "(such as a transformer's layers), or leave blocks unset for the first nn.ModuleList with "
-                             "parameters")
+                             "(such as a transformer's layers), or leave blocks unset for the entries of the model's "
+                             "nn.ModuleLists with parameters")
         sizes = measure(model, blocks, optimizer_fn, inputs, device, options, world_size, input_kwargs)
     except Exception as error:
         if world_size > 1:
