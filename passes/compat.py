@@ -383,22 +383,56 @@ def size_hint(value) -> int:
 
     overrides = getattr(value.node.shape_env, "var_to_hint_override", None) or {}
     expr = value.node.expr
-    if overrides or _planning_sizes.get():
+    bounded = at_data_dependent_bounds(expr, value.node.shape_env)
+    if overrides or _planning_sizes.get() or bounded is not expr:
         import sympy
 
-        expr = at_planning_sizes(expr.xreplace({symbol: sympy.Integer(n) for symbol, n in overrides.items()}))
+        expr = at_planning_sizes(bounded.xreplace({symbol: sympy.Integer(n) for symbol, n in overrides.items()}))
         if expr.is_number:
             return int(expr)
         if expr != value.node.expr:  # other symbols left: theirs are hints
             env = value.node.shape_env
             if hasattr(env, "optimization_hint"):
-                return int(env.optimization_hint(expr, fallback=4096))
+                return int(env.optimization_hint(expr, fallback=unbacked_size_fallback()))
             return int(env.size_hint(expr))
 
     # optimization_hint in torch >= 2.12; 2.11 has size_hint (its hint_int is a deprecated
     # alias that warns FutureWarning on every call).
     hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
-    return int(hint(value, fallback=4096))
+    return int(hint(value, fallback=unbacked_size_fallback()))
+
+
+def at_data_dependent_bounds(expr, shape_env):
+    """``expr`` with each data-dependent (unbacked) symbol at the largest value torch knows it
+    can take (``nonzero``'s count at most the input's elements), at most
+    ``unbacked_size_fallback()``; ``expr`` itself where it has none. A budget bounds the
+    largest such tensor, not a typical one."""
+    from torch.fx.experimental import symbolic_shapes
+
+    symbols = symbolic_shapes.free_unbacked_symbols(expr) if hasattr(expr, "free_symbols") else ()
+    if not symbols:
+        return expr
+    import sympy
+
+    fallback = unbacked_size_fallback()
+    ranges = getattr(shape_env, "var_to_range", None) or {}
+
+    def largest(symbol) -> int:
+        try:
+            return min(int(ranges[symbol].upper), fallback)
+        except (KeyError, AttributeError, TypeError, OverflowError):  # no range, or unbounded above (oo)
+            return fallback
+
+    return expr.xreplace({symbol: sympy.Integer(largest(symbol)) for symbol in symbols})
+
+
+def unbacked_size_fallback() -> int:
+    """The size a data-dependent (unbacked) symbol stands for, having no hint: Inductor's own
+    (``torch._inductor.config.unbacked_symint_fallback``), so that the plan and the check of
+    Inductor's code count such a tensor alike, as large as Inductor assumes it when it tunes."""
+    from torch._inductor import config
+
+    return int(getattr(config, "unbacked_symint_fallback", 8192))
 
 
 def boxed_python(gm: fx.GraphModule):

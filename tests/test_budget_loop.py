@@ -12,6 +12,7 @@ checks it at the allocator.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -170,6 +171,50 @@ def _compile_and_step(model, x, budget, recorders=None, quiet=True, **options):
             memory_budget=budget, device_profile="cpu", inner_compiler="inductor", **options))
         step(x).backward()
     return step, plans
+
+
+class _SelectsRows(nn.Module):
+    """A data-dependent number of rows (boolean indexing: ``nonzero``), captured in the graph
+    with ``capture_dynamic_output_shape_ops``: their tensors' sizes are unbacked symbols."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        rows = h[h.sum(-1) > 0]
+        return self.b(torch.tanh(rows)).pow(2).mean() + h.mean()
+
+
+@pytest.mark.inductor
+@pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
+def test_data_dependent_sizes_count_alike_in_the_plan_and_in_inductors_code():
+    """The planner took an unbacked size as 4096 and the check of Inductor's code as 0: the
+    check passed plans the planner predicted over the budget (a tensor of selected rows
+    counted as nothing). Both now take it at the largest value torch knows it can take (here
+    the batch's 512 rows), as a budget bounds the largest step, not a typical one."""
+    from compile_offload.passes import compat
+
+    torch.manual_seed(0)
+    model, x = _SelectsRows(), torch.randn(512, 64)
+    reference = copy.deepcopy(model)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = torch.compile(model, backend=compile_offload.offload_remat(
+            memory_budget=0.5, device_profile="cpu", inner_compiler="inductor"))
+        step(x).backward()
+    plan = logs.latest_plans()[-1]
+    assert plan.scheduled_peak_bytes is not None
+    assert abs(plan.scheduled_peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+    reference(x).backward()
+    for ours, eager in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, eager.grad)
+    u0 = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint().node
+    u0.shape_env.constrain_symbol_range(u0.expr, compiler_min=0, compiler_max=100)
+    assert compat.at_data_dependent_bounds(3 * u0.expr, u0.shape_env) == 300
+    unbounded = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint().node
+    assert compat.at_data_dependent_bounds(unbounded.expr, unbounded.shape_env) == compat.unbacked_size_fallback()
 
 
 @pytest.mark.inductor

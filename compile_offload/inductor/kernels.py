@@ -635,6 +635,8 @@ def _buffer_bytes(buf, device: str, sizevars) -> tuple[int, str]:
 
 def _hint(sizevars, expr) -> int:
     """A size expression at the sizes the graph is planned for (``compat.planning_sizes``,
-    else this compile's: ``optimization_hint`` on torch >= 2.13, ``size_hint`` before)."""
+    else this compile's: ``optimization_hint`` on torch >= 2.13, ``size_hint`` before); a
+    data-dependent size at the planner's figure for it (``compat.at_data_dependent_bounds``)."""
     hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint
-    return int(hint(compat.at_planning_sizes(expr), fallback=0))
+    expr = compat.at_data_dependent_bounds(compat.at_planning_sizes(expr), getattr(sizevars, "shape_env", None))
+    return int(hint(expr, fallback=compat.unbacked_size_fallback()))
