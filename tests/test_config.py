@@ -163,6 +163,19 @@ def test_unknown_option_name_is_rejected():
         compile_offload.offload_remat(memory_budgte="1GiB")
 
 
+@pytest.mark.parametrize("name,value,declared", [("triton.cudagraphs", "false", "bool"), ("max_autotune", "yes", "bool"),
+                                                 ("max_fusion_size", 4.5, "int")])
+def test_an_inductor_option_of_the_wrong_type_is_rejected_as_torch_rejects_it(name, value, declared):
+    """Only the names were checked: "false" for triton.cudagraphs read as true (the CUDA-graph
+    warning quoted it as True) and crashed inside Inductor; torch's own backend refuses it."""
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compile_and_run("offload_remat", options={"inner_compiler": "eager", name: value})
+    assert isinstance(info.value.inner_exception, ValueError)
+    assert f"Inductor's {name} takes a {declared}, not a {type(value).__name__}" in str(info.value)
+    with pytest.raises(RuntimeError, match=f"Unexpected type of attr {name}"):  # as torch's backend does
+        compile_and_run("inductor", options={name: value})
+
+
 def test_unknown_option_name_offers_the_nearest_known_name():
     with pytest.raises(ValueError, match=r"'memory_budgte': did you mean 'memory_budget'\?"):
         settings.resolve({"memory_budgte": "1GiB"})
@@ -280,6 +293,11 @@ def resolve_with_env(env: dict[str, str], overrides: str = "None") -> dict:
         ({"COMPILE_OFFLOAD_SHARED_H2D_BYTES": "1", "COMPILE_OFFLOAD_PINNED_POOL_LIMIT": "0",
           "COMPILE_OFFLOAD_PLAN_TIME_LIMIT": "0"},
          {"shared_h2d_bytes": 1, "pinned_pool_limit": 0, "plan_time_limit": 0.0}),
+        # "none" is None for every knob whose default is None (a dump folder named "none" was
+        # made; device_profile and pinned_pool_limit refused it)
+        ({"COMPILE_OFFLOAD_DUMP_DIR": "none", "COMPILE_OFFLOAD_DEVICE_PROFILE": "None",
+          "COMPILE_OFFLOAD_PINNED_POOL_LIMIT": "NONE", "COMPILE_OFFLOAD_PLAN_CACHE_DIR": " none "},
+         {"dump_dir": None, "device_profile": None, "pinned_pool_limit": None, "plan_cache_dir": None}),
     ],
     ids=lambda v: ",".join(f"{k}={val}" for k, val in v.items()) if isinstance(v, dict) else None,
 )

@@ -87,7 +87,26 @@ def split_options(options: dict | None) -> tuple[dict, dict]:
     ours = {name: value for name, value in options.items() if name not in known_inductor or name in config.get_config_copy()}
     inductor = {name: value for name, value in options.items() if name not in ours}
     settings_mod.check_option_names(ours, other_names=known_inductor)
+    for name, value in inductor.items():
+        _check_inductor_option_type(name, value, known_inductor[name])
     return ours, inductor
+
+
+def _check_inductor_option_type(name: str, value: Any, current: Any) -> None:
+    """The check ``torch.compile(backend="inductor", options=...)`` makes: a value of the
+    option's declared type (a generic type such as ``list[str]`` is not checked, as there).
+    Unchecked, ``"false"`` for a bool option was true."""
+    import typing
+
+    from ..torch_api.inductor import config as inductor_config
+
+    get_type = getattr(inductor_config, "get_type", None)
+    declared = get_type(name) if get_type is not None else type(current)
+    if typing.get_origin(declared) is not None or not isinstance(declared, type):
+        return
+    if not isinstance(value, declared):
+        raise ValueError(f"compile_offload: options={{{name!r}: {value!r}}}: Inductor's {name} takes a "
+                         f"{declared.__name__}, not a {type(value).__name__} (it is {current!r} now)")
 
 
 def inductor_options(mode: str | None, options: dict) -> dict:
