@@ -387,7 +387,8 @@ SPELLED_KNOBS: dict[str, Callable[[object], Any]] = {
     "memory_budget": parse_budget,
     "plan_time_limit": parse_time_limit,
     "pinned_pool_limit": lambda value: None if value is None else parse_bytes(value, "pinned_pool_limit"),
-    "shared_h2d_bytes": lambda value: parse_bytes(value, "shared_h2d_bytes"),
+    "shared_h2d_bytes": lambda value: parse_bytes(
+        value, "shared_h2d_bytes", accepted="an int number of bytes (0: none), or a string with units such as '512MiB'"),
     "device_profile": _device_profile,
 }
 
