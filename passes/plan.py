@@ -233,7 +233,7 @@ class Plan:
         try:
             values = dict(data)
             values.pop("schema", None)
-            values["decisions"] = [Decision(**{**d, "shape": tuple(d["shape"])}) for d in values.get("decisions", [])]
+            values["decisions"] = [Decision(**{**d, "shape": tuple(d["shape"])}) for d in values["decisions"]]
             plan = cls(**values)
         except (TypeError, KeyError) as error:
             raise ValueError(f"not a compile_offload plan: {error}") from error

@@ -55,6 +55,17 @@ def test_loading_a_field_of_the_wrong_type_is_an_error(tmp_path, field, value):
         Plan.load(tmp_path / "plan.json")
 
 
+@pytest.mark.parametrize("field", ["decisions", "min_peak_bytes"])
+def test_a_plan_without_its_decisions_or_a_field_without_a_default_is_an_error(tmp_path, field):
+    """A plan file without its decisions loaded as a plan that kept, recomputed and offloaded
+    nothing, its summary all zeros."""
+    plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
+    data = plan.to_json()
+    del data[field]
+    with pytest.raises(ValueError, match=f"not a compile_offload plan: .*{field}"):
+        Plan.from_dict(data)
+
+
 def test_an_unknown_decision_kind_is_an_error(tmp_path):
     plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
     data = plan.to_dict()
