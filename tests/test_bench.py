@@ -571,6 +571,11 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     # fuzz24b: the results went to --out/../escape.*
     (["--tag", "../escape"], "--tag ../escape: a file name prefix, not a path"),
     (["--find-max-batch", "--budgets", "0.5"], "--find-max-batch --budgets 0.5: needs byte budgets"),
+    # audit29a: accepted, then ignored without a word
+    (["--find-max-batch", "--budgets", "1MiB", "--strategies", "compile", "--steps", "3"],
+     "--find-max-batch does not use --strategies, --steps: drop them"),
+    (["--fit", "--budgets", "1MiB", "--device-profile", "h100"], "--fit does not use --device-profile: drop it"),
+    (["--equal-memory", "--torch-budgets", "0.5"], "--equal-memory does not use --torch-budgets: drop it"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an

@@ -119,6 +119,16 @@ def _parse_flag(flag: str, parse, text: str):
         _fail(f"{flag} {text}: {error}")
 
 
+# The flags a run of its own does not read (it would run as without them, and say nothing).
+_IGNORED_BY_MODE = {
+    "--find-max-batch": ("strategies", "torch_budgets", "inner_compiler", "steps", "warmup", "time_limit",
+                         "no_cpu_peak", "no_predict"),
+    "--fit": ("device_profile", "torch_budgets"),
+    "--equal-memory": ("torch_budgets",),
+    "--attribute": ("torch_budgets",),
+}
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Reject bad flag values (``SystemExit`` 2 naming the flag) before anything is built:
     empty tensors would time nothing and report "ok", zero steps have no statistics."""
@@ -132,6 +142,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                                    ("--find-max-batch", args.find_max_batch), ("--fit", args.fit)) if on]
     if len(modes) > 1:
         _fail(f"{' and '.join(modes)}: each is a run of its own; pick one")
+    ignored = [f"--{name.replace('_', '-')}" for name in _IGNORED_BY_MODE.get(modes[0] if modes else "", ())
+               if getattr(args, name) not in (None, False)]
+    if ignored:
+        _fail(f"{modes[0]} does not use {', '.join(ignored)}: drop {'it' if len(ignored) == 1 else 'them'}")
     if args.fit:
         _check_fit_arguments(args)
     if args.in_turn and (args.fit or args.attribute or args.find_max_batch):
