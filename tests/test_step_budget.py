@@ -20,7 +20,7 @@ from torch import nn
 
 import compile_offload
 from compile_offload.passes.plan import Decision, Plan
-from compile_offload.runtime.step_budget import GraphNeed, StepBudget, need_of, split_budget
+from compile_offload.runtime.step_budget import GraphNeed, StepBudget, need_of, split_budget, split_budget_over_steps
 
 from .models import CompiledFunction
 
@@ -39,6 +39,52 @@ def test_each_graph_gets_the_same_share_of_its_range_with_its_calls_counted():
     # Below the minimum-memory plans: each keeps its minimum.
     shares, share = split_budget(19 * MIB, needs)
     assert share < 0 and shares == {"a": 10 * MIB, "b": 5 * MIB}
+
+
+def test_graphs_that_never_run_in_one_step_are_not_summed():
+    """A GAN's discriminator step and generator step (or a module frozen in some steps, whose
+    frame then runs another compile): each kind of step is bounded, not the sum of every
+    graph's most calls; the tightest kind sets the one share."""
+    needs = [GraphNeed("d", 2, 4 * MIB, 8 * MIB), GraphNeed("g", 1, 6 * MIB, 10 * MIB),
+             GraphNeed("d_frozen", 1, 5 * MIB, 9 * MIB)]
+    steps = [frozenset({("d", 2)}), frozenset({("g", 1), ("d_frozen", 1)})]
+    shares, share = split_budget_over_steps(16 * MIB, needs, steps)  # floors 8 and 11 (summed: 19)
+    assert share == pytest.approx(min((16 - 8) / 8, (16 - 11) / 8))
+    assert 2 * shares["d"] <= 16 * MIB and shares["g"] + shares["d_frozen"] <= 16 * MIB
+    assert split_budget(16 * MIB, needs)[1] < 0  # every graph in one step: below the minimum plans
+    # room above every kind's unconstrained plans: the least of it per call
+    # (the first kind leaves (30 - 16) / 2 = 7 MiB a call, the second (30 - 19) / 2 = 5.5)
+    shares, share = split_budget_over_steps(30 * MIB, needs, steps)
+    assert share == 1.0 and shares == {"d": 8 * MIB + 11 * MIB // 2, "g": 10 * MIB + 11 * MIB // 2,
+                                       "d_frozen": 9 * MIB + 11 * MIB // 2}
+    assert 2 * shares["d"] <= 30 * MIB and shares["g"] + shares["d_frozen"] <= 30 * MIB
+    # without kinds of step, or a graph in none of them, it counts with its calls in each
+    assert split_budget_over_steps(16 * MIB, needs, []) == split_budget(16 * MIB, needs)
+    shares, share = split_budget_over_steps(16 * MIB, needs, [frozenset({("d", 2)})])
+    assert share < 0
+
+
+def test_a_step_budget_over_alternating_steps_splits_for_each_kind_of_step():
+    """Two graphs never called in one step (fuzz29b: a GAN loop under budget_scope='step'):
+    their minimum plans summed were over the budget, so strict_budget raised and every graph
+    stayed at its minimum; each step alone fits."""
+    budget = StepBudget(12 * MIB, strict=True)
+    calls: list[str] = []
+    shares: dict[str, int] = {}
+
+    def add(name: str):
+        def recompile(share: int, args: tuple):
+            shares[name] = share
+            return _stand_in(calls, name), lambda: _plan(7 * MIB, 10 * MIB)
+
+        return budget.add(name, _stand_in(calls, name), lambda: _plan(7 * MIB, 10 * MIB), recompile)
+
+    d, g = add("d"), add("g")
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(3):
+        d(x).sum().backward()  # the discriminator's step
+        g(x).sum().backward()  # the generator's
+    assert shares == {"d": 12 * MIB, "g": 12 * MIB}  # each step alone: the whole budget
 
 
 def _plan(min_bytes: int, max_bytes: int, scheduled: int | None = None, fallback: str | None = None) -> Plan:

@@ -60,7 +60,7 @@ import dataclasses
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,37 @@ def split_budget(budget_bytes: int, needs: list[GraphNeed]) -> tuple[dict[str, i
         return {n.name: max(n.max_bytes, n.min_bytes) + extra for n in needs}, 1.0
     share = (budget_bytes - floor) / room
     return {n.name: n.min_bytes + int(share * max(0, n.max_bytes - n.min_bytes)) for n in needs}, share
+
+
+def split_budget_over_steps(budget_bytes: int, needs: list[GraphNeed],
+                            steps: Iterable[frozenset[tuple[str, int]]]) -> tuple[dict[str, int], float]:
+    """``split_budget`` for graphs that do not all run in every step (a GAN's discriminator
+    step and generator step; a module frozen in some steps, whose frame then runs another
+    compile): ``steps`` holds each kind of step seen, as (graph name, calls) pairs. One share
+    ``f`` for all graphs, the largest that keeps every kind of step within the budget; a
+    graph counted in no kind of step (or without ``steps``) counts with ``needs``' calls in
+    each."""
+    by_name = {n.name: n for n in needs}
+    kinds = [[GraphNeed(name, calls, by_name[name].min_bytes, by_name[name].max_bytes)
+              for name, calls in sorted(step) if name in by_name] for step in steps]
+    counted = {n.name for kind in kinds for n in kind}
+    kinds = [kind + [n for n in needs if n.name not in counted] for kind in kinds if kind] or [needs]
+    tightest = min((split_budget(budget_bytes, kind) for kind in kinds), key=lambda split: split[1])
+    share = tightest[1]
+    if share < 0:
+        return {n.name: n.min_bytes for n in needs}, share
+    if share < 1:
+        return {n.name: n.min_bytes + int(share * max(0, n.max_bytes - n.min_bytes)) for n in needs}, share
+    extra = min(split_budget(budget_bytes, kind)[0][kind[0].name] - max(kind[0].max_bytes, kind[0].min_bytes)
+                for kind in kinds)  # every kind has room above its unconstrained plans: the least of it
+    return {n.name: max(n.max_bytes, n.min_bytes) + extra for n in needs}, share
+
+
+def step_floor(needs: list[GraphNeed], steps: Iterable[frozenset[tuple[str, int]]]) -> int:
+    """The minimum-memory plans' bytes over the kind of step that needs the most."""
+    by_name = {n.name: n for n in needs}
+    floors = [sum(calls * by_name[name].min_bytes for name, calls in step if name in by_name) for step in steps]
+    return max(floors, default=sum(n.calls * n.min_bytes for n in needs))
 
 
 def need_of(name: str, plan: Plan | None, calls: int) -> GraphNeed | None:
@@ -217,6 +248,7 @@ class StepBudget:
         self.gathered_bytes = 0  # FSDP2's gathered parameters, the most held at once in the step counted
         self.measured_excess = 0  # taken off the budget after a measured step exceeded it
         self._needs: list[GraphNeed] = []
+        self._steps: set[frozenset[tuple[str, int]]] = set()  # each kind of step split for: its graphs' calls
         self._graphs: list[weakref.ref] = []  # of each graph's wrapper: a graph Dynamo dropped drops out
         # the calls (by number) whose backward has not run, each to its backward node: a call
         # whose autograd graph was dropped (a check forward, an exception) is in flight no more
@@ -421,6 +453,9 @@ class StepBudget:
 
     def _split(self) -> None:
         graphs = self.graphs()
+        this_step = frozenset((graph.name, graph.calls) for graph in graphs if graph.calls)
+        if this_step:
+            self._steps.add(this_step)
         needs, left_out = [], []
         for graph in graphs:
             if any(graph.superseded_by(other) for other in graphs):
@@ -464,7 +499,7 @@ class StepBudget:
         """Split what the reserve leaves of the budget between ``needs``; mark each graph whose
         share moved to compile again, and the next step wholly under the shares to be measured."""
         graphs = self.graphs()
-        shares, share = split_budget(max(0, self.budget_bytes - self.reserved), needs)
+        shares, share = split_budget_over_steps(max(0, self.budget_bytes - self.reserved), needs, self._steps)
         self.splits += 1
         self.last_share = share
         rows = "\n".join(f"  {n.name}: {n.calls} call(s), minimum {format_bytes(n.min_bytes)}, unconstrained "
@@ -477,7 +512,7 @@ class StepBudget:
                  format_bytes(self.budget_bytes), held, len(needs), "none" if share < 0 else f"{min(share, 1.0):.0%}",
                  rows)
         if share < 0:
-            floor = sum(n.calls * n.min_bytes for n in needs)
+            floor = step_floor(needs, self._steps)
             plus = "".join(f" plus {format_bytes(n)} {what}" for n, what in (
                 (self.gathered_bytes, "of parameters gathered outside the graphs (FSDP2: the most it held at once)"),
                 (self.measured_excess, "outside the graphs (a measured step was over by that)")) if n > 0)
