@@ -372,7 +372,11 @@ def test_size_hint_of_ints_and_symints():
         warnings.simplefilter("error")  # torch 2.11's hint_int warned FutureWarning on each call
         assert compat.size_hint(s) == 13
         assert compat.size_hint(s * 2 + 1) == 27
-        assert compat.size_hint(shape_env.create_unbacked_symint()) == 4096  # no hint: the fallback
+        # no hint and no bound: Inductor's fallback (torch._inductor.config.unbacked_symint_fallback)
+        assert compat.size_hint(shape_env.create_unbacked_symint()) == compat.unbacked_size_fallback() == 8192
+        bounded = shape_env.create_unbacked_symint()
+        shape_env.constrain_symbol_range(bounded.node.expr, compiler_min=0, compiler_max=100)
+        assert compat.size_hint(bounded * 3) == 300  # no hint: the largest value torch knows it can take
 
 
 def test_boxed_python_runs_with_the_boxed_convention_and_frees_its_arguments():
