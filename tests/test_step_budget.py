@@ -87,6 +87,32 @@ def test_a_step_budget_over_alternating_steps_splits_for_each_kind_of_step():
     assert shares == {"d": 12 * MIB, "g": 12 * MIB}  # each step alone: the whole budget
 
 
+def test_graphs_split_for_in_different_steps_then_called_in_one_split_again():
+    """review29d: steps of d alone, then g alone, then both: the split had bounded only the
+    kinds of step it was made for (each graph the whole budget), and the mixed step ran at
+    twice the budget; a step no kind split for covers is split for again."""
+    budget = StepBudget(20 * MIB)
+    calls: list[str] = []
+    shares: dict[str, int] = {}
+
+    def add(name: str):
+        def recompile(share: int, args: tuple):
+            shares[name] = share
+            return _stand_in(calls, name), lambda: _plan(7 * MIB, 10 * MIB)
+
+        return budget.add(name, _stand_in(calls, name), lambda: _plan(7 * MIB, 10 * MIB), recompile)
+
+    d, g = add("d"), add("g")
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(2):
+        d(x).sum().backward()
+        g(x).sum().backward()
+    assert shares == {"d": 20 * MIB, "g": 20 * MIB}
+    for _ in range(2):
+        (d(x) + g(x)).sum().backward()  # one step of both
+    assert shares["d"] + shares["g"] <= 20 * MIB
+
+
 def _plan(min_bytes: int, max_bytes: int, scheduled: int | None = None, fallback: str | None = None) -> Plan:
     decisions = [] if fallback else [Decision("t", (4,), "float32", 16, "recompute", "r")]
     return Plan(feasible=True, budget_bytes=None, predicted_peak_bytes=min_bytes, predicted_step_seconds=0.0,

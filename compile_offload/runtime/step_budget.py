@@ -400,14 +400,22 @@ class StepBudget:
 
     def _called_more(self) -> bool:
         """Whether, after the split, a step called a graph more often than any step counted
-        before (a data-dependent number of layers), or called one the split left out (first
-        called after it): then the budget is split again, with the calls of this step (INFO
-        line)."""
+        before (a data-dependent number of layers), called one the split left out (first
+        called after it), or called graphs together that the split counted in different kinds
+        of step: then the budget is split again, with the calls of this step (INFO line)."""
         more = [graph for graph in self.graphs() if self.state == "done" and graph.most_calls < graph.calls]
         for graph in more:
             log.info("%s: budget_scope='step': called %d time(s) in a step, where the split counted %d: the budget is "
                      "split again", graph.name, graph.calls, graph.most_calls)
-        return bool(more)
+        if more or self.state != "done":
+            return bool(more)
+        # graphs split for in different kinds of step, now called in one: a kind not yet bounded
+        this_step = {graph.name: graph.calls for graph in self.graphs() if graph.calls}
+        covered = any(all(dict(step).get(name, 0) >= calls for name, calls in this_step.items()) for step in self._steps)
+        if this_step and not covered:
+            log.info("budget_scope='step': a step called %s together, which no step the split counted did: the "
+                     "budget is split again", ", ".join(sorted(this_step)))
+        return bool(this_step) and not covered
 
     def _checked(self, peak: int) -> None:
         """The first step under the shares measured ``peak``: within the budget, done (well
