@@ -652,6 +652,29 @@ def test_a_forward_that_raises_between_a_copy_and_its_wait_forgets_its_copies(in
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.inductor
+def test_a_forward_served_by_aotautograds_cache_that_raises_forgets_its_copies(tmp_path, monkeypatch):
+    """review29d: the graphs were wrapped where Inductor compiled them, so a forward that
+    AOTAutograd's cache served (the second compile of a frame after a reset, a warm start)
+    kept its failed copies; the backend wraps each forward as Dynamo calls it too."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = _FailsBetweenACopyAndItsWait(), torch.randn(4, 16)
+    with torch._inductor.config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+        for compile_ in range(2):  # the second is served from the caches
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=compile_offload.offload_remat(debug_force_offload=True))
+            compiled(x).backward()
+            _FAIL["forward"] = True
+            try:
+                with pytest.raises(RuntimeError, match="ran out of memory"):
+                    compiled(x)
+            finally:
+                _FAIL["forward"] = False
+            assert ops.pending_transfer_count() == 0, compile_
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- §5.7 views
 
 

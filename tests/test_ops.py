@@ -268,21 +268,23 @@ def test_a_wait_without_its_copy_raises(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_graph_call_that_raises_forgets_its_own_copies_only(device):
-    """``forgetting_copies_on_error``: the copies a failing call started (an offload, and a
-    reload in a nested call's backward-like graph) are forgotten when it raises; a copy
-    started outside it, or by a call that is still running, is kept for its wait."""
+    """``forgetting_copies_on_error``: the copies a failing call started (an offload and a
+    reload in a nested call) are forgotten when it raises; a copy started outside it, or by
+    the enclosing call that is still running, is kept for its wait."""
     x = _base(torch.float32).to(device)
     outside = ops.offload(x, False)
 
     def inner(args: list):
-        ops.reload(args[0], x.device)
+        ops.offload(args[0], False)
+        ops.reload(ops.wait_offload(ops.offload(args[0], False), args[0]), x.device)
         raise RuntimeError("out of memory in the inner graph")
 
     def outer(args: list):
-        kept = ops.offload(args[0], False)
+        kept = ops.offload(args[0], False)  # still in flight while the inner call fails
         with pytest.raises(RuntimeError, match="inner graph"):
-            ops.forgetting_copies_on_error(inner)([ops.wait_offload(kept, args[0])])
-        assert ops.pending_transfer_count() == 1  # the outer call's offload was waited for; the outside one stays
+            ops.forgetting_copies_on_error(inner)([args[0]])
+        assert ops.pending_transfer_count() == 2  # the outside copy and this call's
+        assert_bitwise_equal(ops.wait_offload(kept, args[0]), x)
         ops.offload(args[0], False)
         raise RuntimeError("out of memory in the outer graph")
 

@@ -5,8 +5,9 @@ error that a training loop catches to try again with a smaller batch), the copy'
 entry would keep both of its ends, device memory included, until ``drain_pending_transfers``
 (``runtime/ops.py``). Graphs with copies run through ``ops.forgetting_copies_on_error``: on an
 exception, the call's own copies are waited for and forgotten. Inductor's compiled graph is
-wrapped where it is made; one that AOTAutograd's cache serves was not made here and leaves
-its entries as before.
+wrapped where it is made; one that AOTAutograd's cache serves was not made here: its forward
+is covered by the backend's wrap of what Dynamo calls (``pipeline/backend.py``), its backward
+is not (``drain_pending_transfers`` then frees its leftovers).
 """
 
 from __future__ import annotations

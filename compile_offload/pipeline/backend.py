@@ -175,6 +175,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         compiled = verify_first_step(compiled, plan_of, device_of(example_inputs), graph_name)
     if not config_guard.install(fixed_knobs):
         compiled = config_guard.warn_when_changed(compiled, _graph_name(), fixed_knobs)
+    if settings.offload:  # a forward served by AOTAutograd's cache was not wrapped where Inductor compiled it
+        from ..runtime.ops import forgetting_copies_on_error
+
+        compiled = forgetting_copies_on_error(compiled, boxed=False)
     return compiled
 
 

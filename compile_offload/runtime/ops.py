@@ -58,8 +58,11 @@ copy still reads or writes. A copy and its wait are in one graph (the forward's 
 wait, the backward's reload and wait), so the entries a graph call leaves when it raises (an
 out-of-memory error a training loop catches to try a smaller batch) can never be waited for:
 ``forgetting_copies_on_error`` wraps each compiled graph that has copies, and on an exception
-waits for that call's copies and forgets them (the entries record the call that made them,
-per thread). ``drain_pending_transfers()`` finishes and forgets every leftover, of any call.
+waits for that call's copies and forgets them (the entries record the innermost call that
+made them, per thread). The backend also wraps each graph's forward as Dynamo calls it, so
+a forward served by AOTAutograd's cache, whose Inductor code was not compiled here, is
+covered too; such a graph's backward is not. ``drain_pending_transfers()`` finishes and
+forgets every leftover, of any call.
 
 Layouts. The round trip preserves size, stride and every element bitwise; the reloaded
 tensor has storage offset 0.
@@ -91,6 +94,7 @@ Test hook: ``inject_transfer_delay(cycles)`` makes the transfer stream spin
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -214,23 +218,26 @@ def drain_pending_transfers() -> int:
     return len(pending)
 
 
-def forgetting_copies_on_error(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
-    """``compiled`` (a graph's boxed callable) whose calls, when they raise, first wait for
-    the copies they started and left without their waits, and forget them (module doc)."""
+def forgetting_copies_on_error(compiled: Callable[..., Any], boxed: bool = True) -> Callable[..., Any]:
+    """``compiled`` (a graph's boxed callable; with ``boxed=False`` a plain one, such as the
+    callable a Dynamo backend returns) whose calls, when they raise, first wait for the
+    copies they started and left without their waits, and forget them (module doc)."""
 
-    def run(args: list) -> Any:
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
         call = object()
         running = _calls.__dict__.setdefault("running", [])
         running.append(call)
         try:
-            return compiled(args)
+            return compiled(*args, **kwargs)
         except BaseException:
             _forget_copies_of(call)
             raise
         finally:
             running.pop()
 
-    run._boxed_call = True
+    if boxed:
+        run._boxed_call = True
     return run
 
 
