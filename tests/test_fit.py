@@ -1393,11 +1393,13 @@ def test_an_encoder_decoders_default_blocks_are_both_lists_and_it_trains_like_an
     their parameters held whole and their activations in no block's budget, with no word of it."""
     torch.manual_seed(0)
     model = EncoderDecoder()
+    model.aux = nn.ModuleList(nn.Linear(64, 8) for _ in range(2))  # heads the forward never calls: not blocks
     sgd = lambda params: torch.optim.SGD(params, lr=1e-2)  # noqa: E731
     result, reference = _fit_beside_a_copy(model, sgd)
     try:
         assert result.plan.blocks == 4
         assert any("2 kinds" in note for note in result.plan.notes), result.plan.notes
+        assert any(note.startswith("aux: an nn.ModuleList the forward does not call") for note in result.plan.notes)
         assert_trains_like_an_eager_loop(result, reference, steps=3, optimizer=sgd)
     finally:
         result.close()

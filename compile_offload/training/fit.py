@@ -286,6 +286,28 @@ def _block_entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [entry for name, modules in lists for entry in entries(modules, f"{name}." if len(lists) > 1 else "")]
 
 
+def _without_uncalled_lists(model: nn.Module, blocks: list[nn.Module], inputs: tuple,
+                            kwargs: dict) -> tuple[list[nn.Module], list[str]]:
+    """The default blocks less those of a list after the first whose entries the forward never
+    calls on the sample (auxiliary heads used outside training), counted on ``meta``
+    (``block_calls``); and those lists' names. As they are where the count cannot run."""
+    lists = _block_lists(model)
+    if len(lists) < 2:
+        return blocks, []
+    calls = block_calls(model, blocks, inputs, kwargs)
+    if calls is None:
+        return blocks, []
+    called = {id(block) for block, n in zip(blocks, calls) if n}
+    dropped, names = set(), []
+    for name, modules in lists[1:]:
+        inside = {id(m) for m in modules.modules()}
+        entries = [block for block in blocks if id(block) in inside]
+        if entries and not any(id(block) in called for block in entries):
+            dropped.update(id(block) for block in entries)
+            names.append(name)
+    return [block for block in blocks if id(block) not in dropped], names
+
+
 def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """(name, list) of the ``nn.ModuleList``s with parameters that no other such list holds."""
     found, inside = [], set()
@@ -610,7 +632,11 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         else:
             inputs, input_kwargs = (sample if isinstance(sample, tuple) else (sample,)), {}
         left_out = [] if blocks is not None else _parameterless_entries(model)
-        blocks = _blocks_of(model, blocks) if blocks is not None else default_blocks(model)
+        uncalled: list[str] = []
+        if blocks is not None:
+            blocks = _blocks_of(model, blocks)
+        else:
+            blocks, uncalled = _without_uncalled_lists(model, default_blocks(model), inputs, input_kwargs)
         listed = len(blocks)
         blocks = list({id(block): block for block in blocks}.values())  # one module listed twice is one block
         block_kinds = _check_recompile_limit(blocks)
@@ -629,6 +655,9 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
     if left_out:
         plan.notes.append(f"the blocks' list's entries {', '.join(left_out)} have no parameters: not blocks, they run "
                           "as they are, uncompiled (their activations are not planned)")
+    if uncalled:
+        plan.notes.append(f"{', '.join(uncalled)}: an nn.ModuleList the forward does not call on the sample: not "
+                          "blocks")
     if listed > len(blocks):
         plan.notes.append(f"the {listed} blocks listed are {len(blocks)} modules (a module listed more than once, "
                           "shared across layers): each is sharded and compiled once")
