@@ -149,6 +149,38 @@ def test_the_global_step_hooks_run_once_per_step_however_many_groups_stream():
     assert seen == [("pre", id(optimizer)), ("post", id(optimizer))] * 3
 
 
+class _SubclassedAdamW(torch.optim.AdamW):
+    def step(self, closure=None):  # through the base class's hooked step as well
+        return super().step(closure)
+
+
+def test_a_step_without_hooks_sets_the_global_ones_aside_even_through_super_and_puts_them_back():
+    """review29d: skipping the class's hook wrapper was not enough where a subclass's step calls
+    super().step(): the base class's wrapper ran the global hooks."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from compile_offload.torch_api.optim import step_without_hooks
+
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # AdamW's own step is hooked too
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    optimizer = _SubclassedAdamW([p], lr=0.1)
+    seen: list[str] = []
+    handles = [register_optimizer_step_pre_hook(lambda *_: seen.append("pre")),
+               register_optimizer_step_post_hook(lambda *_: seen.append("post"))]
+    try:
+        step_without_hooks(optimizer)
+        assert seen == [] and optimizer.state[p]["step"] == 1
+        optimizer.step()  # back, in their order
+        assert seen == ["pre", "pre", "post", "post"]  # the subclass's wrapper and AdamW's, each
+    finally:
+        for handle in handles:
+            handle.remove()
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    assert not _global_optimizer_pre_hooks  # the handles still removed them
+
+
 @pytest.mark.parametrize("streamed_costs,expected", [((1.0, 1.0, 1.0), DEVICE), ((1.0, 1.0, 3.5), HOST),
                                                      ((10.0, 1.0, 1.0), DEVICE)])
 def test_auto_times_both_and_keeps_the_streamed_step_only_where_faster_beyond_the_spread(streamed_costs, expected):
