@@ -575,6 +575,7 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--find-max-batch", "--budgets", "1MiB", "--strategies", "compile", "--steps", "3"],
      "--find-max-batch does not use --strategies, --steps: drop them"),
     (["--fit", "--budgets", "1MiB", "--device-profile", "h100"], "--fit does not use --device-profile: drop it"),
+    (["--find-max-batch", "--budgets", "1MiB", "--warmup", "0"], "--find-max-batch does not use --warmup: drop it"),
     (["--equal-memory", "--torch-budgets", "0.5"], "--equal-memory does not use --torch-budgets: drop it"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):

@@ -143,7 +143,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if len(modes) > 1:
         _fail(f"{' and '.join(modes)}: each is a run of its own; pick one")
     ignored = [f"--{name.replace('_', '-')}" for name in _IGNORED_BY_MODE.get(modes[0] if modes else "", ())
-               if getattr(args, name) not in (None, False)]
+               if getattr(args, name) is not None and getattr(args, name) is not False]  # 0 is a value given
     if ignored:
         _fail(f"{modes[0]} does not use {', '.join(ignored)}: drop {'it' if len(ignored) == 1 else 'them'}")
     if args.fit:
