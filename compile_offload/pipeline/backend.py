@@ -101,6 +101,8 @@ def _check_inductor_option_type(name: str, value: Any, current: Any) -> None:
     from ..torch_api.inductor import config as inductor_config
 
     get_type = getattr(inductor_config, "get_type", None)
+    if get_type is None and current is None:  # no declared type, and a default that says none
+        return
     declared = get_type(name) if get_type is not None else type(current)
     if typing.get_origin(declared) is not None or not isinstance(declared, type):
         return
