@@ -622,6 +622,15 @@ class _FailsBetweenACopyAndItsWait(nn.Module):
         return (self.fc2(_fail_when_asked(F.gelu(h))) * h).sum()
 
 
+def _fail_a_forward(compiled, x: torch.Tensor) -> None:
+    _FAIL["forward"] = True
+    try:
+        with pytest.raises(RuntimeError, match="ran out of memory"):
+            compiled(x)
+    finally:
+        _FAIL["forward"] = False
+
+
 @pytest.mark.parametrize("inner_compiler", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_a_forward_that_raises_between_a_copy_and_its_wait_forgets_its_copies(inner_compiler):
     """A training loop that catches an out-of-memory error and tries again: the copies the
@@ -638,12 +647,7 @@ def test_a_forward_that_raises_between_a_copy_and_its_wait_forgets_its_copies(in
         compiled(x).backward()
         assert any(d.decision == "offload" for d in logs.latest_plans()[-1].decisions)
         for _ in range(3):
-            _FAIL["forward"] = True
-            try:
-                with pytest.raises(RuntimeError, match="ran out of memory"):
-                    compiled(x)
-            finally:
-                _FAIL["forward"] = False
+            _fail_a_forward(compiled, x)
             assert ops.pending_transfer_count() == 0
         compiled(x).backward()
     for _ in range(2):
@@ -665,12 +669,7 @@ def test_a_forward_served_by_aotautograds_cache_that_raises_forgets_its_copies(t
             torch._dynamo.reset()
             compiled = torch.compile(model, backend=compile_offload.offload_remat(debug_force_offload=True))
             compiled(x).backward()
-            _FAIL["forward"] = True
-            try:
-                with pytest.raises(RuntimeError, match="ran out of memory"):
-                    compiled(x)
-            finally:
-                _FAIL["forward"] = False
+            _fail_a_forward(compiled, x)
             assert ops.pending_transfer_count() == 0, compile_
     torch._dynamo.reset()
 
