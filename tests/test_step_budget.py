@@ -64,7 +64,7 @@ def test_graphs_that_never_run_in_one_step_are_not_summed():
     assert share < 0
 
 
-def _two_graphs(budget: StepBudget):
+def _graphs_d_and_g(budget: StepBudget):
     """Graphs d and g in ``budget``, each of range 7 to 10 MiB; the shares they compile under."""
     calls: list[str] = []
     shares: dict[str, int] = {}
@@ -83,7 +83,7 @@ def test_a_step_budget_over_alternating_steps_splits_for_each_kind_of_step():
     """Two graphs never called in one step (fuzz29b: a GAN loop under budget_scope='step'):
     their minimum plans summed were over the budget, so strict_budget raised and every graph
     stayed at its minimum; each step alone fits."""
-    d, g, shares = _two_graphs(StepBudget(12 * MIB, strict=True))
+    d, g, shares = _graphs_d_and_g(StepBudget(12 * MIB, strict=True))
     x = torch.ones(4, requires_grad=True)
     for _ in range(3):
         d(x).sum().backward()  # the discriminator's step
@@ -95,7 +95,7 @@ def test_graphs_split_for_in_different_steps_then_called_in_one_split_again():
     """review29d: steps of d alone, then g alone, then both: the split had bounded only the
     kinds of step it was made for (each graph the whole budget), and the mixed step ran at
     twice the budget; a step no kind split for covers is split for again."""
-    d, g, shares = _two_graphs(StepBudget(20 * MIB))
+    d, g, shares = _graphs_d_and_g(StepBudget(20 * MIB))
     x = torch.ones(4, requires_grad=True)
     for _ in range(2):
         d(x).sum().backward()
