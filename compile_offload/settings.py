@@ -317,13 +317,19 @@ def _with_torch_budget(budget_bytes: int | None, budget_fraction: float | None) 
     return budget_fraction
 
 
+def _says_none(value: object) -> bool:
+    """``"none"`` in any case: None, as the environment spells it (every knob whose value may be
+    None reads it so; a budget's "none" is no budget, set, as in code)."""
+    return isinstance(value, str) and value.strip().lower() == "none"
+
+
 def _folder(knob: str, folder: object) -> str | None:
     """A folder knob: None, or a path that is (or can be made) a writable folder, a leading
     ``~`` expanded to the home folder. An empty
     path would silently mean the current folder; a file, or a folder that cannot be created
     or written, would fail in the middle of a compile. The dump asked for is an error; the
     plan cache only saves time, so for it a warning, and the plan cache writes nothing."""
-    if folder is None:
+    if folder is None or _says_none(folder):
         return None
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"compile_offload.config.{knob}={folder!r}: accepted: None or a folder path")
@@ -372,7 +378,7 @@ def _positive_int(knob: str, value: object) -> int:
 
 def _device_profile(value: object) -> str | None:
     """"H100" is "h100", as ``device_profile.builtin_profile`` reads it."""
-    if value is None:
+    if value is None or _says_none(value):
         return None
     if isinstance(value, str) and value.strip().lower() in PROFILE_NAMES:
         return value.strip().lower()
@@ -386,7 +392,8 @@ def _device_profile(value: object) -> str | None:
 SPELLED_KNOBS: dict[str, Callable[[object], Any]] = {
     "memory_budget": parse_budget,
     "plan_time_limit": parse_time_limit,
-    "pinned_pool_limit": lambda value: None if value is None else parse_bytes(value, "pinned_pool_limit"),
+    "pinned_pool_limit": lambda value: None if value is None or _says_none(value) else parse_bytes(
+        value, "pinned_pool_limit"),
     "shared_h2d_bytes": lambda value: parse_bytes(
         value, "shared_h2d_bytes", accepted="an int number of bytes (0: none), or a string with units such as '512MiB'"),
     "device_profile": _device_profile,

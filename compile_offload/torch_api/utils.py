@@ -70,8 +70,7 @@ def keep_environment_strings(module: Any, variable_of) -> None:
     """torch's config module reads an environment value "0" or "1" as a bool, whatever the
     knob (``_read_env_variable``): for each knob of ``module`` that is not a flag (its default
     is no bool), the variable's own string is what it reads from the environment instead, as
-    any other value (``"0"``: 0 bytes, not ``False``); for a knob whose default is None,
-    ``"none"`` (any case) is None, for every such knob alike. ``variable_of(knob)``: its variable."""
+    any other value (``"0"``: 0 bytes, not ``False``). ``variable_of(knob)``: its variable."""
     import os
 
     for knob, entry in module._config.items():
@@ -79,8 +78,6 @@ def keep_environment_strings(module: Any, variable_of) -> None:
         if isinstance(entry.env_value_default, bool) and not isinstance(entry.default, bool):
             if raw in ("0", "1"):
                 entry.env_value_default = raw
-        if entry.default is None and raw is not None and raw.strip().lower() == "none":
-            entry.env_value_default = None  # as in code: no value (not a folder named "none")
 
 
 # --- torch.utils._triton, torch.fx._lazy_graph_module --------------------------------------------
