@@ -410,12 +410,33 @@ def resolve(overrides: dict | None = None) -> Settings:
     def from_environment(knob: str) -> bool:
         return not (overrides and knob in overrides) and _from_environment(knob)
 
+    try:
+        settings = _validated(values, from_environment)
+    except (TypeError, ValueError) as error:
+        raise _naming_the_variable(error, from_environment) from None
+    if settings.debug_force_offload and not settings.offload:
+        raise ValueError("compile_offload.config.debug_force_offload=True needs offload=True: with offload=False "
+                         "nothing may be offloaded, so the forced offload would be dropped")
+    return settings
+
+
+def _naming_the_variable(error: Exception, from_environment: Callable[[str], bool]) -> Exception:
+    """``error`` about ``compile_offload.config.<knob>``, led by the environment variable
+    that set the knob (the user set the variable, not the knob in code)."""
+    named = re.match(r"compile_offload\.config\.(\w+)", str(error))
+    if named is None or named[1] not in config._config or not from_environment(named[1]):
+        return error
+    variable = f"COMPILE_OFFLOAD_{named[1].upper()}"
+    return type(error)(f"{variable}={os.environ.get(variable)!r} (the environment): {error}")
+
+
+def _validated(values: dict, from_environment: Callable[[str], bool]) -> Settings:
     read = {knob: reader(values[knob]) for knob, reader in SPELLED_KNOBS.items()}
     budget_bytes, budget_fraction = read["memory_budget"]
     budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
     exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"])
-    settings = Settings(
+    return Settings(
         plan_time_limit=read["plan_time_limit"],
         budget_bytes=budget_bytes,
         budget_fraction=budget_fraction,
@@ -438,10 +459,6 @@ def resolve(overrides: dict | None = None) -> Settings:
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
         shared_h2d_bytes=read["shared_h2d_bytes"],
     )
-    if settings.debug_force_offload and not settings.offload:
-        raise ValueError("compile_offload.config.debug_force_offload=True needs offload=True: with offload=False "
-                         "nothing may be offloaded, so the forced offload would be dropped")
-    return settings
 
 
 def device_memory(settings: Settings, device) -> tuple[int, str] | None:

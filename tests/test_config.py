@@ -355,6 +355,25 @@ def test_environment_variable_with_bad_value_is_rejected():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("variable", "raw"), [("COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES", "many"),
+                                              ("COMPILE_OFFLOAD_MEMORY_BUDGET", "lots"),
+                                              ("COMPILE_OFFLOAD_PLAN_TIME_LIMIT", "soon"),
+                                              ("COMPILE_OFFLOAD_BUDGET_SCOPE", "frame")])
+def test_a_bad_environment_value_is_named_by_its_variable(variable, raw):
+    """The user set the variable, not the knob in code: the error leads with it."""
+    resolved = resolve_with_env({variable: raw})
+    assert resolved.get("error") == "ValueError", resolved
+    assert resolved["message"].startswith(f"{variable}={raw!r} (the environment): "), resolved["message"]
+
+
+@pytest.mark.slow
+def test_a_bad_value_in_code_is_named_by_its_knob_whatever_the_environment():
+    knob = "exact_max_candidates"
+    resolved = resolve_with_env({"COMPILE_OFFLOAD_EXACT_MAX_CANDIDATES": "7"}, overrides=f'{{"{knob}": -1}}')
+    assert resolved["message"].startswith(f"compile_offload.config.{knob}=-1"), resolved
+
+
+@pytest.mark.slow
 def test_explicit_bool_budget_is_rejected_whatever_the_environment():
     """The environment's "1" arrives as True (torch's config module); an explicit
     ``memory_budget=True`` from the caller is still not a budget."""
