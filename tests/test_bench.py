@@ -560,6 +560,8 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--fit", "--device", "cpu"], "--fit on the CPU: give --budgets"),
     (["--fit", "--strategies", "compile", "--budgets", "1MiB"], "--fit compares compile_offload.fit"),
     (["--attribute", "--in-turn"], "--in-turn with --attribute: it times the sweep's"),
+    # audit29a: on the CPU it asked for --budgets first, then refused the pair
+    (["--fit", "--in-turn", "--device", "cpu"], "--in-turn with --fit: it times the sweep's"),
     (["--strategies", "foo"], "--strategies foo: unknown strategy 'foo'; known: "),
     (["--strategies", "eager,ours:abc"], "--strategies eager,ours:abc: .*memory_budget='abc' is not a size"),
     (["--strategies", "eager:0.5"], "--strategies eager:0.5: strategy 'eager' takes no budget"),

@@ -146,10 +146,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                if getattr(args, name) is not None and getattr(args, name) is not False]  # 0 is a value given
     if ignored:
         _fail(f"{modes[0]} does not use {', '.join(ignored)}: drop {'it' if len(ignored) == 1 else 'them'}")
-    if args.fit:
-        _check_fit_arguments(args)
     if args.in_turn and (args.fit or args.attribute or args.find_max_batch):
         _fail(f"--in-turn with {modes[0]}: it times the sweep's or --equal-memory's strategies in turn")
+    if args.fit:
+        _check_fit_arguments(args)
     if args.time_limit is not None and not args.time_limit > 0:
         _fail(f"--time-limit {args.time_limit}: must be a positive number of seconds")
     if args.device:
