@@ -102,6 +102,7 @@ INVENTORY = {
     # torch._subclasses
     "torch._subclasses.fake_tensor",
     "torch._subclasses.fake_tensor.FakeTensor",
+    "torch._subclasses.fake_tensor.DataDependentOutputException",
     "torch._subclasses.fake_tensor.FakeTensorMode",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",
     # torch.cuda._pin_memory_utils

@@ -888,3 +888,42 @@ def test_the_first_calls_tensors_are_not_held_by_the_step_budget():
         compiled(torch.randn(512, 64)).sum().backward()
     gc.collect()
     assert held() is None
+
+
+class _ScalarAcrossABreak(nn.Module):
+    """The second graph reads the first's ``.item()``: torch passes the float in as a 0-d
+    tensor that the graph reads with ``.item()`` again (fuzz29b F2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(16, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        s = h.mean().item()
+        return self.c(h * s)
+
+
+@pytest.mark.parametrize("inner_compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("in_one_graph", [False, True])
+def test_a_graph_reading_a_scalar_from_a_tensor_is_compiled_again_under_its_share(inner_compiler, in_one_graph,
+                                                                                  caplog):
+    """Compiled again outside Dynamo on the call's real tensors, the ``.item()`` raised
+    DataDependentOutputException: the graph kept its minimum-memory plan, with a warning.
+    In one graph (capture_scalar_outputs) the retrace on fakes met the unbacked symbol Dynamo
+    had bound ("zuf0 possible memo disaster")."""
+    caplog.set_level(logging.INFO, logger="compile_offload")
+    torch.manual_seed(0)
+    model = _ScalarAcrossABreak()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=in_one_graph, backend=compile_offload.offload_remat(
+        memory_budget="600KiB", budget_scope="step", inner_compiler=inner_compiler, device_profile="cpu"))
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(
+            capture_scalar_outputs=in_one_graph):
+        warnings.simplefilter("always")
+        for _ in range(4):
+            _step_as_eager(compiled, model, eager, torch.randn(64, 16))
+    assert not [str(w.message) for w in caught if "compile_offload" in str(w.message)]
+    again = [r.getMessage() for r in caplog.records if "compiling this graph again under its share" in r.getMessage()]
+    assert len(again) == (1 if in_one_graph else 2), again

@@ -24,7 +24,7 @@ from . import budget_loop, ddp, dynamic_check, graph_reports, inductor_compile, 
 from .. import config_guard
 from ..inductor import scheduled_peak
 from ..runtime import pinned_pool
-from ..torch_api import guards
+from ..torch_api import fake_tensors, guards
 from .. import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
@@ -238,7 +238,13 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         # the first call's real tensors (its batch, the activations a graph after a break gets),
         # which holding here would keep alive as long as the graph, outside every plan.
         share = dataclasses.replace(settings, budget_bytes=budget_bytes)
-        again, again_plan_of, _ = _compile_graph(gm, list(args), share, dict(inductor_patches), mode, graph_name)
+        try:
+            again, again_plan_of, _ = _compile_graph(gm, list(args), share, dict(inductor_patches), mode, graph_name)
+        except fake_tensors.DataDependentOutputException:
+            # A value the graph reads from a tensor (.item()) needs the shape environment Dynamo
+            # traced it in: traced again in a fresh one, on fakes of this call's arguments.
+            with fake_tensors.traced_afresh(gm, list(args)) as fakes:
+                again, again_plan_of, _ = _compile_graph(gm, fakes, share, dict(inductor_patches), mode, graph_name)
         # Compiled outside Dynamo, a graph with dynamic sizes is specialized to that call's sizes:
         # other sizes run the minimum-memory plan, which serves every size.
         return dynamic_check.for_the_sizes_of(gm, args, again, otherwise=compiled), again_plan_of
