@@ -489,6 +489,46 @@ def test_a_measured_step_over_the_budget_holds_its_excess_back_and_splits_again(
     assert meter.started == 2
 
 
+def test_a_graph_given_a_share_and_not_called_again_keeps_no_step_from_being_measured():
+    """review30c F1: a step was measured only once no graph waited to compile under its share;
+    a graph that is not called again (its frame compiled again for another batch size) waited
+    for ever, and no step was measured, corrected or warned about."""
+    meter = _Meter([40 * MIB])
+    budget = StepBudget(30 * MIB, meter)
+    compiles: list[str] = []
+
+    def add(name: str, low: int, high: int):
+        plan = lambda: _plan(low, high, scheduled=low)  # noqa: E731
+        return budget.add(name, _stand_in([], name), plan,
+                          lambda share, args: (compiles.append(name), (_stand_in([], name), plan))[1])
+
+    block, head = add("block", 5 * MIB, 10 * MIB), add("head", 10 * MIB, 20 * MIB)
+    x = torch.ones(4, requires_grad=True)
+    head(block(block(x))).sum().backward()  # counted: both get a share
+    for _ in range(3):  # head is not called again
+        block(block(x)).sum().backward()
+    assert compiles == ["block"] and meter.started == 1 and budget.corrections == 1
+
+
+def test_a_graph_compiled_again_in_a_measured_step_leaves_the_measure_to_a_later_step():
+    meter = _Meter([29 * MIB])
+    budget = StepBudget(30 * MIB, meter)
+
+    def add(name: str, low: int, high: int):
+        plan = lambda: _plan(low, high, scheduled=low)  # noqa: E731
+        return budget.add(name, _stand_in([], name), plan, lambda share, args: (_stand_in([], name), plan))
+
+    block, head = add("block", 5 * MIB, 10 * MIB), add("head", 10 * MIB, 20 * MIB)
+    x = torch.ones(4, requires_grad=True)
+    head(block(block(x))).sum().backward()  # counted: both get a share
+    block(block(x)).sum().backward()  # block compiles again (its first run settles)
+    head(block(block(x))).sum().backward()  # measured from its start, but head compiles again in it
+    assert meter.started == 1 and meter.peaks == [29 * MIB]
+    for _ in range(2):  # settles, then measured
+        head(block(block(x))).sum().backward()
+    assert meter.started == 2 and not meter.peaks
+
+
 def _two_graphs(budget: StepBudget):
     """A block graph called twice and a head graph, both with room above their minimum."""
     def add(name: str, low: int, high: int):

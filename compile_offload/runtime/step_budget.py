@@ -283,10 +283,12 @@ class StepBudget:
                 log.info("%s: budget_scope='step': its share of the step's budget, %s, is its minimum: it runs "
                          "its minimum-memory plan", graph.name, format_bytes(graph.budget_bytes))
                 graph.compiled, graph.plan_of = graph.minimum[0], _under_share(graph.minimum[1], graph.budget_bytes)
+                budget._new_code()
             if graph.pending:
                 graph.pending = False
                 log.info("%s: budget_scope='step': compiling this graph again under its share of the step's "
                          "budget, %s", graph.name, format_bytes(graph.budget_bytes))
+                budget._new_code()
                 try:
                     graph.compiled, graph.plan_of = graph.recompile(graph.budget_bytes, args)
                 except Exception as error:  # the plan it runs is correct: keep it, and say so
@@ -350,13 +352,21 @@ class StepBudget:
         if self.state in ("wait", "count"):  # "count": the step begun had no backward (its graph dropped)
             self.state = "count"
             self.gathered = GatheredParameters()
-        elif (self.state == "done" and self.to_check and self.meter is not None
-              and not any(graph.pending for graph in self.graphs())):
+        elif self.state == "done" and self.to_check and self.meter is not None:
             if self.settling:  # new code's first run: one-time workspaces, verify_budget's own measure
                 self.settling -= 1
                 return
             self.to_check, self.measuring = False, True
             self.meter.start()
+
+    def _new_code(self) -> None:
+        """A graph changes its code under a new share: the step under way does not measure the
+        split (another step will), and its new code's first run is still to settle. A graph
+        still waiting to change (its share given, not called since: a frame Dynamo compiled
+        again for other sizes) keeps no step from being measured."""
+        self.settling = SETTLING_STEPS
+        if self.measuring:
+            self.measuring, self.to_check = False, True
 
     def _end_step_without(self, abandoned: int) -> None:
         """A graph call begins after backwards have run while other calls' backwards have not:
