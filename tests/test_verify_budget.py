@@ -221,3 +221,14 @@ def test_a_compiled_train_step_function_runs_the_measuring_hooks_untraced(caplog
     said = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "perf_counter" in m or "will be ignored" in m], said
     assert [m for m in said if "verify_budget: the first compiled step measured" in m]
+
+
+@pytest.mark.parametrize(("device", "measured"), [("cuda:1", "cuda:1"), ("cuda", "cuda:0")])
+def test_a_graph_on_a_cuda_device_is_measured_on_that_device(device, measured, monkeypatch):
+    """review30c F2: verify_budget and the plan trials read the current device's counters,
+    not those of the graph's device (a model on cuda:1, the current device 0: nothing
+    measured, no warning)."""
+    from compile_offload.runtime.step_measure import StepMeasure
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert StepMeasure(torch.device(device)).device_or_current() == torch.device(measured)

@@ -32,6 +32,7 @@ class StepMeasure:
     peak is not a fair time (the profiler adds to it)."""
 
     def __init__(self, device: torch.device, peak: bool = True) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.peak = peak
         self.ledger = AllocationLedger()
@@ -56,6 +57,9 @@ class StepMeasure:
         return outputs
 
     def device_or_current(self) -> torch.device:
+        """The graph's CUDA device; "cuda" without an index is the current one."""
+        if self.device.index is not None:
+            return self.device
         return torch.device("cuda", torch.cuda.current_device())
 
     def start_backward(self) -> None:
@@ -85,14 +89,14 @@ class StepMeasure:
 
     def _start_clock(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device_or_current())
         self._started = time.perf_counter()
 
     def _stop_clock(self) -> None:
         if self._started is None:
             return
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device_or_current())
         self.seconds += time.perf_counter() - self._started
         self._started = None
 
