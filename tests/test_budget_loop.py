@@ -549,6 +549,23 @@ def test_the_over_budget_warning_says_whether_verify_budget_will_measure_the_ste
         budget_loop.keep_within_budget(over(), lambda budget: None, verified=True)
 
 
+def test_no_plans_code_within_the_budget_is_an_error_under_strict_budget():
+    """review30c F4: the budget loop warned under strict_budget when the planner predicted its
+    first plan within the budget and no compiled plan's code fitted (predicted over, it raised)."""
+    from compile_offload.passes.plan import Plan
+    from compile_offload.pipeline.result import BudgetError
+
+    over = budget_loop.Attempt("c", Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=950,
+                                         predicted_step_seconds=1.0, baseline_peak_bytes=2000,
+                                         baseline_step_seconds=1.0, min_peak_bytes=950,
+                                         decisions=_recomputing(), scheduled_peak_bytes=1200))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(BudgetError, match=r"scheduled peak\), over the memory budget 1000 B, though the plan "
+                                              r"predicts 950 B \(.*\); strict_budget=True$"):
+            budget_loop.keep_within_budget(over, lambda budget: None, strict=True)
+
+
 def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_attempts():
     """Every budgeted plan's code over the budget: the unconstrained plan is compiled once
     (asked for as without a budget: ``replan(None)``) and kept where its code peaks lower, or

@@ -69,19 +69,20 @@ def fits_below_the_minimum(plan: Plan) -> bool:
 
 
 def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None],
-                       torch_code: bool = True, verified: bool = False) -> Attempt:
+                       torch_code: bool = True, verified: bool = False, strict: bool = False) -> Attempt:
     """``first``, or a re-planned compile of the same graph whose scheduled peak fits
     (``_within_budget``); where the plan so kept recomputes or offloads, the unconstrained plan
     as ``torch.compile`` compiles it, where its code fits the budget too (``_as_torch_compiles``;
     not with ``torch_code=False``: under CUDA graphs, whose partition reordering moves that
     code's kernels after they were recorded). ``verified``: ``verify_budget`` will measure
-    the first step (the over-budget warning says so)."""
-    kept = _within_budget(first, replan, verified, torch_code)
+    the first step (the over-budget warning says so); ``strict``: ``strict_budget``, under
+    which no plan's code within the budget is a ``BudgetError``, not that warning."""
+    kept = _within_budget(first, replan, verified, torch_code, strict)
     return _as_torch_compiles(kept, replan) if torch_code else kept
 
 
 def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None], verified: bool = False,
-                   torch_code: bool = True) -> Attempt:
+                   torch_code: bool = True, strict: bool = False) -> Attempt:
     """``first``, or a re-planned compile of the same graph whose scheduled peak fits.
 
     ``replan(budget_bytes)`` compiles the graph again with the plan made under that byte
@@ -160,7 +161,7 @@ def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None
                            f"{tried} other plan{'s' * (tried != 1)} compiled (re-plans under lower budgets, and the "
                            "unconstrained plan where every one was over)")
     _outcome(best, "over_budget", tried)
-    budget_report.warn_over_budget(best.plan, stacklevel=6, verified=verified)
+    budget_report.warn_over_budget(best.plan, stacklevel=6, verified=verified, strict=strict)
     return best
 
 
@@ -464,7 +465,7 @@ class BudgetLoop:
         replans_before = self.replans_made
         kept = keep_within_budget(first, self.replan,
                                   torch_code=not inductor_compile.captures_cuda_graphs(self.inductor_patches),
-                                  verified=settings.verify_budget)
+                                  verified=settings.verify_budget, strict=settings.strict_budget)
         looped = acts_on(records[0].plan) or self.replans_made > replans_before
         if looped and kept.result is not None:
             # Each re-plan's dump went over the graph's folder as it was made, before the loop

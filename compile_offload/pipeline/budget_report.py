@@ -1,7 +1,7 @@
 """What the user is told about a graph's budget, once: a budget below what the planner can
 reach, or than the plans it found before ``plan_time_limit`` (``report_budget``: a warning,
 or ``BudgetError`` under ``strict_budget``), and a plan the budget loop kept over its budget
-(``warn_over_budget``). Called once a graph's plan is final: by the partitioner where no
+(``warn_over_budget``; ``BudgetError`` under ``strict_budget`` too). Called once a graph's plan is final: by the partitioner where no
 budget loop runs, by the budget loop once Inductor's code for the plan kept is known, and for
 a compile served from a cache as its record is read (``graph_reports.replay``).
 """
@@ -56,21 +56,24 @@ def report_budget(plan: Plan, settings: Settings) -> None:
     warnings.warn(message, stacklevel=4)
 
 
-def warn_over_budget(plan: Plan, stacklevel: int = 2, verified: bool = False) -> None:
+def warn_over_budget(plan: Plan, stacklevel: int = 2, verified: bool = False, strict: bool = False) -> None:
     """The loop's one warning for ``plan``, kept with its scheduled peak over the budget
     (also when a warm cache replays the plan's record: ``graph_reports.replay``);
-    ``verified``: ``verify_budget`` is on, and will measure the first step."""
+    ``verified``: ``verify_budget`` is on, and will measure the first step; ``strict``:
+    ``strict_budget``, a ``BudgetError`` in place of the warning."""
     tried = f"{plan.replans} other plan{'s' * (plan.replans != 1)} compiled"
     # "though" only where the planner's prediction fits: a plan kept over the budget may be
     # one (the unconstrained plan, re-planned) that the planner predicted over it as well
     predicted = format_bytes(plan.predicted_peak_bytes)
     against = (f"though the plan predicts {predicted}" if plan.predicted_peak_bytes <= plan.budget_bytes
                else f"as the plan predicts ({predicted})")
+    message = (f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak "
+               f"at {format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
+               f"{format_bytes(plan.budget_bytes)}, {against} ({tried}")
+    if strict:
+        raise BudgetError(message + "); strict_budget=True")
     warnings.warn(
-        f"compile_offload: {plan.graph_name}: the code Inductor generates for this graph is predicted to peak at "
-        f"{format_bytes(plan.scheduled_peak_bytes)} (scheduled peak), over the memory budget "
-        f"{format_bytes(plan.budget_bytes)}, {against}"
-        f" ({tried}; the lowest scheduled peak is kept). "
+        message + "; the lowest scheduled peak is kept). "
         + ("The first step is measured (verify_budget)" if verified
            else "Not measured: config.verify_budget=True measures the first step"),
         stacklevel=stacklevel,

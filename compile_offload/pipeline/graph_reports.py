@@ -137,4 +137,5 @@ def replay(records: list[GraphRecord], settings: Settings, graph_name: str) -> N
         budget_report.report_budget(plan, settings)
         if plan.scheduled_peak_bytes is not None and plan.budget_outcome == "over_budget":
             # the budget loop's warning, as when it was made
-            budget_report.warn_over_budget(plan, stacklevel=4, verified=settings.verify_budget)
+            budget_report.warn_over_budget(plan, stacklevel=4, verified=settings.verify_budget,
+                                           strict=settings.strict_budget)
