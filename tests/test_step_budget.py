@@ -529,6 +529,26 @@ def test_a_graph_compiled_again_in_a_measured_step_leaves_the_measure_to_a_later
     assert meter.started == 2 and not meter.peaks
 
 
+def test_a_share_below_what_its_compile_can_reach_raises_under_strict_budget():
+    """review30c F5: under strict_budget the share's compile raised BudgetError, which the
+    step budget turned into a warning ("compiling this graph under its share ... failed")."""
+    from compile_offload import BudgetError
+
+    budget = StepBudget(30 * MIB, strict=True)
+
+    def recompile(share: int, args: tuple):
+        raise BudgetError("memory budget below the minimum; strict_budget=True")
+
+    plan = lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)  # noqa: E731
+    graph = budget.add("block", _stand_in([], "block"), plan, recompile)
+    x = torch.ones(4, requires_grad=True)
+    graph(x).sum().backward()  # counted: the split
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(BudgetError, match="strict_budget=True"):
+            graph(x).sum().backward()
+
+
 def _two_graphs(budget: StepBudget):
     """A block graph called twice and a head graph, both with room above their minimum."""
     def add(name: str, low: int, high: int):

@@ -226,6 +226,7 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
 
     settings = _measured_choice_off(settings, "under budget_scope='step' (the graphs are compiled again once "
                                     "the step's budget is split between them)", stacklevel=5)
+    settings_mod.check_budget_fits_device(settings, device_of(example_inputs))  # the step's, not a share
     minimum = dataclasses.replace(settings, budget_bytes=None, budget_fraction=0.0)
     log.info("budget_scope='step': this graph runs its minimum-memory plan (memory_budget 0.0) until a step has "
              "run; the step's budget %s is then split between its graphs", format_bytes(settings.budget_bytes))
@@ -279,6 +280,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         if settings.measured_plan_choice:  # captured graphs replay: a step of another plan would not compare
             log.info("compile_offload: measured plan choice is off under CUDA graphs (%s)", said)
             settings = dataclasses.replace(settings, measured_plan_choice=False)
+    device = device_of(example_inputs)
+    settings_mod.check_budget_fits_device(settings, device)  # the whole budget, before DDP's buckets share it
     bucket_graphs = None
     if ddp.bucket_index() is not None:
         bucket_graphs = ddp.bucket_graph_count()
@@ -290,8 +293,6 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     partitioner = OffloadRematPartitioner(settings, graph_name=graph_name or _graph_name(bucket_graphs),
                                           on_result=results.append, report=recorder is None,
                                           sizes=dynamic_check.sizes_planned_at(gm, settings))
-    device = device_of(example_inputs)
-    settings_mod.check_budget_fits_device(settings, device)
     settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
     if settings.offload:
         # The pool is one per process: the latest offloading compile's limit applies (config.py). Set

@@ -292,6 +292,8 @@ class StepBudget:
                 try:
                     graph.compiled, graph.plan_of = graph.recompile(graph.budget_bytes, args)
                 except Exception as error:  # the plan it runs is correct: keep it, and say so
+                    if isinstance(error, BudgetError) and budget.strict:
+                        raise
                     warnings.warn(f"compile_offload: {graph.name}: budget_scope='step': compiling this graph under "
                                   f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
                                   f"{error}); it keeps the plan it runs", stacklevel=2)
