@@ -1385,3 +1385,19 @@ def test_a_replayed_record_of_a_plan_kept_over_its_budget_warns_again():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         graph_reports.replay([graph_reports.GraphRecord(plan("replanned", 1), None)], settings, "graph_0_0")
+
+
+def test_a_plan_record_is_one_per_mode_of_torch_compile():
+    """review30c F7: Inductor's caches keep one compile per mode or options, but the plan
+    records that a warm compile replays were keyed without them: another mode's record (kept,
+    where this mode's code was re-planned) decided what this mode's cached code ran."""
+    from compile_offload.pipeline import graph_reports
+    from compile_offload.settings import resolve
+
+    gm = torch.fx.symbolic_trace(nn.Linear(4, 4))
+    inputs, settings = [torch.randn(2, 4)], resolve({"memory_budget": "1MiB"})
+    default = graph_reports.record_key(gm, inputs, settings, {})
+    assert graph_reports.record_key(gm, inputs, settings, None) == default
+    autotuned = graph_reports.record_key(gm, inputs, settings, {"max_autotune": True})
+    assert autotuned != default
+    assert graph_reports.record_key(gm, inputs, settings, {"max_autotune": True}) == autotuned

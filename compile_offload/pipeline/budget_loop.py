@@ -471,7 +471,7 @@ class BudgetLoop:
             # Each re-plan's dump went over the graph's folder as it was made, before the loop
             # marked it: the folder shows the plan that runs, with its notes.
             logs.dump(kept.result, gm, settings)
-        key = graph_reports.record_key(gm, self.example_inputs, settings)
+        key = graph_reports.record_key(gm, self.example_inputs, settings, self.inductor_patches)
         if kept.compiled is compiled:
             graph_reports.store(key, records)  # written before the loop marked the plan: again, with its outcome
             if looped:

@@ -64,17 +64,22 @@ def trains(example_inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
 
 
-def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings) -> str:
+def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
+               inductor_patches: dict | None = None) -> str:
+    """The record's key: what decides the plans and the code that Inductor's caches serve
+    alike (the graph, its inputs, the settings, ``torch.compile``'s mode or options, the GPU's
+    model: one cached compile per mode or GPU, each with the record of its own plans)."""
     digest = hashlib.sha256(gm.code.encode())
     for value in example_inputs:
         if isinstance(value, torch.Tensor):
+            gpu = torch.cuda.get_device_name(value.device) if value.device.type == "cuda" else ""
             digest.update(f"{tuple(map(str, value.shape))}:{tuple(map(str, value.stride()))}:{value.dtype}:"
-                          f"{value.device.type}:{value.requires_grad}".encode())
+                          f"{value.device.type}:{gpu}:{value.requires_grad}".encode())
         else:
             digest.update(f"{type(value).__name__}:{value}".encode())
     # The sizes planned at: a dynamic graph's tensors are the call's, not the sizes it is planned for.
     digest.update(json.dumps([repr(settings), repr(sizes_planned_at(gm, settings)), torch.__version__,
-                              source_hash()]).encode())
+                              source_hash(), repr(sorted((inductor_patches or {}).items()))]).encode())
     return digest.hexdigest()[:32]
 
 

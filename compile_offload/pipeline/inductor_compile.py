@@ -169,12 +169,13 @@ def compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], set
     ``recorder`` saw them, or, for code served from Inductor's caches, the stored record."""
     patches = inductor_config_patches(settings, partitioner, inductor_patches, gm)
     with scheduled_peak.recording(recorder, patches) as patches:
-        return _compile_planned(gm, example_inputs, settings, partitioner, results, patches, recorder)
+        return _compile_planned(gm, example_inputs, settings, partitioner, results, patches, recorder,
+                                inductor_patches)
 
 
 def _compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: Settings,
                      partitioner: OffloadRematPartitioner, results: list[PartitionResult],
-                     patches: dict[str, Any], recorder):
+                     patches: dict[str, Any], recorder, inductor_patches: dict | None):
     def planned_records():  # the plans made now, with the scheduled peak of their kernels
         if results and recorder is not None:
             scheduled_peak.note_scheduled_peak(results[-1].plan, recorder)
@@ -187,7 +188,7 @@ def _compile_planned(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], se
         # code without calling the partitioner.
         compiled = _compile_fx_past_caches(gm, example_inputs, patches, settings)
         return compiled, planned_records()
-    key = graph_reports.record_key(gm, example_inputs, settings)
+    key = graph_reports.record_key(gm, example_inputs, settings, inductor_patches)
     compiled = inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile(settings), config_patches=patches)
     if results and inductor_kernels.served_from_cache(recorder, patches):
         # Planned again (AOTAutograd's cache passed this graph by) but Inductor's FX graph cache
