@@ -549,6 +549,23 @@ def test_a_share_below_what_its_compile_can_reach_raises_under_strict_budget():
             graph(x).sum().backward()
 
 
+def test_a_share_whose_compile_failed_is_what_its_plan_is_measured_against():
+    """review30c F12: the graph kept its minimum-memory plan, made at budget 0 B, and
+    verify_budget measured the step against that 0 B, not the share."""
+    budget = StepBudget(30 * MIB)
+
+    def recompile(share: int, args: tuple):
+        raise RuntimeError("no compiler today")
+
+    plan = lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)  # noqa: E731
+    graph = budget.add("block", _stand_in([], "block"), plan, recompile)
+    x = torch.ones(4, requires_grad=True)
+    graph(x).sum().backward()  # counted: the split
+    with pytest.warns(UserWarning, match="compiling this graph under its share 30.00 MiB failed .*no compiler today"):
+        graph(x).sum().backward()
+    assert graph.graph_plan_of().budget_bytes == 30 * MIB
+
+
 def _two_graphs(budget: StepBudget):
     """A block graph called twice and a head graph, both with room above their minimum."""
     def add(name: str, low: int, high: int):

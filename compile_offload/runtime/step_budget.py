@@ -297,6 +297,8 @@ class StepBudget:
                     warnings.warn(f"compile_offload: {graph.name}: budget_scope='step': compiling this graph under "
                                   f"its share {format_bytes(graph.budget_bytes)} failed ({type(error).__name__}: "
                                   f"{error}); it keeps the plan it runs", stacklevel=2)
+                    # measured (verify_budget) against its share, not the budget the plan was made under
+                    graph.plan_of = _under_share(graph.plan_of, graph.budget_bytes)
             # A call inside a backward (activation checkpointing's recompute) is part of the step
             # under way, and its backward is not run: it neither begins a step nor is waited for.
             recompute = in_backward()
