@@ -108,18 +108,39 @@ def test_saved_outputs_live_into_the_backward_and_die_after_their_last_reader():
 
 
 @pytest.mark.skipif(not inductor_kernels.available(), reason="this torch has no post-fusion scheduler hook")
-def test_a_users_own_post_fusion_pass_is_left_in_place():
+def test_a_users_own_post_fusion_pass_is_left_in_place(monkeypatch):
+    """...and, with it, the code Inductor generates is not checked against the budget: one
+    warning says so (review30c F9: it was said in design.md only)."""
     def users_pass(nodes):
         return nodes
 
+    monkeypatch.setattr(inductor_kernels, "_warned_unchecked", set())
     recorder = inductor_kernels.KernelRecorder()
-    with scheduled_peak.recording(recorder, {"_post_fusion_custom_pass": users_pass}) as patches:
+    with pytest.warns(UserWarning, match=r"not read \(a post-fusion pass of the user's .*prediction only"), \
+            scheduled_peak.recording(recorder, {"_post_fusion_custom_pass": users_pass}) as patches:
         assert patches["_post_fusion_custom_pass"] is users_pass
     with torch._inductor.config.patch(_post_fusion_custom_pass=users_pass), \
             scheduled_peak.recording(recorder, {}) as patches:
         assert "_post_fusion_custom_pass" not in patches
     with scheduled_peak.recording(recorder, {}) as patches:
         assert patches["_post_fusion_custom_pass"].recorder is recorder
+
+
+def test_kernels_that_cannot_be_read_are_said_once(monkeypatch):
+    """review30c F9: a scheduler the recorder could not read turned the check of Inductor's
+    code off with a DEBUG line only."""
+    def unreadable(nodes):
+        raise TypeError("an Inductor we do not know")
+
+    monkeypatch.setattr(inductor_kernels, "_warned_unchecked", set())
+    monkeypatch.setattr(inductor_kernels, "_graph_kernels", unreadable)
+    recorder = inductor_kernels.KernelRecorder()
+    with pytest.warns(UserWarning, match=r"not read \(reading them failed: TypeError: an Inductor we do not know\)"):
+        recorder.record([])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recorder.record([])  # once
+    assert recorder.graphs == [] and not recorder.hooked
 
 
 # --- the recorder on real compiles -----------------------------------------------------------

@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,19 @@ class _Held:
         return _Held, (None,)
 
 
+_warned_unchecked: set[str] = set()
+
+
+def warn_unchecked(why: str) -> None:
+    """Say once per reason and process that Inductor's code is not checked against the budget."""
+    if why in _warned_unchecked:
+        return
+    _warned_unchecked.add(why)
+    warnings.warn(f"compile_offload: the kernels Inductor generates are not read ({why}): plans are checked "
+                  "against the memory budget by the planner's prediction only (config.verify_budget=True measures "
+                  "the first step)", stacklevel=3)
+
+
 class KernelRecorder:
     """Collects the ``GraphKernels`` of every graph lowered while it is installed."""
 
@@ -127,7 +141,8 @@ class KernelRecorder:
         try:
             self.graphs.append(_graph_kernels(nodes))
         except Exception as error:  # a scheduler we cannot read: no record, never a failed compile
-            log.debug("compile_offload: could not read Inductor's kernels (%s: %s)", type(error).__name__, error)
+            log.debug("compile_offload: could not read Inductor's kernels", exc_info=True)
+            warn_unchecked(f"reading them failed: {type(error).__name__}: {error}")
             return
         self.hooked = True
 
@@ -184,6 +199,11 @@ class _RecordingPass(inductor.scheduler_pass_base()):  # type: ignore[misc]
 def recording_patches(recorder: KernelRecorder) -> dict:
     """Inductor config patches that install ``recorder`` (for ``compile_fx``'s config_patches)."""
     return {"_post_fusion_custom_pass": _RecordingPass(recorder)}
+
+
+def is_recording_pass(installed: object) -> bool:
+    """Whether Inductor's post-fusion pass ``installed`` is a recorder's, not the user's."""
+    return isinstance(installed, _RecordingPass)
 
 
 def served_from_cache(recorder: KernelRecorder | None, patches: dict) -> bool:

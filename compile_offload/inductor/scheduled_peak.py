@@ -46,6 +46,7 @@ def recorder_for(settings: Settings) -> KernelRecorder | None:
     if not settings.has_budget:
         return None
     if not inductor_kernels.available():
+        inductor_kernels.warn_unchecked("this torch's Inductor has no scheduler hook to read them from")
         return None
     return KernelRecorder()
 
@@ -57,7 +58,13 @@ def recording(recorder: KernelRecorder | None, patches: dict) -> Iterator[dict]:
     of their own (Inductor has one slot), theirs stays and nothing is recorded."""
     from ..torch_api.inductor import config as inductor_config
 
-    if recorder is None or patches.get("_post_fusion_custom_pass", inductor_config._post_fusion_custom_pass) is not None:
+    if recorder is None:
+        yield patches
+        return
+    installed = patches.get("_post_fusion_custom_pass", inductor_config._post_fusion_custom_pass)
+    if installed is not None:
+        if not inductor_kernels.is_recording_pass(installed):
+            inductor_kernels.warn_unchecked("a post-fusion pass of the user's holds Inductor's one hook for it")
         yield patches
         return
     with inductor_kernels.backward_lowered_at_compile():
