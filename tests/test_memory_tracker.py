@@ -126,3 +126,40 @@ def test_cuda_peak_is_not_read_inside_the_block_and_kept_after_an_exception():
         del a
         raise KeyError("the step failed")
     assert measured.peak_bytes == 2**20 * FLOAT
+
+
+class _Allocator:
+    """The CUDA caching allocator's counters, as torch.cuda reads them (no GPU needed)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = self.peak = 0
+        for name, value in {"is_available": lambda: True, "synchronize": lambda *a: None,
+                            "current_device": lambda: 0, "memory_allocated": lambda *a: self.now,
+                            "max_memory_allocated": lambda *a: self.peak,
+                            "reset_peak_memory_stats": lambda *a: setattr(self, "peak", self.now)}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def allocate(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+
+def test_cuda_regions_nest_each_keeping_its_own_peak(monkeypatch):
+    """review30c F3: verify_budget opens a region per graph, from its forward to the end of its
+    backward, so a second graph's region opens inside the first's; its reset of the device's
+    peak counter wiped the first one's peak (110 MiB read as 30 MiB). The step meter too."""
+    from compile_offload.runtime.step_budget import CudaStepMeter
+
+    mib = 2**20
+    memory = _Allocator(monkeypatch)
+    step = CudaStepMeter(torch.device("cuda"))
+    step.start()
+    with measure_peak("cuda") as a:
+        memory.allocate(100 * mib), memory.allocate(10 * mib), memory.allocate(-100 * mib)  # A's forward
+        with measure_peak("cuda:0") as b:
+            memory.allocate(20 * mib), memory.allocate(-20 * mib)
+        memory.allocate(5 * mib), memory.allocate(-15 * mib)
+    assert (a.peak_bytes, b.peak_bytes, step.peak_bytes()) == (110 * mib, 20 * mib, 110 * mib)
+    assert step.phase_peak_bytes() == 110 * mib
+    memory.allocate(7 * mib)
+    assert step.phase_peak_bytes() == 7 * mib  # after a phase, only what ran since

@@ -8,7 +8,9 @@ and the docs use::
     measured.peak_bytes   # the most bytes allocated at once above the start of the region
 
 - On CUDA it reads the caching allocator's own counters: ``reset_peak_memory_stats`` before,
-  ``max_memory_allocated() - memory_allocated()``-at-start after.
+  ``max_memory_allocated() - memory_allocated()``-at-start after. Regions nest (one graph's
+  ``verify_budget`` region opens inside another's, or inside the step's): a reset through
+  ``reset_cuda_peak`` first keeps the peak so far of every region open on the device.
 - On CPU there are no such counters; the profiler's memory events carry the CPU
   allocator's figures for every allocation and free, including the buffers Inductor's
   generated code allocates through ``empty_strided_cpu`` (which never passes the dispatcher,
@@ -30,9 +32,38 @@ allocator does not round); profiling adds time, not memory, to the region.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..torch_api import profiler
+
+
+# What reads the CUDA peak counter over a region now open (``measure_peak`` regions, the step
+# meters): each has ``cuda_device`` (with its index) and ``held_peak``.
+_open_cuda_readers: weakref.WeakSet = weakref.WeakSet()
+
+
+def cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index ("cuda" is the current device)."""
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def reads_cuda_peak(reader) -> None:
+    """Keep ``reader``'s ``held_peak`` up to date through later resets (until it is collected)."""
+    _open_cuda_readers.add(reader)
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """``torch.cuda.reset_peak_memory_stats(device)``, the peak so far kept first by every
+    region open on it (``held_peak``): the counter is the device's, shared by the regions."""
+    device = cuda_device(device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    for reader in list(_open_cuda_readers):
+        if reader.cuda_device == device:
+            reader.held_peak = max(reader.held_peak, peak)
+    torch.cuda.reset_peak_memory_stats(device)
 
 
 def profiler_recording() -> bool:
@@ -90,8 +121,7 @@ def _device(device: object) -> torch.device:
 
 class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu") as m``
     """Measure the peak bytes allocated on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``)
-    above the start of the ``with`` block, at the allocator. Regions do not nest on CUDA
-    (the peak counter is reset on entry)."""
+    above the start of the ``with`` block, at the allocator. Regions nest."""
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         device = _device(device)
@@ -100,13 +130,15 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
         self.result = MeasuredPeak(device)
         self._profiler = None
         self._start = 0
+        self.cuda_device = cuda_device(device) if device.type == "cuda" else None
+        self.held_peak = 0  # on CUDA: the region's peak before the counter was last reset within it
 
     def __enter__(self) -> MeasuredPeak:
         device = self.result.device
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_cuda_peak(device)
             self._start = torch.cuda.memory_allocated(device)
+            _open_cuda_readers.add(self)
         else:
             from torch.profiler import ProfilerActivity, profile
 
@@ -123,10 +155,12 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
         device = self.result.device
         if device.type != "cuda":
             self._profiler.__exit__(*exc_info)
+        _open_cuda_readers.discard(self)
         try:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-                peak = max(torch.cuda.max_memory_allocated(device) - self._start, 0)
+                peak = max(self.held_peak, torch.cuda.max_memory_allocated(device)) - self._start
+                peak = max(peak, 0)
             else:
                 ledger = AllocationLedger()
                 ledger.add(self._profiler)

@@ -69,6 +69,7 @@ import torch
 from ..passes.plan import Plan, format_bytes
 from ..pipeline.result import BudgetError
 from ..torch_api.utils import in_backward, queue_backward_callback, tree_leaves
+from .memory_tracker import cuda_device, reads_cuda_peak, reset_cuda_peak
 from .step_measure import compiled_backward_node, on_fake_tensors
 
 log = logging.getLogger("compile_offload")
@@ -204,27 +205,30 @@ class CudaStepMeter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.cuda_device = cuda_device(device)
+        self.held_peak = 0  # the peak before a region measured within the step reset the counter
         self._start = 0
 
     def start(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        reset_cuda_peak(self.device)
+        self.held_peak = 0
         self._start = torch.cuda.memory_allocated(self.device)
+        reads_cuda_peak(self)
 
     def peak_bytes(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return max(0, torch.cuda.max_memory_allocated(self.device) - self._start)
+        return max(0, self.absolute_peak_bytes() - self._start)
 
     def absolute_peak_bytes(self) -> int:
         """The allocator's peak since ``start``, counting what was allocated before it."""
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
+        return max(self.held_peak, torch.cuda.max_memory_allocated(self.device))
 
     def phase_peak_bytes(self) -> int:
         """As ``absolute_peak_bytes``, and the peak counter starts again: the next read
         gives the peak of what ran after this one (a step's optimizer step after its backward)."""
         peak = self.absolute_peak_bytes()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        reset_cuda_peak(self.device)
+        self.held_peak = 0
         return peak
 
 
