@@ -31,6 +31,7 @@ class Progress:
         self.started = time.perf_counter() if started is None else started
         self.reported = self.started + SHOW_AFTER_SECONDS - EVERY_SECONDS
         self.plans = 0
+        self.total: int | None = None  # the plans the search will simulate, where it knows (the exact solver)
         self.out_of_time = False
 
     def step(self) -> bool:
@@ -40,7 +41,8 @@ class Progress:
         now = time.perf_counter()
         if now - self.reported >= EVERY_SECONDS:
             self.reported = now
-            message = (f"compile_offload: {self.graph_name}: planning, {self.plans} candidate plans "
+            of = "" if self.total is None else f" of {self.total}"
+            message = (f"compile_offload: {self.graph_name}: planning, {self.plans}{of} candidate plans "
                        f"in {now - self.started:.0f} s")
             log.info(message)
             print(message, file=sys.stderr, flush=True)

@@ -711,6 +711,7 @@ def exact_subsets(a: JointAnalysis, base_saved: list[fx.Node], seconds: Seconds,
             f"this graph has {len(pool)}"
         )
     candidates = []
+    progress.total = 2 ** len(pool)
     base_recomputed = recomputed_nodes(a, set(base_saved))
     for size in range(len(pool) + 1):
         for subset in itertools.combinations(pool, size):

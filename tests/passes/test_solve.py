@@ -214,3 +214,22 @@ def test_with_no_plan_fitting_the_lowest_plan_simulated_is_chosen():
     # a plan that fits is still chosen among the candidates only
     solution = select(analysis, candidates, 800, None, lambda c: c, [*candidates, passed_over])
     assert solution.feasible and solution.chosen is candidates[1] and solution.minimum is passed_over
+
+
+def test_the_exact_solvers_progress_says_how_many_plans_it_will_simulate(monkeypatch, capsys):
+    """audit29a: exact_max_candidates has no upper limit (the user may ask for 2^N plans); a
+    long exact search said how many plans it had simulated, not of how many."""
+    from compile_offload.passes import progress
+
+    monkeypatch.setattr(progress, "SHOW_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "EVERY_SECONDS", 0.0)
+    torch.manual_seed(0)
+    analysis, base = capture_analysis(chain_model(["linear", "tanh", "linear", "relu"], 8),
+                                      torch.randn(4, 8, requires_grad=True))
+    solve_exact(analysis, base, unit_seconds, None, max_candidates=12, progress=progress.Progress(graph_name="g"))
+    lines = capsys.readouterr().err.splitlines()
+    totals = {int(line.split(" of ")[1].split()[0]) for line in lines}
+    counts = [int(line.split("planning, ")[1].split()[0]) for line in lines]
+    assert len(lines) > 1 and len(totals) == 1
+    total = totals.pop()
+    assert total & (total - 1) == 0 and counts[-1] <= total  # 2^candidates, every subset
