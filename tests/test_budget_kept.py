@@ -346,6 +346,38 @@ def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner,
     assert counter.frame_count == 2 and len(captured_plans) == 2  # no compile after the one re-plan
 
 
+class _Act(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 128), nn.Linear(128, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        y = torch.tanh(self.a(x)).sin() * 2
+        return self.c(torch.cos(self.b(y)).exp().tanh())
+
+
+def test_under_strict_budget_a_size_no_plan_fits_raises_and_the_others_still_run(eager_inner):
+    """fuzz30a F1/F2: under strict_budget a batch over the budget ran with a warning, then its
+    compile raised BudgetError, and from then on every call compiled again and raised, at every
+    size (the old graph's guard was made to fail, and the frame's sizes raised). Now the call
+    over the budget raises without running; the compile for its size raises; the graph that
+    served the other sizes serves them again; that size keeps raising, without compiling."""
+    torch.manual_seed(0)
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1.4MiB", strict_budget=True))
+    compiled = torch.compile(_Act(), backend=counter, dynamic=True)
+    outcome = []
+    for batch in (512, 300, 1024, 1024, 512, 300, 8, 1024):
+        try:
+            compiled(torch.randn(batch, 32)).square().mean().backward()
+            outcome.append("ran")
+        except Exception as error:  # noqa: BLE001  what the user sees, BudgetError or Dynamo's wrapper of it
+            inner = getattr(error, "inner_exception", error)
+            assert isinstance(inner, compile_offload.BudgetError), repr(error)
+            outcome.append("does not run" if "this call does not run" in str(inner) else "compile raised")
+    assert outcome == ["ran", "ran", "does not run", "compile raised", "ran", "ran", "ran", "does not run"]
+    assert counter.frame_count == 2  # the compile for 1024 (it raised), and none after it
+
+
 class _Layer(nn.Module):
     """A decoder layer of a Hugging Face model in small: the layers share their code and
     Dynamo guards on their index."""

@@ -28,7 +28,7 @@ from ..torch_api import fake_tensors, guards
 from .. import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
-from .result import PartitionResult
+from .result import BudgetError, PartitionResult
 from ..passes import compat
 from ..passes.plan import format_bytes
 from ..settings import Settings
@@ -166,10 +166,14 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
     settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())
     settings = _measured_choice_applies(settings)
-    if _step_scoped(settings):
-        compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
-    else:
-        compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, settings, patches, mode)
+    try:
+        if _step_scoped(settings):
+            compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
+        else:
+            compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, settings, patches, mode)
+    except BudgetError:  # strict_budget: a graph that asked for this compile, for larger sizes, serves again
+        dynamic_check.replan_failed()
+        raise
     compiled = plan_choice.in_step_with_trials(compiled)
     if settings.verify_budget:  # measure the first step against the budget (verify_budget.py)
         from ..runtime.verify_budget import verify_first_step
@@ -313,7 +317,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         compiled = dynamic_check.check_sizes(
             compiled, example_inputs, programs,
             settings.budget_bytes if settings.budget_bytes is not None else check_against,
-            partitioner.graph_name, gm if settings.budget_bytes is not None else None)
+            partitioner.graph_name, gm if settings.budget_bytes is not None else None, settings.strict_budget)
 
     def plan_of():  # the eager path partitions at the first call; Inductor's, or its records, now
         return results[-1].plan if results else (records[-1].plan if records else None)

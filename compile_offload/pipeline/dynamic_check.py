@@ -37,6 +37,7 @@ from ..settings import Settings
 from ..torch_api.dynamo import graph_input_sources
 from ..torch_api.guards import compile_id, frame_begun
 from .ddp import bucket_index
+from .result import BudgetError
 
 log = logging.getLogger("compile_offload")
 
@@ -172,7 +173,7 @@ def _symbol_locations(example_inputs: Sequence[Any]) -> dict[str, tuple[int, int
 
 def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], programs: list[SymbolicProgram],
                 budget_bytes: int | Callable[[], int | None] | None, graph_name: str,
-                gm: torch.fx.GraphModule | None = None) -> Callable[..., Any]:
+                gm: torch.fx.GraphModule | None = None, strict: bool = False) -> Callable[..., Any]:
     """``compiled``, checking the predicted peak of each new set of sizes against
     ``budget_bytes`` and warning once when a size exceeds it. Where ``gm`` is the graph
     Dynamo is compiling and the size is above the one planned for, the frame is compiled
@@ -184,7 +185,11 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     nothing checked): under ``budget_scope="step"`` a graph's minimum-memory plan, which runs
     every size but the one its share's plan was compiled for, is checked against its share of
     the step's budget once the split has made it. A budget of 0 asks for the minimum-memory
-    plan, which every size runs as it is: nothing to check."""
+    plan, which every size runs as it is: nothing to check.
+
+    ``strict`` (``strict_budget``): a call at sizes predicted over the budget raises
+    ``BudgetError`` instead of running, every time (the frame is still compiled again for
+    them, once; where that compile raises too, this graph serves the sizes it can again)."""
     if budget_bytes is None or budget_bytes == 0 or not programs:
         return compiled
     where = _symbol_locations(example_inputs)
@@ -194,28 +199,49 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
     planned = tuple(hints[s] for s in symbols)
     replan = replan_when_larger(gm) if gm is not None else None
-    seen: set[tuple[int, ...]] = set()
+    peaks: dict[tuple, int] = {}  # (sizes, limit) checked -> the predicted peak
+    refused: set[tuple[int, ...]] = set()  # sizes the frame's compile for them raised BudgetError at
+    not_again: dict[tuple[int, ...], str] = {}  # strict: sizes the frame was not compiled again for, and why
     warned = False
     boxed = getattr(compiled, "_boxed_call", False)
 
     share = callable(budget_bytes)
+    strict = strict and not share  # a share's minimum-memory plan: the step budget's own rules
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal warned
         limit = budget_bytes() if share else budget_bytes
-        if not warned and limit:  # None: not split yet; 0: the minimum-memory plan asked for
+        if (strict or not warned) and limit:  # None: not split yet; 0: the minimum-memory plan asked for
             # Read before the call: a boxed call (one list) may clear the list.
             inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
             sizes = tuple(_read(inputs, where[s]) for s in symbols)
-            if (sizes, limit) not in seen and sizes != planned:  # the planned sizes: the plan's own warning, if any
-                seen.add((sizes, limit))
+            first = (sizes, limit) not in peaks
+            if (first or strict) and sizes != planned:  # the planned sizes: the plan's own warning, if any
+                # (not strict: each set of sizes is checked at its first call; strict: each call)
                 at = dict(zip(symbols, sizes))
-                try:
-                    peak = max(program.peak_bytes(at) for program in programs)
-                except (TypeError, ValueError, SyntaxError) as error:  # a size expression sympy cannot evaluate
-                    log.debug("%s: no peak check at %s (%s)", graph_name, _sizes(at), error)
-                    peak = 0
+                if first:
+                    try:
+                        peaks[sizes, limit] = max(program.peak_bytes(at) for program in programs)
+                    except (TypeError, ValueError, SyntaxError) as error:  # an expression sympy cannot evaluate
+                        log.debug("%s: no peak check at %s (%s)", graph_name, _sizes(at), error)
+                        peaks[sizes, limit] = 0
+                peak = peaks[sizes, limit]
+                if peak > limit and strict:
+                    larger = {s: at[s] for s in symbols if at[s] > hints[s]}
+                    if sizes in refused:
+                        why = " (the graph compiled for these sizes did not fit it either)"
+                    elif first and replan is not None and larger:
+                        again = replan(larger, hints, lambda: refused.add(sizes))
+                        why = ("; the next call compiles the graph again, planned for these sizes"
+                               if isinstance(again, int) else f" (not compiled again: {again})")
+                        not_again[sizes] = "" if isinstance(again, int) else why
+                    else:
+                        why = not_again.get(sizes, "")
+                    raise BudgetError(
+                        f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
+                        f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
+                        f"{format_bytes(limit)}; strict_budget=True: this call does not run{why}")
                 if peak > limit and share:
                     warned = True
                     warnings.warn(
@@ -508,7 +534,9 @@ MAX_REPLANS = 3
 # One frame may compile several graphs of their own (the layers of a model compiled per layer
 # share their code and differ by a guard on the module), so the count goes with each graph's
 # line of compiles; DDPOptimizer's bucket graphs of one compile each have their own line.
-_replans: dict[tuple[int, int], list[int]] = {}
+# (frame, DDP bucket) -> for each compile asked for, in order: (the graph's compiles again so
+# far, an undo of the ask: where that compile raises BudgetError, the graph that asked serves again)
+_replans: dict[tuple[int, int], list[tuple[int, Callable[[], None]]]] = {}
 
 
 def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], dict[str, int]], int | str] | None:
@@ -542,9 +570,10 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
         return None
     line = (frame, bucket_index() or 0)
     asked = _replans.get(line)
-    replanned = asked.pop(0) if asked else 0  # this graph's compiles again before it (FIFO: the order asked)
+    replanned = asked.pop(0)[0] if asked else 0  # this graph's compiles again before it (FIFO: the order asked)
 
-    def replan(sizes: dict[str, int], planned: dict[str, int]) -> int | str:
+    def replan(sizes: dict[str, int], planned: dict[str, int],
+               refused: Callable[[], None] = lambda: None) -> int | str:
         if replanned >= MAX_REPLANS:
             return f"this one was compiled again for larger sizes {MAX_REPLANS} times already"
         named = [name for name in sizes if name in symints
@@ -554,13 +583,32 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
                     "Dynamo allows it)" if named
                     else "its sizes cannot be traced to its inputs")
         # The sizes planned for, those that grew raised: a record that covers both.
-        _record(frame, {(source, dim): size for name, size in {**planned, **sizes}.items()
-                        for source, dim in inputs.get(name, ())})
-        _replans.setdefault(line, []).append(replanned + 1)
+        raised = {(source, dim): size for name, size in {**planned, **sizes}.items()
+                  for source, dim in inputs.get(name, ())}
+        _record(frame, raised)
+
+        def undo() -> None:  # strict_budget: the compile for those sizes raised
+            stale[0] = False
+            if raised in _records.get(frame, []):
+                _records[frame].remove(raised)
+            refused()
+
+        _replans.setdefault(line, []).append((replanned + 1, undo))
         stale[0] = True
         return replanned + 1
 
     return replan
+
+
+def replan_failed() -> None:
+    """The compile Dynamo is making raised ``BudgetError`` (``strict_budget``): where it was
+    asked for by a graph that met larger sizes (``replan_when_larger``), that graph serves its
+    frame again, and the sizes it asked for are refused; else the next call would compile
+    again, and fail again, whatever its sizes."""
+    compiled = compile_id()
+    asked = _replans.get((compiled[0], bucket_index() or 0)) if compiled is not None else None
+    if asked:
+        asked.pop(0)[1]()
 
 
 def _frame_id() -> int | None:
