@@ -346,6 +346,30 @@ def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner,
     assert counter.frame_count == 2 and len(captured_plans) == 2  # no compile after the one re-plan
 
 
+def test_a_larger_dynamic_size_is_not_planned_for_past_dynamos_recompile_limit(eager_inner, captured_plans):
+    """fuzz30a F3: each re-plan is one more compiled version of the frame, and the one it
+    replaces stays; blocks compiled one by one (one frame, two graphs) reached
+    recompile_limit after two growths, and from then on ran uncompiled: no budget, no word.
+    A re-plan that would pass the limit is not asked for: the plan it has runs, one warning."""
+    model = MLP(d_in=64, d_hidden=256, d_out=8)
+    counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1MiB"))
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    caught_per_batch = {}
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for batch in (16, 1024, 1024, 2048, 2048):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _train_step(compiled, torch.randn(batch, 64))
+            caught_per_batch.setdefault(batch, []).extend(
+                str(w.message) for w in caught if "dynamic shapes" in str(w.message))
+    (replanned,) = caught_per_batch[1024]
+    assert "compiles the graph again" in replanned
+    (message,) = caught_per_batch[2048]
+    assert "=2048" in message and "its frame has 2 compiled versions" in message, message
+    assert "torch._dynamo.config.recompile_limit (2)" in message, message
+    assert counter.frame_count == 2 and len(captured_plans) == 2  # compiled, and again for 1024: no more
+
+
 class _Act(nn.Module):
     def __init__(self):
         super().__init__()

@@ -163,6 +163,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     """
     patches = dict(inductor_patches or {})
     plan_choice.note_compile()
+    dynamic_check.note_compile()
     # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
     settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())
     settings = _measured_choice_applies(settings)

@@ -34,6 +34,7 @@ from ..passes.memory import Program, Step, plan_program
 from ..passes.memory import peak_bytes as memory_peak_bytes
 from ..passes.plan import format_bytes
 from ..settings import Settings
+from ..torch_api.dynamo import config as dynamo_config
 from ..torch_api.dynamo import graph_input_sources
 from ..torch_api.guards import compile_id, frame_begun
 from .ddp import bucket_index
@@ -576,6 +577,10 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
                refused: Callable[[], None] = lambda: None) -> int | str:
         if replanned >= MAX_REPLANS:
             return f"this one was compiled again for larger sizes {MAX_REPLANS} times already"
+        versions, limit = _frame_compiles.get(frame, 0), dynamo_config.recompile_limit
+        if versions + 1 > limit:  # past it Dynamo would run the frame uncompiled: no budget at all
+            return (f"its frame has {versions} compiled versions, and one more would pass "
+                    f"torch._dynamo.config.recompile_limit ({limit}), past which Dynamo runs it uncompiled")
         named = [name for name in sizes if name in symints
                  and not _may_plan_at(symints[name], symints[name].node.expr, sizes[name])]
         if named or not any(name in inputs for name in sizes):
@@ -598,6 +603,18 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
         return replanned + 1
 
     return replan
+
+
+_frame_compiles: dict[int, int] = {}  # frame -> how many times Dynamo compiled it (the versions it holds, at most)
+
+
+def note_compile() -> None:
+    """Count the compile Dynamo is making of its frame (``torch._dynamo.reset()`` numbers
+    frames and their compiles from 0 again)."""
+    compiled = compile_id()
+    if compiled is not None:
+        frame, count = compiled
+        _frame_compiles[frame] = count + 1 if count == 0 else max(_frame_compiles.get(frame, 0), count + 1)
 
 
 def replan_failed() -> None:
