@@ -424,9 +424,11 @@ def test_a_graph_sent_back_to_its_minimum_runs_its_first_compile_again(caplog):
         warnings.simplefilter("always")
         step(7)
     assert recompiled == [15 * MIB] and calls[-1] == "block"  # its first compile, not a re-plan
-    assert "is its minimum: it runs its minimum-memory plan" in caplog.text
-    assert budget.graphs()[0].budget_bytes == low
-    assert block.graph_plan_of().budget_bytes == low  # what verify_budget measures it against: its share
+    assert "is at or below its minimum: it runs its minimum-memory plan" in caplog.text
+    # its part of the budget (its minimum scaled by 30/35), which its plan says it does not meet
+    assert budget.graphs()[0].budget_bytes == low * 30 // 35
+    plan = block.graph_plan_of()  # what verify_budget measures it against: its share
+    assert plan.budget_bytes == low * 30 // 35 and not plan.meets_budget()
     with warnings.catch_warnings(record=True) as more:
         warnings.simplefilter("always")
         budget._share(budget._needs)  # split again with the same figures (a graph compiled later, say)
@@ -771,6 +773,8 @@ def test_explain_all_shows_each_graph_under_its_share_of_the_step():
     with pytest.warns(UserWarning, match="minimum-memory plans sum to .* above the memory budget 4.00 MiB"):
         lowest = compile_offload.explain_all(model, x, memory_budget="4MiB", budget_scope="step")
     assert all(p.predicted_peak_bytes == p.min_peak_bytes for p in lowest)
+    # each under its part of the 4 MiB, which it does not meet (it said 'budget 0' and met it: fuzz30b F3)
+    assert sum(p.budget_bytes for p in lowest) <= 4 * MIB and not any(p.meets_budget() for p in lowest)
     with pytest.raises(compile_offload.BudgetError, match=r"minimum-memory plans sum to .* above the memory "
                                                           r"budget 4.00 MiB; strict_budget=True"):
         compile_offload.explain_all(model, x, memory_budget="4MiB", budget_scope="step", strict_budget=True)
@@ -1004,3 +1008,18 @@ def test_a_graph_reading_a_scalar_from_a_tensor_is_compiled_again_under_its_shar
     assert not [str(w.message) for w in caught if "compile_offload" in str(w.message)]
     again = [r.getMessage() for r in caplog.records if "compiling this graph again under its share" in r.getMessage()]
     assert len(again) == (1 if in_one_graph else 2), again
+
+
+def test_graphs_below_a_step_budget_their_minimums_exceed_say_they_do_not_meet_it():
+    """fuzz30b F3: every graph's plan said 'budget 0 (the minimum-memory plan)' and met it,
+    where the step's budget was below the sum of the minimums: a printed or saved plan said
+    the user's budget was met."""
+    budget = StepBudget(12 * MIB)
+    plan = lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)  # noqa: E731
+    block = budget.add("block", _stand_in([], "block"), plan, lambda share, args: pytest.fail("no compile"))
+    x = torch.ones(4, requires_grad=True)
+    with pytest.warns(UserWarning, match="minimum-memory plans need 15.00 MiB"):
+        block(block(block(x))).sum().backward()  # counted: 3 calls of a 5 MiB minimum
+    block(x).sum().backward()
+    run = block.graph_plan_of()
+    assert run.budget_bytes == 4 * MIB and not run.meets_budget() and "over budget" in run.summary()

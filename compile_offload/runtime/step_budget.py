@@ -284,8 +284,8 @@ class StepBudget:
                 # No plan made under its minimum peaks lower than the minimum-memory plan it was
                 # first compiled at (a re-plan under that figure may peak a few KiB over it).
                 graph.pending = False
-                log.info("%s: budget_scope='step': its share of the step's budget, %s, is its minimum: it runs "
-                         "its minimum-memory plan", graph.name, format_bytes(graph.budget_bytes))
+                log.info("%s: budget_scope='step': its share of the step's budget, %s, is at or below its minimum: "
+                         "it runs its minimum-memory plan", graph.name, format_bytes(graph.budget_bytes))
                 graph.compiled, graph.plan_of = graph.minimum[0], _under_share(graph.minimum[1], graph.budget_bytes)
                 budget._new_code()
             if graph.pending:
@@ -550,9 +550,12 @@ class StepBudget:
             if message not in self._warned:  # a split again with the same figures (a graph added) says nothing new
                 self._warned.add(message)
                 warnings.warn(f"{message}; each keeps its minimum-memory plan", stacklevel=2)
-            for graph in graphs:  # a graph under an earlier share goes back down to its minimum
-                if graph.name in shares and graph.budget_bytes is not None:
-                    graph.budget_bytes, graph.pending = shares[graph.name], True
+            # Each graph runs its minimum-memory plan, under its part of the budget (its minimum
+            # scaled down by budget / floor): its plan says it does not meet it.
+            available = max(0, self.budget_bytes - self.reserved)
+            for graph in graphs:
+                if graph.name in shares:
+                    graph.budget_bytes, graph.pending = shares[graph.name] * available // max(1, floor), True
             return
         by_name = {graph.name: graph for graph in graphs}
         for name, share_bytes in shares.items():
@@ -609,7 +612,9 @@ def _under_share(plan_of: Callable[[], Plan | None], share: int) -> Callable[[],
     under ``share``: its budget is the share, which ``verify_budget`` measures the step against."""
     def under() -> Plan | None:
         plan = plan_of()
-        return None if plan is None else dataclasses.replace(plan, budget_bytes=share)
+        if plan is None:
+            return None
+        return dataclasses.replace(plan, budget_bytes=share, feasible=plan.predicted_peak_bytes <= share)
 
     return under
 

@@ -422,12 +422,15 @@ def _step_shares(plans: list[Plan], budget_bytes: int, strict: bool = False) -> 
         return None
     shares, share = split_budget(budget_bytes, needs)
     if share < 0:
+        floor = sum(n.min_bytes for n in needs)
         message = (f"compile_offload.tools.explain: budget_scope='step': the graphs' minimum-memory plans sum "
-                   f"to {format_bytes(sum(n.min_bytes for n in needs))}, above the memory budget "
-                   f"{format_bytes(budget_bytes)}")
+                   f"to {format_bytes(floor)}, above the memory budget {format_bytes(budget_bytes)}")
         if strict:
             raise BudgetError(f"{message}; strict_budget=True")
         warnings.warn(f"{message}; each graph keeps its minimum-memory plan", stacklevel=3)
+        for plan, need in zip(plans, needs):  # under its part of the budget, which it does not meet (as the backend)
+            plan.budget_bytes = need.min_bytes * budget_bytes // max(1, floor)
+            plan.feasible = plan.predicted_peak_bytes <= plan.budget_bytes
         return None
     return [shares[f"{index}"] for index in range(len(plans))]
 
