@@ -579,6 +579,11 @@ def test_bench_without_matplotlib_writes_the_tables_and_says_why_there_is_no_plo
     (["--fit", "--budgets", "1MiB", "--device-profile", "h100"], "--fit does not use --device-profile: drop it"),
     (["--find-max-batch", "--budgets", "1MiB", "--warmup", "0"], "--find-max-batch does not use --warmup: drop it"),
     (["--equal-memory", "--torch-budgets", "0.5"], "--equal-memory does not use --torch-budgets: drop it"),
+    # fuzz30b F1: read by neither mode; F5: an empty list benchmarked nothing, exit 0
+    (["--fit", "--budgets", "1MiB", "--time-limit", "5"], "--fit does not use --time-limit: drop it"),
+    (["--attribute", "--no-predict", "--no-cpu-peak"], "--attribute does not use --no-cpu-peak, --no-predict: drop"),
+    (["--strategies", ""], "--strategies '': names nothing"),
+    (["--budgets", " , "], "--budgets ' , ': names nothing"),
 ])
 def test_bad_bench_flags_exit_before_any_work_naming_the_flag(arguments, message, capsys, monkeypatch):
     """Issue 21: each bad flag is exit status 2 and one line naming it, not a traceback, an

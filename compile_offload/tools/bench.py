@@ -123,9 +123,9 @@ def _parse_flag(flag: str, parse, text: str):
 _IGNORED_BY_MODE = {
     "--find-max-batch": ("strategies", "torch_budgets", "inner_compiler", "steps", "warmup", "time_limit",
                          "no_cpu_peak", "no_predict"),
-    "--fit": ("device_profile", "torch_budgets"),
+    "--fit": ("device_profile", "torch_budgets", "time_limit", "no_cpu_peak", "no_predict"),
     "--equal-memory": ("torch_budgets",),
-    "--attribute": ("torch_budgets",),
+    "--attribute": ("torch_budgets", "time_limit", "no_cpu_peak", "no_predict"),
 }
 
 
@@ -138,6 +138,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             _fail(f"--{flag} {value}: must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         _fail(f"--warmup {args.warmup}: must be at least 0")
+    for flag in ("strategies", "budgets", "torch_budgets"):  # an empty list ran nothing and wrote an empty table
+        value = getattr(args, flag)
+        if value is not None and not value.replace(",", "").strip():
+            _fail(f"--{flag.replace('_', '-')} {value!r}: names nothing; leave the flag out for its default")
     modes = [flag for flag, on in (("--attribute", args.attribute), ("--equal-memory", args.equal_memory),
                                    ("--find-max-batch", args.find_max_batch), ("--fit", args.fit)) if on]
     if len(modes) > 1:
