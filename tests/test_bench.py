@@ -206,6 +206,26 @@ def test_max_batch_plans_on_meta_and_finds_the_largest_fitting_batch(monkeypatch
     assert any(not p.fits for p in found.probes)
 
 
+@pytest.mark.slow
+def test_max_batch_plans_the_loss_the_factory_returns():
+    """fuzz30b F2: the loss was left out of the planned step: a loss projecting onto a large
+    vocabulary (its logits the step's largest tensors) gave the batch found without it."""
+    def factory(batch, device, vocabulary=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)).to(device)
+        inputs = (torch.randn(batch, 64, device=device),)
+        if vocabulary is None:
+            return model, inputs
+        head = torch.randn(64, vocabulary, device=device)
+        return model, inputs, lambda out: (out @ head).logsumexp(-1).mean()
+
+    plain = max_batch(factory, "2MiB", high=256, device="cpu", measure=False)
+    with_loss = max_batch(lambda batch, device: factory(batch, device, 4096), "2MiB", high=256, device="cpu",
+                          measure=False)
+    assert plain.batch is not None and with_loss.batch is not None
+    assert with_loss.batch * 4096 * 4 <= 2 * 2**20 < plain.batch * 4096 * 4, (plain.batch, with_loss.batch)
+
+
 def test_max_batch_falls_back_to_the_device_when_meta_fails(monkeypatch):
     devices = []
     monkeypatch.setattr(compile_offload, "explain_all", _explain_peak_per_sample(1000, devices), raising=False)

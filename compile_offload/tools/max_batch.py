@@ -129,8 +129,13 @@ def _built(factory: Callable, batch: int, device: str) -> tuple[Callable, Any, C
 def _plan_batch(factory: Callable, batch: int, device: str, budget_bytes: int, options: dict) -> Probe:
     from .explain import positional_call
 
-    model, inputs, _ = _built(factory, batch, device)
+    model, inputs, loss_fn = _built(factory, batch, device)
     model, args = positional_call(model, inputs)
+    if loss_fn is not None:  # the step the answer trains: the loss's memory (a vocabulary's logits) is in it
+        module = model
+
+        def model(*call_args):
+            return loss_fn(module(*call_args))
     with warnings.catch_warnings():  # a batch over the budget is an answer of the search, not the user's mistake
         warnings.filterwarnings("ignore", message=r".*is below the minimum this planner can reach")
         plans = _plans(_explain()(model, *args, memory_budget=budget_bytes, **options))
