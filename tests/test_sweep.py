@@ -64,6 +64,21 @@ def test_empty_budgets_and_a_bad_entry_are_named_before_planning(monkeypatch):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, "1MiB", "bad"])
     with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets\[0\]=1.5: a float budget is a fraction"):
         compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[1.5])
+    # fuzz30b F11: a budget above the profile's GPU memory was refused only once the budgets before it were planned
+    with pytest.raises(ValueError, match=r"compile_offload.sweep: budgets\[1\]: .*100\.00 GiB is more than the "
+                                         r"80\.00 GiB of memory"):
+        compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, "100GiB"], device_profile="h100")
+
+
+def test_each_budget_of_a_sweep_dumps_its_graphs_in_a_folder_of_its_own(tmp_path):
+    """fuzz30b F6: every budget's graph_0 went into one folder, each over the one before."""
+    plans = compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5, 0.2], dump_dir=tmp_path, device_profile="cpu")
+    for index, plan in enumerate(plans):
+        dumped = compile_offload.Plan.load(tmp_path / f"budget_{index}" / "graph_0" / "plan.json")
+        assert dumped.budget_bytes == plan.budget_bytes
+    (one,) = compile_offload.sweep(MLP(), *mlp_inputs(), budgets=[0.5], dump_dir=tmp_path / "one",
+                                   device_profile="cpu")
+    assert (tmp_path / "one" / "graph_0" / "plan.json").is_file()
 
 
 def test_out_without_matplotlib_is_refused_before_planning(monkeypatch, tmp_path):

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..passes.plan import Plan, byte_unit
 from ..settings import folder_problem
 
@@ -36,8 +38,15 @@ def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, 
         except ImportError as error:
             raise RuntimeError(NO_MATPLOTLIB) from error
     for index, budget in enumerate(budgets):  # every entry read before the first plan (planning takes a while)
-        _check_budget(index, budget)
-    plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, **options) for budget in budgets]
+        _check_budget(index, budget, options, example_inputs)
+    dump_dir = options.pop("dump_dir", None)
+    if dump_dir is not None and len(budgets) > 1:  # each budget's graphs in a folder of their own, not over another's
+        plans = [explain(model_or_fn, *example_inputs, memory_budget=budget,
+                         dump_dir=os.path.join(os.path.expanduser(os.fspath(dump_dir)), f"budget_{index}"), **options)
+                 for index, budget in enumerate(budgets)]
+    else:
+        plans = [explain(model_or_fn, *example_inputs, memory_budget=budget, dump_dir=dump_dir, **options)
+                 for budget in budgets]
     if out is not None:
         draw_pareto(Path(out) / "pareto.png", budgets, plans)
     return plans
@@ -47,11 +56,20 @@ NO_MATPLOTLIB = ("compile_offload.sweep(out=...) draws with matplotlib: pip inst
                  "(or leave out out= for the plans alone)")
 
 
-def _check_budget(index: int, budget) -> None:
-    """A budget ``explain`` can read, or the error naming it as ``budgets[index]``."""
-    from ..settings import parse_budget
+def _check_budget(index: int, budget, options: dict, example_inputs: tuple) -> None:
+    """A budget ``explain`` can read, and within the memory of the device it is planned for
+    (the inputs' GPU, or the profile's), or the error naming it as ``budgets[index]``."""
+    from ..settings import check_budget_fits_device, parse_budget, resolve
 
     parse_budget(budget, label=f"compile_offload.sweep: budgets[{index}]")
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    if device is None:
+        return
+    settings = resolve({**options, "memory_budget": budget})
+    try:
+        check_budget_fits_device(settings, device)
+    except ValueError as error:
+        raise ValueError(f"compile_offload.sweep: budgets[{index}]: {error}") from None
 
 
 def draw_pareto(path: Path, budgets, plans: list[Plan]) -> None:
