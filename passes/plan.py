@@ -7,6 +7,7 @@ shows a table.
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -240,7 +241,8 @@ class Plan:
         for record in (plan, *plan.decisions):
             wrong = _mistyped_field(record)
             if wrong is not None:
-                raise ValueError(f"not a compile_offload plan: {type(record).__name__}.{wrong} has the wrong type")
+                raise ValueError(f"not a compile_offload plan: {type(record).__name__}.{wrong} has the wrong type "
+                                 "(or is negative, or not finite)")
         return plan
 
     def save(self, path) -> None:
@@ -258,7 +260,7 @@ class Plan:
 
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:  # not text, or not JSON
             raise ValueError(f"cannot read a plan from {path}: {error}") from error
         if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
             raise ValueError(f"{path} is not a {PLAN_SCHEMA} plan")
@@ -289,8 +291,8 @@ def _matches(value, annotation) -> bool:
         return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
     if annotation is type(None):
         return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is float:  # every number of a plan is a size or a time: finite, not negative
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
     if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
     return isinstance(value, annotation)

@@ -37,13 +37,18 @@ def test_the_same_plan_made_twice_is_equal_and_count_refuses_a_typo():
 def test_loading_a_corrupt_file_is_an_error(tmp_path, content):
     path = tmp_path / "plan.json"
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="plan"):  # a file that is not text named its codec, not the file (fuzz30b)
         Plan.load(path)
+    if isinstance(content, bytes):
+        with pytest.raises(ValueError, match=rf"cannot read a plan from {path}"):
+            Plan.load(path)
 
 
 @pytest.mark.parametrize("field, value", [
     ("saved", 5), ("saved", [["addmm"]]), ("offloaded", ["addmm"]), ("offloaded", {"addmm": "near"}),
     ("predicted_peak_bytes", "1 GiB"), ("feasible", 1), ("budget_bytes", 0.5),
+    # fuzz30b F12: read as 'budget -5 B' and 'step nan ms'
+    ("budget_bytes", -5), ("predicted_step_seconds", float("nan")), ("baseline_step_seconds", float("inf")),
 ])
 def test_loading_a_field_of_the_wrong_type_is_an_error(tmp_path, field, value):
     plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
@@ -229,10 +234,10 @@ def _negative_distance(plan, analysis):
     (_save_a_backward_value, "saves backward values"),
     (_offload_unsaved, "offloads tensors it does not save"),
     (_offload_an_input, "graph input"),
-    (_negative_distance, "negative reload distance"),
+    (_negative_distance, "Plan.offloaded has the wrong type \\(or is negative"),  # read back: refused as corrupt
 ])
 def test_an_entry_the_solver_would_not_write_is_rejected(tmp_path, monkeypatch, edit, problem):
-    with pytest.warns(UserWarning, match=f"stale plan cache entry.*{problem}"):
+    with pytest.warns(UserWarning, match=f"(stale|corrupt) plan cache entry.*{problem}"):
         found, _ = _store_and_lookup(monkeypatch, tmp_path, TransformerBlock(), sequence_inputs(), edit)
     assert found is None
 
