@@ -218,7 +218,9 @@ class Plan:
         return "\n".join(rows)
 
     def __str__(self) -> str:
-        return self.summary() + "\n" + self.table()
+        """The summary, and the table of decisions where there are any (a plan torch's
+        partition made, or of a graph with nothing to decide, has none)."""
+        return self.summary() + ("\n" + self.table() if self.decisions else "")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -55,6 +55,14 @@ def test_a_model_that_cannot_be_called_is_a_type_error_naming_the_argument(expla
         explain(None, torch.randn(2, 4))
 
 
+@pytest.mark.parametrize("explain", [compile_offload.explain, compile_offload.explain_all])
+def test_an_input_passed_by_name_is_said_to_be_positional(explain):
+    """fuzz30b F12: explain(model, input=x) was 'unknown option(s) ['input']' and the knobs."""
+    with pytest.raises(TypeError, match=r"explain: input=\.\.\.: the example inputs are positional \(explain\(model, "
+                                        r"x, y\)\); keyword inputs: explain\(lambda x: model\(x=x\), x\)"):
+        explain(nn.Linear(4, 4), input=torch.randn(2, 4))
+
+
 def test_budget_below_minimum_warns_with_both_numbers_and_strict_raises():
     model, x = meta_gpt(layers=1)
     with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(.*\)"):

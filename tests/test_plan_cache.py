@@ -283,3 +283,13 @@ def test_every_setting_keys_the_cache_or_is_named_as_deciding_no_plan():
     assert plan_cache.cache_key(gm, dataclasses.replace(settings, lowest_start="segments"), {}) != key
     assert plan_cache.cache_key(gm, dataclasses.replace(settings, budget_bytes=1), {}) != key
     assert plan_cache.cache_key(gm, dataclasses.replace(settings, verify_budget=True), {}) == key
+
+
+def test_a_plan_without_decisions_prints_its_summary_alone():
+    """fuzz30b F12: a plan of torch's partition printed its 'not planned' line and an empty table."""
+    import dataclasses
+
+    plan = compile_offload.explain(MLP(), *mlp_inputs(), memory_budget=0.5, device_profile="cpu")
+    assert "decision" in str(plan) and str(plan).startswith(plan.summary())
+    bare = dataclasses.replace(plan, decisions=[])
+    assert str(bare) == bare.summary()

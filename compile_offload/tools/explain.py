@@ -278,6 +278,12 @@ def explain_all(
         options["memory_budget"] = memory_budget
     if device_profile is not _UNSET:
         options["device_profile"] = device_profile
+    knobs = settings_mod.config.get_config_copy()
+    inputs_by_name = [name for name, value in options.items() if name not in knobs
+                      and isinstance(value, (torch.Tensor, list, tuple, dict))]
+    if inputs_by_name:  # read as an unknown option, with the list of knobs, before
+        raise TypeError(f"compile_offload.explain: {', '.join(inputs_by_name)}=...: the example inputs are "
+                        "positional (explain(model, x, y)); keyword inputs: explain(lambda x: model(x=x), x)")
     settings = settings_mod.resolve(options)
     parameters = list(model_or_fn.parameters()) if isinstance(model_or_fn, torch.nn.Module) else []
     device = device_of([*tree_leaves(list(example_inputs)), *parameters])
