@@ -531,20 +531,27 @@ def test_a_graph_compiled_again_in_a_measured_step_leaves_the_measure_to_a_later
     assert meter.started == 2 and not meter.peaks
 
 
-def test_a_share_below_what_its_compile_can_reach_raises_under_strict_budget():
-    """review30c F5: under strict_budget the share's compile raised BudgetError, which the
-    step budget turned into a warning ("compiling this graph under its share ... failed")."""
-    from compile_offload import BudgetError
-
-    budget = StepBudget(30 * MIB, strict=True)
+def _counted_graph_whose_share_fails(error: Exception, strict: bool = False):
+    """A graph of a 30 MiB step budget whose compile under its share raises ``error``, and
+    its input, after the step that split the budget: its next call compiles for its share."""
+    budget = StepBudget(30 * MIB, strict=strict)
 
     def recompile(share: int, args: tuple):
-        raise BudgetError("memory budget below the minimum; strict_budget=True")
+        raise error
 
     plan = lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)  # noqa: E731
     graph = budget.add("block", _stand_in([], "block"), plan, recompile)
     x = torch.ones(4, requires_grad=True)
     graph(x).sum().backward()  # counted: the split
+    return graph, x
+
+
+def test_a_share_below_what_its_compile_can_reach_raises_under_strict_budget():
+    """review30c F5: under strict_budget the share's compile raised BudgetError, which the
+    step budget turned into a warning ("compiling this graph under its share ... failed")."""
+    from compile_offload import BudgetError
+
+    graph, x = _counted_graph_whose_share_fails(BudgetError("below the minimum; strict_budget=True"), strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(BudgetError, match="strict_budget=True"):
@@ -554,15 +561,7 @@ def test_a_share_below_what_its_compile_can_reach_raises_under_strict_budget():
 def test_a_share_whose_compile_failed_is_what_its_plan_is_measured_against():
     """review30c F12: the graph kept its minimum-memory plan, made at budget 0 B, and
     verify_budget measured the step against that 0 B, not the share."""
-    budget = StepBudget(30 * MIB)
-
-    def recompile(share: int, args: tuple):
-        raise RuntimeError("no compiler today")
-
-    plan = lambda: _plan(5 * MIB, 10 * MIB, scheduled=5 * MIB)  # noqa: E731
-    graph = budget.add("block", _stand_in([], "block"), plan, recompile)
-    x = torch.ones(4, requires_grad=True)
-    graph(x).sum().backward()  # counted: the split
+    graph, x = _counted_graph_whose_share_fails(RuntimeError("no compiler today"))
     with pytest.warns(UserWarning, match="compiling this graph under its share 30.00 MiB failed .*no compiler today"):
         graph(x).sum().backward()
     assert graph.graph_plan_of().budget_bytes == 30 * MIB
