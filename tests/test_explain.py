@@ -63,6 +63,19 @@ def test_an_input_passed_by_name_is_said_to_be_positional(explain):
         explain(nn.Linear(4, 4), input=torch.randn(2, 4))
 
 
+def test_explain_notes_the_options_a_plan_alone_cannot_honour():
+    """fuzz30b F7: a plan whose offloads pass pinned_pool_limit (training with it raises), and
+    verify_budget / measured_plan_choice (they act on training steps), said nothing."""
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256)).to("meta"), torch.randn(
+        64, 256, device="meta")
+    offloading = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100",
+                                         pinned_pool_limit="1KiB", debug_force_offload=True)
+    assert offloading.bytes_of("offload") > 1024
+    assert any(note.startswith("above pinned_pool_limit 1.00 KiB") for note in offloading.notes), offloading.notes
+    measured = compile_offload.explain(model, x, memory_budget=0.5, device_profile="h100", verify_budget=True)
+    assert "verify_budget and measured_plan_choice act on training steps: explain runs none" in measured.notes
+
+
 def test_budget_below_minimum_warns_with_both_numbers_and_strict_raises():
     model, x = meta_gpt(layers=1)
     with pytest.warns(UserWarning, match=r"below the minimum this planner can reach \(.*\)"):

@@ -382,7 +382,9 @@ def explain_all(
             + (recurrence if recurrence else "the model's outputs must require grad "
                "(parameters with requires_grad=True or inputs with requires_grad=True)"))
     for plan in plans:
-        _note_pinned_memory(plan)
+        _note_pinned_memory(plan, settings.pinned_pool_limit)
+        if settings.verify_budget or settings.measured_plan_choice:  # accepted, as a compile takes them
+            plan.notes.append("verify_budget and measured_plan_choice act on training steps: explain runs none")
         if recurrence:
             plan.notes.append(recurrence)
     if recurrence:
@@ -457,9 +459,10 @@ def _eager_recurrence(module: torch.nn.Module | None) -> str | None:
             "False): their activations are not planned under the budget; set allow_rnn = True to trace them")
 
 
-def _note_pinned_memory(plan: Plan) -> None:
+def _note_pinned_memory(plan: Plan, limit: int | None = None) -> None:
     """Add to ``plan.notes`` the pinned host memory its offloads will hold (predicted: the
-    pool's buffer sizes for the offloaded tensors, ``pinned_pool.pinned_bytes``)."""
+    pool's buffer sizes for the offloaded tensors, ``pinned_pool.pinned_bytes``), and where
+    that passes ``pinned_pool_limit``, that training with it would raise."""
     from ..passes.plan import format_bytes
     from ..runtime.pinned_pool import pinned_bytes
 
@@ -469,6 +472,9 @@ def _note_pinned_memory(plan: Plan) -> None:
     pinned = pinned_bytes(offloaded)
     plan.notes.append(f"pinned host memory (predicted): {format_bytes(pinned)} for {format_bytes(sum(offloaded))} "
                       f"offloaded ({pinned / sum(offloaded):.3f}x)")
+    if limit is not None and pinned > limit:
+        plan.notes.append(f"above pinned_pool_limit {format_bytes(limit)}: a training step with this plan raises "
+                          "RuntimeError when its offloads take the pool past it")
 
 
 class _KeywordInputs(torch.nn.Module):
