@@ -147,3 +147,18 @@ def test_a_warm_compile_cache_does_not_skip_the_dump(tmp_path, captured_plans):
     assert half >= 1 and len(captured_plans) == 2 * half
     assert [p.summary() for p in captured_plans[:half]] == [p.summary() for p in captured_plans[half:]]
     assert all(plan.decisions for plan in captured_plans)
+
+
+def test_the_dump_of_explain_carries_the_plans_notes(tmp_path):
+    """fuzz30b F8: explain's notes (the scheduled peak not checked, the pinned memory) came
+    after the graph was dumped: plan.json and report.md lacked them."""
+    import compile_offload
+    from compile_offload.passes.plan import Plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)).to("meta")
+    plan = compile_offload.explain(model, torch.randn(32, 64, device="meta"), memory_budget=0.5,
+                                   device_profile="h100", dump_dir=tmp_path, debug_force_offload=True)
+    assert plan.notes
+    assert Plan.load(tmp_path / plan.graph_name / "plan.json") == plan
+    report = (tmp_path / plan.graph_name / "report.md").read_text()
+    assert all(f"- note: {note}" in report for note in plan.notes)

@@ -123,6 +123,19 @@ def write_dump(folder: str | os.PathLike, plan: Plan, joint_gm: fx.GraphModule, 
     return folder
 
 
+def refresh_plan(dump_dir: str | os.PathLike, plan: Plan) -> None:
+    """Write ``plan`` again over its graph's ``plan.json`` and ``report.md`` (``explain``'s
+    notes come after the graph was dumped); nothing where the graph has no dump there."""
+    folder = Path(dump_dir) / plan.graph_name
+    if not (folder / "plan.json").is_file():
+        return
+    (folder / "plan.json").write_text(json.dumps(plan.to_json(), indent=1, default=str))
+    report = folder / "report.md"
+    last = report.read_text().rstrip("\n").rsplit("\n", 1)[-1] if report.is_file() else ""
+    reason = last[len("(no timeline.png: "):-1] if last.startswith("(no timeline.png: ") else None
+    report.write_text(report_markdown(plan, reason))
+
+
 def dump_result(dump_dir: str | os.PathLike, result: PartitionResult, joint_gm: fx.GraphModule) -> Path:
     """``write_dump`` for what ``planning.plan_partition`` returned. The joint graph written
     is the one the planner analysed when it did, else ``joint_gm``."""

@@ -41,6 +41,7 @@ from ..passes.plan import Plan, format_bytes
 from .. import settings as settings_mod
 from ..pipeline.device_profile import device_of
 from ..pipeline.partitioner import OffloadRematPartitioner
+from ..reporting import dump
 from ..torch_api import dynamo, functorch, inductor
 from ..torch_api.utils import tree_leaves, tree_map
 
@@ -387,6 +388,8 @@ def explain_all(
             plan.notes.append("verify_budget and measured_plan_choice act on training steps: explain runs none")
         if recurrence:
             plan.notes.append(recurrence)
+        if settings.dump_dir is not None:  # the dump, written as the graph was planned, gets these notes too
+            dump.refresh_plan(settings.dump_dir, plan)
     if recurrence:
         warnings.warn(f"compile_offload.tools.explain: {recurrence}", stacklevel=2)
     return plans
