@@ -574,6 +574,7 @@ def test_no_plans_code_within_the_budget_is_an_error_under_strict_budget():
     """review30c F4: the budget loop warned under strict_budget when the planner predicted its
     first plan within the budget and no compiled plan's code fitted (predicted over, it raised)."""
     from compile_offload.passes.plan import Plan
+    from compile_offload.pipeline import budget_report
     from compile_offload.pipeline.result import BudgetError
 
     over = budget_loop.Attempt("c", Plan(feasible=True, budget_bytes=1000, predicted_peak_bytes=950,
@@ -582,9 +583,11 @@ def test_no_plans_code_within_the_budget_is_an_error_under_strict_budget():
                                          decisions=_recomputing(), scheduled_peak_bytes=1200))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        kept = budget_loop.keep_within_budget(over, lambda budget: None, strict=True)  # the loop raises, once stored
+        assert kept.plan.budget_outcome == "over_budget"
         with pytest.raises(BudgetError, match=r"scheduled peak\), over the memory budget 1000 B, though the plan "
                                               r"predicts 950 B \(.*\); strict_budget=True$"):
-            budget_loop.keep_within_budget(over, lambda budget: None, strict=True)
+            budget_report.warn_over_budget(kept.plan, strict=True)  # as the loop and a warm cache's replay call it
 
 
 def test_where_no_plan_fits_the_unconstrained_plan_is_compared_on_hand_made_attempts():

@@ -76,7 +76,8 @@ def keep_within_budget(first: Attempt, replan: Callable[[int | None], Attempt | 
     not with ``torch_code=False``: under CUDA graphs, whose partition reordering moves that
     code's kernels after they were recorded). ``verified``: ``verify_budget`` will measure
     the first step (the over-budget warning says so); ``strict``: ``strict_budget``, under
-    which no plan's code within the budget is a ``BudgetError``, not that warning."""
+    which no plan's code within the budget is no warning: the caller raises ``BudgetError``
+    once it has stored the graph's record (``budget_outcome`` "over_budget")."""
     kept = _within_budget(first, replan, verified, torch_code, strict)
     return _as_torch_compiles(kept, replan) if torch_code else kept
 
@@ -161,7 +162,8 @@ def _within_budget(first: Attempt, replan: Callable[[int | None], Attempt | None
                            f"{tried} other plan{'s' * (tried != 1)} compiled (re-plans under lower budgets, and the "
                            "unconstrained plan where every one was over)")
     _outcome(best, "over_budget", tried)
-    budget_report.warn_over_budget(best.plan, stacklevel=6, verified=verified, strict=strict)
+    if not strict:
+        budget_report.warn_over_budget(best.plan, stacklevel=6, verified=verified)
     return best
 
 
@@ -476,13 +478,16 @@ class BudgetLoop:
             graph_reports.store(key, records)  # written before the loop marked the plan: again, with its outcome
             if looped:
                 logs.remember(kept.plan)  # the first plan, not the last re-plan made
-            return compiled, records
-        kept_records = graph_reports.records_of([kept.result])
-        results[:] = [kept.result]
-        self.kept_recorder = kept.recorder
-        graph_reports.store(key, kept_records)
-        logs.remember(kept.plan)
-        return kept.compiled, kept_records
+            outcome = compiled, records
+        else:
+            outcome = kept.compiled, graph_reports.records_of([kept.result])
+            results[:] = [kept.result]
+            self.kept_recorder = kept.recorder
+            graph_reports.store(key, outcome[1])
+            logs.remember(kept.plan)
+        if settings.strict_budget and kept.plan.budget_outcome == "over_budget":  # its record stored first: a warm
+            budget_report.warn_over_budget(kept.plan, strict=True)                # cache's replay raises too
+        return outcome
 
     def replan(self, budget_bytes: int | None, measured=None, **changes) -> Attempt | None:
         """Compile the graph again with the plan made under ``budget_bytes`` (a byte budget in
