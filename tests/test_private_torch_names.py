@@ -103,6 +103,7 @@ INVENTORY = {
     "torch._subclasses.fake_tensor",
     "torch._subclasses.fake_tensor.FakeTensor",
     "torch._subclasses.fake_tensor.DataDependentOutputException",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException",
     "torch._subclasses.fake_tensor.FakeTensorMode",
     "torch._subclasses.fake_tensor.unset_fake_temporarily",
     # torch.cuda._pin_memory_utils

@@ -246,9 +246,10 @@ def _compile_for_the_step(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         share = dataclasses.replace(settings, budget_bytes=budget_bytes)
         try:
             again, again_plan_of, _ = _compile_graph(gm, list(args), share, dict(inductor_patches), mode, graph_name)
-        except fake_tensors.DataDependentOutputException:
-            # A value the graph reads from a tensor (.item()) needs the shape environment Dynamo
-            # traced it in: traced again in a fresh one, on fakes of this call's arguments.
+        except (fake_tensors.DataDependentOutputException, fake_tensors.DynamicOutputShapeException):
+            # A value the graph reads from a tensor (.item()), or a size that depends on one
+            # (nonzero), needs the shape environment Dynamo traced it in: traced again in a
+            # fresh one, on fakes of this call's arguments.
             with fake_tensors.traced_afresh(gm, list(args)) as fakes:
                 again, again_plan_of, _ = _compile_graph(gm, fakes, share, dict(inductor_patches), mode, graph_name)
         # Compiled outside Dynamo, a graph with dynamic sizes is specialized to that call's sizes:

@@ -1,5 +1,6 @@
 """torch._subclasses (fake tensors): ``FakeTensor``, ``FakeTensorMode``,
-``unset_fake_temporarily``, ``DataDependentOutputException`` and the ``fake_tensor`` module
+``unset_fake_temporarily``, ``DataDependentOutputException``, ``DynamicOutputShapeException``
+and the ``fake_tensor`` module
 itself (patched by the CUDA schedule benchmark); ``traced_afresh`` (with
 ``torch.fx.experimental.symbolic_shapes.ShapeEnv``). ``torch._library``'s ``FakeScriptObject`` is used by the passes only
 (``passes/compat.py``).
@@ -12,13 +13,14 @@ import contextlib
 from torch._subclasses import fake_tensor  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import (  # noqa: F401
     DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
 )
 
-__all__ = ["DataDependentOutputException", "FakeTensor", "FakeTensorMode", "fake_tensor", "traced_afresh",
-           "unset_fake_temporarily"]
+__all__ = ["DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
+           "fake_tensor", "traced_afresh", "unset_fake_temporarily"]
 
 
 @contextlib.contextmanager
