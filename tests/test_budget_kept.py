@@ -349,8 +349,9 @@ def test_a_dynamic_size_over_the_budget_past_the_replans_warns_once(eager_inner,
 def test_a_larger_dynamic_size_is_not_planned_for_past_dynamos_recompile_limit(eager_inner, captured_plans):
     """fuzz30a F3: each re-plan is one more compiled version of the frame, and the one it
     replaces stays; blocks compiled one by one (one frame, two graphs) reached
-    recompile_limit after two growths, and from then on ran uncompiled: no budget, no word.
-    A re-plan that would pass the limit is not asked for: the plan it has runs, one warning."""
+    recompile_limit (8) after two growths, and from then on ran uncompiled: no budget, no
+    word. Here one graph under a limit of 2: a re-plan that would pass the limit is not asked
+    for: the plan it has runs, and its one warning names the limit."""
     model = MLP(d_in=64, d_hidden=256, d_out=8)
     counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1MiB"))
     compiled = torch.compile(model, backend=counter, dynamic=True)

@@ -1425,3 +1425,7 @@ def test_a_plan_record_is_one_per_mode_of_torch_compile():
     autotuned = graph_reports.record_key(gm, inputs, settings, {"max_autotune": True})
     assert autotuned != default
     assert graph_reports.record_key(gm, inputs, settings, {"max_autotune": True}) == autotuned
+    # an object's repr may hold its address: keyed by its type, the same in every process (review30d)
+    first, second = object(), object()
+    assert graph_reports.record_key(gm, inputs, settings, {"pass": first}) == graph_reports.record_key(
+        gm, inputs, settings, {"pass": second})

@@ -28,7 +28,7 @@ from ..torch_api import fake_tensors, guards
 from .. import settings as settings_mod
 from .device_profile import device_of
 from .partitioner import OffloadRematPartitioner
-from .result import BudgetError, PartitionResult
+from .result import PartitionResult
 from ..passes import compat
 from ..passes.plan import format_bytes
 from ..settings import Settings
@@ -163,7 +163,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     """
     patches = dict(inductor_patches or {})
     plan_choice.note_compile()
-    dynamic_check.note_compile()
     # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
     settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())
     settings = _measured_choice_applies(settings)
@@ -172,9 +171,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
             compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
         else:
             compiled, plan_of, graph_name = _compile_graph(gm, example_inputs, settings, patches, mode)
-    except BudgetError:  # strict_budget: a graph that asked for this compile, for larger sizes, serves again
-        dynamic_check.replan_failed()
+    except Exception:  # a graph that asked for this compile, for larger sizes, serves again (strict_budget's
+        dynamic_check.replan_failed()  # BudgetError; or a compile that failed): the next call does not fail too
         raise
+    dynamic_check.note_compile()
     compiled = plan_choice.in_step_with_trials(compiled)
     if settings.verify_budget:  # measure the first step against the budget (verify_budget.py)
         from ..runtime.verify_budget import verify_first_step

@@ -577,7 +577,7 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
                refused: Callable[[], None] = lambda: None) -> int | str:
         if replanned >= MAX_REPLANS:
             return f"this one was compiled again for larger sizes {MAX_REPLANS} times already"
-        versions, limit = _frame_compiles.get(frame, 0), dynamo_config.recompile_limit
+        versions, limit = len(_frame_compiles.get(frame, ())), dynamo_config.recompile_limit
         if versions + 1 > limit:  # past it Dynamo would run the frame uncompiled: no budget at all
             return (f"its frame has {versions} compiled versions, and one more would pass "
                     f"torch._dynamo.config.recompile_limit ({limit}), past which Dynamo runs it uncompiled")
@@ -605,27 +605,31 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
     return replan
 
 
-_frame_compiles: dict[int, int] = {}  # frame -> how many times Dynamo compiled it (the versions it holds, at most)
+_frame_compiles: dict[int, set[int]] = {}  # frame -> its compiles that succeeded (the versions Dynamo holds, at most)
 
 
 def note_compile() -> None:
-    """Count the compile Dynamo is making of its frame (``torch._dynamo.reset()`` numbers
-    frames and their compiles from 0 again)."""
+    """Count the compile Dynamo made of its frame, once it succeeded (a compile that raised is
+    no version Dynamo keeps); its first compile after ``torch._dynamo.reset()``, which numbers
+    frames and their compiles from 0 again, counts from 1."""
     compiled = compile_id()
-    if compiled is not None:
+    if compiled is not None:  # (DDPOptimizer's bucket graphs are one compile: counted once)
         frame, count = compiled
-        _frame_compiles[frame] = count + 1 if count == 0 else max(_frame_compiles.get(frame, 0), count + 1)
+        if count == 0:
+            _frame_compiles[frame] = set()
+        _frame_compiles.setdefault(frame, set()).add(count)
 
 
 def replan_failed() -> None:
-    """The compile Dynamo is making raised ``BudgetError`` (``strict_budget``): where it was
-    asked for by a graph that met larger sizes (``replan_when_larger``), that graph serves its
-    frame again, and the sizes it asked for are refused; else the next call would compile
-    again, and fail again, whatever its sizes."""
+    """The compile Dynamo is making raised (``BudgetError`` under ``strict_budget``, or any
+    error): where graphs of its frame that met larger sizes asked for it
+    (``replan_when_larger``; under DDPOptimizer, any bucket's graph), each serves the frame
+    again and the sizes it asked for are refused; else the next call would compile again, and
+    fail again, whatever its sizes."""
     compiled = compile_id()
-    asked = _replans.get((compiled[0], bucket_index() or 0)) if compiled is not None else None
-    if asked:
-        asked.pop(0)[1]()
+    for line, asked in _replans.items():
+        if compiled is not None and line[0] == compiled[0] and asked:
+            asked.pop(0)[1]()
 
 
 def _frame_id() -> int | None:

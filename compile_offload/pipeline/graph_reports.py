@@ -79,8 +79,16 @@ def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings
             digest.update(f"{type(value).__name__}:{value}".encode())
     # The sizes planned at: a dynamic graph's tensors are the call's, not the sizes it is planned for.
     digest.update(json.dumps([repr(settings), repr(sizes_planned_at(gm, settings)), torch.__version__,
-                              source_hash(), repr(sorted((inductor_patches or {}).items()))]).encode())
+                              source_hash(), _options_key(inductor_patches or {})]).encode())
     return digest.hexdigest()[:32]
+
+
+def _options_key(options: dict) -> str:
+    """``options`` as the same text in every process: an object (a custom pass) by its type,
+    not by its ``repr``, which may hold its address."""
+    plain = (str, int, float, bool, type(None))
+    return repr(sorted((str(name), value if isinstance(value, plain) else type(value).__qualname__)
+                       for name, value in options.items()))
 
 
 def _folder() -> Path:
