@@ -536,7 +536,7 @@ MAX_REPLANS = 3
 # share their code and differ by a guard on the module), so the count goes with each graph's
 # line of compiles; DDPOptimizer's bucket graphs of one compile each have their own line.
 # (frame, DDP bucket) -> for each compile asked for, in order: (the graph's compiles again so
-# far, an undo of the ask: where that compile raises BudgetError, the graph that asked serves again)
+# far, an undo of the ask: where that compile raises, the graph that asked serves again)
 _replans: dict[tuple[int, int], list[tuple[int, Callable[[], None]]]] = {}
 
 
@@ -592,7 +592,7 @@ def replan_when_larger(gm: torch.fx.GraphModule) -> Callable[[dict[str, int], di
                   for source, dim in inputs.get(name, ())}
         _record(frame, raised)
 
-        def undo() -> None:  # strict_budget: the compile for those sizes raised
+        def undo() -> None:  # the compile for those sizes raised (strict_budget's BudgetError, say)
             stale[0] = False
             if raised in _records.get(frame, []):
                 _records[frame].remove(raised)

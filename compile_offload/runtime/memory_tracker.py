@@ -138,7 +138,7 @@ class measure_peak:  # noqa: N801  used as a function: ``with measure_peak("cpu"
         if device.type == "cuda":
             reset_cuda_peak(device)
             self._start = torch.cuda.memory_allocated(device)
-            _open_cuda_readers.add(self)
+            reads_cuda_peak(self)
         else:
             from torch.profiler import ProfilerActivity, profile
 
