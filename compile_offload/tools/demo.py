@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..benchmarks.workloads import DecoderBlock
+from ..reporting.logs import latest_plans
 
 
 class TinyGPT(nn.Module):
@@ -77,7 +78,6 @@ def run_demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"demo: --budget: {error}") from None
     device = _device(args.device)
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
-    # The plan printed is the plan trained: explain and the backend get the same options.
     options = {"inner_compiler": inner}
     if args.budget is not None or compile_offload.config.memory_budget is None:
         # a string, parsed by compile_offload like the environment variable; else the config's
@@ -86,10 +86,8 @@ def run_demo(args: argparse.Namespace) -> int:
     model = TinyGPT().to(device)
     tokens = torch.randint(0, 256, (8, 128), device=device)
     targets = torch.roll(tokens, -1, dims=1)
-    plan = compile_offload.explain(model, tokens, targets, **options)
-    print(plan)
-    print()
     compiled = torch.compile(model, backend=compile_offload.offload_remat(**options))
+    earlier = {id(plan) for plan in latest_plans()}  # of other compiles in this process
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
         started = time.perf_counter()
@@ -97,5 +95,10 @@ def run_demo(args: argparse.Namespace) -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step == 0:  # the plans the first step compiled: the ones it trains with (explain's may differ: with
+            for plan in latest_plans():  # the eager inner compiler, explain traces Inductor's graph)
+                if id(plan) not in earlier:
+                    print(plan)
+                    print()
         print(f"step {step}: loss {loss.item():.4f} ({time.perf_counter() - started:.2f} s, {device.type}, inner compiler {inner})")
     return 0
