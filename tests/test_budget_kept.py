@@ -371,6 +371,33 @@ def test_a_larger_dynamic_size_is_not_planned_for_past_dynamos_recompile_limit(e
     assert counter.frame_count == 2 and len(captured_plans) == 2  # compiled, and again for 1024: no more
 
 
+def test_sizes_whose_peak_cannot_be_computed_are_said_unchecked_once():
+    """review30c F11: a size expression that could not be evaluated at a call's sizes left that
+    size unchecked with a DEBUG line only."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from compile_offload.pipeline import dynamic_check
+
+    planned = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.randn(8, 4))  # sizes as size symbols
+    symbols = sorted({str(size.node.expr) for size in planned.shape})
+
+    def peak_bytes(at):
+        raise ValueError("an expression sympy cannot evaluate")
+
+    run = dynamic_check.check_sizes(lambda x: "ran", [planned], [SimpleNamespace(symbols=symbols,
+                                                                                  peak_bytes=peak_bytes)],
+                                    1000, "graph_0_0")
+    with pytest.warns(UserWarning, match=r"graph_0_0: dynamic shapes: the plan's peak at .*=16.* could not be "
+                                         r"computed \(ValueError: .*\); these sizes are not checked"):
+        assert run(torch.randn(16, 4)) == "ran"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(torch.randn(32, 4)) == "ran"  # once per graph
+
+
 class _Act(nn.Module):
     def __init__(self):
         super().__init__()

@@ -203,6 +203,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     peaks: dict[tuple, int] = {}  # (sizes, limit) checked -> the predicted peak
     refused: set[tuple[int, ...]] = set()  # sizes the frame's compile for them raised BudgetError at
     not_again: dict[tuple[int, ...], str] = {}  # strict: sizes the frame was not compiled again for, and why
+    unchecked: list[tuple[int, ...]] = []  # the first sizes whose peak could not be computed (warned)
     warned = False
     boxed = getattr(compiled, "_boxed_call", False)
 
@@ -225,8 +226,12 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                     try:
                         peaks[sizes, limit] = max(program.peak_bytes(at) for program in programs)
                     except (TypeError, ValueError, SyntaxError) as error:  # an expression sympy cannot evaluate
-                        log.debug("%s: no peak check at %s (%s)", graph_name, _sizes(at), error)
                         peaks[sizes, limit] = 0
+                        if not unchecked:  # once per graph: its other sizes may not evaluate either
+                            unchecked.append(sizes)
+                            warnings.warn(f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at "
+                                          f"{_sizes(at)} could not be computed ({type(error).__name__}: {error}); "
+                                          "these sizes are not checked against the memory budget", stacklevel=2)
                 peak = peaks[sizes, limit]
                 if peak > limit and strict:
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}
