@@ -178,8 +178,6 @@ def _illegal(plan: Plan, a: JointAnalysis, settings: Settings) -> str | None:
     banned = sorted(node.name for node in recomputed_nodes(a, saved) if node in a.ban)
     if banned:
         return f"would recompute {banned[:5]} ({a.ban[by_name[banned[0]]]})"
-    if any(distance < 0 for distance in plan.offloaded.values()):
-        return "a negative reload distance"
     if plan.offloaded and not settings.offload:
         return "offloads tensors but offload is disabled"
     not_saved = sorted(set(plan.offloaded) - set(plan.saved))
