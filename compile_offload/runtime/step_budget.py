@@ -128,6 +128,13 @@ def split_budget_over_steps(budget_bytes: int, needs: list[GraphNeed],
     return {n.name: max(n.max_bytes, n.min_bytes) + extra for n in needs}, share
 
 
+def minimum_parts(budget_bytes: int, needs: list[GraphNeed], floor: int) -> dict[str, int]:
+    """Each graph's part of a budget below ``floor`` (what the minimum-memory plans need): its
+    minimum scaled down by budget / floor. Its minimum-memory plan runs under it, and says it
+    does not meet it."""
+    return {n.name: n.min_bytes * budget_bytes // max(1, floor) for n in needs}
+
+
 def step_floor(needs: list[GraphNeed], steps: Iterable[frozenset[tuple[str, int]]]) -> int:
     """The minimum-memory plans' bytes over the kind of step that needs the most."""
     by_name = {n.name: n for n in needs}
@@ -550,12 +557,10 @@ class StepBudget:
             if message not in self._warned:  # a split again with the same figures (a graph added) says nothing new
                 self._warned.add(message)
                 warnings.warn(f"{message}; each keeps its minimum-memory plan", stacklevel=2)
-            # Each graph runs its minimum-memory plan, under its part of the budget (its minimum
-            # scaled down by budget / floor): its plan says it does not meet it.
-            available = max(0, self.budget_bytes - self.reserved)
+            parts = minimum_parts(max(0, self.budget_bytes - self.reserved), needs, floor)
             for graph in graphs:
-                if graph.name in shares:
-                    graph.budget_bytes, graph.pending = shares[graph.name] * available // max(1, floor), True
+                if graph.name in parts:
+                    graph.budget_bytes, graph.pending = parts[graph.name], True
             return
         by_name = {graph.name: graph for graph in graphs}
         for name, share_bytes in shares.items():

@@ -426,7 +426,7 @@ def _step_shares(plans: list[Plan], budget_bytes: int, strict: bool = False) -> 
     or the minimums exceed the budget (then the minimum-memory plans are shown, with a
     warning, as the backend keeps them; ``strict``: ``BudgetError``, as the backend raises)."""
     from ..pipeline.result import BudgetError
-    from ..runtime.step_budget import need_of, split_budget
+    from ..runtime.step_budget import minimum_parts, need_of, split_budget
 
     needs = [need_of(f"{index}", plan, 1) for index, plan in enumerate(plans)]
     if any(need is None for need in needs):
@@ -439,8 +439,9 @@ def _step_shares(plans: list[Plan], budget_bytes: int, strict: bool = False) -> 
         if strict:
             raise BudgetError(f"{message}; strict_budget=True")
         warnings.warn(f"{message}; each graph keeps its minimum-memory plan", stacklevel=3)
+        parts = minimum_parts(budget_bytes, needs, floor)
         for plan, need in zip(plans, needs):  # under its part of the budget, which it does not meet (as the backend)
-            plan.budget_bytes = need.min_bytes * budget_bytes // max(1, floor)
+            plan.budget_bytes = parts[need.name]
             plan.feasible = plan.predicted_peak_bytes <= plan.budget_bytes
         return None
     return [shares[f"{index}"] for index in range(len(plans))]
