@@ -60,7 +60,7 @@ class Plan:
     predicted_step_seconds: float
     baseline_peak_bytes: int  # the unconstrained plan (torch.compile's default saved set)
     baseline_step_seconds: float
-    min_peak_bytes: int  # the minimum-memory plan this planner can reach
+    min_peak_bytes: int  # the lowest peak simulated: the minimum where the budget is below every plan read
     decisions: list[Decision] = field(default_factory=list)
     device_profile: str = ""
     solver: str = "greedy"
@@ -181,20 +181,32 @@ class Plan:
         if self.planned_budget_bytes not in (None, self.budget_bytes):
             budget += f" (planned under {format_bytes(self.planned_budget_bytes)})"
         ratio = self.predicted_step_seconds / self.baseline_step_seconds if self.baseline_step_seconds else 1.0
-        minimum = (f"lowest found {format_bytes(self.min_peak_bytes)} before plan_time_limit" if self.time_limit_reached
-                   else f"minimum {format_bytes(self.min_peak_bytes)}")
+        minimum = self.minimum_text()
         # Known once Inductor generated the code (after the INFO line at planning time): the
         # nearer figure to the allocator's where the planner's simulation misses what it does.
         scheduled_text = ("" if self.scheduled_peak_bytes is None or not scheduled
                           else f", scheduled {format_bytes(self.scheduled_peak_bytes)}")
         return (
             f"{self.graph_name}: budget {budget}, predicted peak {format_bytes(self.predicted_peak_bytes)}{scheduled_text} "
-            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}, {minimum}), "
+            f"(unconstrained {format_bytes(self.baseline_peak_bytes)}{minimum}), "
             f"step {self.predicted_step_seconds * 1e3:.3f} ms ({ratio:.3f}x unconstrained), "
             f"keep {self.count('keep')} / recompute {self.count('recompute')} / offload {self.count('offload')}"
             + ("" if self.meets_budget() else " -- over budget")
             + self._measured_text()
         )
+
+    def minimum_text(self) -> str:
+        """What ``min_peak_bytes`` is, as the summary says it after the unconstrained peak: the
+        minimum where the budget sent the search to it (below every plan it read, or 0), the
+        lowest peak it read where a plan fitted on the way (``lowest simulated``), the lowest
+        found where ``plan_time_limit`` stopped it, nothing where nothing was searched (no
+        budget, or one the unconstrained plan fits)."""
+        lowest = format_bytes(self.min_peak_bytes)
+        if self.time_limit_reached:
+            return f", lowest found {lowest} before plan_time_limit"
+        if self.budget_bytes is None or (self.feasible and self.min_peak_bytes >= self.baseline_peak_bytes):
+            return ""
+        return f", lowest simulated {lowest}" if self.feasible and self.budget_bytes > 0 else f", minimum {lowest}"
 
     def _measured_text(self) -> str:
         priced = "; priced from measured kernel times" if self.cost_source == "measured" else ""

@@ -216,6 +216,22 @@ def test_a_search_stopped_by_plan_time_limit_does_not_claim_the_budget_is_below_
     assert stopped in str(info.value) and "below the minimum" not in str(info.value)
 
 
+def test_the_summary_says_minimum_only_where_the_search_reached_it():
+    """``min_peak_bytes`` is the lowest peak the search simulated: the summary called it the
+    'minimum' whatever the budget, so with no budget it read 'minimum' = the unconstrained
+    peak, and under a budget that fitted on the way a figure above the minimum-memory plan's."""
+    model, x = meta_gpt(layers=2)
+    summaries = {budget: compile_offload.explain(model, x, memory_budget=budget, device_profile="h100")
+                 for budget in (None, 0.6, 0.0)}
+    least = summaries[0.0]
+    assert f"minimum {format_bytes(least.min_peak_bytes)}" in least.summary()
+    assert "minimum" not in summaries[None].summary() and "lowest" not in summaries[None].summary()
+    fitted = summaries[0.6]
+    assert fitted.feasible and fitted.min_peak_bytes >= least.min_peak_bytes
+    assert f"lowest simulated {format_bytes(fitted.min_peak_bytes)}" in fitted.summary()
+    assert "minimum" not in fitted.summary()
+
+
 def test_plan_solver_says_greedy_where_the_exact_solver_refused_the_graph():
     model, x = meta_gpt(layers=1)
     with pytest.warns(UserWarning, match="using the greedy solver"):

@@ -39,7 +39,7 @@ def report_markdown(plan: Plan, no_picture_reason: str | None) -> str:
         "",
         f"- budget: {'none' if plan.budget_bytes is None else format_bytes(plan.budget_bytes)}",
         f"- predicted peak: {format_bytes(plan.predicted_peak_bytes)} "
-        f"(unconstrained {format_bytes(plan.baseline_peak_bytes)}, minimum {format_bytes(plan.min_peak_bytes)})",
+        f"(unconstrained {format_bytes(plan.baseline_peak_bytes)}{plan.minimum_text()})",
         f"- predicted step: {plan.predicted_step_seconds * 1e3:.3f} ms "
         f"(unconstrained {plan.baseline_step_seconds * 1e3:.3f} ms)",
         f"- device profile: {plan.device_profile}; solver: {plan.solver} ({plan.solve_seconds:.2f} s)",
