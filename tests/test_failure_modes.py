@@ -979,6 +979,41 @@ def test_a_higher_order_op_falls_back_with_one_warning_naming_it():
     torch.testing.assert_close(got, w.grad)
 
 
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_strict_budget_raises_where_a_graph_would_fall_back_without_the_budget(inner):
+    """A fallback drops the budget for the whole graph: under ``strict_budget`` it trained with
+    one warning and no ``BudgetError``. Without a budget strict has nothing to hold."""
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    torch._dynamo.reset()
+    strict = compile_offload.offload_remat(memory_budget="1KiB", strict_budget=True, inner_compiler=inner)
+    with pytest.raises(Exception, match="strict_budget=True") as raised:
+        torch.compile(_with_cond, backend=strict)(x, w).backward()
+    assert "could not handle this graph" in str(raised.value) and "cond" in str(raised.value)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(_with_cond, backend=compile_offload.offload_remat(strict_budget=True, inner_compiler=inner))(
+            x, w).backward()
+    assert sum(FALLBACK in str(m.message) for m in caught) == 1
+
+
+def test_the_fallback_is_said_once_built_not_before_a_failure_building_it(monkeypatch):
+    """The warning promising a correct fallback came before torch's partition ran: where that
+    raised, the user read the promise, then the error."""
+    import compile_offload.pipeline.planning as planning
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("partition failed")
+
+    monkeypatch.setattr(planning.compat, "default_partition", broken)
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(Exception, match="partition failed"):
+        warnings.simplefilter("always")
+        torch.compile(_with_cond, backend=eager_backend(memory_budget=0.5))(x, w).backward()
+    assert not [m for m in caught if FALLBACK in str(m.message)]
+
+
 @pytest.mark.parametrize("budget, said", [("1KiB", "1.00 KiB"), (0.5, "0.5 of the unconstrained activations"),
                                           (None, None)])
 def test_a_fallback_plan_says_it_was_not_planned_and_not_that_it_meets_the_budget(budget, said):

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import budget_report
+from . import budget_report, planning
 from .dynamic_check import SymbolicProgram, program_of, sizes_planned_at
 from .fingerprint import source_hash
 from ..reporting.logs import emit_cached
@@ -140,12 +140,8 @@ def replay(records: list[GraphRecord], settings: Settings, graph_name: str) -> N
         plan = record.plan
         plan.graph_name = graph_name
         if plan.fallback is not None:
-            warnings.warn(
-                f"compile_offload: {graph_name}: the planner could not handle this graph ({plan.fallback}); "
-                "falling back to torch's default min-cut partition (correct, but the memory budget is not applied to "
-                "this graph)",
-                stacklevel=4,
-            )
+            planning.raise_if_strict_fallback(graph_name, plan.fallback, settings)
+            warnings.warn(planning.fallback_message(graph_name, plan.fallback), stacklevel=4)
         emit_cached(plan)
         budget_report.report_budget(plan, settings)
         if plan.scheduled_peak_bytes is not None and plan.budget_outcome == "over_budget":

@@ -293,13 +293,11 @@ def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
 
 def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outputs: int,
               static_lifetime_input_indices, graph_name: str, error: Exception) -> PartitionResult:
-    """torch's min-cut partition for a graph the planner did not plan: correct, without the budget."""
-    warnings.warn(
-        f"compile_offload: {graph_name}: the planner could not handle this graph ({type(error).__name__}: "
-        f"{error}); falling back to torch's default min-cut partition (correct, but the memory budget is "
-        "not applied to this graph)",
-        stacklevel=4,
-    )
+    """torch's min-cut partition for a graph the planner did not plan: correct, without the
+    budget; said once it is built (a failure building it raises, not a promise of a fallback).
+    Under ``strict_budget`` with a budget: ``BudgetError``, the budget could not be applied."""
+    cause = f"{type(error).__name__}: {error}"
+    raise_if_strict_fallback(graph_name, cause, settings)
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
     why = f"fallback: {error}; torch's partition ran"
@@ -307,6 +305,22 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
         why += f", without the memory budget {settings.describe_budget()}"
     plan = Plan.unplanned(feasible=not settings.has_budget, budget_bytes=settings.budget_bytes,
                           device_profile=profile.name, solver=settings.solver, graph_name=graph_name, why=why,
-                          fallback=f"{type(error).__name__}: {error}")
+                          fallback=cause)
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
+    warnings.warn(fallback_message(graph_name, cause), stacklevel=4)
     return PartitionResult(plan, fw_gm, bw_gm, None, None)
+
+
+def fallback_message(graph_name: str, cause: str) -> str:
+    """The warning for a graph torch partitioned in place of the planner (also replayed from a
+    warm cache's record)."""
+    return (f"compile_offload: {graph_name}: the planner could not handle this graph ({cause}); falling back to "
+            "torch's default min-cut partition (correct, but the memory budget is not applied to this graph)")
+
+
+def raise_if_strict_fallback(graph_name: str, cause: str, settings: Settings) -> None:
+    """``strict_budget`` with a budget: a graph the planner could not handle cannot be held to
+    it, so the compile raises ``BudgetError`` where the fallback would have run."""
+    if settings.strict_budget and settings.has_budget:
+        raise BudgetError(f"compile_offload: {graph_name}: the planner could not handle this graph ({cause}), so "
+                          f"the memory budget {settings.describe_budget()} cannot be applied to it; strict_budget=True")
