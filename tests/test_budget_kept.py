@@ -396,6 +396,16 @@ def test_sizes_whose_peak_cannot_be_computed_are_said_unchecked_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run(torch.randn(32, 4)) == "ran"  # once per graph
+    # review31c #2: under strict_budget such a size was stored as a peak of 0 and ran, unchecked:
+    # not known to fit, it does not run, at each call
+    strict = dynamic_check.check_sizes(lambda x: "ran", [planned], [SimpleNamespace(symbols=symbols,
+                                                                                     peak_bytes=peak_bytes)],
+                                       1000, "graph_0_0", strict=True)
+    for _ in range(2):
+        with pytest.raises(compile_offload.BudgetError, match=r"could not be computed, so it is not known to fit "
+                                                              r"the memory budget .*this call does not run"):
+            strict(torch.randn(16, 4))
+    assert strict(torch.randn(8, 4)) == "ran"  # the sizes it was planned at
 
 
 class _Act(nn.Module):

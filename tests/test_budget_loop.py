@@ -1429,3 +1429,53 @@ def test_a_plan_record_is_one_per_mode_of_torch_compile():
     first, second = object(), object()
     assert graph_reports.record_key(gm, inputs, settings, {"pass": first}) == graph_reports.record_key(
         gm, inputs, settings, {"pass": second})
+
+
+def _mlp_stack():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)]), torch.randn(32, 64)
+
+
+def test_a_failed_replan_keeps_the_plan_compiled_before_and_says_so_once(monkeypatch):
+    """suppress_errors=True, the planner failing only when the loop re-plans: each re-plan took
+    the graph's fallback path and said 'the memory budget is not applied to this graph', twice,
+    while the graph ran its budgeted minimum-memory plan."""
+    import compile_offload.pipeline.planning as planning
+
+    build_plan, calls = planning.build_plan, []
+
+    def fails_after_the_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("a re-plan's bug")
+        return build_plan(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "build_plan", fails_after_the_first)
+    model, x = _mlp_stack()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget="1KiB",
+                                                                               suppress_errors=True))
+        compiled(x).sum().backward()
+    said = [str(w.message) for w in caught if "compile_offload" in str(w.message)]
+    assert len(calls) > 1, "no re-plan was made: the test needs a budget the first plan's code misses"
+    assert not any("could not handle this graph" in m for m in said), said
+    failed = [m for m in said if "compiling another plan for the graph failed" in m]
+    assert len(failed) == 1 and "a re-plan's bug" in failed[0], said
+    kept = logs.latest_plans()[-1]
+    assert kept.fallback is None and kept.decisions
+
+
+def test_what_planning_says_of_a_graph_is_said_once_not_per_replan():
+    """The exact solver's refusal came once from the first plan and again from each re-plan
+    the budget loop made (three times in one compile)."""
+    model, x = _mlp_stack()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = compile_offload.offload_remat(memory_budget="1KiB", solver="exact", exact_max_candidates=1)
+        torch.compile(model, backend=backend)(x).sum().backward()
+    refused = [w for w in caught if "using the greedy solver" in str(w.message)]
+    assert len(refused) == 1, [str(w.message) for w in refused]
+    assert logs.latest_plans()[-1].replans >= 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from ..reporting import logs
 from ..settings import Settings
 from . import budget_report, graph_reports, inductor_compile, plan_choice
 from .partitioner import OffloadRematPartitioner
+from .result import BudgetError
 
 log = logging.getLogger("compile_offload")
 
@@ -423,6 +425,7 @@ class BudgetLoop:
         self.cache_key: str | None = None  # the plan cache's entry for the graph under the user's settings
         self.kept_recorder = None  # the KernelRecorder that saw the kept plan's kernels (None: not seen)
         self.replans_made = 0  # compiles ``replan`` made
+        self.replan_failed = False  # one did not compile (suppress_errors): said once
 
     def compile(self):
         """The compiled graph and its records (``graph_reports.GraphRecord``), reported. Without
@@ -501,17 +504,31 @@ class BudgetLoop:
         device to plan with (``runtime/kernel_costs.MeasuredCosts``)."""
         # A lowered budget may be below the planner's minimum: then its minimum-memory plan is
         # what the loop asked for, not a failure to report (nor, under strict_budget, to raise).
+        # A re-plan that fails falls back to nothing: the plan compiled before stays (a planner
+        # error re-planning is not the graph's fallback to torch's partition, which would say
+        # the budget is not applied). What planning says of the graph (a solver refused, a user
+        # policy not applied) the first plan said: not again per re-plan.
         self.replans_made += 1
+        name = self.partitioner.graph_name
         lowered = dataclasses.replace(self.settings, budget_bytes=budget_bytes, budget_fraction=None,
-                                      strict_budget=False, **changes)
+                                      strict_budget=False, suppress_errors=False, **changes)
         found: list = []
-        partitioner = OffloadRematPartitioner(lowered, graph_name=self.partitioner.graph_name, on_result=found.append,
+        partitioner = OffloadRematPartitioner(lowered, graph_name=name, on_result=found.append,
                                               report=False, measured=measured, sizes=self.partitioner.sizes)
         recorder = scheduled_peak.KernelRecorder()
-        with inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is below the minimum this planner can reach")
-            compiled = inductor_compile.compile_past_caches(self.gm, self.example_inputs, lowered, partitioner,
-                                                            self.inductor_patches, recorder)
+        try:
+            with inductor_kernels.recording_reordered(recorder), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=re.escape(f"compile_offload: {name}: "))
+                compiled = inductor_compile.compile_past_caches(self.gm, self.example_inputs, lowered, partitioner,
+                                                                self.inductor_patches, recorder)
+        except Exception as error:
+            if not self.settings.suppress_errors or isinstance(error, BudgetError):
+                raise
+            if not self.replan_failed:
+                self.replan_failed = True
+                warnings.warn(f"compile_offload: {name}: compiling another plan for the graph failed "
+                              f"({type(error).__name__}: {error}); keeping the plan compiled before it", stacklevel=2)
+            return None
         if not found:
             return None
         scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)

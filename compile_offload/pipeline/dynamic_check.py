@@ -200,7 +200,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
     planned = tuple(hints[s] for s in symbols)
     replan = replan_when_larger(gm) if gm is not None else None
-    peaks: dict[tuple, int] = {}  # (sizes, limit) checked -> the predicted peak
+    peaks: dict[tuple, int | None] = {}  # (sizes, limit) checked -> the predicted peak (None: not computed)
     refused: set[tuple[int, ...]] = set()  # sizes the frame's compile for them raised BudgetError at
     not_again: dict[tuple[int, ...], str] = {}  # strict: sizes the frame was not compiled again for, and why
     unchecked: list[tuple[int, ...]] = []  # the first sizes whose peak could not be computed (warned)
@@ -226,13 +226,21 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                     try:
                         peaks[sizes, limit] = max(program.peak_bytes(at) for program in programs)
                     except (TypeError, ValueError, SyntaxError) as error:  # an expression sympy cannot evaluate
-                        peaks[sizes, limit] = 0
-                        if not unchecked:  # once per graph: its other sizes may not evaluate either
+                        peaks[sizes, limit] = None
+                        unknown = (f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at {_sizes(at)} "
+                                   f"could not be computed ({type(error).__name__}: {error})")
+                        if not unchecked and not strict:  # once per graph: its other sizes may not evaluate either
                             unchecked.append(sizes)
-                            warnings.warn(f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at "
-                                          f"{_sizes(at)} could not be computed ({type(error).__name__}: {error}); "
-                                          "these sizes are not checked against the memory budget", stacklevel=2)
+                            warnings.warn(f"{unknown}; these sizes are not checked against the memory budget",
+                                          stacklevel=2)
                 peak = peaks[sizes, limit]
+                if peak is None:  # strict: not known to fit is not run, each time
+                    if strict:
+                        raise BudgetError(f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at "
+                                          f"{_sizes(at)} could not be computed, so it is not known to fit the "
+                                          f"memory budget {format_bytes(limit)}; strict_budget=True: this call "
+                                          "does not run")
+                    return compiled(*args, **kwargs)
                 if peak > limit and strict:
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}
                     if sizes in refused:
