@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from .torch_api.utils import UNSET_SENTINEL as _UNSET  # None on a torch without it: nothing to install
+from .torch_api import dynamo
 from .torch_api.utils import ContextDecorator
 
 
@@ -106,13 +107,32 @@ def install(module: ModuleType) -> None:
             return super().get_hash()
 
         def patch(self, *args: Any, **kwargs: Any) -> Any:
-            return _ThreadPatch(self, super().patch(*args, **kwargs))
+            _NOT_WHILE_TRACED()
+            return _ThreadPatch(self, super(ProcessWideConfig, self).patch(*args, **kwargs))
 
     # ModuleType.__setattr__: the config class's own refuses names that are not knobs.
     ModuleType.__setattr__(module, "__class__", ProcessWideConfig)
     ModuleType.__setattr__(module, "_process_values", process_values)
     global _installed
     _installed = True
+
+
+class _NotWhileTraced:
+    """Called first by ``config.patch``: a function ``torch.compile`` traces that enters the
+    patch fails at once, naming what to do. The settings are read when a graph compiles,
+    after tracing; Dynamo would break the graph at the patch and run its body eagerly (no
+    budget), or fail on the patch's machinery with an error that says nothing of it."""
+
+    def __call__(self) -> None:
+        pass
+
+    def __str__(self) -> str:
+        return ("compile_offload.config.patch inside a function torch.compile traces: enter it around the call of "
+                "the compiled function, or use it as the function's decorator (the settings are read when a graph "
+                "compiles)")
+
+
+_NOT_WHILE_TRACED = dynamo.forbidden_while_traced(_NotWhileTraced())
 
 
 class _ThreadPatch(ContextDecorator):

@@ -218,6 +218,35 @@ def test_patch_as_decorator():
     assert settings.resolve() == before
 
 
+def test_patch_entered_inside_a_traced_function_fails_naming_what_to_do():
+    """fuzz31b F0: entered inside a function torch.compile traces, the patch failed with
+    Dynamo's 'super(type, obj): obj must be an instance or subtype of type', which says
+    nothing of it; had Dynamo broken the graph there, the body would have run eagerly,
+    without the budget. The decorator form compiles under the patch."""
+    from compile_offload.reporting.logs import latest_plans
+
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)), torch.randn(4, 8)
+
+    def inside(x):
+        with config.patch(memory_budget="1KiB"):
+            y = model(x)
+        return y.sum()
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"compile_offload.config.patch inside a function torch.compile traces: "
+                                        r"enter it around the call"):
+        torch.compile(inside, backend="offload_remat")(x)
+
+    @config.patch(memory_budget="1KiB", inner_compiler="eager")
+    def decorated(x):
+        return model(x).sum()
+
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="below the minimum"):
+        torch.compile(decorated, backend="offload_remat")(x).backward()
+    assert latest_plans()[-1].budget_bytes == 1024
+
+
 def test_options_override_config():
     with config.patch(memory_budget="1GiB", solver="exact"):
         resolved = settings.resolve({"memory_budget": "2GiB"})

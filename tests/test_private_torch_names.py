@@ -49,6 +49,7 @@ INVENTORY = {
     "torch._dynamo.device_interface",
     "torch._dynamo.eval_frame._debug_get_cache_entry_list",
     "torch._dynamo.eval_frame.reset_code",
+    "torch._dynamo.forbid_in_graph",
     "torch._dynamo.reset",
     "torch._dynamo.source.GlobalStateSource",
     "torch._dynamo.utils.counters",

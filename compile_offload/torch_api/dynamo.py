@@ -2,7 +2,7 @@
 ``GlobalStateSource`` (guards on global state, ``add_frame_guard``), the ``aot_autograd`` backend helper, the
 count of graphs compiled, the compiled versions of one code object (counted and dropped), and
 whether a module was compiled in place (``nn.Module.compile`` keeps the compiled call in
-``Module._compiled_call_impl``).
+``Module._compiled_call_impl``), and callables Dynamo must refuse to trace.
 
 Checked on torch 2.11-2.14 (installed: 2.13).
 """
@@ -15,8 +15,15 @@ import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
 __all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_entries",
-           "compiled_graph_count", "config", "compiled_in_place", "device_interface", "drop_compiled",
+           "compiled_graph_count", "config", "compiled_in_place", "device_interface", "drop_compiled", "forbidden_while_traced",
            "global_state_source", "graph_input_sources", "register_backend", "reset"]
+
+
+def forbidden_while_traced(fn: Any) -> Any:
+    """``torch._dynamo.forbid_in_graph``: Dynamo tracing a call of ``fn`` fails with an
+    error that shows ``fn`` (its ``str``), where otherwise it would break the graph and run
+    the rest of the frame eagerly."""
+    return torch._dynamo.forbid_in_graph(fn)
 
 
 def reset() -> None:
