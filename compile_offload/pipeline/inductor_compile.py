@@ -131,16 +131,19 @@ def inner_compile(settings: Settings):
     backward lowered at compile time is lowered again when a ``backward()`` retains the graph
     (retain_graph.py). On torch before 2.14, a read of a buffer mutated in place stays after
     the mutation in the C++ backend's fused kernels (mutation_order.py). A call of a graph
-    with copies that raises forgets the copies it started (failed_copies.py)."""
+    with copies that raises forgets the copies it started (failed_copies.py). A saved tensor
+    the forward writes back into a mutated input is not donated to the backward
+    (written_back_saves.py)."""
     from ..inductor.copy_order import keeping_copy_order
     from ..inductor.failed_copies import forgetting_failed_copies
     from ..inductor.kernels import naming_outputs_before_passes
     from ..inductor.mutation_order import keeping_mutation_order
     from ..inductor.plan_order_fusion import keeping_plan_order
     from ..inductor.retain_graph import lowering_lazily_on_retain
+    from ..inductor.written_back_saves import not_donating_written_back_saves
 
-    inner = lowering_lazily_on_retain(forgetting_failed_copies(keeping_copy_order(keeping_mutation_order(
-        naming_outputs_before_passes(inductor.compile_fx_inner)))))
+    inner = not_donating_written_back_saves(lowering_lazily_on_retain(forgetting_failed_copies(keeping_copy_order(
+        keeping_mutation_order(naming_outputs_before_passes(inductor.compile_fx_inner))))))
     return keeping_plan_order(inner) if settings.has_budget else inner
 
 
