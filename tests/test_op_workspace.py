@@ -38,6 +38,30 @@ def test_each_convolution_backward_gets_a_measured_workspace():
     assert len(wide) == 2 and all(bytes_ >= weight_bytes for bytes_ in wide)  # at least the weight gradient's buffer
 
 
+def test_an_op_that_raises_when_measured_is_said_not_counted_once(monkeypatch):
+    """review31c #6: a CPU probe that raised counted 0 bytes without a word (a conv net planned
+    at 4.02 MiB under 4.5 MiB measured 5.10 MiB; nothing said without verify_budget)."""
+    from compile_offload.inductor import op_workspace
+
+    monkeypatch.setattr(op_workspace, "_measured", {})
+    monkeypatch.setattr(op_workspace, "_warned_not_measured", set())
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("cannot run here")
+
+    monkeypatch.setattr(op_workspace, "measure_peak", raising)
+    torch.manual_seed(0)
+    model = WideConvNet()
+    analysis, _ = capture_analysis(lambda x: model(x).pow(2).mean(), torch.randn(4, 3, 16, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = op_workspaces(list(analysis.position))
+        op_workspaces(list(analysis.position))
+    said = [str(w.message) for w in caught if "could not be measured on the CPU" in str(w.message)]
+    assert len(said) == 1 and "RuntimeError: cannot run here" in said[0] and "convolution" in said[0], said
+    assert not any(found.values())
+
+
 def test_nothing_is_measured_off_the_cpu_or_with_symbolic_shapes():
     with torch.device("meta"):
         model = WideConvNet()

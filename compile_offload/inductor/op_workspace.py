@@ -161,13 +161,19 @@ def measured_workspace(node: fx.Node, channels_last: bool = False,
 _warned_not_measured: set = set()
 
 
-def _warn_not_measured(node: fx.Node) -> None:
-    # once per kind of op: a convolution's forward and backward are one
+def _warn_not_measured(node: fx.Node, error: Exception | None = None) -> None:
+    """Once per kind of op (a convolution's forward and backward are one): its workspace is
+    not counted, as a profiler was recording (``error`` None) or running it here raised."""
     kind = CONVOLUTIONS if node.target in CONVOLUTIONS else node.target
     if kind in _warned_not_measured:
         return
     _warned_not_measured.add(kind)
     ops = " and ".join(map(str, CONVOLUTIONS)) if kind is CONVOLUTIONS else str(node.target)
+    if error is not None:
+        warnings.warn(f"compile_offload: the workspace of {ops} could not be measured on the CPU "
+                      f"({type(error).__name__}: {error}), and the plan does not count it; the step may peak above "
+                      "the plan's prediction by that much", stacklevel=2)
+        return
     warnings.warn(f"compile_offload: a torch.profiler was recording while the step compiled, so the workspace of "
                   f"{ops} was not measured (a profiler of our own would end yours) and the plan does not "
                   "count it; compile outside the profiler (a first step before it) to have it counted",
@@ -197,7 +203,8 @@ def _signature(value: torch.Tensor) -> tuple:
 
 def _measure(node: fx.Node, channels_last: bool, strides: dict[fx.Node, tuple[int, ...]]) -> int:
     """Run the op once to warm it up and once under ``measure_peak``: its peak less its
-    outputs. An op that cannot run here counts nothing rather than failing the plan."""
+    outputs. An op that cannot run here counts nothing rather than failing the plan, and
+    says so once (``_warn_not_measured``)."""
     from ..torch_api.fake_tensors import unset_fake_temporarily
 
     def real(arg: fx.Node) -> torch.Tensor:
@@ -224,7 +231,8 @@ def _measure(node: fx.Node, channels_last: bool, strides: dict[fx.Node, tuple[in
                 outputs = node.target(*args, **kwargs)
             outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
             output_bytes = sum(out.untyped_storage().nbytes() for out in outputs if isinstance(out, torch.Tensor))
-    except Exception:  # noqa: BLE001
+    except Exception as error:  # noqa: BLE001  any op, any arguments: not measured, said
+        _warn_not_measured(node, error)
         return 0
     return max(0, measured.peak_bytes - output_bytes)
 
