@@ -1479,3 +1479,58 @@ def test_what_planning_says_of_a_graph_is_said_once_not_per_replan():
     refused = [w for w in caught if "using the greedy solver" in str(w.message)]
     assert len(refused) == 1, [str(w.message) for w in refused]
     assert logs.latest_plans()[-1].replans >= 1
+
+
+NOT_REPLAYED_SCRIPT = """
+import json, sys, warnings
+import torch
+import compile_offload
+import compile_offload.pipeline.planning as planning
+from compile_offload.reporting.logs import latest_plans
+from torch import nn
+if sys.argv[1] == "fail" and len(sys.argv) > 2:  # the first process only: an error of the planner's own
+    def broken(*args, **kwargs):
+        raise MemoryError("a one-off failure")
+    planning.build_plan = broken
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+options = dict(memory_budget=0.5, suppress_errors=True, inner_compiler="inductor")
+if sys.argv[1] == "limit":
+    options["plan_time_limit"] = 0.0
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.compile(model, backend=compile_offload.offload_remat(**options))(torch.randn(32, 64)).sum().backward()
+plan = latest_plans()[-1]
+print(json.dumps({"fallback": plan.fallback, "limited": plan.time_limit_reached,
+                  "searched": sum("planning reached plan_time_limit" in str(w.message) for w in caught)}))
+"""
+
+
+@pytest.mark.inductor
+def test_a_plan_another_run_may_not_get_is_not_served_from_a_warm_cache(tmp_path):
+    """review31c #12/#13: a fallback after a planner error (suppress_errors) and a plan that
+    plan_time_limit cut short were stored in Inductor's caches with their graph records: a later
+    process replayed the fallback (no budget, the old error in its warning) and the cut-short
+    plan without searching. Their records are not written, so a warm compile plans again."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    environment.pop("TORCH_LOGS", None)
+
+    def run(*arguments):
+        result = subprocess.run([sys.executable, "-c", NOT_REPLAYED_SCRIPT, *arguments], capture_output=True,
+                                text=True, timeout=600, env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    failed, warm = run("fail", "inject"), run("fail")
+    assert failed["fallback"] and "MemoryError" in failed["fallback"]
+    assert warm["fallback"] is None
+    cut, again = run("limit"), run("limit")
+    assert cut["limited"] and cut["searched"] == 1
+    assert again["searched"] == 1  # searched again (and cut short again), not replayed

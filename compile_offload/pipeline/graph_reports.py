@@ -20,6 +20,7 @@ compiles past the caches (it needs the graphs, which a record does not keep).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -98,8 +99,14 @@ def _folder() -> Path:
 
 
 def store(key: str, records: list[GraphRecord]) -> None:
-    """Write the record; a failure only means a later warm compile compiles again."""
+    """Write the record; a failure only means a later warm compile compiles again. A plan
+    another run may not get (``replayable``) is not written, and one written before under
+    the key is removed: a warm compile then finds no record and plans again."""
     path = _folder() / f"{key}.json"
+    if not all(replayable(record.plan) for record in records):
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        return
     data = {"schema": RECORD_SCHEMA,
             "graphs": [{"plan": r.plan.to_json(), "program": None if r.program is None else r.program.to_json()}
                        for r in records]}
@@ -111,6 +118,14 @@ def store(key: str, records: list[GraphRecord]) -> None:
         os.replace(temporary, path)
     except OSError as error:
         log.debug("could not write the graph record %s (%s)", path, error)
+
+
+def replayable(plan: Plan) -> bool:
+    """Whether a later run compiling the same graph under the same settings gets ``plan``:
+    not where ``plan_time_limit`` cut the search short (wall-clock time: a busy machine), nor
+    where the planner fell back after an error of its own (under ``suppress_errors``: it may
+    not happen again); a graph the planner does not support falls back every time."""
+    return not plan.time_limit_reached and (plan.fallback is None or plan.fallback.startswith("UnsupportedGraph:"))
 
 
 def load(key: str) -> list[GraphRecord] | None:
