@@ -1109,6 +1109,15 @@ def test_a_gpu_profile_for_a_cpu_training_graph_warns_and_trains_correctly():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # explain() plans for the GPU without a warning
         compile_offload.explain(MLP(), *mlp_inputs(), device_profile="h100")
+    # fuzz31b F2: nor does a graph without a backward (no_grad, inference_mode), which gets no plan
+    torch._dynamo.reset()
+    compiled = torch.compile(MLP(), backend=eager_backend(device_profile="h100", memory_budget=0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            compiled(*mlp_inputs())
+        with torch.inference_mode():
+            compiled(*mlp_inputs())
 
 
 def test_plan_cache_entries_never_give_wrong_gradients(tmp_path):

@@ -299,7 +299,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
     partitioner = OffloadRematPartitioner(settings, graph_name=graph_name or _graph_name(bucket_graphs),
                                           on_result=results.append, report=recorder is None,
                                           sizes=dynamic_check.sizes_planned_at(gm, settings))
-    settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
+    if graph_reports.trains(example_inputs):  # a graph without a backward gets no plan to misjudge
+        settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
     if settings.offload:
         # The pool is one per process: the latest offloading compile's limit applies (config.py). Set
         # here, not while planning, so that a compile served from a cache sets it too.
