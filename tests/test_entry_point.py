@@ -78,3 +78,23 @@ def test_import_then_compile_by_name(tmp_path):
     report = run_fresh_python(_COMPILE_BY_NAME.format(import_first="import compile_offload"), tmp_path)
     assert report["imported_before_compile"] and report["listed"]
     assert report["output_matches"] and report["grads_match"]
+
+
+def test_a_backend_with_options_pickles_as_a_compiled_module_holding_it_does():
+    """fuzz31b F1: offload_remat(...) returned a closure: "Can't pickle local object
+    'offload_remat.<locals>.backend'", so neither did a module compiled with it (a spawned
+    worker, torch.save of the module), where one compiled with another backend does."""
+    import pickle
+
+    import torch
+
+    backend = compile_offload.offload_remat(memory_budget="1KiB", inner_compiler="eager")
+    again = pickle.loads(pickle.dumps(backend))
+    assert again.options == backend.options and again.__name__ == "offload_remat"
+    assert "memory_budget='1KiB'" in repr(backend)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    compiled = torch.compile(model, backend=backend)
+    compiled(torch.randn(2, 4)).sum().backward()  # a step first: the pickle holds its compiled state
+    restored = pickle.loads(pickle.dumps(compiled))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(restored(x), model(x))

@@ -62,17 +62,28 @@ def offload_remat(**options: Any) -> Callable[..., Any]:
     string backend ``"offload_remat"``; options given there override the ones given here.
     """
     settings_mod.resolve(options)
-    closure_options = options  # the backend's own ``options`` are torch.compile's
+    return OffloadRemat(options)
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
-                mode: str | None = None) -> Callable[..., Any]:
+
+class OffloadRemat:
+    """The backend ``offload_remat(**options)`` returns: ``options`` over the config, and
+    torch.compile's own ``options`` over those. An object, not a closure, so that it pickles
+    as a compiled module holding it does (``torch.save`` of the module, a spawned worker);
+    the graphs one backend compiles share its step budget (``budget_scope="step"``)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = dict(options)
+        self.__name__ = BACKEND_NAME  # what Dynamo's logs and counters call a backend
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: dict | None = None,
+                 mode: str | None = None) -> Callable[..., Any]:
         ours, inductor = split_options(options)
-        knobs = {**closure_options, **ours}
+        knobs = {**self.options, **ours}
         return compile_graph(gm, example_inputs, settings_mod.resolve(knobs), inductor_options(mode, inductor), mode,
-                             fixed_knobs=knobs, owner=backend)
+                             fixed_knobs=knobs, owner=self)
 
-    backend.__name__ = BACKEND_NAME
-    return backend
+    def __repr__(self) -> str:
+        return f"compile_offload.offload_remat({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
 
 def split_options(options: dict | None) -> tuple[dict, dict]:
