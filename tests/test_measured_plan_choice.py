@@ -650,9 +650,9 @@ def test_the_graphs_latest_plan_is_the_one_it_runs_while_candidates_are_compiled
 ])
 def test_where_it_cannot_act_nothing_is_tried_and_a_warning_says_so_once(caplog, monkeypatch, options, why):
     import compile_offload
-    from compile_offload.pipeline import backend
+    from compile_offload.pipeline import plan_choice
 
-    monkeypatch.setattr(backend, "_warned_measured_off", set())
+    monkeypatch.setattr(plan_choice, "_warned_off", set())
     torch.manual_seed(0)
     model = _Residual(d=16, n=1)
     eager = copy.deepcopy(model)
@@ -704,3 +704,25 @@ def test_torchs_plan_is_no_rival_where_a_checkpoint_policy_asks_to_offload(monke
     assert plan_choice.torch_rival(None, kept("MUST_CPU_OFFLOAD")) is None and not asked
     assert plan_choice.torch_rival(None, kept("PREFER_CPU_OFFLOAD")) is None and not asked
     assert plan_choice.torch_rival(None, kept("MUST_SAVE")) is None and len(asked) == 1  # looked for, none fits
+
+
+@pytest.mark.inductor
+def test_a_dynamic_graph_says_once_that_measured_choice_is_off_for_it(monkeypatch):
+    """review31c #10: measured_plan_choice was dropped for a graph with dynamic sizes (and
+    under CUDA graphs, and for a frame compiled again among ranks) with an INFO line only."""
+    import compile_offload
+    from compile_offload.pipeline import plan_choice
+
+    monkeypatch.setattr(plan_choice, "_warned_off", set())
+    torch.manual_seed(0)
+    model = _Residual(d=16, n=1)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=0.5,
+                                                                               measured_plan_choice=True), dynamic=True)
+        for batch in (32, 48):
+            _train(compiled, eager, torch.randn(batch, 16), steps=1)
+    said = [str(w.message) for w in caught if "measured_plan_choice is off" in str(w.message)]
+    assert len(said) == 1 and "dynamic sizes" in said[0], said

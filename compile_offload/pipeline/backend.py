@@ -207,17 +207,12 @@ def _step_scoped(settings: Settings) -> bool:
     return settings.budget_scope == "step" and bool(settings.budget_bytes)  # 0: every graph at its minimum
 
 
-_warned_measured_off: set[str] = set()
-
-
 def _measured_choice_off(settings: Settings, why: str, stacklevel: int = 4) -> Settings:
     """``settings`` without measured plan choice, with one warning per reason and process
-    where the user turned it on: a knob that cannot act says so rather than doing nothing."""
+    where the user turned it on (``plan_choice.warn_off``)."""
     if not settings.measured_plan_choice:
         return settings
-    if why not in _warned_measured_off:
-        _warned_measured_off.add(why)
-        warnings.warn(f"compile_offload: measured_plan_choice is off {why}", stacklevel=stacklevel)
+    plan_choice.warn_off(why, stacklevel + 1)
     return dataclasses.replace(settings, measured_plan_choice=False)
 
 
@@ -294,9 +289,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
         else:
             said = "options={'triton.cudagraphs': True}"
         settings = _without_offload_under_cuda_graphs(settings, said)
-        if settings.measured_plan_choice:  # captured graphs replay: a step of another plan would not compare
-            log.info("compile_offload: measured plan choice is off under CUDA graphs (%s)", said)
-            settings = dataclasses.replace(settings, measured_plan_choice=False)
+        settings = _measured_choice_off(settings, f"under CUDA graphs ({said}): the captured graphs replay, so a "
+                                                  "step of another plan would not compare")
     device = device_of(example_inputs)
     settings_mod.check_budget_fits_device(settings, device)  # the whole budget, before DDP's buckets share it
     bucket_graphs = None

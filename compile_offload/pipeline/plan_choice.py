@@ -50,6 +50,16 @@ from .device_profile import device_of, measuring_device, resolve_profile
 
 log = logging.getLogger("compile_offload")
 
+_warned_off: set[str] = set()
+
+
+def warn_off(why: str, stacklevel: int = 3) -> None:
+    """``measured_plan_choice`` is on and cannot act (``why``): one warning per reason and
+    process, so that a knob that does nothing says so."""
+    if why not in _warned_off:
+        _warned_off.add(why)
+        warnings.warn(f"compile_offload: measured_plan_choice is off {why}", stacklevel=stacklevel)
+
 # How far from the kept plan the rivals are planned, as a share of the plan range.
 RIVAL_STEP = 0.1
 # The name the ranks agree on for the step that profiles the planner's plan.
@@ -67,14 +77,16 @@ def applies(loop) -> bool:
         return False
     name = loop.partitioner.graph_name
     if _dynamic(loop.example_inputs):
-        log.info("%s: measured plan choice is off for this graph: its sizes are dynamic (steps of other sizes "
-                 "would not compare)", name)
+        warn_off("for graphs with dynamic sizes (steps of other sizes would not compare): they run the plan made "
+                 "from the cost model")
         return False
     if _recompile_among_ranks():
-        log.info("%s: measured plan choice is off for this graph: under a process group only the first training "
-                 "compile of a frame tries candidates; Dynamo compiled this frame again, which may happen on this "
-                 "rank alone (a guard one rank's inputs fail, such as an uneven last batch), and the trials' "
-                 "collectives would wait for ranks that never join", name)
+        warn_off("for a frame Dynamo compiled again under a process group: only the first training compile of a "
+                 "frame tries candidates, as a compile again may happen on one rank alone (a guard one rank's inputs "
+                 "fail, such as an uneven last batch) and the trials' collectives would wait for ranks that never "
+                 "join; it runs the plan made from the cost model")
+        log.info("%s: measured plan choice is off for this graph: Dynamo compiled this frame again, under a "
+                 "process group", name)
         return False
     plan = loop.results[0].plan if len(loop.results) == 1 else None
     here = bool(plan is not None and plan.decisions and plan.budget_bytes is not None
