@@ -66,3 +66,32 @@ def test_only_the_written_back_save_leaves_the_donated_buffers():
     graph.output((product, x, view, product))
     metadata = type("Meta", (), {"tensors_saved_for_backwards_slice": slice(1, None), "num_symints_saved_for_bw": 0})
     assert written_back_saves(fx.GraphModule(nn.Module(), graph), metadata) == {1}  # the view of slice_scatter only
+
+
+class _CacheCopy(_Cache):
+    """The same arithmetic on a copy of the buffer: the same backward graph, whose saved
+    tensor is rightly donated."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = self.cache.clone()
+        cache[1:].mul_(x[:-1].detach().cos())
+        return self.linear(x) * cache.exp()
+
+
+@pytest.mark.parametrize("first", [_CacheCopy, _Cache])
+def test_the_backward_of_a_written_back_save_is_not_served_from_inductors_cache(first):
+    """review31d H1: Inductor's FX graph cache keys a backward by its graph, not by its donated
+    buffers: compiled after ``_CacheCopy`` (same backward, its save donated), ``_Cache`` was
+    served the code that overwrites the buffer (off by 26.5); the other way round the copy
+    would get code that donates nothing."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for model_class in (first, _Cache if first is _CacheCopy else _CacheCopy):
+        torch.manual_seed(0)
+        model = model_class()
+        eager = copy.deepcopy(model)
+        eager(x).pow(2).sum().backward()
+        torch._dynamo.reset()
+        torch.compile(model, backend=compile_offload.offload_remat())(x).pow(2).sum().backward()
+        torch.testing.assert_close(model.cache, eager.cache)
+        torch.testing.assert_close(model.linear.weight.grad, eager.linear.weight.grad)

@@ -14,7 +14,11 @@ under ``torch.compile`` too.
 
 So while the forward compiles, the saved tensors that are (views of) a value copied back into
 an input are taken out of the graph's donated buffers, before the backward is lowered. Other
-saved tensors stay donated. Private AOTAutograd metadata, read through ``torch_api.guards``.
+saved tensors stay donated. The backward of such a graph is compiled past Inductor's FX graph
+cache, whose key holds neither the donated buffers nor the forward: the same backward graph
+compiled before with the tensor donated (the same model on a copy of its buffer) would be
+served with the code that overwrites it, and this backward's code would serve that one.
+Private AOTAutograd metadata, read through ``torch_api.guards``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..torch_api import inductor
 from ..torch_api.guards import TracingContext
 
 
@@ -35,31 +41,43 @@ def not_donating_written_back_saves(inner_compile: Callable[..., Any]) -> Callab
 
     @functools.wraps(inner_compile)
     def compile_keeping_written_back_saves(gm: fx.GraphModule, example_inputs, **kwargs: Any):
-        if not kwargs.get("is_backward") and not kwargs.get("is_inference"):
-            metadata = getattr(TracingContext.try_get(), "fw_metadata", None)
+        metadata = getattr(TracingContext.try_get(), "fw_metadata", None)
+        if kwargs.get("is_backward"):
+            if getattr(metadata, _MARK, False):  # its donated buffers differ from what a cached backward had
+                with inductor.config.patch(fx_graph_cache=False):
+                    return inner_compile(gm, example_inputs, **kwargs)
+        elif not kwargs.get("is_inference"):
             donated = getattr(metadata, "bw_donated_idxs", None)
             if donated:
                 written_back = written_back_saves(gm, metadata)
                 if written_back:
                     donated[:] = [index for index in donated if index not in written_back]  # shared with AOTAutograd's
+                    setattr(metadata, _MARK, True)
         return inner_compile(gm, example_inputs, **kwargs)
 
     return compile_keeping_written_back_saves
 
 
+_MARK = "_compile_offload_written_back_saves"  # set on the graph's ViewAndMutationMeta
+
+
 def written_back_saves(gm: fx.GraphModule, metadata: Any) -> set[int]:
     """The backward input indices (as ``bw_donated_idxs`` counts them: the saved symbolic
     sizes first) of the forward's saved tensors that are, or view, a value the forward copies
-    into one of its inputs."""
+    into one of its inputs: the same node through view ops, or the same storage in the traced
+    values (a chunk of it through ``split``'s ``getitem``, an ``_unsafe_view``)."""
     copies = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
-    written = {_base(node.args[1]) for node in copies
-               if isinstance(node.args[1], fx.Node) and _base(node.args[0]).op == "placeholder"}
+    written = [node.args[1] for node in copies
+               if isinstance(node.args[1], fx.Node) and _base(node.args[0]).op == "placeholder"]
     if not written:
         return set()
+    bases = {_base(node) for node in written}
+    storages = {storage for storage in map(_storage, written) if storage is not None}
     outputs = next(reversed(gm.graph.find_nodes(op="output"))).args[0]
     saved = list(outputs)[metadata.tensors_saved_for_backwards_slice]
     symbols = metadata.num_symints_saved_for_bw or 0
-    return {symbols + index for index, node in enumerate(saved) if isinstance(node, fx.Node) and _base(node) in written}
+    return {symbols + index for index, node in enumerate(saved)
+            if isinstance(node, fx.Node) and (_base(node) in bases or _storage(node) in storages - {None})}
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -68,3 +86,11 @@ def _base(node: fx.Node) -> fx.Node:
            and isinstance(node.args[0], fx.Node)):
         node = node.args[0]
     return node
+
+
+def _storage(node: fx.Node) -> StorageWeakRef | None:
+    """The storage of ``node``'s traced value (views share their base's), where it has one."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.is_sparse:
+        return None
+    return StorageWeakRef(value.untyped_storage())
