@@ -165,9 +165,9 @@ def _warn_not_measured(node: fx.Node, error: Exception | None = None) -> None:
     """Once per kind of op (a convolution's forward and backward are one): its workspace is
     not counted, as a profiler was recording (``error`` None) or running it here raised."""
     kind = CONVOLUTIONS if node.target in CONVOLUTIONS else node.target
-    if kind in _warned_not_measured:
+    if (kind, error is None) in _warned_not_measured:  # the two causes' remedies differ: each said
         return
-    _warned_not_measured.add(kind)
+    _warned_not_measured.add((kind, error is None))
     ops = " and ".join(map(str, CONVOLUTIONS)) if kind is CONVOLUTIONS else str(node.target)
     if error is not None:
         warnings.warn(f"compile_offload: the workspace of {ops} could not be measured on the CPU "

@@ -425,7 +425,7 @@ class BudgetLoop:
         self.cache_key: str | None = None  # the plan cache's entry for the graph under the user's settings
         self.kept_recorder = None  # the KernelRecorder that saw the kept plan's kernels (None: not seen)
         self.replans_made = 0  # compiles ``replan`` made
-        self.replan_failed = False  # one did not compile (suppress_errors): said once
+        self.replan_failed = False  # one did not compile (suppress_errors): said, and no other is tried
 
     def compile(self):
         """The compiled graph and its records (``graph_reports.GraphRecord``), reported. Without
@@ -508,7 +508,8 @@ class BudgetLoop:
         # error re-planning is not the graph's fallback to torch's partition, which would say
         # the budget is not applied). What planning says of the graph (a solver refused, a user
         # policy not applied) the first plan said: not again per re-plan.
-        self.replans_made += 1
+        if self.replan_failed:  # the same compile would fail again: the plan compiled before stays
+            return None
         name = self.partitioner.graph_name
         lowered = dataclasses.replace(self.settings, budget_bytes=budget_bytes, budget_fraction=None,
                                       strict_budget=False, suppress_errors=False, **changes)
@@ -524,11 +525,12 @@ class BudgetLoop:
         except Exception as error:
             if not self.settings.suppress_errors or isinstance(error, BudgetError):
                 raise
-            if not self.replan_failed:
-                self.replan_failed = True
-                warnings.warn(f"compile_offload: {name}: compiling another plan for the graph failed "
-                              f"({type(error).__name__}: {error}); keeping the plan compiled before it", stacklevel=2)
+            self.replan_failed = True
+            warnings.warn(f"compile_offload: {name}: compiling another plan for the graph failed "
+                          f"({type(error).__name__}: {error}); keeping the plan compiled before it, and compiling "
+                          "no other", stacklevel=2)
             return None
+        self.replans_made += 1  # compiles made (a failed one is none)
         if not found:
             return None
         scheduled_peak.note_scheduled_peak(found[-1].plan, recorder)
