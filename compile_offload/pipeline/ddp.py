@@ -77,14 +77,11 @@ def _warn_budget_per_bucket(settings: Settings) -> None:
 
 
 def bucket_index() -> int | None:
-    """Index of the DDP bucket graph being compiled under DDPOptimizer, else None."""
-    try:
-        from ..torch_api.guards import TracingContext
+    """Index of the DDP bucket graph being compiled under DDPOptimizer, else None. A failure
+    to read it raises: taken for "no bucket", each bucket's graph would get the whole budget."""
+    from ..torch_api.guards import TracingContext
 
-        context = TracingContext.try_get()
-    except Exception:
-        return None
-    ddp = getattr(context, "ddp_optimizer_ctx", None)
+    ddp = getattr(TracingContext.try_get(), "ddp_optimizer_ctx", None)
     return None if ddp is None else ddp.curr_bucket + 1
 
 
