@@ -234,28 +234,26 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                             warnings.warn(f"{unknown}; these sizes are not checked against the memory budget",
                                           stacklevel=2)
                 peak = peaks[sizes, limit]
-                if peak is None:  # strict: not known to fit is not run, each time
-                    if strict:
-                        raise BudgetError(f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at "
-                                          f"{_sizes(at)} could not be computed, so it is not known to fit the "
-                                          f"memory budget {format_bytes(limit)}; strict_budget=True: this call "
-                                          "does not run")
-                    return compiled(*args, **kwargs)
-                if peak > limit and strict:
+                if strict and (peak is None or peak > limit):  # not known to fit: not run, each time
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}
                     if sizes in refused:
                         why = " (the graph compiled for these sizes did not fit it either)"
-                    elif first and replan is not None and larger:
+                    elif first and replan is not None and larger:  # a graph planned for them may fit
                         again = replan(larger, hints, lambda: refused.add(sizes))
                         why = ("; the next call compiles the graph again, planned for these sizes"
                                if isinstance(again, int) else f" (not compiled again: {again})")
                         not_again[sizes] = "" if isinstance(again, int) else why
                     else:
                         why = not_again.get(sizes, "")
+                    found = (f": its peak could not be computed, so it is not known to fit the memory budget "
+                             f"{format_bytes(limit)}" if peak is None else
+                             f" has a predicted peak of {format_bytes(peak)}, above the memory budget "
+                             f"{format_bytes(limit)}")
                     raise BudgetError(
                         f"compile_offload: {graph_name}: dynamic shapes: at {_sizes(at)} the plan made for "
-                        f"{_sizes(hints)} has a predicted peak of {format_bytes(peak)}, above the memory budget "
-                        f"{format_bytes(limit)}; strict_budget=True: this call does not run{why}")
+                        f"{_sizes(hints)}{found}; strict_budget=True: this call does not run{why}")
+                if peak is None:  # not strict: said unchecked (once per graph)
+                    return compiled(*args, **kwargs)
                 if peak > limit and share:
                     warned = True
                     warnings.warn(
