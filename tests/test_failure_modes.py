@@ -961,6 +961,27 @@ def test_a_planner_bug_raises_unless_suppress_errors(monkeypatch):
     assert len(fallbacks) == 1 and "KeyError" in fallbacks[0], result.warning_messages()
 
 
+@pytest.mark.parametrize("step", ["smaller_matmuls_first", "unfused_mm_add", "resolve_profile",
+                                  "note_uncounted_workspaces"])
+def test_suppress_errors_covers_every_planning_step_and_falls_back_on_the_graph_as_given(monkeypatch, step):
+    """review31c #3: suppress_errors covered the solver only; an error in the rewrites before it
+    (after they rewrote the joint graph in place), the profile or the workspace note failed the
+    compile. Each now falls back, on the joint graph as AOTAutograd gave it: eager's gradients."""
+    import compile_offload.pipeline.planning as planning
+
+    original = getattr(planning, step)
+
+    def fails_after_running(*args, **kwargs):
+        original(*args, **kwargs)
+        raise AttributeError(f"a bug in {step}")
+
+    monkeypatch.setattr(planning, step, fails_after_running)
+    torch._dynamo.reset()
+    result = check_training_parity(MLP, mlp_inputs, eager_backend(memory_budget=0.5, suppress_errors=True), steps=2)
+    fallbacks = [m for m in result.warning_messages() if FALLBACK in m]
+    assert len(fallbacks) == 1 and f"a bug in {step}" in fallbacks[0], result.warning_messages()
+
+
 def _with_cond(x, w):
     h = torch.mm(x, w).sin()
     return torch.cond(h.sum() > 0, lambda h: h.cos(), lambda h: h.tanh(), (h,)).sum()

@@ -7,6 +7,7 @@ needs (the pinned pool's limit is set by the backend).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import warnings
@@ -71,43 +72,54 @@ def plan_partition(
     error when ``settings.suppress_errors`` is set, and otherwise it raises. Planning only: a
     budget below the minimum is reported by the caller (``budget_report.report_budget``).
     """
+    # Under suppress_errors, the joint graph as AOTAutograd gave it: planning rewrites it in
+    # place, and an error part-way would leave torch's partition a part-rewritten graph.
+    given = copy.deepcopy(joint_gm) if settings.suppress_errors else None
     # Collections walking the whole heap were ~40% of planning (collection_paused.py).
     with collection_paused(), compat.planning_sizes(dict(settings.planning_sizes)):
-        started = time.perf_counter()
-        policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
-        # The order the plan holds to (Inductor's peak-memory reordering is off under a
-        # budget): a gradient's smaller matmuls first, as that reordering would; and each add
-        # Inductor would fold a matmul into, folded here or prevented (unfused_mm_add).
-        joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
-        joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
-        device = device_of(tensor_value(n) for n in joint_gm.graph.nodes)
-        profile = resolve_profile(settings.device_profile, device)
-        if settings.shared_h2d_bytes:  # the link as this graph's reloads find it
-            profile = dataclasses.replace(profile, shared_h2d_bytes=settings.shared_h2d_bytes)
-        if not compat.has_backward(joint):
-            fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
-            plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,
-                                  solver=settings.solver, graph_name=graph_name,
-                                  why="no backward: torch's default partition")
-            return PartitionResult(plan, fw_gm, bw_gm, None, None)
         try:
-            # Costs stored for this graph and device are as much the graph's as its code: they do
-            # not key the plan cache (the plan measured plan choice kept is found under the entry
-            # it was planned under); costs passed in do (a candidate planned from them).
-            keyed = measured is not None
-            if measured is None:
-                measured = _stored_costs(joint, settings, device)
-            result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started,
-                                          accelerator, measured, keyed)
+            return _planned(joint_gm, joint_inputs, settings, num_fwd_outputs, static_lifetime_input_indices,
+                            graph_name, accelerator, measured)
         except (BudgetError, SolverError):
             raise
         except Exception as error:
             if not (isinstance(error, UnsupportedGraph) or settings.suppress_errors):
                 raise
-            return _fallback(joint_gm, joint_inputs, settings, profile, num_fwd_outputs, static_lifetime_input_indices,
-                             graph_name, error)
-        note_uncounted_workspaces(result.plan, joint_gm.graph.nodes)
-        return result
+            return _fallback(joint_gm if given is None else given, joint_inputs, settings, num_fwd_outputs,
+                             static_lifetime_input_indices, graph_name, error)
+
+
+def _planned(joint_gm: fx.GraphModule, joint_inputs: Sequence[object], settings: Settings, num_fwd_outputs: int,
+             static_lifetime_input_indices: list[int] | None, graph_name: str, accelerator: bool | None,
+             measured: MeasuredCosts | None) -> PartitionResult:
+    """``plan_partition``'s plan, every step of it inside the caller's fallback."""
+    started = time.perf_counter()
+    policy_tags = user_policy.read_tags(joint_gm)  # before prepare_joint retags region boundaries
+    # The order the plan holds to (Inductor's peak-memory reordering is off under a
+    # budget): a gradient's smaller matmuls first, as that reordering would; and each add
+    # Inductor would fold a matmul into, folded here or prevented (unfused_mm_add).
+    joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
+    joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
+    device = device_of(tensor_value(n) for n in joint_gm.graph.nodes)
+    profile = resolve_profile(settings.device_profile, device)
+    if settings.shared_h2d_bytes:  # the link as this graph's reloads find it
+        profile = dataclasses.replace(profile, shared_h2d_bytes=settings.shared_h2d_bytes)
+    if not compat.has_backward(joint):
+        fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
+        plan = Plan.unplanned(feasible=True, budget_bytes=settings.budget_bytes, device_profile=profile.name,
+                              solver=settings.solver, graph_name=graph_name,
+                              why="no backward: torch's default partition")
+        return PartitionResult(plan, fw_gm, bw_gm, None, None)
+    # Costs stored for this graph and device are as much the graph's as its code: they do
+    # not key the plan cache (the plan measured plan choice kept is found under the entry
+    # it was planned under); costs passed in do (a candidate planned from them).
+    keyed = measured is not None
+    if measured is None:
+        measured = _stored_costs(joint, settings, device)
+    result = _solve_and_partition(joint, policy_tags, settings, profile, num_fwd_outputs, graph_name, started,
+                                  accelerator, measured, keyed)
+    note_uncounted_workspaces(result.plan, joint_gm.graph.nodes)
+    return result
 
 
 def _stored_costs(joint: compat.JointGraph, settings: Settings, device) -> MeasuredCosts | None:
@@ -291,7 +303,7 @@ def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
             f"({refinement.evaluated} plans evaluated)")
 
 
-def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outputs: int,
+def _fallback(joint_gm, joint_inputs, settings: Settings, num_fwd_outputs: int,
               static_lifetime_input_indices, graph_name: str, error: Exception) -> PartitionResult:
     """torch's min-cut partition for a graph the planner did not plan: correct, without the
     budget; said once it is built (a failure building it raises, not a promise of a fallback).
@@ -304,8 +316,8 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, profile, num_fwd_outpu
     if settings.has_budget:
         why += f", without the memory budget {settings.describe_budget()}"
     plan = Plan.unplanned(feasible=not settings.has_budget, budget_bytes=settings.budget_bytes,
-                          device_profile=profile.name, solver=settings.solver, graph_name=graph_name, why=why,
-                          fallback=cause)
+                          device_profile=settings.device_profile or "", solver=settings.solver, graph_name=graph_name,
+                          why=why, fallback=cause)
     fw_gm, bw_gm = force_offload(fw_gm, bw_gm, plan, settings, num_fwd_outputs)
     warnings.warn(fallback_message(graph_name, cause), stacklevel=4)
     return PartitionResult(plan, fw_gm, bw_gm, None, None)
