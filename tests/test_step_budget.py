@@ -1030,3 +1030,17 @@ def test_graphs_below_a_step_budget_their_minimums_exceed_say_they_do_not_meet_i
     block(x).sum().backward()
     run = block.graph_plan_of()
     assert run.budget_bytes == 4 * MIB and not run.meets_budget() and "over budget" in run.summary()
+
+
+def test_a_graph_never_trained_is_not_said_replaced_by_a_later_compile_of_its_frame():
+    """fuzz31b F4: a frozen teacher's graph (no backward) and the student's, one frame: the
+    teacher's was logged 'left out of the split: a later compile of its frame runs in its
+    place', though it runs every step. Left out it is (it saves nothing), for that reason."""
+    from compile_offload.runtime.step_budget import _Graph
+
+    def graph(name, compile_id, calls, trained):
+        return _Graph(name, None, lambda: None, None, calls=calls, compile_id=compile_id, trained=trained)
+
+    student = graph("graph_0_1", (0, 1), calls=1, trained=True)
+    assert not graph("graph_0_0", (0, 0), calls=0, trained=False).superseded_by(student)
+    assert graph("graph_0_0", (0, 0), calls=0, trained=True).superseded_by(student)  # a recompile for new sizes

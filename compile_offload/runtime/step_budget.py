@@ -177,6 +177,7 @@ class _Graph:
     # Dynamo's (frame, compile of that frame) it was compiled at; None outside Dynamo
     compile_id: tuple[int, int] | None = None
     left_out: bool = False  # left out of the last split as replaced by a later compile of its frame
+    trained: bool = False  # called with a backward to run, once at least (a graph never is: a frozen teacher's)
     revived: bool = False  # called after being left out so: the later compile does not replace it
     # its first compile, at its minimum-memory plan: what a share at or below its minimum runs
     minimum: tuple[Callable[..., Any], Callable[[], Plan | None]] | None = field(default=None, repr=False)
@@ -186,8 +187,10 @@ class _Graph:
         compile of the same frame: Dynamo tries a frame's latest code first, so a recompile
         that made a size dynamic serves every call the earlier code did, which then never
         runs again (a frame recompiled for another reason, such as inputs that require grad,
-        runs its earlier code again: that call brings it back into the split for good)."""
-        return (not self.revived and self.compile_id is not None and other.compile_id is not None
+        runs its earlier code again: that call brings it back into the split for good). A graph
+        never called with a backward to run (a frozen teacher's, an evaluation's) replaced
+        nothing: it is in no split, as it saves nothing."""
+        return (not self.revived and self.trained and self.compile_id is not None and other.compile_id is not None
                 and not self.calls and other.calls > 0
                 and other.compile_id[0] == self.compile_id[0] and other.compile_id[1] > self.compile_id[1])
 
@@ -325,6 +328,7 @@ class StepBudget:
                 call = budget._calls_made
                 budget._in_flight[call] = weakref.ref(node)
                 graph.calls += 1
+                graph.trained = True
                 if graph.left_out:  # not replaced by its frame's later compile after all: never left out again
                     graph.left_out, graph.revived = False, True
                 if budget.state == "count":
