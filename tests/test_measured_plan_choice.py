@@ -726,3 +726,21 @@ def test_a_dynamic_graph_says_once_that_measured_choice_is_off_for_it(monkeypatc
             _train(compiled, eager, torch.randn(batch, 16), steps=1)
     said = [str(w.message) for w in caught if "measured_plan_choice is off" in str(w.message)]
     assert len(said) == 1 and "dynamic sizes" in said[0], said
+
+
+def test_below_every_plan_a_candidate_no_higher_than_the_plan_kept_is_measured():
+    """fuzz31b F3: at a budget below every plan, the plan from measured costs (512.25 KiB in
+    Inductor's code) was dropped as over the budget (400.25 KiB), and the plan kept ran at
+    513.50 KiB: a lower plan was never measured."""
+    from compile_offload.passes.plan import Plan
+    from compile_offload.pipeline.plan_choice import admitted_peak
+
+    def kept(budget, scheduled):
+        plan = Plan(feasible=scheduled <= budget, budget_bytes=budget, predicted_peak_bytes=scheduled,
+                    predicted_step_seconds=1.0, baseline_peak_bytes=2 * scheduled, baseline_step_seconds=1.0,
+                    min_peak_bytes=scheduled)
+        plan.scheduled_peak_bytes = scheduled
+        return plan
+
+    assert admitted_peak(kept(400, 513)) == 513
+    assert admitted_peak(kept(1000, 800)) == 1000

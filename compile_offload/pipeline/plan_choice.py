@@ -18,7 +18,8 @@ faster. The candidates, besides the plan the budget loop kept:
   plan would drop that).
 
 Each is a full compile past the caches (``BudgetLoop.replan``); one whose scheduled peak
-(its Inductor code) exceeds the budget is dropped, and so is one whose decisions equal an
+(its Inductor code) exceeds the budget (or the plan kept's, where that is over the budget:
+``admitted_peak``) is dropped, and so is one whose decisions equal an
 earlier candidate's; under a process group, one that another rank dropped is dropped too
 (every rank runs the same schedule). With one candidate left nothing is measured. The steps that measure the
 rest run in ``runtime/plan_trials.py``; when they have chosen, the choice becomes the
@@ -279,10 +280,10 @@ def _measured_cost_candidate(loop, trials: list[Trial]):
         if attempt is None or attempt.plan.scheduled_peak_bytes is None:
             return None
         plan = attempt.plan
-        if plan.scheduled_peak_bytes > kept.plan.budget_bytes:
+        if plan.scheduled_peak_bytes > admitted_peak(kept.plan):
             log.info("%s: measured plan choice: the plan from measured costs is dropped, its scheduled peak %s is "
-                     "over the budget %s", graph_name, format_bytes(plan.scheduled_peak_bytes),
-                     format_bytes(kept.plan.budget_bytes))
+                     "over %s", graph_name, format_bytes(plan.scheduled_peak_bytes),
+                     format_bytes(admitted_peak(kept.plan)))
             return None
         if any(_same_decisions(plan, t.plan) for t in trials):
             log.info("%s: measured plan choice: the plan from measured costs makes the decisions of a candidate "
@@ -328,16 +329,23 @@ def _add_rival(trials: list[Trial], kept, name: str, budget: int | None, attempt
     if attempt is None or attempt.plan.scheduled_peak_bytes is None:
         return
     plan = attempt.plan
-    if plan.scheduled_peak_bytes > kept.plan.budget_bytes:
-        log.debug("%s: measured plan choice: %s dropped, its scheduled peak %s is over the budget %s",
+    if plan.scheduled_peak_bytes > admitted_peak(kept.plan):
+        log.debug("%s: measured plan choice: %s dropped, its scheduled peak %s is over %s",
                   kept.plan.graph_name, name, format_bytes(plan.scheduled_peak_bytes),
-                  format_bytes(kept.plan.budget_bytes))
+                  format_bytes(admitted_peak(kept.plan)))
         return
     if any(_same_decisions(plan, t.plan) for t in trials):
         return
     plan.replanned_under(kept.plan.budget_bytes, budget)
     plan.budget_outcome = "kept"
     trials.append(Trial(name, attempt.compiled, plan, attempt.result))
+
+
+def admitted_peak(kept: Plan) -> int:
+    """The scheduled peak a candidate may have: the budget, or where the plan kept is over it
+    (a budget below every plan), the plan kept's own: a candidate that peaks no higher is
+    measured, and where none fits the budget the lowest measured peak runs."""
+    return max(kept.budget_bytes, kept.scheduled_peak_bytes or 0)
 
 
 # How many times torch's plan is planned again at a lower fraction where its Inductor code
