@@ -24,8 +24,8 @@ from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
-from .torch_api.utils import UNSET_SENTINEL as _UNSET  # None on a torch without it: nothing to install
 from .torch_api import dynamo
+from .torch_api.utils import UNSET_SENTINEL as _UNSET  # None on a torch without it: nothing to install
 from .torch_api.utils import ContextDecorator
 
 
@@ -124,7 +124,7 @@ class _NotWhileTraced:
     budget), or fail on the patch's machinery with an error that says nothing of it."""
 
     def __call__(self) -> None:
-        pass
+        """Outside tracing: nothing, and the patch goes on."""
 
     def __str__(self) -> str:
         return ("compile_offload.config.patch inside a function torch.compile traces: enter it around the call of "

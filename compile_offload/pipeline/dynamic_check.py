@@ -227,12 +227,11 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                         peaks[sizes, limit] = max(program.peak_bytes(at) for program in programs)
                     except (TypeError, ValueError, SyntaxError) as error:  # an expression sympy cannot evaluate
                         peaks[sizes, limit] = None
-                        unknown = (f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at {_sizes(at)} "
-                                   f"could not be computed ({type(error).__name__}: {error})")
                         if not unchecked and not strict:  # once per graph: its other sizes may not evaluate either
                             unchecked.append(sizes)
-                            warnings.warn(f"{unknown}; these sizes are not checked against the memory budget",
-                                          stacklevel=2)
+                            warnings.warn(f"compile_offload: {graph_name}: dynamic shapes: the plan's peak at "
+                                          f"{_sizes(at)} could not be computed ({type(error).__name__}: {error}); "
+                                          "these sizes are not checked against the memory budget", stacklevel=2)
                 peak = peaks[sizes, limit]
                 if strict and (peak is None or peak > limit):  # not known to fit: not run, each time
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}

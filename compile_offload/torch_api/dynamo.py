@@ -15,8 +15,8 @@ import torch._dynamo
 from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
 __all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_entries",
-           "compiled_graph_count", "config", "compiled_in_place", "device_interface", "drop_compiled", "forbidden_while_traced",
-           "global_state_source", "graph_input_sources", "register_backend", "reset"]
+           "compiled_graph_count", "config", "compiled_in_place", "device_interface", "drop_compiled",
+           "forbidden_while_traced", "global_state_source", "graph_input_sources", "register_backend", "reset"]
 
 
 def forbidden_while_traced(fn: Any) -> Any:
