@@ -199,8 +199,8 @@ class Plan:
         """What ``min_peak_bytes`` is, as the summary says it after the unconstrained peak: the
         minimum where the budget sent the search to it (below every plan it read, or 0), the
         lowest peak it read where a plan fitted on the way (``lowest simulated``), the lowest
-        found where ``plan_time_limit`` stopped it, nothing where nothing was searched (no
-        budget, or one the unconstrained plan fits)."""
+        found where ``plan_time_limit`` stopped it, nothing with no budget or where the search
+        read no plan below the unconstrained one."""
         lowest = format_bytes(self.min_peak_bytes)
         if self.time_limit_reached:
             return f", lowest found {lowest} before plan_time_limit"
