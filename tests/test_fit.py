@@ -578,6 +578,50 @@ def test_a_fused_sgd_that_cannot_step_sharded_parameters_is_refused_before_the_m
     assert list(model.parameters()) == before and not dist.is_initialized()
 
 
+def test_gradient_hooks_on_parameters_fsdp2_would_replace_are_refused_before_the_model_changes():
+    """fully_shard replaces the parameters: a hook zeroing one weight's gradient stopped
+    running and the weight moved by 5.8e-3 where eager leaves it (fuzz32a F00)."""
+    model = Net()
+    model.blocks[1].fc1.weight.register_hook(lambda grad: grad * 0)
+    model.head.bias.register_post_accumulate_grad_hook(lambda param: None)
+    before = [p for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"the parameters 'blocks.1.fc1.weight', 'head.bias' have gradient hooks"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            inner_compiler="eager")
+    assert list(model.parameters()) == before and not dist.is_initialized()
+
+
+def test_gradient_hooks_are_kept_where_the_parameters_stay_on_the_device():
+    model = Net()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.blocks[1].fc1.weight.register_hook(lambda grad: grad * 0)
+    fitted = compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=2**30, loss_fn=loss_fn,
+                                 inner_compiler="eager")
+    assert not fitted.plan.fsdp2
+    optimizer = optimizer_fn(reference.parameters())
+    for i in range(2):
+        fitted.step(batch(i))
+        loss_fn(reference(batch(i))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    fitted.close()
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), expected.detach(), msg=name)
+
+
+def test_an_embedding_with_sparse_gradients_is_refused_before_fsdp2_shards_it():
+    """FSDP2 failed at the first step ('fsdp::chunk_cat' on SparseCPU), the model already
+    sharded in place (fuzz32a F01)."""
+    model = Net()
+    model.lookup = nn.Embedding(4, 4, sparse=True)
+    with pytest.raises(ValueError, match=r"'lookup' makes sparse gradients"):
+        compile_offload.fit(model, lambda params: torch.optim.SGD(params, lr=0.1), batch(0), memory_budget=BUDGET,
+                            loss_fn=loss_fn, inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert not any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
 class SharedLayers(Net):
     """Its blocks run twice per forward (weights shared across layers, as ALBERT's)."""
 

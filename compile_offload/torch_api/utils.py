@@ -19,11 +19,17 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 from torch.utils._sympy import functions as sympy_functions  # noqa: F401  (FloorDiv, Mod, ... as torch prints them)
 
 __all__ = ["Config", "ContextDecorator", "OpOverload", "OpOverloadPacket", "UNSET_SENTINEL", "disable_current_modes",
-           "install_config_module", "keep_environment_strings", "queue_backward_callback", "register_log", "sympy_functions", "trace_structured",
+           "install_config_module", "keep_environment_strings", "parameter_hooks", "queue_backward_callback", "register_log", "sympy_functions", "trace_structured",
            "tree_leaves", "tree_map",
            "triton_utils", "use_lazy_graph_module"]
 
 # --- the autograd engine ------------------------------------------------------------------------
+
+
+def parameter_hooks(tensor) -> int:
+    """How many gradient hooks a tensor carries (``register_hook``, and
+    ``register_post_accumulate_grad_hook``): torch keeps them in private dicts."""
+    return sum(len(getattr(tensor, name, None) or {}) for name in ("_backward_hooks", "_post_accumulate_grad_hooks"))
 
 
 def queue_backward_callback(callback) -> bool:

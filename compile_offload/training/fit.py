@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..passes.plan import format_bytes
-from ..torch_api.utils import tree_leaves, tree_map
+from ..torch_api.utils import parameter_hooks, tree_leaves, tree_map
 from .optimizer_state import optimizer_state_bytes
 from .optimizer_step import OptimizerStep, check_mode, fused_without_dtensor_rule, prefer_fused
 from .state_plan import StateSizes, StepPlan, plan_step
@@ -665,6 +665,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         _check_no_parameter_shared_across_blocks(model, blocks)
         _check_one_dtype_per_shard(model, blocks)
         _check_steps_sharded_parameters(optimizer_fn, model)
+        _check_no_parameter_hooks(model)
+        _check_no_sparse_gradients(model)
     had_group = dist.is_available() and dist.is_initialized()
     joined = None
     try:
@@ -894,6 +896,30 @@ def _check_no_parameter_shared_across_blocks(model: nn.Module, blocks: list[nn.M
             raise ValueError(f"compile_offload.fit: the model's parameter {name!r} is also {owner[id(param)]}'s; FSDP2 "
                              "shards each block on its own and cannot share a parameter between a block and the rest "
                              "of the model. Tie parameters outside the blocks, or pass blocks= without that block")
+
+
+def _check_no_parameter_hooks(model: nn.Module) -> None:
+    """FSDP2 replaces each parameter by a sharded one: gradient hooks registered on the
+    parameters as they were (``register_hook``, ``register_post_accumulate_grad_hook``) would
+    never run, and the model would train as if they were not there. Refuse it before anything
+    is prepared."""
+    hooked = [name for name, param in model.named_parameters() if parameter_hooks(param)]
+    if hooked:
+        shown = ", ".join(repr(name) for name in hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
+        raise ValueError(f"compile_offload.fit: the parameters {shown} have gradient hooks, and this budget shards the "
+                         "model with FSDP2, which replaces each parameter by a sharded one: the hooks would not run. "
+                         "Remove the hooks, or give a budget that keeps the parameters on the device")
+
+
+def _check_no_sparse_gradients(model: nn.Module) -> None:
+    """FSDP2 reduces dense gradients only: an embedding with ``sparse=True`` would fail at the
+    first step, after the model was sharded in place. Refuse it before anything is prepared."""
+    sparse = [name for name, module in model.named_modules()
+              if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse]
+    if sparse:
+        raise ValueError(f"compile_offload.fit: {', '.join(repr(name) for name in sparse)} makes sparse gradients "
+                         "(sparse=True), and this budget shards the model with FSDP2, which reduces dense gradients "
+                         "only: build it with sparse=False, or give a budget that keeps the parameters on the device")
 
 
 def _check_recompile_limit(blocks: list[nn.Module]) -> int:
