@@ -309,6 +309,45 @@ def test_fit_streams_the_host_state_through_the_device_like_an_eager_loop():
         torch._dynamo.reset()
 
 
+class _WithoutBiases(nn.Module):
+    """Only matrices: none fits one streamed group at the smallest host placement."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(),
+                                                  nn.Linear(64, 32, bias=False)) for _ in range(3))
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_a_streamed_step_that_falls_back_to_the_host_says_so_in_the_plan():
+    """optimizer_step="device" where no host parameter fits one group steps on the host; the
+    plan kept saying "device" and "streamed through the device" (fuzz32a F02)."""
+    import re
+
+    sample = torch.randn(8, 32)
+    with pytest.raises(ValueError) as error:
+        compile_offload.fit(_WithoutBiases(), optimizer_fn, sample, memory_budget=1, loss_fn=loss_fn,
+                            inner_compiler="eager")
+    smallest = int(re.findall(r"\((\d+) bytes\)", str(error.value))[-1])
+    result = compile_offload.fit(_WithoutBiases(), optimizer_fn, sample, memory_budget=smallest, loss_fn=loss_fn,
+                                 inner_compiler="eager", optimizer_step="device")
+    try:
+        for _ in range(3):
+            result.step(sample)
+        assert result.optimizer_step.chosen == HOST
+        assert result.plan.optimizer_step == HOST
+        said = [note for note in result.plan.notes if note.startswith("optimizer step")]
+        assert said == [result.optimizer_step.describe()] and "on the host" in said[0], said
+    finally:
+        result.close()
+        torch._dynamo.reset()
+
+
 def test_fit_on_the_cpu_keeps_the_step_on_the_host_and_says_why():
     result = compile_offload.fit(Net(), optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
                                  inner_compiler="eager")

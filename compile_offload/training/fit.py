@@ -101,11 +101,15 @@ class Fitted:
         if self.optimizer_step is None:
             self.optimizer.step()
         else:
-            trying = self.optimizer_step.chosen is None
+            said = self.optimizer_step.describe()
             self.optimizer_step.step()
-            if trying and self.optimizer_step.chosen is not None:  # the first steps just measured it
+            # the first steps measured where it steps, or found the parameters too large for a
+            # streamed group: the plan says where it steps now, in place of what it said
+            if self.optimizer_step.chosen is not None and self.optimizer_step.describe() != said:
                 self.plan.optimizer_step = self.optimizer_step.chosen
-                self.plan.notes.append(self.optimizer_step.describe())
+                notes = self.plan.notes
+                at = len(notes) - 1 - notes[::-1].index(said) if said in notes else len(notes)
+                notes[at:at + 1] = [self.optimizer_step.describe()]
         self.optimizer.zero_grad()
         if metered:
             self._check(blocks_peak, self.meter.absolute_peak_bytes())
