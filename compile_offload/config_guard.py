@@ -4,7 +4,8 @@ Dynamo reuses the compiled code of a frame while its guards hold, and a string b
 (``backend="offload_remat"``) is the same backend for every ``torch.compile`` call: without
 a guard of ours, a new ``torch.compile`` of another instance of the same model class, or a
 call after ``config.memory_budget`` changed, would run the plan made for the old budget.
-``install`` adds one guard to the frame being compiled: the knobs read now must equal the
+``install`` adds one guard to the frame being compiled: the knobs read now (and torch's
+``activation_memory_budget``, our budget where ``memory_budget`` is None) must equal the
 knobs that planned the graph, else Dynamo compiles the frame again (and our backend plans
 again, under the new values). ``TORCH_LOGS=recompiles`` names it.
 
@@ -25,14 +26,25 @@ from typing import Any
 from . import config, process_config
 
 KNOBS = tuple(sorted(config._config))  # every knob: each one changes the plan or what is reported
+# torch's own budget knob, the budget where ``memory_budget`` is None (``settings._with_torch_budget``)
+TORCH_BUDGET = "torch._functorch.config.activation_memory_budget"
 
 
 def knob_values(skip: Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
     """The knobs as this thread reads them now (``skip``: those a backend's options fix),
     each as it is understood: ``0.5`` and ``"0.5"``, ``"1MiB"`` and ``1048576`` are one value,
-    which compiled again would plan the same (and use up Dynamo's recompile limit)."""
+    which compiled again would plan the same (and use up Dynamo's recompile limit). Where
+    ``memory_budget`` is not fixed, torch's ``activation_memory_budget`` comes last."""
     skip = frozenset(skip)
-    return tuple((knob, _understood(knob, getattr(config, knob))) for knob in KNOBS if knob not in skip)
+    values = tuple((knob, _understood(knob, getattr(config, knob))) for knob in KNOBS if knob not in skip)
+    return values if "memory_budget" in skip else (*values, (TORCH_BUDGET, torch_budget()))
+
+
+def torch_budget() -> Any:
+    """torch's ``activation_memory_budget`` as set (the settings judge it when a graph compiles)."""
+    from .torch_api.functorch import config as functorch_config
+
+    return getattr(functorch_config, "activation_memory_budget", 1.0)
 
 
 def _understood(knob: str, value: Any) -> Any:
@@ -51,7 +63,7 @@ def _understood(knob: str, value: Any) -> Any:
 def _describe(values: tuple[tuple[str, Any], ...], changed_from: tuple[tuple[str, Any], ...] | None = None) -> str:
     if changed_from is None:
         return ", ".join(f"{knob}={_shown(knob, value)!r}" for knob, value in values
-                         if knob == "memory_budget") or "its knobs"
+                         if knob in ("memory_budget", TORCH_BUDGET)) or "its knobs"
     old = dict(changed_from)
     return ", ".join(f"{knob}={_shown(knob, old.get(knob))!r} (now {_shown(knob, value)!r})"
                      for knob, value in values if old.get(knob) != value)
@@ -68,6 +80,9 @@ def _shown(knob: str, value: Any) -> Any:
     return value
 
 
+_NOT_WATCHED = object()
+
+
 def install(skip: Iterable[str] = ()) -> bool:
     """Guard the frame Dynamo is compiling on the knobs read now; False where this torch
     offers no way to (then use ``warn_when_changed``)."""
@@ -82,7 +97,12 @@ def install(skip: Iterable[str] = ()) -> bool:
     # thread never passes another thread's check).
     checked_at: ContextVar[int | None] = ContextVar("compile_offload_config_checked_at", default=None)
 
+    watched_torch = dict(planned).get(TORCH_BUDGET, _NOT_WATCHED)
+
     def check(_frame_locals: Any) -> bool:
+        # torch's knob is outside our config's change count: compared at every call
+        if watched_torch is not _NOT_WATCHED and torch_budget() != watched_torch:
+            return False
         changes = process_config.version()
         if changes is not None and checked_at.get() == changes:
             return True

@@ -20,6 +20,7 @@ from typing import Any
 from . import config
 from .passes.cost import BUILTIN_PROFILE_MEMORY_BYTES, BUILTIN_PROFILES
 from .passes.plan import format_bytes
+from .pipeline.fingerprint import torch_config_hash
 
 SOLVERS = ("greedy", "refined", "exact")
 INNER_COMPILERS = ("inductor", "eager")
@@ -72,6 +73,10 @@ class Settings:
     # Not a knob: other sizes its frame was compiled at, none covered by those planned for, at
     # which the plan's predicted peak is checked (``pipeline/dynamic_check.sizes_covering_all``).
     sizes_to_cover: tuple[tuple[tuple[str, int], ...], ...] = ()
+    # Not a knob: torch's functorch and Inductor config as the compile began
+    # (``pipeline/fingerprint.torch_config_hash``). torch's partitioner and the memory model
+    # read it, so it keys the plan cache and the graph records, as it keys AOTAutograd's cache.
+    torch_config: str = ""
 
     @property
     def has_budget(self) -> bool:
@@ -458,6 +463,7 @@ def _validated(values: dict, from_environment: Callable[[str], bool]) -> Setting
         measured_plan_steps=_positive_int("measured_plan_steps", values["measured_plan_steps"]),
         budget_scope=_choice("budget_scope", values["budget_scope"], BUDGET_SCOPES),
         shared_h2d_bytes=read["shared_h2d_bytes"],
+        torch_config=torch_config_hash(),
     )
 
 

@@ -106,6 +106,25 @@ def test_options_fix_their_knobs_against_config_changes(eager_inner, captured_pl
     assert len(captured_plans) == 1
 
 
+def test_a_change_of_torchs_budget_knob_recompiles_where_it_is_the_budget(eager_inner, captured_plans):
+    """With memory_budget None torch's activation_memory_budget is the budget: a change of it
+    kept the plan made for the old value running, with no recompile and no warning
+    (review32c F3). Options that fix memory_budget make torch's knob irrelevant."""
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend="offload_remat")
+    for fraction in (0.9, 0.0, 0.9):
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            _train_step(compiled, x)
+    assert len(captured_plans) == 2  # back at 0.9: the first graph again
+    assert captured_plans[1].budget_bytes < captured_plans[0].budget_bytes
+    fixed = torch.compile(MLP(), backend=compile_offload.offload_remat(memory_budget=0.5))
+    for fraction in (0.9, 0.0):
+        with torch._functorch.config.patch(activation_memory_budget=fraction), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ours wins over torch's: said once
+            _train_step(fixed, x)
+    assert len(captured_plans) == 3
+
+
 def test_without_a_guard_a_changed_budget_warns_once(eager_inner, captured_plans, monkeypatch):
     """On a torch with no guard for us, the running plan warns once that it was made for
     another budget."""
@@ -890,6 +909,45 @@ def test_a_warm_cache_tells_the_user_what_a_cold_compile_told(tmp_path):
     assert [line.split(" [")[0] for line in warm["info"]] == [line.split(" [")[0] for line in cold["info"]]
     assert all("[compiled code from Inductor's cache]" in line for line in warm["info"]), warm["info"]
     assert not any("from Inductor's cache" in line for line in cold["info"])
+
+
+CONFIG_RECORD_SCRIPT = """
+import json, sys, torch
+import compile_offload
+from compile_offload.reporting.logs import latest_plans
+from torch import nn
+
+torch._inductor.config.inplace_buffers = sys.argv[1] == "default"
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)])
+compiled = torch.compile(model, backend=compile_offload.offload_remat(memory_budget=0.7, device_profile="cpu"))
+compiled(torch.randn(1024, 64, requires_grad=True)).sum().backward()
+print(json.dumps([plan.summary() for plan in latest_plans()]))
+"""
+
+
+def test_a_warm_cache_reports_the_plan_made_under_its_own_torch_config(tmp_path):
+    """Three processes sharing Inductor's cache: the default config, inplace_buffers=False,
+    the default again. The records were keyed without torch's config, so the third got the
+    default's cached code (its first plan, over the budget, which the cold compile had
+    re-planned) with the second run's record: it ran 4.81 MiB under a 4.80 MiB budget
+    without a warning, reporting a 5.61 MiB budget (review32c F1)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    environment.pop("TORCH_LOGS", None)
+    runs = []
+    for config_name in ("default", "no_inplace", "default"):
+        result = subprocess.run([sys.executable, "-c", CONFIG_RECORD_SCRIPT, config_name], capture_output=True,
+                                text=True, timeout=600, env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    cold, other, warm = runs
+    assert other != cold  # the config changes the plan: else the test shows nothing
+    assert warm == cold
 
 
 @pytest.mark.parametrize("text", ['[1, 2]', '"record"', '{"schema": "compile_offload.graph_record/1", "graphs": []}',

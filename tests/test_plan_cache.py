@@ -262,6 +262,23 @@ def test_an_entry_made_for_another_budget_is_ignored_with_a_warning(tmp_path, pl
     assert Plan.load(entry).budget_bytes == 8 * 1024  # rewritten
 
 
+def test_torchs_compiler_config_keys_the_cache(tmp_path, plans):
+    """torch's partitioner (the unconstrained plan) and the memory model read torch's
+    functorch and Inductor config: a plan made under inplace_buffers=False was served under
+    the default, its budget 5.61 MiB where 4.80 MiB was asked, and the code peaked over the
+    budget without a warning (review32c F4). A plan is reused only under the config it was
+    made under, read as the compile began, not as our own patches leave it."""
+    _train_once(tmp_path, plans)
+    with torch._inductor.config.patch(inplace_buffers=False):
+        other = _train_once(tmp_path, plans)
+        assert "reused from the plan cache" not in other.notes
+        assert "reused from the plan cache" in _train_once(tmp_path, plans).notes
+    with torch._functorch.config.patch(aggressive_recomputation=True):
+        assert "reused from the plan cache" not in _train_once(tmp_path, plans).notes
+    assert "reused from the plan cache" in _train_once(tmp_path, plans).notes
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
 def test_every_setting_keys_the_cache_or_is_named_as_deciding_no_plan():
     """A setting that changes the plan but not the key serves one compile's plan to another:
     the budget loop's other-start re-plan (``lowest_start``) was stored under the key of the

@@ -1,14 +1,22 @@
-"""A fingerprint of compile_offload's own source, for cache keys.
+"""Fingerprints for cache keys: compile_offload's own source, and torch's compiler config.
 
 Inductor's FX graph cache, AOTAutograd's cache and our plan cache must miss when our code
-changes, since the same graph and settings can then plan differently.
+changes, since the same graph and settings can then plan differently. Our plan cache and
+graph records must also miss when torch's functorch or Inductor config changes: torch's
+partitioner (the unconstrained plan) and our memory model (in-place reuse, layouts, what
+Inductor realizes) read it, and AOTAutograd's cache keys on it, so a record made under
+another config would describe code that is not running.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from .. import passes
 
@@ -24,3 +32,29 @@ def source_hash() -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def torch_config_hash() -> str:
+    """A SHA-256 prefix of torch's functorch and Inductor config as their own caches key them
+    (``save_config_portable``: without private and machine-local entries), and of whether
+    mkldnn is on (Inductor's CPU layouts follow it). ``settings.resolve`` reads it as a
+    compile begins (``Settings.torch_config``), before compile_offload patches any of it."""
+    from ..torch_api import functorch, inductor
+
+    configs = [functorch.config.save_config_portable(), inductor.config.save_config_portable(),
+               torch.backends.mkldnn.enabled]
+    return hashlib.sha256(json.dumps(configs, sort_keys=True, default=_portable).encode()).hexdigest()[:16]
+
+
+def _portable(value: Any) -> Any:
+    """A config value JSON cannot write, as the same text in every process: a set sorted, an
+    object (a custom pass) by its ``uuid()`` where it has one, else by its type."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(repr, value))
+    uuid = getattr(value, "uuid", None)
+    if callable(uuid):
+        try:
+            return f"{type(value).__qualname__}:{uuid()}"
+        except Exception:  # a uuid() that needs what it was not given: the type still tells
+            pass
+    return f"{type(value).__module__}.{type(value).__qualname__}"

@@ -40,7 +40,7 @@ from ..settings import Settings
 # the device profile (``shared_h2d_bytes`` through it): they key the cache.
 _DECISION_KNOBS = ("budget_bytes", "budget_fraction", "offload", "prefetch", "debug_force_offload", "solver",
                    "exact_max_candidates", "inner_compiler", "measured_plan_choice", "lowest_start",
-                   "torch_fraction")
+                   "torch_fraction", "torch_config")
 # The settings that decide no plan (what is done with it, reported or measured), or reach the
 # key another way: ``tests/test_plan_cache.py`` holds every field of ``Settings`` to one of the two.
 _NOT_DECIDING = ("strict_budget", "dump_dir", "plan_cache_dir", "device_profile", "pinned_pool_limit",
