@@ -64,18 +64,23 @@ class Fitted:
     settling: int = 0  # steps to run after a recompile before the next measured one
     # fit's sample was a dict of keyword inputs: step(batch) with one dict takes it as step(**batch)
     keyword_sample: bool = False
+    # that dict held a "target": the model's input, so step(**batch) gives target= to the model
+    target_is_input: bool = False
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """One training step on ``inputs`` (moved to the device); ``loss_fn(output)``, or
         ``loss_fn(output, target)`` when a target is given; without ``loss_fn`` the model's
         output is the loss (a scalar tensor, an object with a ``.loss``, or a dict with a
         ``"loss"``). Where fit's sample was a dict of keyword inputs, ``step(batch)`` with one
-        dict is ``step(**batch)``, as fit took the sample."""
+        dict is ``step(**batch)``, as fit took the sample; where that dict held a ``"target"``,
+        ``target=`` is the model's keyword input, as it was in the sample."""
         if self.closed:
             raise RuntimeError("compile_offload.fit: step() after close(): this Fitted left its process group; call "
                                "fit again on a new model (or one loaded from this one's state_dict) to train on")
         if self.keyword_sample and len(inputs) == 1 and isinstance(inputs[0], Mapping) and not kwargs:
             inputs, kwargs = (), dict(inputs[0])
+        if self.target_is_input and target is not None:
+            kwargs, target = {**kwargs, "target": target}, None
         if target is not None and self.loss_fn is None:
             raise TypeError("compile_offload.fit: step(..., target=...) needs fit(..., loss_fn=...): without a loss "
                             "function the model's output is the loss, and the target would be ignored")
@@ -722,7 +727,8 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
                   max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                   created_process_group=joined is not None, joined_group=joined, optimizer_step=stepper, meter=meter, recompile=compile_blocks,
                   block_min_bytes=sizes.block_activation_min_bytes, block_kinds=block_kinds, blocks=blocks,
-                  keyword_sample=isinstance(sample, Mapping))
+                  keyword_sample=isinstance(sample, Mapping),
+                  target_is_input=isinstance(sample, Mapping) and "target" in sample)
 
 
 def _check_not_prepared(model: nn.Module) -> None:
