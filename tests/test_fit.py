@@ -649,6 +649,18 @@ def test_gradient_hooks_are_kept_where_the_parameters_stay_on_the_device():
         torch.testing.assert_close(param.detach(), expected.detach(), msg=name)
 
 
+def test_a_non_contiguous_parameter_is_refused_before_fsdp2_shards_the_blocks_before_it():
+    """FSDP2 refused it inside fit, with block 0 already sharded: the model's own forward then
+    failed on mixed tensors and DTensors (fuzz32a F03)."""
+    model = Net()
+    model.blocks[2].scale = nn.Parameter(torch.randn(4, 64).t())
+    with pytest.raises(ValueError, match=r"the parameters 'blocks.2.scale' are not contiguous"):
+        compile_offload.fit(model, optimizer_fn, batch(0), memory_budget=BUDGET, loss_fn=loss_fn,
+                            inner_compiler="eager")
+    assert not dist.is_initialized()
+    assert not any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
 def test_an_embedding_with_sparse_gradients_is_refused_before_fsdp2_shards_it():
     """FSDP2 failed at the first step ('fsdp::chunk_cat' on SparseCPU), the model already
     sharded in place (fuzz32a F01)."""

@@ -676,6 +676,7 @@ def fit(model: nn.Module, optimizer_fn: Callable[[Iterable[nn.Parameter]], torch
         _check_steps_sharded_parameters(optimizer_fn, model)
         _check_no_parameter_hooks(model)
         _check_no_sparse_gradients(model)
+        _check_contiguous_parameters(model)
     had_group = dist.is_available() and dist.is_initialized()
     joined = None
     try:
@@ -930,6 +931,18 @@ def _check_no_sparse_gradients(model: nn.Module) -> None:
         raise ValueError(f"compile_offload.fit: {', '.join(repr(name) for name in sparse)} makes sparse gradients "
                          "(sparse=True), and this budget shards the model with FSDP2, which reduces dense gradients "
                          "only: build it with sparse=False, or give a budget that keeps the parameters on the device")
+
+
+def _check_contiguous_parameters(model: nn.Module) -> None:
+    """FSDP2 refuses a non-contiguous parameter (a transposed tensor made a parameter) when it
+    reaches its block, after the blocks before were sharded: the model was left half sharded.
+    Refuse it before anything is prepared."""
+    strided = [name for name, param in model.named_parameters() if not param.is_contiguous()]
+    if strided:
+        raise ValueError(f"compile_offload.fit: the parameters {', '.join(repr(name) for name in strided)} are not "
+                         "contiguous, and this budget shards the model with FSDP2, which shards contiguous "
+                         "parameters only: make them contiguous (nn.Parameter(tensor.contiguous())), or give a "
+                         "budget that keeps the parameters on the device")
 
 
 def _check_recompile_limit(blocks: list[nn.Module]) -> int:
