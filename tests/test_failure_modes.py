@@ -881,6 +881,43 @@ def test_dynamic_batch_sizes_compile_once_and_match_eager():
     assert all(any(isinstance(s, torch.SymInt) for s in r.meta["val"].shape) for r in reloads)
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            a = F.gelu(layer(h))
+            h = torch.sin(a) * a + h
+        return h
+
+
+@pytest.mark.parametrize("budget", [None, 0.0])
+def test_an_unbacked_batch_size_is_planned_and_matches_eager(budget):
+    """mark_unbacked on the batch: the planner compared an unbacked size with 1 as a Python
+    bool (its mm + add match) and every configuration failed with GuardOnDataDependentSymNode
+    where torch.compile trains it (fuzz32b F6)."""
+    torch.manual_seed(0)
+    model = _Residual()
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend=compile_offload.offload_remat(memory_budget=budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in (8, 12):
+            x = torch.randn(batch, 16)
+            marked = x.clone().requires_grad_()
+            torch._dynamo.decorators.mark_unbacked(marked, 0)
+            compiled(marked).square().sum().backward()
+            reference = x.clone().requires_grad_()
+            model(reference).square().sum().backward()
+            torch.testing.assert_close(marked.grad, reference.grad)
+            for (name, got), want in zip(compiled_model.named_parameters(), model.parameters()):
+                torch.testing.assert_close(got.grad, want.grad, msg=name)
+            model.zero_grad(set_to_none=True)
+            compiled_model.zero_grad(set_to_none=True)
+
+
 # --------------------------------------------------------------------------- §5.13 CUDA graphs
 
 

@@ -32,6 +32,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import compat
 from ..analyze import allocated_bytes, storage_roots
@@ -72,9 +73,12 @@ def _foldings(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 
 
 def _expands_to(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target``, as far as is known without a guard (an
+    unbacked size has no value to compare: not known, so not matched)."""
     if len(shape) > len(target):
         return False
-    return all(size == 1 or size == full for size, full in zip(reversed(shape), reversed(target)))
+    return all(statically_known_true(size == 1) or statically_known_true(size == full)
+               for size, full in zip(reversed(shape), reversed(target)))
 
 
 def _last_reads(graph: fx.Graph, roots: dict[fx.Node, fx.Node], order: dict[fx.Node, int]) -> dict[fx.Node, int]:
