@@ -159,16 +159,14 @@ def symbolic_program(a: JointAnalysis, saved: set[fx.Node], offloaded: set[fx.No
 def _symbol_locations(example_inputs: Sequence[Any]) -> dict[str, tuple[int, int | None]]:
     """Where each plain size symbol can be read from a call's arguments: (argument, dim),
     dim None for a SymInt argument."""
-    import sympy
-
     where: dict[str, tuple[int, int | None]] = {}
     for position, value in enumerate(example_inputs):
-        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
-            where.setdefault(str(value.node.expr), (position, None))
+        if _plain_symbol(value) is not None:
+            where.setdefault(str(_plain_symbol(value)), (position, None))
         elif isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    where.setdefault(str(size.node.expr), (position, dim))
+                if _plain_symbol(size) is not None:
+                    where.setdefault(str(_plain_symbol(size)), (position, dim))
     return where
 
 
@@ -398,7 +396,10 @@ def plan_at_largest_sizes(gm: torch.fx.GraphModule, settings: Settings, graph_na
     and ``sizes_to_cover`` the other records' sizes where none covers them all; records
     ``gm``'s sizes."""
     frame = _frame_id()
-    tensors = [(source, value) for source, value in graph_input_sources(gm) if isinstance(value, torch.Tensor)]
+    # A nested (jagged) tensor's ragged size is no size a call has: its components, which the
+    # joint graph plans, are recorded where they are inputs of their own.
+    tensors = [(source, value) for source, value in graph_input_sources(gm)
+               if isinstance(value, torch.Tensor) and not value.is_nested]
     if frame is None or not torch.is_grad_enabled() or not any(value.requires_grad for _, value in tensors):
         return settings  # not a training graph
     own: Record = {(source, dim): size_hint(size) for source, value in tensors for dim, size in enumerate(value.shape)}
@@ -658,10 +659,11 @@ def _frame_id() -> int | None:
 
 
 def _plain_symbol(size: Any):
-    """The size symbol ``size`` is, or None (an int, or an expression of symbols)."""
-    if not isinstance(size, torch.SymInt):
+    """The size symbol ``size`` is, or None (an int, an expression of symbols, or a nested
+    tensor's ragged size, whose hint is no number)."""
+    if not isinstance(size, torch.SymInt) or isinstance(getattr(size.node, "hint", None), torch.SymInt):
         return None
-    expr = size.node.expr
+    expr = getattr(size.node, "expr", None)  # a nested int itself (NestedIntNode) has none
     return expr if getattr(expr, "is_Symbol", False) else None
 
 
