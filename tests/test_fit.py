@@ -179,6 +179,26 @@ def test_optimizer_state_size_is_asked_of_the_class():
     assert size == 800 and "assumed 2 tensors" in note
 
 
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p), lambda p: torch.optim.Adam(p, amsgrad=True), lambda p: torch.optim.NAdam(p),
+    lambda p: torch.optim.RAdam(p), lambda p: torch.optim.Adamax(p), lambda p: torch.optim.Adadelta(p),
+    lambda p: torch.optim.Adagrad(p), lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+], ids=["adamw", "adam_amsgrad", "nadam", "radam", "adamax", "adadelta", "adagrad", "rmsprop", "sgd"])
+def test_the_state_size_asked_of_the_class_is_the_state_the_first_step_makes(make):
+    """NAdam keeps a mu_product per parameter besides its step: 4 bytes each were missing
+    (fuzz32a F05)."""
+    params = [nn.Parameter(torch.randn(10, 10)), nn.Parameter(torch.randn(3))]
+    predicted, note = optimizer_state_bytes(make(params), lambda p: p.numel() * p.element_size())
+    optimizer = make(params)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    made = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor))
+    assert note is None and predicted == made
+
+
 # --------------------------------------------------------------------------- training
 
 

@@ -13,7 +13,8 @@ Known classes (``torch.optim``), per parameter of the group, in the parameter's 
 | RMSprop | 1, + 1 with ``momentum`` > 0, + 1 ``centered`` |
 | SGD | 1 with ``momentum`` > 0, else 0 |
 
-plus a 4-byte ``step`` per parameter where the class keeps one. A subclass counts as its
+plus a 4-byte ``step`` per parameter where the class keeps one (NAdam also a 4-byte
+``mu_product``). A subclass counts as its
 known base. Any other optimizer is assumed to hold 2 tensors per parameter, and the note
 returned says so.
 """
@@ -60,7 +61,7 @@ def optimizer_state_bytes(optimizer: Any, nbytes: Callable[[Any], int]) -> tuple
         for param in group["params"]:
             if not getattr(param, "requires_grad", True):
                 continue
-            total += per * nbytes(param) + (4 if known in _STEPPED else 0)
+            total += per * nbytes(param) + (4 if known in _STEPPED else 0) + (4 if known == "NAdam" else 0)
     if known is None:
         return total, (f"optimizer {type(optimizer).__name__} is not one whose state size is known "
                        f"(torch.optim's Adam, AdamW, SGD, ...): assumed {UNKNOWN_TENSORS_PER_PARAMETER} tensors "
