@@ -34,17 +34,17 @@ def knob_values(skip: Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
     """The knobs as this thread reads them now (``skip``: those a backend's options fix),
     each as it is understood: ``0.5`` and ``"0.5"``, ``"1MiB"`` and ``1048576`` are one value,
     which compiled again would plan the same (and use up Dynamo's recompile limit). Where
-    ``memory_budget`` is not fixed, torch's ``activation_memory_budget`` comes last."""
+    ``memory_budget`` is not fixed, the fraction taken from torch's ``activation_memory_budget``
+    comes last (None where ours is set or torch's asks for none: its changes then plan alike)."""
     skip = frozenset(skip)
     values = tuple((knob, _understood(knob, getattr(config, knob))) for knob in KNOBS if knob not in skip)
     return values if "memory_budget" in skip else (*values, (TORCH_BUDGET, torch_budget()))
 
 
-def torch_budget() -> Any:
-    """torch's ``activation_memory_budget`` as set (the settings judge it when a graph compiles)."""
-    from .torch_api.functorch import config as functorch_config
+def torch_budget() -> float | None:
+    from .settings import torch_budget_taken
 
-    return getattr(functorch_config, "activation_memory_budget", 1.0)
+    return torch_budget_taken()
 
 
 def _understood(knob: str, value: Any) -> Any:

@@ -282,13 +282,33 @@ def torch_activation_budget() -> float | None:
     from .torch_api.functorch import config as functorch_config
 
     value = getattr(functorch_config, "activation_memory_budget", 1.0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0.0:
+    if not _usable_torch_budget(value):
         if ("unusable", repr(value)) not in _TORCH_BUDGET_ANNOUNCED:
             _TORCH_BUDGET_ANNOUNCED.add(("unusable", repr(value)))
             warnings.warn(f"compile_offload: torch._functorch.config.activation_memory_budget={value!r} is not a "
                           "fraction in [0, 1]: ignored (no budget from it)", stacklevel=4)
         return None
     return float(value) if value < 1.0 else None  # 1.0 and above: torch saves every activation
+
+
+def torch_budget_taken() -> float | None:
+    """The fraction a compile now takes from torch's ``activation_memory_budget``: None where
+    ``memory_budget`` is set (ours wins; a value it refuses counts as set) or torch's value
+    asks for no budget. Said nothing of: the config guard reads it at every call."""
+    from .torch_api.functorch import config as functorch_config
+
+    try:
+        ours = SPELLED_KNOBS["memory_budget"](config.memory_budget)
+    except (TypeError, ValueError):
+        return None
+    value = getattr(functorch_config, "activation_memory_budget", 1.0)
+    if ours != (None, None) or not _usable_torch_budget(value) or value >= 1.0:
+        return None
+    return float(value)
+
+
+def _usable_torch_budget(value: object) -> bool:
+    return not (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0.0)
 
 
 def _with_torch_budget(budget_bytes: int | None, budget_fraction: float | None) -> float | None:

@@ -125,6 +125,25 @@ def test_a_change_of_torchs_budget_knob_recompiles_where_it_is_the_budget(eager_
     assert len(captured_plans) == 3
 
 
+def test_torchs_budget_knob_recompiles_nothing_where_it_decides_nothing(eager_inner, captured_plans):
+    """Where ours is set, and where torch's value asks for no budget (1.0 and above, or an
+    unusable NaN), its changes plan alike: comparing the raw value recompiled each one (past
+    Dynamo's recompile limit the frame ran uncompiled), and NaN, unequal to itself, failed
+    the guard on the frame that made it (review32d F1, F2)."""
+    (x,) = mlp_inputs()
+    compiled = torch.compile(MLP(), backend="offload_remat")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's unusable value, and ours winning, are each said once
+        for fraction in (1.0, 1.5, float("nan")):
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                _train_step(compiled, x)
+        with config.patch(memory_budget="1MiB"):
+            for fraction in (0.9, 0.5, 0.3):
+                with torch._functorch.config.patch(activation_memory_budget=fraction):
+                    _train_step(compiled, x)
+    assert len(captured_plans) == 2  # no budget, then 1 MiB
+
+
 def test_without_a_guard_a_changed_budget_warns_once(eager_inner, captured_plans, monkeypatch):
     """On a torch with no guard for us, the running plan warns once that it was made for
     another budget."""

@@ -41,8 +41,10 @@ def torch_config_hash() -> str:
     compile begins (``Settings.torch_config``), before compile_offload patches any of it."""
     from ..torch_api import functorch, inductor
 
-    configs = [functorch.config.save_config_portable(), inductor.config.save_config_portable(),
-               torch.backends.mkldnn.enabled]
+    # torch's budget knob is not hashed: the settings' budget is what it decides
+    functorch_config = {name: value for name, value in functorch.config.save_config_portable().items()
+                        if name != "activation_memory_budget"}
+    configs = [functorch_config, inductor.config.save_config_portable(), torch.backends.mkldnn.enabled]
     return hashlib.sha256(json.dumps(configs, sort_keys=True, default=_portable).encode()).hexdigest()[:16]
 
 

@@ -926,7 +926,7 @@ def _check_no_sparse_gradients(model: nn.Module) -> None:
     """FSDP2 reduces dense gradients only: an embedding with ``sparse=True`` would fail at the
     first step, after the model was sharded in place. Refuse it before anything is prepared."""
     sparse = [name for name, module in model.named_modules()
-              if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse]
+              if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad]
     if sparse:
         raise ValueError(f"compile_offload.fit: {', '.join(repr(name) for name in sparse)} makes sparse gradients "
                          "(sparse=True), and this budget shards the model with FSDP2, which reduces dense gradients "
