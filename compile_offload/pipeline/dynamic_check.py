@@ -193,7 +193,14 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
         return compiled
     where = _symbol_locations(example_inputs)
     symbols = sorted({s for program in programs for s in program.symbols})
-    if not symbols or any(s not in where for s in symbols):
+    if not symbols:
+        return compiled
+    unread = [s for s in symbols if s not in where]
+    if unread:  # a nested tensor's ragged size: no argument holds it
+        warnings.warn(f"compile_offload: {graph_name}: dynamic shapes: the sizes {', '.join(unread)} cannot be read "
+                      "from the call's inputs (a nested tensor's ragged size): calls at other sizes than those "
+                      "planned are not checked against the memory budget"
+                      + (", and strict_budget cannot refuse them" if strict else ""), stacklevel=2)
         return compiled
     hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
     planned = tuple(hints[s] for s in symbols)
