@@ -47,6 +47,13 @@ def torch_budget() -> float | None:
     return torch_budget_taken()
 
 
+def _torch_knob() -> Any:
+    """torch's ``activation_memory_budget`` as set (cheap to read; ``torch_budget`` judges it)."""
+    from .torch_api.functorch import config as functorch_config
+
+    return getattr(functorch_config, "activation_memory_budget", 1.0)
+
+
 def _understood(knob: str, value: Any) -> Any:
     """``value`` of ``knob`` as the settings read it, for the knobs with several spellings;
     a value they refuse stays as written (compiling under it raises the error)."""
@@ -98,11 +105,15 @@ def install(skip: Iterable[str] = ()) -> bool:
     checked_at: ContextVar[int | None] = ContextVar("compile_offload_config_checked_at", default=None)
 
     watched_torch = dict(planned).get(TORCH_BUDGET, _NOT_WATCHED)
+    knob_when_planned = _torch_knob()
 
     def check(_frame_locals: Any) -> bool:
-        # torch's knob is outside our config's change count: compared at every call
-        if watched_torch is not _NOT_WATCHED and torch_budget() != watched_torch:
-            return False
+        # torch's knob is outside our config's change count: read at every call, and judged
+        # (a few microseconds) only where it is not as set when planned
+        if watched_torch is not _NOT_WATCHED:
+            knob = _torch_knob()
+            if knob is not knob_when_planned and knob != knob_when_planned and torch_budget() != watched_torch:
+                return False
         changes = process_config.version()
         if changes is not None and checked_at.get() == changes:
             return True

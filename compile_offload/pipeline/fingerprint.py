@@ -53,10 +53,9 @@ def _portable(value: Any) -> Any:
     object (a custom pass) by its ``uuid()`` where it has one, else by its type."""
     if isinstance(value, (set, frozenset)):
         return sorted(map(repr, value))
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
     uuid = getattr(value, "uuid", None)
-    if callable(uuid):
-        try:
-            return f"{type(value).__qualname__}:{uuid()}"
-        except Exception:  # a uuid() that needs what it was not given: the type still tells
-            pass
-    return f"{type(value).__module__}.{type(value).__qualname__}"
+    try:
+        return f"{kind}:{uuid()}" if callable(uuid) else kind
+    except Exception:  # a uuid() that needs what it was not given: the type still tells
+        return kind
