@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401
 from torch.utils._sympy import functions as sympy_functions  # noqa: F401  (FloorDiv, Mod, ... as torch prints them)
 
 __all__ = ["Config", "ContextDecorator", "OpOverload", "OpOverloadPacket", "UNSET_SENTINEL", "disable_current_modes",
-           "install_config_module", "keep_environment_strings", "parameter_hooks", "queue_backward_callback", "register_log", "sympy_functions", "trace_structured",
+           "install_config_module", "keep_environment_strings", "parameter_hooks", "queue_backward_callback",
+           "register_log", "sympy_functions", "trace_structured",
            "tree_leaves", "tree_map",
            "triton_utils", "use_lazy_graph_module"]
 

@@ -916,7 +916,8 @@ def _check_no_parameter_hooks(model: nn.Module) -> None:
     is prepared."""
     hooked = [name for name, param in model.named_parameters() if parameter_hooks(param)]
     if hooked:
-        shown = ", ".join(repr(name) for name in hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        shown = ", ".join(repr(name) for name in hooked[:3]) + more
         raise ValueError(f"compile_offload.fit: the parameters {shown} have gradient hooks, and this budget shards the "
                          "model with FSDP2, which replaces each parameter by a sharded one: the hooks would not run. "
                          "Remove the hooks, or give a budget that keeps the parameters on the device")
