@@ -195,12 +195,14 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     symbols = sorted({s for program in programs for s in program.symbols})
     if not symbols:
         return compiled
-    unread = [s for s in symbols if s not in where]
-    if unread:  # a nested tensor's ragged size: no argument holds it
+    unread = [s for s in symbols if s not in where]  # data-dependent sizes (planned at their bounds), or:
+    if unread and any(isinstance(value, torch.Tensor) and value.is_nested for value in example_inputs):
+        # a nested tensor's ragged size: no argument holds it
         warnings.warn(f"compile_offload: {graph_name}: dynamic shapes: the sizes {', '.join(unread)} cannot be read "
                       "from the call's inputs (a nested tensor's ragged size): calls at other sizes than those "
                       "planned are not checked against the memory budget"
                       + (", and strict_budget cannot refuse them" if strict else ""), stacklevel=2)
+    if unread:
         return compiled
     hints = {s: _read(example_inputs, where[s], size_hint) for s in symbols}
     planned = tuple(hints[s] for s in symbols)
