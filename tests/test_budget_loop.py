@@ -1429,6 +1429,24 @@ def test_a_plan_record_is_one_per_mode_of_torch_compile():
     first, second = object(), object()
     assert graph_reports.record_key(gm, inputs, settings, {"pass": first}) == graph_reports.record_key(
         gm, inputs, settings, {"pass": second})
+    # a custom pass by its uuid() where it has one, as Inductor's cache keys it: two instances of
+    # one class with other parameters were one record (review32c F6)
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Scaled(CustomGraphPass):
+        def __init__(self, factor):
+            self.factor = factor
+
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return f"scaled-{self.factor}"
+
+    def key(factor):
+        return graph_reports.record_key(gm, inputs, settings, {"post_grad_custom_post_pass": Scaled(factor)})
+
+    assert key(2) == key(2) != key(3)
 
 
 def _mlp_stack():

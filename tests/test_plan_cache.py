@@ -279,6 +279,24 @@ def test_torchs_compiler_config_keys_the_cache(tmp_path, plans):
     assert len(list(tmp_path.glob("*.json"))) == 3
 
 
+def test_torch_compiles_inductor_options_key_the_cache(tmp_path, plans):
+    """``torch.compile(options=...)`` patches Inductor's config for one compile, after the
+    settings read it: a plan made under ``inplace_buffers=False`` (whose code peaks higher,
+    review32c F4) was served where the options were not given, and the reverse."""
+    def train(options):
+        torch._dynamo.reset()
+        backend = compile_offload.offload_remat(memory_budget=0.5, plan_cache_dir=str(tmp_path))
+        torch.compile(MLP(), backend=backend, options=options)(*mlp_inputs()).sum().backward()
+        return plans[-1]
+
+    train(None)
+    entries = len(list(tmp_path.glob("*.json")))
+    assert "reused from the plan cache" not in train({"inplace_buffers": False}).notes
+    assert len(list(tmp_path.glob("*.json"))) == 2 * entries  # the same plans, under keys of their own
+    assert "reused from the plan cache" in train({"inplace_buffers": False}).notes
+    assert "reused from the plan cache" in train(None).notes
+
+
 def test_every_setting_keys_the_cache_or_is_named_as_deciding_no_plan():
     """A setting that changes the plan but not the key serves one compile's plan to another:
     the budget loop's other-start re-plan (``lowest_start``) was stored under the key of the

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 
-from . import budget_loop, ddp, dynamic_check, graph_reports, inductor_compile, plan_choice
+from . import budget_loop, ddp, dynamic_check, fingerprint, graph_reports, inductor_compile, plan_choice
 from .. import config_guard
 from ..inductor import scheduled_peak
 from ..runtime import pinned_pool
@@ -173,6 +173,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     values compiles again and plans for them, never runs a plan made for another budget.
     """
     patches = dict(inductor_patches or {})
+    if settings.inner_compiler == "inductor":  # the options change Inductor's code, so the plans' measured peaks
+        settings = dataclasses.replace(settings, torch_config=fingerprint.with_options(settings.torch_config, patches))
     plan_choice.note_compile()
     # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
     settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())

@@ -48,6 +48,22 @@ def torch_config_hash() -> str:
     return hashlib.sha256(json.dumps(configs, sort_keys=True, default=_portable).encode()).hexdigest()[:16]
 
 
+def with_options(torch_config: str, options: dict) -> str:
+    """``torch_config`` with the Inductor options a compile patches over torch's config
+    (``torch.compile``'s ``mode`` and ``options``): they change Inductor's code, so the
+    measured peaks the plans are chosen by, as a change of the config itself does."""
+    if not options:
+        return torch_config
+    text = json.dumps([torch_config, options_text(options)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def options_text(options: dict) -> str:
+    """``options`` as the same text in every process (an object, a custom pass, by its
+    ``uuid()`` where it has one, else by its type: its ``repr`` may hold its address)."""
+    return json.dumps({str(name): value for name, value in options.items()}, sort_keys=True, default=_portable)
+
+
 def _portable(value: Any) -> Any:
     """A config value JSON cannot write, as the same text in every process: a set sorted, an
     object (a custom pass) by its ``uuid()`` where it has one, else by its type."""

@@ -36,7 +36,7 @@ import torch
 
 from . import budget_report, planning
 from .dynamic_check import SymbolicProgram, program_of, sizes_planned_at
-from .fingerprint import source_hash
+from .fingerprint import options_text, source_hash
 from ..reporting.logs import emit_cached
 from ..passes.plan import Plan
 from ..settings import Settings
@@ -80,16 +80,8 @@ def record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings
             digest.update(f"{type(value).__name__}:{value}".encode())
     # The sizes planned at: a dynamic graph's tensors are the call's, not the sizes it is planned for.
     digest.update(json.dumps([repr(settings), repr(sizes_planned_at(gm, settings)), torch.__version__,
-                              source_hash(), _options_key(inductor_patches or {})]).encode())
+                              source_hash(), options_text(inductor_patches or {})]).encode())
     return digest.hexdigest()[:32]
-
-
-def _options_key(options: dict) -> str:
-    """``options`` as the same text in every process: an object (a custom pass) by its type,
-    not by its ``repr``, which may hold its address."""
-    plain = (str, int, float, bool, type(None))
-    return repr(sorted((str(name), value if isinstance(value, plain) else type(value).__qualname__)
-                       for name, value in options.items()))
 
 
 def _folder() -> Path:
