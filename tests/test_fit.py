@@ -503,6 +503,12 @@ def test_a_sample_key_named_target_is_the_models_input_in_step_keywords():
             reference_optimizer.step()
             reference_optimizer.zero_grad()
         assert_same_parameters(result.model, reference)
+        # the batch's target and target= both: refused, as Python refuses a keyword given twice
+        # (the batch's was replaced silently, review32d)
+        before = [parameter.detach().clone() for parameter in result.model.parameters()]
+        with pytest.raises(TypeError, match="'target' twice"):
+            result.step(batches[0], target=batch(20))
+        assert all(torch.equal(a, b) for a, b in zip(before, result.model.parameters()))
     finally:
         result.close()
         torch._dynamo.reset()

@@ -80,6 +80,9 @@ class Fitted:
         if self.keyword_sample and len(inputs) == 1 and isinstance(inputs[0], Mapping) and not kwargs:
             inputs, kwargs = (), dict(inputs[0])
         if self.target_is_input and target is not None:
+            if "target" in kwargs:  # step(batch, target=t): which one the model takes is not for us to guess
+                raise TypeError("compile_offload.fit: step() got the model's input 'target' twice (in the batch and "
+                                "as target=); fit's sample has a 'target' key, so target= is the model's input too")
             kwargs, target = {**kwargs, "target": target}, None
         if target is not None and self.loss_fn is None:
             raise TypeError("compile_offload.fit: step(..., target=...) needs fit(..., loss_fn=...): without a loss "
