@@ -200,8 +200,8 @@ def test_buffers_are_freed_outside_the_pools_lock(monkeypatch):
     a = pool.acquire(4096, CPU)
     del a
     gc.collect()
-    pool.acquire(2048, CPU)  # frees the idle 4 KiB buffer to make room
-    assert pool.stats().bytes_held == size_class(2048)
+    pool.acquire(1024, CPU)  # frees the idle 4 KiB buffer (over twice its class) to make room
+    assert pool.stats().bytes_held == size_class(1024)
     pool.trim()
     assert lock_held and not any(lock_held)
 
@@ -241,3 +241,74 @@ def test_the_latest_offloading_compile_sets_the_process_pool_limit():
     finally:
         pinned_pool.set_limit(before)
         torch._dynamo.reset()
+
+
+class _FakeEvent:
+    """A reload's completion event, completed when the test says so."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_a_buffer_a_reload_still_reads_is_not_handed_out_again():
+    """review33c F1: the host tensor dies once a compute stream was told to wait for its
+    reload, before the reload ran; an offload issued from another stream into the reused
+    buffer was ordered after nothing. The pool now waits for the reload's event itself."""
+    pool = PinnedHostPool()
+    host = pool.acquire(4096, CPU)
+    ptr = host.data_ptr()
+    event = _FakeEvent()
+    pool.note_read(host[1024:], event)  # a view of the buffer: the same storage
+    del host
+    other = pool.acquire(4096, CPU)
+    assert other.data_ptr() != ptr  # the reload may still read the first buffer
+    assert pool.stats().buffers_in_use == 2
+    del other
+    event.done = True  # the reload read it: both buffers serve again
+    both = [pool.acquire(4096, CPU), pool.acquire(4096, CPU)]
+    assert ptr in {t.data_ptr() for t in both} and pool.stats().host_allocations == 2
+
+
+def test_a_step_of_many_same_size_offloads_reads_each_buffer_a_few_times(monkeypatch):
+    """review33c F5: every acquire scanned its class from the start, reading the use count
+    of each buffer in use: n offloads of one size cost n**2 / 2 reads a step (1000 offloads:
+    345 ms a step on the CPU)."""
+    pool = PinnedHostPool()
+    reads = []
+    in_use = pinned_pool._Buffer.in_use
+    monkeypatch.setattr(pinned_pool._Buffer, "in_use", lambda self: reads.append(1) or in_use(self))
+    n = 300
+    for step in range(3):
+        reads.clear()
+        _simulated_step(pool, [8192] * n, step)
+    assert pool.stats().host_allocations == n
+    assert len(reads) <= 3 * n, len(reads)
+
+
+def test_sizes_that_vary_reuse_the_buffers_of_larger_ones():
+    """review33c F2: a buffer served its own size class only, so sizes varying from step to
+    step (dynamic batch or sequence lengths) pinned a set of buffers per size, forever."""
+    pool = PinnedHostPool()
+    base = [70_000, 3 * 2**16, 2**20]
+    _simulated_step(pool, [4 * n for n in base], 0)
+    allocated = pool.stats().host_allocations
+    for step, scale in enumerate([3.9, 2.5, 2.1, 3.3, 2.0], start=1):
+        _simulated_step(pool, [int(scale * n) for n in base], step)
+    assert pool.stats().host_allocations == allocated
+
+
+def test_without_a_limit_growing_sizes_do_not_keep_every_size_pinned():
+    """review33c F2: sizes growing step by step (batch 64 to 128) held 12.8 times the
+    most bytes one step had in use, every earlier size's buffers pinned for good."""
+    pool = PinnedHostPool()
+    most_in_use = 0
+    for step, batch in enumerate(range(64, 257, 2)):
+        saved = [pool.acquire(batch * 1024 * width, CPU) for width in (1, 4, 4, 1)]
+        most_in_use = max(most_in_use, pool.stats().bytes_in_use)
+        del saved
+    stats = pool.stats()
+    assert stats.bytes_held <= pinned_pool.AUTO_HELD_FACTOR * most_in_use, (stats, most_in_use)
+    assert stats.buffers_in_use == 0

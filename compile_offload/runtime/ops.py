@@ -35,7 +35,8 @@ direction, the two directions overlapping each other and compute.
   the reload stream waits for everything queued on the compute stream before the reload, so
   the host data is complete when the reload starts.
 * ``wait_reload`` makes the compute stream wait for the reload's event, keeping the host
-  tensor alive until then; its result (an alias of the reloaded tensor) replaces the saved
+  tensor alive until then (the CPU does not wait: the pool, told the reload's event, does
+  not hand the host buffer to another copy before the reload read it); its result (an alias of the reloaded tensor) replaces the saved
   tensor's uses in backward, so no use can be scheduled ahead of it.
 
 Correctness therefore rests on data edges only; nothing relies on timing or on Inductor keeping
@@ -394,6 +395,8 @@ def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | Non
         keepalive = (staging,)
     else:
         event, keepalive = _copy(out, host, device, "reload"), ()
+    if event is not None:  # the pool hands the buffer out again only once this copy has read it
+        pinned_pool.get_pool().note_read(host, event)
     # ``out`` itself is kept too: if a failing step dropped it before its wait, the allocator
     # must not hand its memory out while the copy still writes into it; and ``host``, whose
     # pinned buffer the copy reads.
@@ -455,6 +458,7 @@ def _wait_offload_impl(host: torch.Tensor, source: torch.Tensor) -> torch.Tensor
     if pending is not None and pending.event is not None:
         read = pending.keepalive[0]
         if source.untyped_storage().data_ptr() != read.untyped_storage().data_ptr():
+            pending.event.synchronize()  # the entry kept both ends alive: they die only after the copy
             raise RuntimeError(
                 f"compile_offload.wait_offload: the tensor it keeps alive (size {tuple(source.shape)}, data_ptr "
                 f"{source.data_ptr():#x}) is not the memory its offload read (data_ptr {read.data_ptr():#x}): the "

@@ -36,12 +36,25 @@ counter, see ``_storage_use_count``), so a buffer is never handed out twice whil
 offloaded tensor still lives in it, whatever order tensors die in. Where the counter does
 not exist the pool still works but never reuses (it warns once).
 
-Stream safety of reuse: see ``compile_offload.runtime.ops``. In short, a buffer only becomes idle
+Stream safety of reuse: see ``compile_offload.runtime.ops``. A buffer only becomes idle
 after the host tensor died, which happens after the wait that follows its last copy (a copy
-in flight keeps its host tensor referenced until its wait); that wait made the compute
-stream wait for the copy, and buffers are keyed by device, so a new copy into a reused
-buffer, whose transfer stream first waits for the compute stream, is ordered after every
-earlier copy that used it, whichever direction's stream ran it.
+in flight keeps its host tensor referenced until its wait). Copies into a buffer (offloads)
+run on one FIFO stream per device, so a new offload into a reused buffer runs after the
+earlier ones. Copies out of it (reloads) run on another stream, and the host tensor may die
+as soon as a compute stream was told to wait for the reload: a new offload issued from
+another compute stream (another thread, another model) is not ordered after that reload.
+So each reload hands its completion event to the pool (``note_read``), and a buffer is not
+handed out again before that event completed.
+
+Reuse across classes: a request no idle buffer of its class serves takes an idle buffer of
+the smallest larger class up to twice its class, before a new buffer is pinned, so sizes
+that vary from step to step (dynamic shapes: batch or sequence lengths) reuse the buffers
+of the larger sizes they saw.
+
+Without a limit, the pool holds at most ``AUTO_HELD_FACTOR`` times the most bytes its
+buffers held live tensors at once (as read when a buffer is allocated): beyond that, idle
+buffers are freed, smallest first, before a new one is pinned, so sizes that keep growing
+(a sequence-length curriculum) do not keep every earlier size's buffers page-locked.
 
 Limit: ``limit_bytes`` (``compile_offload.config.pinned_pool_limit``) bounds the bytes the
 pool holds. When a new buffer would exceed it, idle buffers of other classes are freed
@@ -54,6 +67,7 @@ make the copies synchronous and the plan's timing wrong).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import threading
 import warnings
@@ -65,6 +79,8 @@ from ..torch_api import cuda as torch_cuda
 
 MIN_CLASS_BYTES = 512
 CLASS_STEPS = 16  # size classes per power of two: waste < 1 / CLASS_STEPS
+LARGER_CLASS_REUSE = 2  # an idle buffer up to this many times a request's class serves it
+AUTO_HELD_FACTOR = 4  # without a limit: bytes held at most this many times the most in use at once
 PAGE_BYTES = mmap.PAGESIZE
 
 
@@ -135,11 +151,18 @@ class _Buffer:
         self.registered_ptr = registered_ptr
         self.from_torch_pinned = from_torch_pinned
         self.idle_use_count = _use_count(tensor)
+        self.last_read = None  # the event of the latest copy out of it (a reload), until it completed
 
     def in_use(self) -> bool:
         count = _use_count(self.tensor)
         # Without the counter we cannot tell; such buffers are never kept (see acquire).
-        return count is None or count > self.idle_use_count
+        if count is None or count > self.idle_use_count:
+            return True
+        if self.last_read is not None:
+            if not self.last_read.query():  # a reload still reads it
+                return True
+            self.last_read = None
+        return False
 
     def release(self) -> None:
         """Free the memory. The caller made sure no copy still uses it (see ``_release``)."""
@@ -167,6 +190,10 @@ class PinnedHostPool:
     def __init__(self, limit_bytes: int | None = None, *, use_host_register: bool = True):
         self._lock = threading.Lock()
         self._buffers: dict[tuple[str, int], list[_Buffer]] = {}
+        self._next: dict[tuple[str, int], int] = {}  # where the next scan of a class starts
+        self._by_storage: dict[int, _Buffer] = {}  # a buffer by its storage's address (note_read)
+        self._bytes_held = 0  # bytes of the buffers in ``_buffers``
+        self._peak_in_use = 0  # the most bytes in use at once, as read when allocating
         self._reserved = 0  # bytes of buffers being allocated right now (outside the lock)
         self._limit = None
         self.set_limit(limit_bytes)
@@ -204,11 +231,11 @@ class PinnedHostPool:
         cls = _pinned_class(nbytes) if pinned else size_class(nbytes)
         key = (str(device) if pinned else "cpu", cls)
         with self._lock:
-            buffer = self._idle_buffer(key)
+            buffer = self._idle_buffer(key) or self._idle_larger_buffer(key)
             if buffer is not None:
                 self._reuses += 1
                 return buffer.tensor[:nbytes]
-            released = self._make_room(cls)
+            released = self._make_room(cls) if self._limit is not None else self._auto_room(cls)
             self._reserved += cls  # counted against the limit while allocated outside the lock
         try:
             _release(released)
@@ -219,11 +246,20 @@ class PinnedHostPool:
         with self._lock:
             self._host_allocations += 1
             if buffer.idle_use_count is not None:
-                self._buffers.setdefault(key, []).append(buffer)
+                self._add(key, buffer)
             else:
                 self._warn_once("no-count", "compile_offload: this torch has no storage use counter; "
                                 "the pinned pool allocates every buffer anew (no reuse)")
             return buffer.tensor[:nbytes]
+
+    def note_read(self, host: torch.Tensor, event) -> None:
+        """A copy out of ``host`` (a reload on its own stream) completes at ``event``: the
+        buffer holding ``host`` is not handed out again before then, whatever stream the next
+        copy into it is issued from (the module docstring)."""
+        with self._lock:
+            buffer = self._by_storage.get(host.untyped_storage().data_ptr())
+            if buffer is not None:
+                buffer.last_read = event
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -249,30 +285,69 @@ class PinnedHostPool:
     # --- internals (called with the lock held) ---------------------------------------------
 
     def _idle_buffer(self, key: tuple[str, int]) -> _Buffer | None:
-        for buffer in self._buffers.get(key, ()):
-            if not buffer.in_use():
+        """An idle buffer of ``key``'s class. The scan starts after the one handed out last,
+        where the next idle one usually is: a step's offloads take a class's buffers in turn,
+        and a scan from the start made n offloads of one size cost n**2 / 2 reads."""
+        bucket = self._buffers.get(key, ())
+        start = self._next.get(key, 0)
+        for index in itertools.chain(range(start, len(bucket)), range(min(start, len(bucket)))):
+            if not bucket[index].in_use():
+                self._next[key] = index + 1
+                return bucket[index]
+        return None
+
+    def _idle_larger_buffer(self, key: tuple[str, int]) -> _Buffer | None:
+        """An idle buffer of the smallest larger class up to ``LARGER_CLASS_REUSE`` times
+        ``key``'s, of the same device."""
+        device, cls = key
+        larger = sorted(other for other in self._buffers
+                        if other[0] == device and cls < other[1] <= LARGER_CLASS_REUSE * cls)
+        for other in larger:
+            buffer = self._idle_buffer(other)
+            if buffer is not None:
                 return buffer
         return None
 
-    def _held(self) -> int:
-        return sum(b.nbytes for bucket in self._buffers.values() for b in bucket) + self._reserved
+    def _add(self, key: tuple[str, int], buffer: _Buffer) -> None:
+        self._buffers.setdefault(key, []).append(buffer)
+        self._by_storage[buffer.tensor.untyped_storage().data_ptr()] = buffer
+        self._bytes_held += buffer.nbytes
 
-    def _free_idle_until(self, target_bytes: int) -> list[tuple[tuple[str, int], _Buffer]]:
-        """Take idle buffers out of the pool, largest first, until at most ``target_bytes``
-        are held; returns them (device, buffer) for ``_release`` once the lock is let go."""
-        held = self._held()
+    def _remove(self, key: tuple[str, int], buffer: _Buffer) -> None:
+        self._buffers[key].remove(buffer)
+        if not self._buffers[key]:
+            del self._buffers[key]
+            self._next.pop(key, None)
+        self._by_storage.pop(buffer.tensor.untyped_storage().data_ptr(), None)
+        self._bytes_held -= buffer.nbytes
+
+    def _held(self) -> int:
+        return self._bytes_held + self._reserved
+
+    def _auto_room(self, nbytes: int) -> list[tuple[tuple[str, int], _Buffer]]:
+        """Without a limit: idle buffers to free, smallest first, so that the pool holds at
+        most ``AUTO_HELD_FACTOR`` times the most bytes in use at once (module docstring)."""
+        if self._held() + nbytes <= AUTO_HELD_FACTOR * self._peak_in_use:
+            return []  # the common case reads no buffer's count
+        in_use = sum(b.nbytes for bucket in self._buffers.values() for b in bucket if b.in_use())
+        self._peak_in_use = max(self._peak_in_use, in_use + nbytes)
+        return self._free_idle_until(AUTO_HELD_FACTOR * self._peak_in_use - nbytes, smallest_first=True)
+
+    def _free_idle_until(self, target_bytes: int, smallest_first: bool = False) -> list[tuple[tuple[str, int], _Buffer]]:
+        """Take idle buffers out of the pool, largest first (or smallest), until at most
+        ``target_bytes`` are held; returns them (key, buffer) for ``_release`` once the lock
+        is let go."""
+        if self._held() <= target_bytes:
+            return []
         idle = sorted(
             ((key, b) for key, bucket in self._buffers.items() for b in bucket if not b.in_use()),
-            key=lambda kb: -kb[1].nbytes,
+            key=lambda kb: kb[1].nbytes if smallest_first else -kb[1].nbytes,
         )
         released = []
         for key, buffer in idle:
-            if held <= target_bytes:
+            if self._held() <= target_bytes:
                 break
-            self._buffers[key].remove(buffer)
-            if not self._buffers[key]:
-                del self._buffers[key]
-            held -= buffer.nbytes
+            self._remove(key, buffer)
             released.append((key, buffer))
         return released
 
@@ -297,7 +372,7 @@ class PinnedHostPool:
     def _restore(self, taken: list[tuple[tuple[str, int], _Buffer]]) -> None:
         """Put buffers ``_free_idle_until`` took back (the room they made was not enough)."""
         for key, buffer in taken:
-            self._buffers.setdefault(key, []).append(buffer)
+            self._add(key, buffer)
 
     def _allocate(self, nbytes: int, pinned: bool) -> _Buffer:
         if not pinned:
