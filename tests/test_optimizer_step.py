@@ -57,7 +57,7 @@ def test_the_streamed_step_trains_like_the_host_step(name):
     stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 2))
     streamed = []
     real = stepper._step_chunks
-    stepper._step_chunks = lambda group, chunks: streamed.append(len(chunks)) or real(group, chunks)
+    stepper._step_chunks = lambda group, chunks, stepped: streamed.append(len(chunks)) or real(group, chunks, stepped)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -68,6 +68,38 @@ def test_the_streamed_step_trains_like_the_host_step(name):
 
     assert stepper.chosen == DEVICE and len(streamed) == 3 and all(n > 1 for n in streamed), streamed
     torch.testing.assert_close(losses, expected)
+    for (label, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=label)
+        for key, value in reference_optimizer.state[q].items():
+            torch.testing.assert_close(optimizer.state[p][key], value, msg=f"{label} {key}")
+
+
+def test_a_group_that_cannot_be_staged_steps_on_the_host_with_the_rest(monkeypatch):
+    """review33c F3: out of device memory staging the third group, the step raised with two
+    groups stepped and the rest not (a retry stepped the first ones twice), and on CUDA the
+    downloads still writing the host tensors. The groups not stepped now step on the host:
+    one whole step, as the reference's, with a warning."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
+    _train(model, stepper.step, 2)
+    _train(reference, reference_optimizer.step, 2)
+    staged = []
+    real = OptimizerStep._stage
+
+    def stage(self, params, group):
+        staged.append(len(params))
+        if len(staged) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, params, group)
+
+    monkeypatch.setattr(OptimizerStep, "_stage", stage)
+    with pytest.warns(UserWarning, match=r"ran out of device memory staging a group .* stepped on the host"):
+        _train(model, stepper.step, 1)
+    _train(reference, reference_optimizer.step, 1)
+    assert len(staged) == 3 and len(list(model.parameters())) > 3
     for (label, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=label)
         for key, value in reference_optimizer.state[q].items():
@@ -117,7 +149,7 @@ def test_an_optimizer_without_state_streams_every_parameter():
     stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 2))
     streamed: list[int] = []
     real = stepper._step_chunks
-    stepper._step_chunks = lambda group, chunks: streamed.append(sum(map(len, chunks))) or real(group, chunks)
+    stepper._step_chunks = lambda group, chunks, stepped: streamed.append(sum(map(len, chunks))) or real(group, chunks, stepped)
     _train(model, stepper.step, 3)
     assert not any(optimizer.state.values()) and streamed
     assert all(n == len(list(model.parameters())) for n in streamed)
@@ -135,7 +167,7 @@ def test_the_global_step_hooks_run_once_per_step_however_many_groups_stream():
     stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
     groups: list[int] = []
     real = stepper._step_chunks
-    stepper._step_chunks = lambda group, chunks: groups.append(len(chunks)) or real(group, chunks)
+    stepper._step_chunks = lambda group, chunks, stepped: groups.append(len(chunks)) or real(group, chunks, stepped)
     seen: list[tuple[str, int]] = []
     handles = [register_optimizer_step_pre_hook(lambda opt, *_: seen.append(("pre", id(opt)))),
                register_optimizer_step_post_hook(lambda opt, *_: seen.append(("post", id(opt))))]
@@ -251,8 +283,8 @@ def test_parameters_too_large_for_a_group_step_on_the_host_while_the_rest_stream
     stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=largest_bias)
     streamed = []
     real = stepper._step_chunks
-    stepper._step_chunks = lambda group, chunks: streamed.extend(p for chunk in chunks for p in chunk) or real(
-        group, chunks)
+    stepper._step_chunks = lambda group, chunks, stepped: streamed.extend(p for chunk in chunks for p in chunk) or real(
+        group, chunks, stepped)
     _train(model, stepper.step, 3)
     reference_optimizer = optimizer_fn(reference.parameters())
     _train(reference, reference_optimizer.step, 3)
@@ -300,7 +332,7 @@ def test_fit_streams_the_host_state_through_the_device_like_an_eager_loop():
         assert "streamed through the device" in str(result.plan)
         streamed = []
         real = result.optimizer_step._step_chunks
-        result.optimizer_step._step_chunks = lambda group, chunks: streamed.append(len(chunks)) or real(group, chunks)
+        result.optimizer_step._step_chunks = lambda group, chunks, stepped: streamed.append(len(chunks)) or real(group, chunks, stepped)
         assert_trains_like_an_eager_loop(result, reference, 4, tokens=tokens)
         assert result.optimizer_step.chosen == DEVICE, result.optimizer_step.why
         assert len(streamed) == 3 and all(n > 1 for n in streamed), streamed  # steps 2-4, in several groups

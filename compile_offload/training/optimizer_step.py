@@ -127,6 +127,10 @@ def check_mode(mode: str) -> None:
                          f"not {mode!r}")
 
 
+class _StagingFailed(Exception):
+    """A group's copies to the device ran out of memory (``OptimizerStep._stage_or_stop``)."""
+
+
 def _ms(seconds: list[float]) -> str:
     return ", ".join(f"{1e3 * s:.2f}" for s in seconds)
 
@@ -304,10 +308,21 @@ class OptimizerStep:
                           "runs them, so a pre-hook that changes gradients (clipping) does not reach those "
                           "parameters. Clip with fit(..., max_grad_norm=...), or pass optimizer_step='host'",
                           stacklevel=4)
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                chunks = self._chunks([p for p in group["params"] if id(p) in streamed])
-                self._step_chunks(group, chunks)
+        stepped: set[int] = set()
+        try:
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    chunks = self._chunks([p for p in group["params"] if id(p) in streamed])
+                    self._step_chunks(group, chunks, stepped)
+        except _StagingFailed as failed:  # the groups not stepped yet step on the host, below
+            self._synchronize_streams()  # the downloads written, the failed group's uploads done reading
+            warnings.warn("compile_offload.fit: the streamed optimizer step ran out of device memory staging a group "
+                          f"of parameters ({failed.__cause__}); the {len(streamed) - len(stepped)} host parameters "
+                          "not stepped yet stepped on the host this step", stacklevel=4)
+            streamed = stepped
+        except BaseException:
+            self._synchronize_streams()  # nothing reads or writes host tensors under a copy after this
+            raise
         set_aside = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -346,17 +361,24 @@ class OptimizerStep:
             return False
         return value.dim() > 0 or bool(group.get("fused") or group.get("capturable"))
 
-    def _step_chunks(self, group: dict, chunks: list[list[nn.Parameter]]) -> None:
+    def _synchronize_streams(self) -> None:
+        for stream in self._streams or ():
+            stream.synchronize()
+
+    def _step_chunks(self, group: dict, chunks: list[list[nn.Parameter]], stepped: set[int]) -> None:
+        """Stream ``chunks`` through the device, adding each stepped parameter's id to
+        ``stepped``; ``_StagingFailed`` where a group's copies to the device ran out of memory
+        (the groups before it stepped, it and those after it untouched)."""
         if not chunks:
             return
         cuda = self.device.type == "cuda"
         if cuda and self._streams is None:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         compute = torch.cuda.current_stream(self.device) if cuda else None
-        staged = self._stage(chunks[0], group)
+        staged = self._stage_or_stop(chunks[0], group)
         for index in range(len(chunks)):
             current = staged
-            staged = self._stage(chunks[index + 1], group) if index + 1 < len(chunks) else None
+            staged = self._stage_or_stop(chunks[index + 1], group) if index + 1 < len(chunks) else None
             if current.ready is not None:
                 compute.wait_event(current.ready)
             inner = copy.copy(self.optimizer)  # same class and defaults, none of the user's hooks
@@ -364,6 +386,15 @@ class OptimizerStep:
             inner.state = defaultdict(dict, zip(current.shadows, current.states))
             optim.step_without_hooks(inner)  # the global hooks run once, in the user's optimizer.step()
             self._unstage(current, group)
+            stepped.update(map(id, current.params))
+
+    def _stage_or_stop(self, params: list[nn.Parameter], group: dict) -> _Staged:
+        """``_stage``; out of device memory there, nothing of the group has been stepped (its
+        host tensors are only read), so the host can step it: ``_StagingFailed``."""
+        try:
+            return self._stage(params, group)
+        except torch.OutOfMemoryError as error:
+            raise _StagingFailed from error
 
     def _stage(self, params: list[nn.Parameter], group: dict) -> _Staged:
         cuda = self.device.type == "cuda"
