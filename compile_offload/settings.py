@@ -21,6 +21,7 @@ from . import config
 from .passes.cost import BUILTIN_PROFILE_MEMORY_BYTES, BUILTIN_PROFILES
 from .passes.plan import format_bytes
 from .pipeline.fingerprint import torch_config_hash
+from .torch_api.utils import ENVIRONMENT_FLAGS
 
 SOLVERS = ("greedy", "refined", "exact")
 INNER_COMPILERS = ("inductor", "eager")
@@ -212,18 +213,14 @@ def _choice(knob: str, value: object, accepted: tuple[str, ...]) -> str:
     return value
 
 
-_ENVIRONMENT_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
-                      "0": False, "false": False, "no": False, "off": False}
-
-
 def _flag(knob: str, value: object, from_environment: bool = False) -> bool:
     if isinstance(value, str) and from_environment:
         # torch's config module turns only "0"/"1" into bools; "false", "True", "off" stay strings.
         word = value.strip().lower()
-        if word in _ENVIRONMENT_FLAGS:
-            return _ENVIRONMENT_FLAGS[word]
+        if word in ENVIRONMENT_FLAGS:
+            return ENVIRONMENT_FLAGS[word]
         raise ValueError(f"COMPILE_OFFLOAD_{knob.upper()}={value!r} (compile_offload.config.{knob}) is not a flag; "
-                         f"accepted: {', '.join(_ENVIRONMENT_FLAGS)}")
+                         f"accepted: {', '.join(ENVIRONMENT_FLAGS)}")
     if not isinstance(value, bool):
         raise TypeError(f"compile_offload.config.{knob}={value!r} has type {type(value).__name__}; accepted: True or False")
     return value

@@ -370,6 +370,23 @@ def test_an_environment_0_or_1_reads_back_as_what_it_means(raw):
     assert result["same"] is True, result
 
 
+@pytest.mark.slow
+def test_an_environment_flag_word_reads_back_as_its_bool():
+    """fuzz33b F01: COMPILE_OFFLOAD_OFFLOAD=no read back as the string "no", true to
+    ``if compile_offload.config.offload:`` (the backend read it right); every word the
+    reference lists for flags reads back as its bool, and another stays a string the
+    settings refuse."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_OFFLOAD_")}
+    words = {"offload": ("no", False), "strict_budget": ("On", True), "debug_force_offload": (" yes ", True),
+             "verify_budget": ("FALSE", False), "prefetch": ("off", False), "suppress_errors": ("true", True)}
+    script = ("import json, compile_offload\n"
+              f"print(json.dumps({{knob: getattr(compile_offload.config, knob) for knob in {sorted(words)!r}}}))")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                               env={**clean, **{f"COMPILE_OFFLOAD_{k.upper()}": raw for k, (raw, _) in words.items()}})
+    assert json.loads(completed.stdout.strip().splitlines()[-1]) == {k: value for k, (_, value) in words.items()}
+    assert resolve_with_env({"COMPILE_OFFLOAD_OFFLOAD": "maybe"})["error"] == "ValueError"
+
+
 @pytest.mark.parametrize("knob", ["measured_plan_steps", "exact_max_candidates"])
 def test_a_bool_is_no_count_in_code(knob):
     with pytest.raises(ValueError, match="accepted: a positive int"):

@@ -73,18 +73,31 @@ except ImportError:  # pragma: no cover - torch without the sentinel
     pass
 
 
+# What a flag's environment variable may say (any case, spaces around ignored).
+ENVIRONMENT_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+                     "0": False, "false": False, "no": False, "off": False}
+
+
 def keep_environment_strings(module: Any, variable_of) -> None:
     """torch's config module reads an environment value "0" or "1" as a bool, whatever the
-    knob (``_read_env_variable``): for each knob of ``module`` that is not a flag (its default
-    is no bool), the variable's own string is what it reads from the environment instead, as
-    any other value (``"0"``: 0 bytes, not ``False``). ``variable_of(knob)``: its variable."""
+    knob, and any other value as its string (``_read_env_variable``): for each knob of
+    ``module`` that is not a flag (its default is no bool), the variable's own string is what
+    it reads instead, as any other value (``"0"``: 0 bytes, not ``False``); for each flag,
+    the bool a word of ``ENVIRONMENT_FLAGS`` says (``"no"`` read back as the string ``"no"``
+    was true to ``if config.offload:``). Another word stays a string, which the settings
+    refuse. ``variable_of(knob)``: its variable."""
     import os
 
     for knob, entry in module._config.items():
         raw = os.environ.get(variable_of(knob))
-        if isinstance(entry.env_value_default, bool) and not isinstance(entry.default, bool):
-            if raw in ("0", "1"):
-                entry.env_value_default = raw
+        if raw is None:
+            continue
+        if isinstance(entry.default, bool):
+            word = raw.strip().lower()
+            if word in ENVIRONMENT_FLAGS:
+                entry.env_value_default = ENVIRONMENT_FLAGS[word]
+        elif isinstance(entry.env_value_default, bool) and raw in ("0", "1"):
+            entry.env_value_default = raw
 
 
 # --- torch.utils._triton, torch.fx._lazy_graph_module --------------------------------------------
