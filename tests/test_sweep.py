@@ -27,6 +27,10 @@ def test_a_single_budget_is_one_plan_not_one_per_character():
     assert plan.budget_bytes == 40 * 1024
     (plan,) = compile_offload.sweep(model, *mlp_inputs(), budgets=0.5, device_profile="cpu")
     assert plan.budget_bytes is not None
+    (plan,) = compile_offload.sweep(model, *mlp_inputs(), budgets=None, device_profile="cpu")  # fuzz33b F02
+    assert plan.budget_bytes is None
+    with pytest.raises(TypeError, match=r"budgets=<object .*> is neither a budget nor a list of budgets"):
+        compile_offload.sweep(model, *mlp_inputs(), budgets=object(), device_profile="cpu")
 
 
 def test_memory_budget_is_refused_naming_budgets():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ from .explain import explain
 
 def sweep(model_or_fn, *example_inputs, budgets, out: str | Path | None = None, **options: Any) -> list[Plan]:
     """One plan per budget (``explain`` for each; a single budget, ``"1MiB"`` or ``0.5``, is
-    one); with ``out``, draw ``out/pareto.png``: predicted step time against predicted peak
+    one, ``None`` too); with ``out``, draw ``out/pareto.png``: predicted step time against predicted peak
     memory, one point per budget."""
-    if isinstance(budgets, (str, numbers.Real)):  # not its characters, one by one
+    if budgets is None or isinstance(budgets, (str, numbers.Real)):  # not its characters, one by one
         budgets = [budgets]
+    if not isinstance(budgets, Iterable):
+        raise TypeError(f"compile_offload.sweep: budgets={budgets!r} is neither a budget nor a list of budgets, "
+                        "such as budgets=[None, 0.5, 0.0]")
     budgets = list(budgets)
     if not budgets:
         raise ValueError("compile_offload.sweep: budgets is empty; give at least one budget, such as "
