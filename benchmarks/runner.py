@@ -538,8 +538,18 @@ _COLUMNS = (
     ("predicted peak MiB", lambda r: _fmt(r.get("predicted_peak_bytes"), ".1f", MiB)),
     ("predicted ms", lambda r: _fmt(r.get("predicted_step_ms"), ".2f")),
     ("budget MiB", lambda r: _fmt(r.get("budget_bytes"), ".1f", MiB)),
-    ("status", lambda r: r.get("status", "") if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error', '')}"),
+    ("status", lambda r: _status(r)),
 )
+
+
+def _status(row: dict) -> str:
+    """``ok``, saying where the measured peak passed the row's budget (the table is what a
+    reader sees; the row's ``within_budget`` alone said it), or what went wrong."""
+    if row.get("status") != "ok":
+        return f"{row.get('status')}: {row.get('error', '')}"
+    if row.get("within_budget") is False:
+        return f"ok, over budget ({row['peak_bytes'] / row['budget_bytes']:.3f}x)"
+    return "ok"
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -148,6 +148,18 @@ def test_ratios_are_against_compile_default():
     assert "ms_vs_compile" not in rows[2]
 
 
+def test_the_table_says_where_a_row_measured_over_its_budget():
+    """fuzz33b F06: a row over its budget (within_budget false in the jsonl) read "ok"."""
+    rows = [{"strategy": "ours:256KiB", "status": "ok", "peak_bytes": 600 * 1024, "budget_bytes": 256 * 1024},
+            {"strategy": "ours:1MiB", "status": "ok", "peak_bytes": 600 * 1024, "budget_bytes": 2**20},
+            {"strategy": "compile", "status": "ok", "peak_bytes": 900 * 1024}]
+    for row in rows:
+        runner._add_prediction_checks(row)
+    table = runner.markdown_table(rows).splitlines()
+    assert table[2].endswith("| ok, over budget (2.344x) |") and table[3].endswith("| ok |"), table
+    assert table[4].endswith("| ok |")
+
+
 def _plan(peak: int, seconds: float, budget: int | None) -> Plan:
     return Plan(feasible=budget is None or peak <= budget, budget_bytes=budget, predicted_peak_bytes=peak,
                 predicted_step_seconds=seconds, baseline_peak_bytes=2 * peak, baseline_step_seconds=seconds,
