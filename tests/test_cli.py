@@ -91,6 +91,17 @@ def test_demo_mistakes_exit_with_one_line_not_a_traceback(arguments, message):
     assert re.search(message, str(exit_info.value)) and "\n" not in str(exit_info.value)
 
 
+def test_a_bad_configured_budget_exits_the_demo_with_one_line():
+    """fuzz33b F05: COMPILE_OFFLOAD_MEMORY_BUDGET=5x (the config's value, where --budget is not
+    given) ended the demo in an 8-frame traceback; --budget 5x in one line."""
+    import compile_offload
+
+    with compile_offload.config.patch(memory_budget="5x"), pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", "1", "--device", "cpu"])
+    assert re.search(r"^demo: .*memory_budget='5x' is not a size", str(exit_info.value))
+    assert "\n" not in str(exit_info.value)
+
+
 def test_demo_refuses_a_step_count_below_one(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--steps", "-1", "--device", "cpu"])

@@ -67,6 +67,7 @@ def _device(name: str | None) -> torch.device:
 
 def run_demo(args: argparse.Namespace) -> int:
     import compile_offload
+    from .. import settings as settings_mod
     from ..settings import parse_budget
 
     if args.budget is not None and not args.budget.strip():
@@ -82,6 +83,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.budget is not None or compile_offload.config.memory_budget is None:
         # a string, parsed by compile_offload like the environment variable; else the config's
         options["memory_budget"] = "0.5" if args.budget is None else args.budget
+    try:  # the environment's values too (COMPILE_OFFLOAD_MEMORY_BUDGET=5x), before the model is built
+        settings_mod.resolve(options)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"demo: {error}") from None
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     tokens = torch.randint(0, 256, (8, 128), device=device)
