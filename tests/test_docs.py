@@ -17,7 +17,9 @@ Conventions for writing docs (a failing test here names the file and the line of
   Inductor's CPU code generation takes minutes on a small machine; other tests cover it).
   A block that needs a CUDA GPU or an optional package starts with a line such as
   ``# needs: cuda`` or ``# needs: transformers, accelerate`` and is skipped without them
-  (the blocks after it must not depend on it).
+  (the blocks after it must not depend on it). A ```` ```text ```` block right after a python
+  block, where the prose between them says the block ``prints here``, is its output: each of
+  its lines must be printed by the block.
 - ```` ```bash ```` blocks are checked line by line (``\\`` continues a line, ``#`` starts a
   comment; ``VAR=value`` prefixes must be knobs' ``COMPILE_OFFLOAD_*`` variables or torch's
   ``TORCH_LOGS``/``TORCH_TRACE``):
@@ -177,10 +179,25 @@ def test_python_block_runs(block: Block, tmp_path_factory):
         except Exception as error:
             pytest.fail(f"an earlier block of the same file, {earlier.id}, failed: {error!r}")
         session.ran += 1
-    with warnings.catch_warnings():
+    printed = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
         warnings.simplefilter("ignore")  # the docs show warnings on purpose (a GPU profile on a CPU, ...)
         run_python(block, session)
     session.ran = index + 1
+    shown = shown_output(block)
+    if shown is not None:  # what the page says the block prints, it prints
+        missing = [line for line in shown.code.splitlines() if line.strip() and line not in printed.getvalue()]
+        assert not missing, f"{shown.id}: the page shows lines {block.id} does not print: {missing}"
+
+
+def shown_output(block: Block) -> Block | None:
+    """The ```` ```text ```` block a page shows as ``block``'s output: the next block of the
+    file, where the prose between them says it ``prints here``."""
+    later = [b for b in ALL_BLOCKS if b.path == block.path and b.line > block.line]
+    if not later or later[0].language != "text":
+        return None
+    lines = block.path.read_text().splitlines()[block.line:later[0].line - 1]
+    return later[0] if "prints here" in " ".join(lines) else None
 
 
 # --- bash blocks ----------------------------------------------------------------------------
