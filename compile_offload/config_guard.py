@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -30,21 +30,32 @@ KNOBS = tuple(sorted(config._config))  # every knob: each one changes the plan o
 TORCH_BUDGET = "torch._functorch.config.activation_memory_budget"
 
 
-def knob_values(skip: Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
-    """The knobs as this thread reads them now (``skip``: those a backend's options fix),
-    each as it is understood: ``0.5`` and ``"0.5"``, ``"1MiB"`` and ``1048576`` are one value,
-    which compiled again would plan the same (and use up Dynamo's recompile limit). Where
-    ``memory_budget`` is not fixed, the fraction taken from torch's ``activation_memory_budget``
-    comes last (None where ours is set or torch's asks for none: its changes then plan alike)."""
-    skip = frozenset(skip)
-    values = tuple((knob, _understood(knob, getattr(config, knob))) for knob in KNOBS if knob not in skip)
-    return values if "memory_budget" in skip else (*values, (TORCH_BUDGET, torch_budget()))
+def knob_values(fixed: Mapping[str, Any] | Iterable[str] = ()) -> tuple[tuple[str, Any], ...]:
+    """The knobs as this thread reads them now (``fixed``: those a backend's options fix, with
+    their values), each as it is understood: ``0.5`` and ``"0.5"``, ``"1MiB"`` and ``1048576``
+    are one value, which compiled again would plan the same (and use up Dynamo's recompile
+    limit). Unless ``memory_budget`` is fixed to a budget, the fraction taken from torch's
+    ``activation_memory_budget`` comes last (None where ours is set or torch's asks for none:
+    its changes then plan alike)."""
+    values = tuple((knob, _understood(knob, getattr(config, knob))) for knob in KNOBS if knob not in fixed)
+    if "memory_budget" not in fixed:
+        return (*values, (TORCH_BUDGET, torch_budget()))
+    ours = fixed["memory_budget"] if isinstance(fixed, Mapping) else "set"
+    if _understood("memory_budget", ours) != ("read", (None, None)):
+        return values
+    # fixed to no budget (``offload_remat(memory_budget=None)``): torch's knob is still the budget
+    return (*values, (TORCH_BUDGET, torch_budget(ours)))
 
 
-def torch_budget() -> float | None:
+_FROM_CONFIG = object()
+
+
+def torch_budget(ours: Any = _FROM_CONFIG) -> float | None:
+    """The fraction a compile takes from torch's knob, ``ours`` being ``memory_budget``
+    (default: the config's)."""
     from .settings import torch_budget_taken
 
-    return torch_budget_taken()
+    return torch_budget_taken() if ours is _FROM_CONFIG else torch_budget_taken(ours)
 
 
 def _torch_knob() -> Any:
@@ -90,13 +101,14 @@ def _shown(knob: str, value: Any) -> Any:
 _NOT_WATCHED = object()
 
 
-def install(skip: Iterable[str] = ()) -> bool:
-    """Guard the frame Dynamo is compiling on the knobs read now; False where this torch
-    offers no way to (then use ``warn_when_changed``)."""
+def install(fixed: Mapping[str, Any] | Iterable[str] = ()) -> bool:
+    """Guard the frame Dynamo is compiling on the knobs read now (``fixed``: those the
+    backend's options fix); False where this torch offers no way to (then use
+    ``warn_when_changed``)."""
     from .torch_api import dynamo
 
-    skip = frozenset(skip)
-    planned = knob_values(skip)
+    planned = knob_values(fixed)
+    fixed_budget = dict(fixed).get("memory_budget", _FROM_CONFIG) if isinstance(fixed, Mapping) else _FROM_CONFIG
 
     # Reading every knob costs ~80 us; the guard runs at every call of the frame. A context
     # that found the knobs as planned at some change count need not read them again until
@@ -112,12 +124,13 @@ def install(skip: Iterable[str] = ()) -> bool:
         # (a few microseconds) only where it is not as set when planned
         if watched_torch is not _NOT_WATCHED:
             knob = _torch_knob()
-            if knob is not knob_when_planned and knob != knob_when_planned and torch_budget() != watched_torch:
+            if (knob is not knob_when_planned and knob != knob_when_planned
+                    and torch_budget(fixed_budget) != watched_torch):
                 return False
         changes = process_config.version()
         if changes is not None and checked_at.get() == changes:
             return True
-        matches = knob_values(skip) == planned
+        matches = knob_values(fixed) == planned
         if matches and changes is not None:
             checked_at.set(changes)
         return matches
@@ -126,17 +139,17 @@ def install(skip: Iterable[str] = ()) -> bool:
         check, f"compile_offload.config as when planned ({_describe(planned)}; every knob compared)")
 
 
-def warn_when_changed(compiled: Callable[..., Any], graph_name: str, skip: Iterable[str] = ()) -> Callable[..., Any]:
+def warn_when_changed(compiled: Callable[..., Any], graph_name: str,
+                      fixed: Mapping[str, Any] | Iterable[str] = ()) -> Callable[..., Any]:
     """``compiled``, warning once when it is called under other knobs than planned it."""
-    skip = frozenset(skip)
-    planned = knob_values(skip)
+    planned = knob_values(fixed)
     warned = False
 
     @functools.wraps(compiled)
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal warned
         if not warned:
-            now = knob_values(skip)
+            now = knob_values(fixed)
             if now != planned:
                 warned = True
                 warnings.warn(

@@ -288,14 +288,18 @@ def torch_activation_budget() -> float | None:
     return float(value) if value < 1.0 else None  # 1.0 and above: torch saves every activation
 
 
-def torch_budget_taken() -> float | None:
+_CONFIGURED = object()
+
+
+def torch_budget_taken(memory_budget: Any = _CONFIGURED) -> float | None:
     """The fraction a compile now takes from torch's ``activation_memory_budget``: None where
-    ``memory_budget`` is set (ours wins; a value it refuses counts as set) or torch's value
-    asks for no budget. Said nothing of: the config guard reads it at every call."""
+    ``memory_budget`` (default: the config's) is set (ours wins; a value it refuses counts as
+    set) or torch's value asks for no budget. Said nothing of: the config guard reads it at
+    every call."""
     from .torch_api.functorch import config as functorch_config
 
     try:
-        ours = SPELLED_KNOBS["memory_budget"](config.memory_budget)
+        ours = SPELLED_KNOBS["memory_budget"](config.memory_budget if memory_budget is _CONFIGURED else memory_budget)
     except (TypeError, ValueError):
         return None
     value = getattr(functorch_config, "activation_memory_budget", 1.0)

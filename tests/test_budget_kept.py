@@ -123,6 +123,15 @@ def test_a_change_of_torchs_budget_knob_recompiles_where_it_is_the_budget(eager_
             warnings.simplefilter("ignore")  # ours wins over torch's: said once
             _train_step(fixed, x)
     assert len(captured_plans) == 3
+    # fixed to no budget (memory_budget=None in the options), torch's knob is still the budget
+    # and its changes recompile: the plan made for the first value kept running (fuzz33b F11)
+    unset = torch.compile(MLP(), backend=compile_offload.offload_remat(memory_budget=None))
+    with config.patch(memory_budget="1MiB"):  # the options' None wins over the config's budget
+        for fraction in (0.9, 0.0, 1.0):
+            with torch._functorch.config.patch(activation_memory_budget=fraction):
+                _train_step(unset, x)
+    assert [plan.budget_bytes for plan in captured_plans[3:]] == [captured_plans[0].budget_bytes,
+                                                                  captured_plans[1].budget_bytes, None]
 
 
 def test_torchs_budget_knob_recompiles_nothing_where_it_decides_nothing(eager_inner, captured_plans):
@@ -149,7 +158,7 @@ def test_without_a_guard_a_changed_budget_warns_once(eager_inner, captured_plans
     another budget."""
     from compile_offload import config_guard
 
-    monkeypatch.setattr(config_guard, "install", lambda skip=(): False)
+    monkeypatch.setattr(config_guard, "install", lambda fixed=(): False)
     (x,) = mlp_inputs()
     compiled = torch.compile(MLP(), backend="offload_remat")
     _train_step(compiled, x)
