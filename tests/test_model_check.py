@@ -118,8 +118,11 @@ def test_cli_rejects_an_unknown_shape_with_one_line(flag):
 
 @pytest.mark.parametrize("arguments, message", [
     # fuzz24b finding 19: an empty table, exit 0
-    (["--shapes", ""], r"--shapes '': names no anchor shape; accepted: one or more of gpt8, deep24, comma-separated"),
-    (["--shapes", ","], r"--shapes ',': names no anchor shape; .*"),
+    (["--shapes", "", "--skip-optimality"],
+     r"--shapes '': names no anchor shape \(and no optimality graph: an empty report\); accepted: one or more of "
+     r"gpt8, deep24, comma-separated"),
+    (["--shapes", ",", "--optimality-graphs", ""], r"--shapes ',': names no anchor shape .*"),
+    (["--shapes", "", "--fit"], r"--shapes '': names no anchor shape \(--fit fits the anchors\); .*"),
     # fuzz24b finding 19: accepted, then every graph's row read "too many for max_plans=-1"
     (["--max-plans", "-1"], r"--max-plans -1: the most plans the exhaustive search may evaluate; accepted: a whole "
                             r"number >= 1"),
@@ -129,6 +132,14 @@ def test_cli_rejects_no_shapes_and_a_non_positive_max_plans_with_one_line(argume
     with pytest.raises(SystemExit) as exit_info:
         main(["model-check", "--pareto-shapes", "", *arguments])
     assert re.fullmatch(f"model-check: {message}", str(exit_info.value))
+
+
+def test_no_anchor_shape_prints_the_optimality_table_alone(capsys):
+    """fuzz33b F08: docs/benchmarks.md makes the optimality table with --shapes "", which was
+    refused (no anchor shape) though the table needs none."""
+    assert main(["model-check", "--shapes", "", "--pareto-shapes", "", "--optimality-graphs", "tower4"]) == 0
+    printed = capsys.readouterr().out
+    assert "| tower4 | 42.00 |" in printed and "| shape | strategy |" not in printed and "measured on" not in printed
 
 
 def test_load_anchors_names_a_missing_file(tmp_path):

@@ -683,9 +683,11 @@ def _table_head(*columns: str) -> list[str]:
 def run_model_check(args: argparse.Namespace) -> int:
     out = sys.stdout
     shapes = [s for s in args.shapes.split(",") if s]
-    if not shapes:  # an empty table, with nothing to say why
-        raise SystemExit(f"model-check: --shapes {args.shapes!r}: names no anchor shape; accepted: one or more of "
-                         f"{', '.join(SHAPES)}, comma-separated")
+    # no anchor shape: only the optimality table (greedy against the exact optimum), where it is asked for
+    if not shapes and (args.skip_optimality or args.fit or not [g for g in args.optimality_graphs.split(",") if g]):
+        why = "--fit fits the anchors" if args.fit else "and no optimality graph: an empty report"
+        raise SystemExit(f"model-check: --shapes {args.shapes!r}: names no anchor shape ({why}); accepted: one or "
+                         f"more of {', '.join(SHAPES)}, comma-separated")
     if args.max_plans < 1:  # the exhaustive search's space has at least one plan
         raise SystemExit(f"model-check: --max-plans {args.max_plans}: the most plans the exhaustive search may "
                          "evaluate; accepted: a whole number >= 1")
@@ -698,7 +700,7 @@ def run_model_check(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"model-check: --pareto-shapes: unknown anchor shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
     try:
-        anchors = load_anchors(Path(args.anchors), shapes)
+        anchors = load_anchors(Path(args.anchors), shapes) if shapes else []
     except ValueError as error:
         raise SystemExit(f"model-check: {error}") from error
     profile = BUILTIN_PROFILES["h100"]
@@ -738,12 +740,15 @@ def _cell(value, fmt: str = "{}") -> str:
 def format_tables(records: list[dict]) -> str:
     header = next(r for r in records if r["kind"] == "header")
     c = header["calibration"]
+    anchors = [r for r in records if r["kind"] == "anchor"]
+    measured = f"measured on {'; '.join(header['measured_on'])}. " if header["measured_on"] else ""
     lines = [f"model-check {header['date']}, torch {header['torch']}, profile h100 calibrated "
              f"(compute {c['compute']}, memory {c['memory']}, launch {c['launch'] * 1e6:g} µs); "
-             f"measured on {'; '.join(header['measured_on'])}. Every 'predicted' figure is a prediction.", ""]
-    lines += ["| shape | strategy | role | measured peak MiB | predicted peak MiB | peak error | "
-              "measured ratio | predicted ratio | ratio error |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in (r for r in records if r["kind"] == "anchor"):
+             f"{measured}Every 'predicted' figure is a prediction."]
+    if anchors:
+        lines += _table_head("shape", "strategy", "role", "measured peak MiB", "predicted peak MiB", "peak error",
+                             "measured ratio", "predicted ratio", "ratio error")
+    for r in anchors:
         peak_error = (None if r["predicted_peak_mb"] is None or not r["measured_peak_mb"]
                       else r["predicted_peak_mb"] / r["measured_peak_mb"] - 1)
         ratio_error = (None if r["predicted_ratio"] is None or r["measured_ratio"] is None
