@@ -136,7 +136,8 @@ def warn_unknown_environment() -> None:
 
     known = {f"COMPILE_OFFLOAD_{knob.upper()}" for knob in config.get_config_copy()}
     for name in sorted(n for n in os.environ if n.startswith("COMPILE_OFFLOAD_") and n not in known | _TOOL_VARIABLES):
-        close = difflib.get_close_matches(name, sorted(known), n=1)
+        # by the upper-case name: COMPILE_OFFLOAD_memory_budget is closest to ..._DUMP_DIR as written
+        close = difflib.get_close_matches(name.upper(), sorted(known), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         warnings.warn(f"compile_offload: the environment variable {name} names no knob and is ignored{hint} "
                       "(the knobs: docs/reference.md)", stacklevel=3)

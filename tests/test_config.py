@@ -537,8 +537,12 @@ def test_forced_offload_without_offload_is_refused_naming_both_knobs():
 def test_an_environment_variable_that_names_no_knob_is_warned_with_the_nearest_knob():
     clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_OFFLOAD_")}
     completed = subprocess.run([sys.executable, "-c", "import compile_offload"],
-                               env={**clean, "COMPILE_OFFLOAD_MEMORY_BUGDET": "1GiB", "COMPILE_OFFLOAD_SOLVER": "exact"},
+                               env={**clean, "COMPILE_OFFLOAD_MEMORY_BUGDET": "1GiB", "COMPILE_OFFLOAD_SOLVER": "exact",
+                                    "COMPILE_OFFLOAD_plan_cache_dir": "plans"},
                                capture_output=True, text=True, timeout=120, check=True)
     assert ("the environment variable COMPILE_OFFLOAD_MEMORY_BUGDET names no knob and is ignored; did you mean "
             "COMPILE_OFFLOAD_MEMORY_BUDGET?") in completed.stderr
+    # the case of the name: the knob's variable, not the nearest as written (..._OFFLOAD, fuzz33b F10)
+    assert ("COMPILE_OFFLOAD_plan_cache_dir names no knob and is ignored; did you mean "
+            "COMPILE_OFFLOAD_PLAN_CACHE_DIR?") in completed.stderr
     assert "COMPILE_OFFLOAD_SOLVER" not in completed.stderr  # a knob's own variable is not warned
