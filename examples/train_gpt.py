@@ -96,6 +96,8 @@ def make(layers: int = 2, width: int = 64, heads: int = 4, seq: int = 64, batch:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit(f"train_gpt: --steps {args.steps}: train at least one step")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
 
@@ -118,7 +120,10 @@ def main(argv=None) -> int:
     given = {"memory_budget": args.budget, "device_profile": args.profile, "dump_dir": args.dump_dir,
              "offload": None if args.offload is None else args.offload == "on"}
     options = {name: value for name, value in given.items() if value is not None}
-    backend = compile_offload.offload_remat(inner_compiler=inner, **options)
+    try:
+        backend = compile_offload.offload_remat(inner_compiler=inner, **options)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"train_gpt: {error}") from None
     compiled = torch.compile(model, backend=backend)
     budget = options.get("memory_budget", compile_offload.config.memory_budget)
     offload = options.get("offload", compile_offload.config.offload)

@@ -10,6 +10,7 @@ against a run without our backend (``--check``).
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,17 @@ def test_train_gpt_trains_prints_the_plan_and_matches_eager(tmp_path):
 def test_train_gpt_takes_a_budget_in_bytes():
     out = run_example("train_gpt.py", "--steps", "1", "--budget", "2MiB")
     assert "budget 2.00 MiB" in plan_lines(out)[0]
+
+
+@pytest.mark.parametrize("args, message", [(["--budget", "5x"], "train_gpt: compile_offload.config.memory_budget='5x' "
+                                                                  "is not a size"),
+                                           (["--steps", "0"], "train_gpt: --steps 0: train at least one step")])
+def test_train_gpt_refuses_a_bad_argument_in_one_line(args, message):
+    """fuzz33b F12: a bad budget ended in a traceback; --steps 0 exited 0 having trained nothing."""
+    main = runpy.run_path(str(REPO / "examples" / "train_gpt.py"))["main"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value)
 
 
 def test_train_gpt_takes_what_it_is_not_given_from_the_environment():
