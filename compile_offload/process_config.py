@@ -88,6 +88,10 @@ def install(module: ModuleType) -> None:
                 return process_values[name]
             return super().__getattr__(name)
 
+        def __dir__(self) -> list[str]:  # the knobs too: tab completion, dir(compile_offload.config)
+            methods = (name for name in dir(type(self)) if not name.startswith("_"))  # patch, get_config_copy, ...
+            return sorted({*super().__dir__(), *self._config, *methods})
+
         def __delattr__(self, name: str) -> None:
             _changed()
             process_values.pop(name, None)

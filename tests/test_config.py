@@ -387,6 +387,12 @@ def test_an_environment_flag_word_reads_back_as_its_bool():
     assert resolve_with_env({"COMPILE_OFFLOAD_OFFLOAD": "maybe"})["error"] == "ValueError"
 
 
+def test_dir_of_the_config_lists_its_knobs():
+    """fuzz33b F13: dir(compile_offload.config), what tab completion reads, listed none of them."""
+    assert set(config.get_config_copy()) <= set(dir(config))
+    assert "patch" in dir(config)
+
+
 @pytest.mark.parametrize("knob", ["measured_plan_steps", "exact_max_candidates"])
 def test_a_bool_is_no_count_in_code(knob):
     with pytest.raises(ValueError, match="accepted: a positive int"):
