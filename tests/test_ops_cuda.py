@@ -346,20 +346,21 @@ def test_a_buffer_a_delayed_reload_reads_is_not_refilled_from_another_stream():
     """review33c F1: the host tensor dies once the compute stream was told to wait for its
     reload, before the reload ran; an offload issued from another stream took the same
     pinned buffer and was ordered after nothing, so the reload could read its data."""
+    get_pool().trim()  # no idle buffer of earlier tests: the offload below takes the reload's
     x = torch.randn(DIM, DIM, device="cuda")
     expected = x.clone()
     host = ops.wait_offload(ops.offload(x, False), x)
     torch.cuda.synchronize()
     address = host.data_ptr()
-    with ops.inject_transfer_delay(DELAY_CYCLES):
+    with ops.inject_transfer_delay(DELAY_CYCLES, offload=False):  # the reload runs late
         back = ops.wait_reload(ops.reload(host, x.device, None), host)
         del host
         with torch.cuda.stream(torch.cuda.Stream()):
             y = torch.full((DIM, DIM), 7.0, device="cuda")
             second = ops.wait_offload(ops.offload(y, False), y)
     torch.cuda.synchronize()
-    assert second.data_ptr() != address
-    assert torch.equal(back, expected)
+    assert second.data_ptr() == address  # the same buffer: its offload waited for the reload on the GPU
+    assert torch.equal(back, expected) and torch.all(second == 7.0)
 
 
 # --- CUDA graphs (issue 20, item 4) ----------------------------------------------------------

@@ -243,33 +243,32 @@ def test_the_latest_offloading_compile_sets_the_process_pool_limit():
         torch._dynamo.reset()
 
 
-class _FakeEvent:
-    """A reload's completion event, completed when the test says so."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-
-def test_a_buffer_a_reload_still_reads_is_not_handed_out_again():
+def test_a_reused_buffer_hands_over_the_event_of_the_reload_that_read_it():
     """review33c F1: the host tensor dies once a compute stream was told to wait for its
     reload, before the reload ran; an offload issued from another stream into the reused
-    buffer was ordered after nothing. The pool now waits for the reload's event itself."""
+    buffer was ordered after nothing. The reload's event now goes with the buffer, and the
+    offload's stream waits for it (ops.offload; on the GPU: the CPU does not wait, and no
+    other buffer is pinned meanwhile, review33d P1)."""
     pool = PinnedHostPool()
     host = pool.acquire(4096, CPU)
     ptr = host.data_ptr()
-    event = _FakeEvent()
+    event = object()  # a reload's completion event
     pool.note_read(host[1024:], event)  # a view of the buffer: the same storage
     del host
-    other = pool.acquire(4096, CPU)
-    assert other.data_ptr() != ptr  # the reload may still read the first buffer
-    assert pool.stats().buffers_in_use == 2
-    del other
-    event.done = True  # the reload read it: both buffers serve again
-    both = [pool.acquire(4096, CPU), pool.acquire(4096, CPU)]
-    assert ptr in {t.data_ptr() for t in both} and pool.stats().host_allocations == 2
+    again = pool.acquire(4096, CPU)
+    assert again.data_ptr() == ptr and pool.read_event(again) is event
+    assert pool.stats().host_allocations == 1
+    assert pool.read_event(torch.empty(8)) is None  # not the pool's
+
+
+def test_under_a_limit_a_request_takes_no_larger_idle_buffer():
+    """review33d P2: a small request that took an idle buffer twice its size left no room
+    for the larger one after it, where exact classes fitted the limit."""
+    pool = PinnedHostPool(limit_bytes=size_class(8192) + size_class(4096))
+    first = [pool.acquire(8192, CPU), pool.acquire(4096, CPU)]
+    del first
+    again = [pool.acquire(4096, CPU), pool.acquire(8192, CPU)]
+    assert pool.stats().host_allocations == 2 and len(again) == 2
 
 
 def test_a_step_of_many_same_size_offloads_reads_each_buffer_a_few_times(monkeypatch):
@@ -300,15 +299,20 @@ def test_sizes_that_vary_reuse_the_buffers_of_larger_ones():
     assert pool.stats().host_allocations == allocated
 
 
-def test_without_a_limit_growing_sizes_do_not_keep_every_size_pinned():
+def test_without_a_limit_growing_sizes_do_not_keep_every_size_pinned(monkeypatch):
     """review33c F2: sizes growing step by step (batch 64 to 128) held 12.8 times the
     most bytes one step had in use, every earlier size's buffers pinned for good."""
     pool = PinnedHostPool()
-    most_in_use = 0
-    for step, batch in enumerate(range(64, 257, 2)):
+    most_in_use, frees, release = 0, [], pinned_pool._release
+    monkeypatch.setattr(pinned_pool, "_release", lambda released: (frees.append(1) if released else None,
+                                                                  release(released)))
+    steps = range(64, 257, 2)
+    for batch in steps:
         saved = [pool.acquire(batch * 1024 * width, CPU) for width in (1, 4, 4, 1)]
         most_in_use = max(most_in_use, pool.stats().bytes_in_use)
         del saved
     stats = pool.stats()
     assert stats.bytes_held <= pinned_pool.AUTO_HELD_FACTOR * most_in_use, (stats, most_in_use)
     assert stats.buffers_in_use == 0
+    # each free synchronizes the device: freed down to half the bound, not at every growth (review33d P4)
+    assert 0 < len(frees) <= len(steps) // 4, len(frees)

@@ -35,8 +35,8 @@ direction, the two directions overlapping each other and compute.
   the reload stream waits for everything queued on the compute stream before the reload, so
   the host data is complete when the reload starts.
 * ``wait_reload`` makes the compute stream wait for the reload's event, keeping the host
-  tensor alive until then (the CPU does not wait: the pool, told the reload's event, does
-  not hand the host buffer to another copy before the reload read it); its result (an alias of the reloaded tensor) replaces the saved
+  tensor alive until then (the CPU does not wait: the pool is told the reload's event, and
+  the next offload into the host buffer, from whatever stream, waits for it on the GPU); its result (an alias of the reloaded tensor) replaces the saved
   tensor's uses in backward, so no use can be scheduled ahead of it.
 
 Correctness therefore rests on data edges only; nothing relies on timing or on Inductor keeping
@@ -282,14 +282,17 @@ def _normalize(device: torch.device) -> torch.device:
     return device
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, kind: str) -> torch.cuda.Event | None:
+def _copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, kind: str,
+          after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
     """``dst.copy_(src)``: synchronous on CPU; on CUDA on the transfer stream, after the
-    work already queued on the compute stream, returning the completion event."""
+    work already queued on the compute stream (and ``after``), returning the completion event."""
     if device.type != "cuda":
         dst.copy_(src)
         return None
     stream = transfer_stream(device, kind)
     stream.wait_stream(torch.cuda.current_stream(device))
+    if after is not None:
+        stream.wait_event(after)
     with torch.cuda.stream(stream):
         if _delay_cycles[kind]:
             torch_cuda.sleep(_delay_cycles[kind])
@@ -333,7 +336,8 @@ def offload(src: torch.Tensor, contiguous_host: bool) -> torch.Tensor:
     if host.numel() == 0:
         return host
     device = _normalize(src.device)
-    event = _copy(host, payload, device, "offload")
+    # a reused pinned buffer: after the last reload that read it, whatever stream issued that one
+    event = _copy(host, payload, device, "offload", after=pinned_pool.get_pool().read_event(host))
     # Both ends stay referenced until the wait: the source (and its gathered copy) so its
     # memory is not reused under the copy, the host tensor so its pinned buffer is not
     # handed out again while the copy writes it (module doc).
@@ -395,7 +399,7 @@ def reload(host: torch.Tensor, device: torch.device, stride: Sequence[int] | Non
         keepalive = (staging,)
     else:
         event, keepalive = _copy(out, host, device, "reload"), ()
-    if event is not None:  # the pool hands the buffer out again only once this copy has read it
+    if event is not None:  # the next offload into the buffer waits for this copy to have read it
         pinned_pool.get_pool().note_read(host, event)
     # ``out`` itself is kept too: if a failing step dropped it before its wait, the allocator
     # must not hand its memory out while the copy still writes into it; and ``host``, whose

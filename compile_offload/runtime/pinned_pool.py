@@ -43,18 +43,22 @@ run on one FIFO stream per device, so a new offload into a reused buffer runs af
 earlier ones. Copies out of it (reloads) run on another stream, and the host tensor may die
 as soon as a compute stream was told to wait for the reload: a new offload issued from
 another compute stream (another thread, another model) is not ordered after that reload.
-So each reload hands its completion event to the pool (``note_read``), and a buffer is not
-handed out again before that event completed.
+So each reload hands its completion event to the pool (``note_read``), and an offload into a
+reused buffer first makes its stream wait for that event (``read_event``): ordered on the
+GPU, so the CPU running ahead of it neither waits nor pins more buffers.
 
-Reuse across classes: a request no idle buffer of its class serves takes an idle buffer of
-the smallest larger class up to twice its class, before a new buffer is pinned, so sizes
-that vary from step to step (dynamic shapes: batch or sequence lengths) reuse the buffers
-of the larger sizes they saw.
+Reuse across classes: without a limit, a request no idle buffer of its class serves takes
+an idle buffer of the smallest larger class up to twice its class, before a new buffer is
+pinned, so sizes that vary from step to step (dynamic shapes: batch or sequence lengths)
+reuse the buffers of the larger sizes they saw. (Under a limit a small request must not take
+the room a larger one needs: a class's own buffers only, idle ones of other classes freed.)
 
 Without a limit, the pool holds at most ``AUTO_HELD_FACTOR`` times the most bytes its
 buffers held live tensors at once (as read when a buffer is allocated): beyond that, idle
-buffers are freed, smallest first, before a new one is pinned, so sizes that keep growing
-(a sequence-length curriculum) do not keep every earlier size's buffers page-locked.
+buffers are freed, smallest first, down to half that, before a new one is pinned, so sizes
+that keep growing (a sequence-length curriculum) do not keep every earlier size's buffers
+page-locked, and the device synchronization a free costs comes every few growths, not at
+each.
 
 Limit: ``limit_bytes`` (``compile_offload.config.pinned_pool_limit``) bounds the bytes the
 pool holds. When a new buffer would exceed it, idle buffers of other classes are freed
@@ -80,7 +84,7 @@ from ..torch_api import cuda as torch_cuda
 MIN_CLASS_BYTES = 512
 CLASS_STEPS = 16  # size classes per power of two: waste < 1 / CLASS_STEPS
 LARGER_CLASS_REUSE = 2  # an idle buffer up to this many times a request's class serves it
-AUTO_HELD_FACTOR = 4  # without a limit: bytes held at most this many times the most in use at once
+AUTO_HELD_FACTOR = 8  # without a limit: bytes held at most this many times the most in use at once
 PAGE_BYTES = mmap.PAGESIZE
 
 
@@ -151,18 +155,12 @@ class _Buffer:
         self.registered_ptr = registered_ptr
         self.from_torch_pinned = from_torch_pinned
         self.idle_use_count = _use_count(tensor)
-        self.last_read = None  # the event of the latest copy out of it (a reload), until it completed
+        self.last_read = None  # the event of the latest copy out of it (a reload)
 
     def in_use(self) -> bool:
         count = _use_count(self.tensor)
         # Without the counter we cannot tell; such buffers are never kept (see acquire).
-        if count is None or count > self.idle_use_count:
-            return True
-        if self.last_read is not None:
-            if not self.last_read.query():  # a reload still reads it
-                return True
-            self.last_read = None
-        return False
+        return count is None or count > self.idle_use_count
 
     def release(self) -> None:
         """Free the memory. The caller made sure no copy still uses it (see ``_release``)."""
@@ -231,7 +229,7 @@ class PinnedHostPool:
         cls = _pinned_class(nbytes) if pinned else size_class(nbytes)
         key = (str(device) if pinned else "cpu", cls)
         with self._lock:
-            buffer = self._idle_buffer(key) or self._idle_larger_buffer(key)
+            buffer = self._idle_buffer(key) or (self._idle_larger_buffer(key) if self._limit is None else None)
             if buffer is not None:
                 self._reuses += 1
                 return buffer.tensor[:nbytes]
@@ -254,12 +252,20 @@ class PinnedHostPool:
 
     def note_read(self, host: torch.Tensor, event) -> None:
         """A copy out of ``host`` (a reload on its own stream) completes at ``event``: the
-        buffer holding ``host`` is not handed out again before then, whatever stream the next
-        copy into it is issued from (the module docstring)."""
+        next copy into the buffer holding ``host``, whatever stream it is issued from, waits
+        for it (``read_event``; the module docstring)."""
         with self._lock:
             buffer = self._by_storage.get(host.untyped_storage().data_ptr())
             if buffer is not None:
                 buffer.last_read = event
+
+    def read_event(self, host: torch.Tensor):
+        """The event of the latest copy out of the buffer holding ``host`` (None: none noted),
+        which a copy into it must wait for. Asked right after ``acquire``: the buffer is the
+        caller's, so no other reload of it can be noted since."""
+        with self._lock:
+            buffer = self._by_storage.get(host.untyped_storage().data_ptr())
+            return None if buffer is None else buffer.last_read
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -331,7 +337,7 @@ class PinnedHostPool:
             return []  # the common case reads no buffer's count
         in_use = sum(b.nbytes for bucket in self._buffers.values() for b in bucket if b.in_use())
         self._peak_in_use = max(self._peak_in_use, in_use + nbytes)
-        return self._free_idle_until(AUTO_HELD_FACTOR * self._peak_in_use - nbytes, smallest_first=True)
+        return self._free_idle_until(AUTO_HELD_FACTOR * self._peak_in_use // 2 - nbytes, smallest_first=True)
 
     def _free_idle_until(self, target_bytes: int, smallest_first: bool = False) -> list[tuple[tuple[str, int], _Buffer]]:
         """Take idle buffers out of the pool, largest first (or smallest), until at most
@@ -416,7 +422,8 @@ def _release(released: list[tuple[tuple[str, int], _Buffer]]) -> None:
     An idle buffer's last copy may still be running on the GPU (the host tensor can die as
     soon as the compute stream was told to wait for it), so every copy of its device is
     finished before the memory goes back to the system. This only happens under limit
-    pressure or on an explicit trim or lower limit, never in a steady state."""
+    pressure, past the bound without a limit, or on an explicit trim or lower limit, never
+    in a steady state."""
     if not released:
         return
     for device in {key[0] for key, _ in released if key[0] != "cpu"}:
