@@ -548,7 +548,8 @@ def _status(row: dict) -> str:
     if row.get("status") != "ok":
         return f"{row.get('status')}: {row.get('error', '')}"
     if row.get("within_budget") is False:
-        return f"ok, over budget ({row['peak_bytes'] / row['budget_bytes']:.3f}x)"
+        budget = row["budget_bytes"]
+        return f"ok, over budget ({row['peak_bytes'] / budget:.3f}x)" if budget else "ok, over budget"
     return "ok"
 
 

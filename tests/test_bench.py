@@ -152,12 +152,13 @@ def test_the_table_says_where_a_row_measured_over_its_budget():
     """fuzz33b F06: a row over its budget (within_budget false in the jsonl) read "ok"."""
     rows = [{"strategy": "ours:256KiB", "status": "ok", "peak_bytes": 600 * 1024, "budget_bytes": 256 * 1024},
             {"strategy": "ours:1MiB", "status": "ok", "peak_bytes": 600 * 1024, "budget_bytes": 2**20},
-            {"strategy": "compile", "status": "ok", "peak_bytes": 900 * 1024}]
+            {"strategy": "compile", "status": "ok", "peak_bytes": 900 * 1024},
+            {"strategy": "ours:0", "status": "ok", "peak_bytes": 600 * 1024, "budget_bytes": 0}]  # review33d B1
     for row in rows:
         runner._add_prediction_checks(row)
     table = runner.markdown_table(rows).splitlines()
     assert table[2].endswith("| ok, over budget (2.344x) |") and table[3].endswith("| ok |"), table
-    assert table[4].endswith("| ok |")
+    assert table[4].endswith("| ok |") and table[5].endswith("| ok, over budget |")
 
 
 def _plan(peak: int, seconds: float, budget: int | None) -> Plan:
