@@ -1,6 +1,7 @@
 """Plan.save / Plan.load and config.plan_cache_dir (compile_offload.pipeline.plan_cache)."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -328,3 +329,32 @@ def test_a_plan_without_decisions_prints_its_summary_alone():
     assert "decision" in str(plan) and str(plan).startswith(plan.summary())
     bare = dataclasses.replace(plan, decisions=[])
     assert str(bare) == bare.summary()
+
+
+def test_options_are_one_text_in_every_process_and_tell_values_apart():
+    """review33d F1: a set of passes was keyed by its elements' reprs (addresses: two processes
+    disagreed), two functions or two dtypes by their type alone (one key), and a dict with keys
+    of mixed types raised in every compile with options."""
+    import subprocess
+    import sys
+
+    script = ("from compile_offload.pipeline.fingerprint import options_text\n"
+              "from torch._inductor.custom_graph_pass import CustomGraphPass\n"
+              "class P(CustomGraphPass):\n"
+              "    def __init__(self, k): self.k = k\n"
+              "    def __call__(self, g): pass\n"
+              "    def uuid(self): return f'P{self.k}'\n"
+              "print(options_text({'x': {P(1), P(2), P(3)}, 'y': {1: 'a', 'b': 2, (1, 2): None}}))")
+    texts = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(texts) == 1 and "P1" in texts.pop()
+    from compile_offload.pipeline.fingerprint import options_text
+
+    def first(graph):
+        pass
+
+    def second(graph):
+        pass
+
+    assert options_text({"pass": first}) != options_text({"pass": second})
+    assert options_text({"dtype": torch.float16}) != options_text({"dtype": torch.bfloat16})

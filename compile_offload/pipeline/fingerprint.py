@@ -61,17 +61,38 @@ def with_options(torch_config: str, options: dict) -> str:
 def options_text(options: dict) -> str:
     """``options`` as the same text in every process (an object, a custom pass, by its
     ``uuid()`` where it has one, else by its type: its ``repr`` may hold its address)."""
-    return json.dumps({str(name): value for name, value in options.items()}, sort_keys=True, default=_portable)
+    return json.dumps(_plain(options))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON's types, the same in every process: containers element by element
+    (a dict's keys as text, sorted; a set's elements sorted by their text), the rest by
+    ``_portable``."""
+    if isinstance(value, dict):
+        return sorted([str(key), _plain(item)] for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(item) for item in value), key=json.dumps)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return _portable(value)
 
 
 def _portable(value: Any) -> Any:
     """A config value JSON cannot write, as the same text in every process: a set sorted, an
-    object (a custom pass) by its ``uuid()`` where it has one, else by its type."""
+    object (a custom pass) by its ``uuid()`` where it has one, a function by its name, else
+    by its type and its ``repr`` where that holds no address (``torch.float16``)."""
     if isinstance(value, (set, frozenset)):
-        return sorted(map(repr, value))
+        return _plain(value)
+    if callable(value) and hasattr(value, "__qualname__"):  # a function: its name, not only "function"
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
     uuid = getattr(value, "uuid", None)
     try:
-        return f"{kind}:{uuid()}" if callable(uuid) else kind
+        if callable(uuid):
+            return f"{kind}:{uuid()}"
     except Exception:  # a uuid() that needs what it was not given: the type still tells
         return kind
+    text = repr(value)
+    return kind if " at 0x" in text else f"{kind}:{text}"
