@@ -101,13 +101,6 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     inner = args.inner_compiler or ("inductor" if device.type == "cuda" else "eager")
 
-    # The plan of each compiled graph is one INFO line of the "compile_offload" logger.
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("plan: %(message)s"))
-    logger = logging.getLogger("compile_offload")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, width=args.width, heads=args.heads, layers=args.layers).to(device)
     reference = copy.deepcopy(model) if args.check else None
@@ -124,6 +117,13 @@ def main(argv=None) -> int:
         backend = compile_offload.offload_remat(inner_compiler=inner, **options)
     except (TypeError, ValueError) as error:
         raise SystemExit(f"train_gpt: {error}") from None
+
+    # The plan of each compiled graph is one INFO line of the "compile_offload" logger.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("plan: %(message)s"))
+    logger = logging.getLogger("compile_offload")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     compiled = torch.compile(model, backend=backend)
     budget = options.get("memory_budget", compile_offload.config.memory_budget)
     offload = options.get("offload", compile_offload.config.offload)

@@ -9,6 +9,7 @@ against a run without our backend (``--check``).
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import subprocess
@@ -61,9 +62,12 @@ def test_train_gpt_takes_a_budget_in_bytes():
 def test_train_gpt_refuses_a_bad_argument_in_one_line(args, message):
     """fuzz33b F12: a bad budget ended in a traceback; --steps 0 exited 0 having trained nothing."""
     main = runpy.run_path(str(REPO / "examples" / "train_gpt.py"))["main"]
+    logger = logging.getLogger("compile_offload")
+    before = (list(logger.handlers), logger.level)
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value)
+    assert (list(logger.handlers), logger.level) == before  # refused before it set up its plan lines
 
 
 def test_train_gpt_takes_what_it_is_not_given_from_the_environment():
