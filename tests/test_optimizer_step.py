@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import compile_offload
-from compile_offload.training.optimizer_step import DEVICE, HOST, TRIALS, OptimizerStep
+from compile_offload.torch_api import optim
+from compile_offload.training.optimizer_step import AUTO, DEVICE, HOST, TRIALS, OptimizerStep
 from tests.test_fit import BUDGET, Net, assert_trains_like_an_eager_loop, batch, loss_fn, optimizer_fn
 
 OPTIMIZERS = {
@@ -354,6 +355,74 @@ class _WithoutBiases(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)
+
+
+def _assert_like(model, optimizer, reference, reference_optimizer):
+    for (label, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=label)
+        for key, value in reference_optimizer.state[q].items():
+            torch.testing.assert_close(optimizer.state[p][key], value, msg=f"{label} {key}")
+
+
+def test_a_group_out_of_memory_in_its_step_steps_on_the_host_with_its_counters_stepped_once(monkeypatch):
+    """review33d O1: out of device memory inside a group's step (the foreach kernels allocate
+    temporaries), after the step counters the host shares with it were incremented, the step
+    raised with earlier groups stepped and this group's counters one step ahead. The group and
+    those after it now step on the host, its counters put back first: one whole step."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
+    _train(model, stepper.step, 2)
+    _train(reference, reference_optimizer.step, 2)
+    calls = []
+    real = optim.step_without_hooks
+
+    def step_then_fail(inner):
+        calls.append(1)
+        if len(calls) == 3:
+            for state in inner.state.values():  # as torch's foreach Adam: the counters first
+                state["step"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real(inner)
+
+    monkeypatch.setattr(optim, "step_without_hooks", step_then_fail)
+    with pytest.warns(UserWarning, match=r"ran out of device memory stepping a group .* stepped on the host this step$"):
+        _train(model, stepper.step, 1)
+    _train(reference, reference_optimizer.step, 1)
+    assert len(calls) == 3 and len(list(model.parameters())) > 3 and stepper.chosen == DEVICE
+    _assert_like(model, optimizer, reference, reference_optimizer)
+
+
+def test_a_measured_streamed_step_out_of_memory_stays_on_the_host_from_then_on(monkeypatch):
+    """review33d O1: where "auto" had measured the streamed step faster, a shortage of device
+    memory recurred every step (a warning and an emptied allocator cache each time). The step
+    now stays on the host after the first, and the plan's line says why."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=AUTO, chunk_bytes=_chunk(optimizer, 1))
+    stepper.chosen = DEVICE  # as measured faster (on the CPU "auto" stays on the host)
+    _train(model, stepper.step, 2)
+    _train(reference, reference_optimizer.step, 2)
+    staged = []
+
+    def stage(self, params, group):
+        staged.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(OptimizerStep, "_stage", stage)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, stepper.step, 3)
+    _train(reference, reference_optimizer.step, 3)
+    said = [str(w.message) for w in caught if "ran out of device memory" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith("the optimizer steps on the host from now on"), said
+    assert len(staged) == 1 and stepper.chosen == HOST
+    assert stepper.describe() == "optimizer step on the host (the streamed step ran out of device memory)"
+    _assert_like(model, optimizer, reference, reference_optimizer)
 
 
 def test_a_streamed_step_that_falls_back_to_the_host_says_so_in_the_plan():

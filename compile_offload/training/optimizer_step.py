@@ -128,7 +128,12 @@ def check_mode(mode: str) -> None:
 
 
 class _StagingFailed(Exception):
-    """A group's copies to the device ran out of memory (``OptimizerStep._stage_or_stop``)."""
+    """A group ran out of device memory, copied to the device (``OptimizerStep._stage_or_stop``)
+    or stepped there (``OptimizerStep._step_or_stop``), with nothing of it written to the host."""
+
+    def __init__(self, doing: str):
+        super().__init__(doing)
+        self.doing = doing  # "staging" or "stepping"
 
 
 def _ms(seconds: list[float]) -> str:
@@ -316,9 +321,17 @@ class OptimizerStep:
                     self._step_chunks(group, chunks, stepped)
         except _StagingFailed as failed:  # the groups not stepped yet step on the host, below
             self._synchronize_streams()  # the downloads written, the failed group's uploads done reading
-            warnings.warn("compile_offload.fit: the streamed optimizer step ran out of device memory staging a group "
-                          f"of parameters ({failed.__cause__}); the {len(streamed) - len(stepped)} host parameters "
-                          "not stepped yet stepped on the host this step", stacklevel=4)
+            # measured faster, the streamed step stays on the host from now on: a shortage of
+            # device memory between steps recurs, and each out-of-memory empties the allocator's
+            # cache. While measuring the trials go on (every rank must time the same steps), and
+            # a forced "device" keeps trying.
+            settled = self.mode == AUTO and self.chosen == DEVICE
+            warnings.warn(f"compile_offload.fit: the streamed optimizer step ran out of device memory {failed.doing} a "
+                          f"group of parameters ({failed.__cause__}); the {len(streamed) - len(stepped)} host "
+                          "parameters not stepped yet stepped on the host this step"
+                          + ("; the optimizer steps on the host from now on" if settled else ""), stacklevel=4)
+            if settled:
+                self.chosen, self.why = HOST, "the streamed step ran out of device memory"
             streamed = stepped
         except BaseException:
             self._synchronize_streams()  # nothing reads or writes host tensors under a copy after this
@@ -367,8 +380,8 @@ class OptimizerStep:
 
     def _step_chunks(self, group: dict, chunks: list[list[nn.Parameter]], stepped: set[int]) -> None:
         """Stream ``chunks`` through the device, adding each stepped parameter's id to
-        ``stepped``; ``_StagingFailed`` where a group's copies to the device ran out of memory
-        (the groups before it stepped, it and those after it untouched)."""
+        ``stepped``; ``_StagingFailed`` where a group ran out of device memory, copied there or
+        stepped (the groups before it stepped, it and those after it untouched on the host)."""
         if not chunks:
             return
         cuda = self.device.type == "cuda"
@@ -381,10 +394,7 @@ class OptimizerStep:
             staged = self._stage_or_stop(chunks[index + 1], group) if index + 1 < len(chunks) else None
             if current.ready is not None:
                 compute.wait_event(current.ready)
-            inner = copy.copy(self.optimizer)  # same class and defaults, none of the user's hooks
-            inner.param_groups = [{**group, "params": current.shadows}]
-            inner.state = defaultdict(dict, zip(current.shadows, current.states))
-            optim.step_without_hooks(inner)  # the global hooks run once, in the user's optimizer.step()
+            self._step_or_stop(current, group)
             self._unstage(current, group)
             stepped.update(map(id, current.params))
 
@@ -394,7 +404,26 @@ class OptimizerStep:
         try:
             return self._stage(params, group)
         except torch.OutOfMemoryError as error:
-            raise _StagingFailed from error
+            raise _StagingFailed("staging") from error
+
+    def _step_or_stop(self, staged: _Staged, group: dict) -> None:
+        """Step ``staged`` on the device with a copy of the optimizer (same class and defaults,
+        none of the user's hooks: the global ones run once, in the user's optimizer.step()).
+        Out of device memory there, the host's step counters the step shares (scalars kept on
+        the host) are put back, so nothing of the group has changed on the host and the host
+        can step it: ``_StagingFailed``."""
+        inner = copy.copy(self.optimizer)
+        inner.param_groups = [{**group, "params": staged.shadows}]
+        inner.state = defaultdict(dict, zip(staged.shadows, staged.states))
+        shared = [(value, value.clone()) for state in staged.states for value in state.values()
+                  if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not self._moves(value, group)]
+        try:
+            optim.step_without_hooks(inner)
+        except torch.OutOfMemoryError as error:
+            with torch.no_grad():
+                for value, before in shared:
+                    value.copy_(before)
+            raise _StagingFailed("stepping") from error
 
     def _stage(self, params: list[nn.Parameter], group: dict) -> _Staged:
         cuda = self.device.type == "cuda"
