@@ -66,6 +66,24 @@ def test_buffer_is_not_reused_while_any_alias_lives():
     assert pool.stats().buffers_in_use == 0
 
 
+def test_buffer_is_not_reused_while_its_storage_object_is_kept():
+    """review33c F7: a holder of only the buffer's storage object (a saved-tensor hook that
+    keeps storages, not tensors) adds nothing to the storage's use count; the buffer was
+    handed out again and the next offload overwrote what the holder reads."""
+    pool = PinnedHostPool()
+    a = pool.acquire(4096, CPU)
+    a.fill_(7)
+    kept = a.untyped_storage()
+    del a
+    b = pool.acquire(4096, CPU)
+    b.fill_(1)
+    assert b.data_ptr() != kept.data_ptr()
+    assert torch.empty(0, dtype=torch.uint8).set_(kept)[0].item() == 7
+    del kept, b
+    gc.collect()
+    assert pool.stats().buffers_in_use == 0 and pool.acquire(4096, CPU) is not None
+
+
 def test_stats_track_bytes_held_and_in_use():
     pool = PinnedHostPool()
     a = pool.acquire(5000, CPU)

@@ -31,9 +31,11 @@ memory.
 When is a buffer idle? The pool keeps one tensor per buffer and hands out views of it. A
 buffer is idle again when nothing but the pool references its storage: every handed-out
 view, and every view or alias made from those (Inductor's ``reinterpret_tensor``, autograd's
-saved tensors, ...), has died. That is read from the storage's use count (a private torch
-counter, see ``_storage_use_count``), so a buffer is never handed out twice while an
-offloaded tensor still lives in it, whatever order tensors die in. Where the counter does
+saved tensors, ...), has died, and nobody keeps its Python storage object
+(``untyped_storage()``). That is read from the storage's use count (a private torch
+counter, see ``_storage_use_count``) and the storage object's reference count, so a buffer
+is never handed out twice while an offloaded tensor still lives in it, whatever order
+tensors die in. Where the counter does
 not exist the pool still works but never reuses (it warns once).
 
 Stream safety of reuse: see ``compile_offload.runtime.ops``. A buffer only becomes idle
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -154,20 +157,25 @@ class _Buffer:
         self.owner = owner  # the memory ``tensor`` lives in (an mmap for registered buffers)
         self.registered_ptr = registered_ptr
         self.from_torch_pinned = from_torch_pinned
+        # torch keeps one Python storage object per storage while the storage lives: holding it
+        # adds nothing to the storage's use count, so whoever keeps only that object (a hook
+        # that saves storages, not tensors) shows in its Python reference count instead
+        self.storage = tensor.untyped_storage()
+        self.idle_refs = sys.getrefcount(self.storage)
         self.idle_use_count = _use_count(tensor)
         self.last_read = None  # the event of the latest copy out of it (a reload)
 
     def in_use(self) -> bool:
         count = _use_count(self.tensor)
         # Without the counter we cannot tell; such buffers are never kept (see acquire).
-        return count is None or count > self.idle_use_count
+        return count is None or count > self.idle_use_count or sys.getrefcount(self.storage) > self.idle_refs
 
     def release(self) -> None:
         """Free the memory. The caller made sure no copy still uses it (see ``_release``)."""
         if self.registered_ptr is not None:
             _register_fns()[1](self.registered_ptr)
             self.registered_ptr = None
-        self.tensor = self.owner = None  # the last references: the mapping is unmapped
+        self.tensor = self.storage = self.owner = None  # the last references: the mapping is unmapped
 
 
 def _use_count(tensor: torch.Tensor) -> int | None:
