@@ -128,6 +128,29 @@ def test_explain_plans_a_model_built_under_fake_tensor_mode():
     assert {d.name: d.shape for d in plan.decisions}.get("addmm") == (32, 256)  # the first layer's output
 
 
+@pytest.mark.parametrize("made", ["meta", "inference_mode"])
+def test_a_size_named_with_hint_override_is_planned_on_meta_and_inference_inputs(made):
+    """fuzz34a F1: explain copies a meta input to the CPU, and an inference tensor to a normal
+    one, and the copies lost Dynamo's marks: a batch of 8 marked hint_override=64 was planned
+    at 8 (a plan 7.7x smaller than at the size named), where a CPU input is planned at 64."""
+    def planned(device, batch, hint=None):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+        if device == "meta" or made == "meta":
+            x = torch.randn(batch, 16, 32, device=device)
+        else:
+            with torch.inference_mode():
+                x = torch.randn(batch, 16, 32)
+        if hint is not None:
+            torch._dynamo.mark_dynamic(x, 0, hint_override=hint)
+        plan = compile_offload.explain(model, x, memory_budget="2MiB", device_profile="h100", inner_compiler="eager")
+        return plan.baseline_peak_bytes, plan.decisions[0].shape
+
+    device = "meta" if made == "meta" else "cpu"
+    assert planned(device, 8, hint=64) == planned("cpu", 64) != planned("cpu", 8)
+
+
 def test_explain_a_plain_function_on_cpu_tensors():
     w = torch.randn(32, 32, requires_grad=True)
 

@@ -51,13 +51,14 @@ _UNSET: Any = object()
 def _meta_to_cpu(value: Any) -> Any:
     """An uninitialised CPU tensor for a meta one (untouched pages cost no memory), and a
     normal copy of an inference tensor (one made under ``inference_mode``: an eval loop's
-    batch), which autograd cannot save for a backward."""
+    batch), which autograd cannot save for a backward. Either keeps Dynamo's marks
+    (``mark_dynamic``, its ``hint_override``)."""
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         empty = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
-        return empty.requires_grad_(value.requires_grad)
+        return dynamo.copy_marks(value, empty.requires_grad_(value.requires_grad))
     if isinstance(value, torch.Tensor) and value.is_inference():  # made under inference_mode: not for autograd
         with torch.inference_mode(False):
-            return value.clone().requires_grad_(value.requires_grad)
+            return dynamo.copy_marks(value, value.clone().requires_grad_(value.requires_grad))
     return value
 
 

@@ -16,7 +16,22 @@ from torch._dynamo import config, device_interface  # noqa: F401  (re-exported)
 
 __all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_registered", "compiled_entries",
            "compiled_graph_count", "config", "compiled_in_place", "device_interface", "drop_compiled",
-           "forbidden_while_traced", "global_state_source", "graph_input_sources", "register_backend", "reset"]
+           "copy_marks", "forbidden_while_traced", "global_state_source", "graph_input_sources", "register_backend", "reset"]
+
+
+# Where ``torch._dynamo.mark_dynamic`` / ``mark_static`` / ``maybe_mark_dynamic`` keep their
+# marks: attributes of the tensor (``_dynamo_dynamic_indices``, ``_dynamo_hint_overrides``,
+# ``_specialize_on``, ``_has_dynamo_dim_marking``, ...).
+_MARK_PREFIXES = ("_dynamo_", "_specialize", "_has_dynamo_")
+
+
+def copy_marks(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``target`` with the dimension marks Dynamo reads from ``source`` (a copy of a tensor
+    is otherwise planned as unmarked)."""
+    for name, value in vars(source).items():
+        if name.startswith(_MARK_PREFIXES):
+            setattr(target, name, value.copy() if hasattr(value, "copy") else value)
+    return target
 
 
 def forbidden_while_traced(fn: Any) -> Any:
