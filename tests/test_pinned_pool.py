@@ -256,6 +256,18 @@ def test_the_latest_offloading_compile_sets_the_process_pool_limit():
         assert pinned_pool.get_pool().limit_bytes == 3 * 2**20
         compile_once(offload=True, pinned_pool_limit="5MiB")
         assert pinned_pool.get_pool().limit_bytes == 5 * 2**20
+        # fuzz34a F2: the error of another model's step named the config's knob, which the
+        # options of the compile that set the limit override
+        held = pinned_pool.get_pool().acquire(5 * 2**20, CPU)
+        with pytest.raises(PinnedPoolLimitError, match=r"the options of a compile \(pinned_pool_limit=5242880\)"):
+            pinned_pool.get_pool().acquire(2**20, CPU)
+        del held
+        with compile_offload.config.patch(pinned_pool_limit="1MiB"):
+            compile_once(offload=True)
+        held = pinned_pool.get_pool().acquire(2**20, CPU)
+        with pytest.raises(PinnedPoolLimitError, match=r"limit is compile_offload\.config\.pinned_pool_limit's"):
+            pinned_pool.get_pool().acquire(2**20, CPU)
+        del held
     finally:
         pinned_pool.set_limit(before)
         torch._dynamo.reset()

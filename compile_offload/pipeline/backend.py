@@ -179,6 +179,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     # A graph made dynamic by a later, smaller call is planned for the earlier, larger size.
     settings = dynamic_check.plan_at_largest_sizes(gm, settings, _graph_name())
     settings = _measured_choice_applies(settings)
+    if settings.offload:
+        # The pool is one per process: the latest offloading compile's limit applies (config.py). Set
+        # here, not while planning, so that a compile served from a cache sets it too.
+        pinned_pool.set_limit(settings.pinned_pool_limit, "compile_offload.config.pinned_pool_limit" if
+                              "pinned_pool_limit" not in fixed_knobs else
+                              f"the options of a compile (pinned_pool_limit={settings.pinned_pool_limit})")
     try:
         if _step_scoped(settings):
             compiled, plan_of, graph_name = _compile_for_the_step(gm, example_inputs, settings, patches, mode, owner)
@@ -308,10 +314,6 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sett
                                           sizes=dynamic_check.sizes_planned_at(gm, settings))
     if graph_reports.trains(example_inputs):  # a graph without a backward gets no plan to misjudge
         settings_mod.warn_if_profile_does_not_match(settings, device, partitioner.graph_name)
-    if settings.offload:
-        # The pool is one per process: the latest offloading compile's limit applies (config.py). Set
-        # here, not while planning, so that a compile served from a cache sets it too.
-        pinned_pool.set_limit(settings.pinned_pool_limit)
     with compat.planning_sizes(dict(settings.planning_sizes)):  # Inductor's scheduled peak, the sizes checked
         if settings.inner_compiler == "eager":
             compiled = _compile_eager(gm, example_inputs, partitioner)

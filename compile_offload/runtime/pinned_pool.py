@@ -201,7 +201,7 @@ class PinnedHostPool:
         self._bytes_held = 0  # bytes of the buffers in ``_buffers``
         self._peak_in_use = 0  # the most bytes in use at once, as read when allocating
         self._reserved = 0  # bytes of buffers being allocated right now (outside the lock)
-        self._limit = None
+        self._limit, self._set_by = None, ""
         self.set_limit(limit_bytes)
         self._use_host_register = use_host_register
         self._host_allocations = 0
@@ -214,12 +214,13 @@ class PinnedHostPool:
     def limit_bytes(self) -> int | None:
         return self._limit
 
-    def set_limit(self, limit_bytes: int | None) -> None:
-        """Bound the bytes held (None: unbounded). Idle buffers above a lowered limit are freed."""
+    def set_limit(self, limit_bytes: int | None, set_by: str = "compile_offload.config.pinned_pool_limit") -> None:
+        """Bound the bytes held (None: unbounded). Idle buffers above a lowered limit are freed.
+        ``set_by``: where the limit comes from, which its error names."""
         if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0):
             raise ValueError(f"pinned pool limit must be None or a non-negative int of bytes, got {limit_bytes!r}")
         with self._lock:
-            self._limit = limit_bytes
+            self._limit, self._set_by = limit_bytes, set_by
             released = self._free_idle_until(limit_bytes) if limit_bytes is not None else []
         _release(released)
 
@@ -378,8 +379,9 @@ class PinnedHostPool:
             raise PinnedPoolLimitError(
                 f"compile_offload: offloading needs a {nbytes}-byte host buffer, but the pinned pool "
                 f"already holds {held} bytes of its {self._limit}-byte limit ({in_use} bytes hold "
-                "offloaded tensors that are still alive). Raise compile_offload.config.pinned_pool_limit "
-                "(None: no limit) or offload less (a larger memory_budget)."
+                f"offloaded tensors that are still alive). The limit is {self._set_by}'s (the pool is one per "
+                "process: the latest compile with offload on sets it for every model). Raise it (None: no "
+                "limit) or offload less (a larger memory_budget)."
             )
         return released
 
@@ -451,6 +453,7 @@ def get_pool() -> PinnedHostPool:
     return _default_pool
 
 
-def set_limit(limit_bytes: int | None) -> None:
-    """Set the default pool's limit (the backend passes ``Settings.pinned_pool_limit``)."""
-    _default_pool.set_limit(limit_bytes)
+def set_limit(limit_bytes: int | None, set_by: str = "compile_offload.config.pinned_pool_limit") -> None:
+    """Set the default pool's limit (the backend passes ``Settings.pinned_pool_limit``, and
+    where it was set: the config, or a compile's options)."""
+    _default_pool.set_limit(limit_bytes, set_by)
