@@ -181,6 +181,34 @@ def test_a_graph_called_twice_in_a_step_is_measured_from_its_first_call():
     assert "MiB at the allocator" in message, message  # the 1 MiB call's step, not the 16-byte one's
 
 
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_a_graph_with_dynamic_sizes_is_measured_again_at_larger_sizes(dynamic):
+    """fuzz34a F3: one plan serves every size of a dynamic graph, and its first call is often
+    its smallest (a short batch compiled it): only that step was measured, and a budget
+    broken at every larger batch went without a warning, verify_budget on. A call larger than
+    every step measured is measured too (a static graph's are not)."""
+    from compile_offload.runtime.verify_budget import verify_first_step
+
+    from .models import CompiledFunction
+
+    small, large = torch.randn(4, 64, requires_grad=True), torch.randn(4096, 64, requires_grad=True)
+    with measure_peak("cpu") as measured:
+        CompiledFunction.apply(small, 0.0).sum().backward()
+    plan = _plan(8 * measured.peak_bytes, 1)
+    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g",
+                                (lambda args: args[0].numel()) if dynamic else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in (small, small, large, large):
+            wrapped(x).sum().backward()
+    messages = [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+    if dynamic:
+        (message,) = messages
+        assert "g: verify_budget: the first step at larger sizes measured" in message, message
+    else:
+        assert messages == []
+
+
 def test_off_by_default_and_nothing_without_a_budget():
     assert compile_offload.config.verify_budget is False
     model, x = _model()

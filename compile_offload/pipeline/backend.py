@@ -198,7 +198,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     if settings.verify_budget:  # measure the first step against the budget (verify_budget.py)
         from ..runtime.verify_budget import verify_first_step
 
-        compiled = verify_first_step(compiled, plan_of, device_of(example_inputs), graph_name)
+        compiled = verify_first_step(compiled, plan_of, device_of(example_inputs), graph_name,
+                                     _sized_inputs(example_inputs))
     if not config_guard.install(fixed_knobs):
         compiled = config_guard.warn_when_changed(compiled, _graph_name(), fixed_knobs)
     if settings.offload:  # a forward served by AOTAutograd's cache was not wrapped where Inductor compiled it
@@ -206,6 +207,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
 
         compiled = forgetting_copies_on_error(compiled, boxed=False)
     return compiled
+
+
+def _sized_inputs(example_inputs: Sequence[Any]) -> Callable[[tuple], int] | None:
+    """For a graph with dynamic sizes: a call's size, the elements of its symbolically sized
+    tensor inputs and its size arguments, summed; None for a static graph."""
+    tensors = [i for i, value in enumerate(example_inputs)
+               if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)]
+    sizes = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.SymInt)]
+    if not tensors and not sizes:
+        return None
+    return lambda args: sum(args[i].numel() for i in tensors) + sum(int(args[i]) for i in sizes)
 
 
 def _step_scoped(settings: Settings) -> bool:

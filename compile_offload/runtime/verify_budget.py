@@ -6,9 +6,12 @@ Inductor's, whose fusions can stretch buffer lifetimes beyond the plan (docs/des
 call of each compiled graph is measured at the allocator, from the forward call to the end
 of that graph's backward (hooks on the compiled autograd node), and one warning gives the
 measured peak, the budget and the predicted peak when the measurement exceeds the budget
-by more than ``TOLERANCE``. On the CPU the measure is a profiler of its own, and profilers
-do not nest: a step run while another profiler records is not measured (one warning says
-so), and the first step run outside one is.
+by more than ``TOLERANCE``. A graph with dynamic sizes serves every size with one plan, and
+its first call is often not its largest (a short last batch compiled it): it is measured
+again at the first call whose sized inputs hold more elements than any measured so far, up
+to ``MAX_MEASURES`` times, and warns once. On the CPU the measure is a profiler of its own,
+and profilers do not nest: a step run while another profiler records is not measured (one
+warning says so), and the first step run outside one is.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ from .step_measure import StepMeasure, compiled_backward_node, on_fake_tensors
 from ..passes.plan import Plan, format_bytes
 
 TOLERANCE = 0.01  # the allocator may measure a little above the plan's exact bytes
+MAX_MEASURES = 4  # steps of a graph with dynamic sizes measured, each at larger sizes than the last
 
 
 def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan | None], device: torch.device,
-                      graph_name: str) -> Callable[..., Any]:
+                      graph_name: str, sized: Callable[[tuple], int] | None = None) -> Callable[..., Any]:
     """``compiled`` (a Dynamo backend's result), measuring its first training step.
-    ``plan_of()`` returns the graph's plan (known once the graph is compiled). A graph called
+    ``plan_of()`` returns the graph's plan (known once the graph is compiled). ``sized(args)``,
+    for a graph with dynamic sizes: the elements of a call's symbolically sized inputs; a
+    step whose call holds more than every step measured before is measured too (the module
+    docstring). A graph called
     again before the measured call's backward (a model calling it several times a step) is
     measured from its first call to that call's backward. A measured forward whose backward
     never runs (a pass whose output was dropped: a later call's backward ran first, and no
@@ -42,17 +49,22 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     # in the step (0 is the measured call); calls: the calls since the step began; skip: how
     # many calls of a step run before the one measured (the calls before the one that trained
     # in a step whose measured call was dropped: a target computed with grad on, then detached)
+    # measured: the steps measured (0 until the first ends); largest: the most elements a measured
+    # call's sized inputs held; warned: a step was over
     state: dict[str, Any] = {"done": False, "pending": None, "passed": False, "trained": None, "calls": 0,
-                             "skip": 0, "drops": 0}
+                             "skip": 0, "drops": 0, "measured": 0, "largest": -1, "warned": False}
 
     def run(*args):
         plan = plan_of()
-        if (state["done"] or plan is None or plan.budget_bytes is None or not torch.is_grad_enabled()
-                or on_fake_tensors(args)):
+        if plan is None or plan.budget_bytes is None or not torch.is_grad_enabled() or on_fake_tensors(args):
             return compiled(*args)
+        if state["done"]:
+            if not _larger(state, sized, args):
+                return compiled(*args)
+            state["done"] = False  # a step at larger sizes: measured as the first was
         if device.type != "cuda" and profiler_recording():
-            if not state.get("warned"):
-                state["warned"] = True
+            if not state.get("warned_profiler"):
+                state["warned_profiler"] = True
                 warnings.warn(f"compile_offload: {graph_name}: verify_budget did not measure this step: a "
                               "torch.profiler is recording, and the CPU measure is a profiler of its own, which "
                               "would end yours; the first step run outside a profiler is measured", stacklevel=2)
@@ -78,12 +90,13 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             state["calls"] += 1
             return compiled(*args)
         state["calls"] = 0
+        if sized is not None:
+            state["largest"] = max(state["largest"], sized(args))
         step = StepMeasure(device)
         outputs = step.forward(compiled, args)
         node = compiled_backward_node(outputs)
         if node is None:  # no backward to wait for: the forward alone is the step
-            state["done"] = True
-            warn_if_over_budget(plan, step.peak_bytes(), graph_name)
+            _measured(state, plan, step.peak_bytes(), graph_name)
             return outputs
         state["pending"] = step
 
@@ -102,14 +115,28 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             step.end_backward()
             if step.interrupted:  # a profiler opened between the forward and this backward: measure the next
                 return
-            state["done"] = True
-            warn_if_over_budget(plan_of(), step.peak_bytes(), graph_name)
+            _measured(state, plan_of(), step.peak_bytes(), graph_name)
 
         node.register_prehook(backward_started)
         node.register_hook(backward_done)
         return outputs
 
     return run
+
+
+def _larger(state: dict[str, Any], sized: Callable[[tuple], int] | None, args: tuple) -> bool:
+    """Whether a call of a graph whose steps were measured is one to measure: dynamic sizes,
+    larger than any measured, with measures left."""
+    return sized is not None and state["measured"] < MAX_MEASURES and sized(args) > state["largest"]
+
+
+def _measured(state: dict[str, Any], plan: Plan | None, peak_bytes: int, graph_name: str) -> None:
+    """A step's measure ended: warn where it is over, once a graph."""
+    state["done"] = True
+    state["measured"] += 1
+    if not state["warned"]:
+        which = "the first compiled step" if state["measured"] == 1 else "the first step at larger sizes"
+        state["warned"] = warn_if_over_budget(plan, peak_bytes, graph_name, which)
 
 
 def _trained(state: dict[str, Any], pending: Any, place: int) -> None:
@@ -119,9 +146,10 @@ def _trained(state: dict[str, Any], pending: Any, place: int) -> None:
         state["trained"] = place if state["trained"] is None else min(state["trained"], place)
 
 
-def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str) -> bool:
-    """Warn (and return True) when ``measured_bytes`` exceeds the plan's budget by more than
-    ``TOLERANCE``."""
+def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str,
+                        which: str = "the first compiled step") -> bool:
+    """Warn (and return True) when ``measured_bytes``, measured in ``which`` step, exceeds the
+    plan's budget by more than ``TOLERANCE``."""
     if plan is None or plan.budget_bytes is None or measured_bytes <= plan.budget_bytes * (1 + TOLERANCE):
         return False
     # memory_budget=0.0 asks for the minimum-memory plan: its budget is 0 bytes
@@ -129,7 +157,7 @@ def warn_if_over_budget(plan: Plan | None, measured_bytes: int, graph_name: str)
     predicted = ("no plan: torch's partition ran" if plan.fallback is not None
                  else f"predicted peak {format_bytes(plan.predicted_peak_bytes)}")
     warnings.warn(
-        f"compile_offload: {graph_name}: verify_budget: the first compiled step measured "
+        f"compile_offload: {graph_name}: verify_budget: {which} measured "
         f"{format_bytes(measured_bytes)} at the allocator, above the memory budget "
         f"{format_bytes(plan.budget_bytes)} ({over}; {predicted}). "
         + _why_over(plan)
