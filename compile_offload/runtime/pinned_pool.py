@@ -379,7 +379,7 @@ class PinnedHostPool:
             raise PinnedPoolLimitError(
                 f"compile_offload: offloading needs a {nbytes}-byte host buffer, but the pinned pool "
                 f"already holds {held} bytes of its {self._limit}-byte limit ({in_use} bytes hold "
-                f"offloaded tensors that are still alive). The limit is {self._set_by}'s (the pool is one per "
+                f"offloaded tensors that are still alive). The limit was set by {self._set_by} (the pool is one per "
                 "process: the latest compile with offload on sets it for every model). Raise it (None: no "
                 "limit) or offload less (a larger memory_budget)."
             )
