@@ -162,17 +162,19 @@ def _scalar_arithmetic(node: fx.Node) -> bool:
         isinstance(arg.meta.get("val"), scalars) for arg in node.all_input_nodes)
 
 
-def mutated_inputs(graph: fx.Graph, roots: dict[fx.Node, fx.Node]) -> set[fx.Node]:
+def mutated_inputs(graph: fx.Graph, roots: dict[fx.Node, fx.Node], where: Callable[[fx.Node], bool] | None = None,
+                   outputs: bool = True) -> set[fx.Node]:
     """Placeholders whose storage some node of the graph writes (e.g. the ``copy_`` that
     writes a BatchNorm running statistic back), and those AOTAutograd writes once the forward
     has run: an input that requires grad (``nn.Embedding(max_norm=...)``'s weight) gets its
-    new value from a forward output, which the output's descriptor names."""
+    new value from a forward output, which the output's descriptor names. ``where``: the
+    writing nodes counted (all by default); ``outputs=False``: not those AOTAutograd writes."""
     written = [getattr(desc, "mutated_input", None) for desc in _output_node(graph).meta.get("desc") or ()]
-    mutated = {node for node in graph.nodes if node.op == "placeholder" and node.meta.get("desc") is not None
-               and node.meta["desc"] in written}
+    mutated = {node for node in graph.nodes if outputs and node.op == "placeholder"
+               and node.meta.get("desc") is not None and node.meta["desc"] in written}
     for node in graph.nodes:
         schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.is_mutable:
+        if node.op != "call_function" or schema is None or not schema.is_mutable or (where and not where(node)):
             continue
         for argument, value in zip(schema.arguments, node.args):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):

@@ -140,6 +140,28 @@ class ReadsMutatedBuffer(nn.Module):
         return self.fc(x) * self.steps.float().reciprocal()
 
 
+class SnapshotThenUpdate(nn.Module):
+    """A buffer snapshotted with ``clone()``, then updated in place (an EMA of the inputs),
+    the snapshot read by the backward directly and through a transposed view. Inductor's
+    joint-graph passes drop the clone as a no-op, so the joint graph's backward reads the
+    buffer itself, which the forward has written by then (review34c F6: wrong gradients
+    under torch.compile too)."""
+
+    def __init__(self, d_in: int = 16, d_out: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_in)
+        self.out = nn.Linear(d_in, d_out)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_in))
+        self.register_buffer("mix", torch.eye(d_in) + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, mix = self.scale.clone(), self.mix.clone()
+        self.scale.mul_(0.9).add_(x.detach().abs().mean(0), alpha=0.1)
+        self.mix.mul_(0.5)
+        h = torch.tanh(self.fc(x) * scale)
+        return self.out(h @ mix.t())
+
+
 class EmbeddingMaxNorm(nn.Module):
     """``nn.Embedding(max_norm=...)`` renormalises its weight's rows in place in the forward.
     The weight requires grad, so AOTAutograd writes the new rows back after the graph runs

@@ -28,6 +28,7 @@ from .models import (
     InPlaceWithBuffers,
     ParityResult,
     ReadsMutatedBuffer,
+    SnapshotThenUpdate,
     ResidualLM,
     TransformerBlock,
     check_training_parity,
@@ -246,6 +247,24 @@ def test_value_read_from_a_mutated_buffer_is_saved_not_recomputed(budget, captur
     case = Case(ReadsMutatedBuffer, mlp_inputs)
     result = run_case(case, budget, inner_compiler="eager")
     check_budget_reached_planner(result, captured_plans, budget, case.graphs)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("options", [{"memory_budget": None}, {"memory_budget": 0.0},
+                                     {"device_profile": "h100", "debug_force_offload": True}],
+                         ids=["unconstrained", "minimum", "offloaded"])
+def test_a_snapshot_of_a_buffer_the_forward_updates_reaches_the_backward(options, captured_plans, no_compile_caches):
+    """review34c F6 (wrong gradients, also under plain torch.compile): Inductor drops the
+    snapshot's clone, and the backward read the buffer after the forward's write. The
+    backward now reads a copy made before the write (passes/snapshot_mutated_inputs.py),
+    kept, recomputed never, or offloaded."""
+    case = Case(SnapshotThenUpdate, mlp_inputs)
+    result = run_case(case, options.get("memory_budget"), inner_compiler="inductor",
+                      **{k: v for k, v in options.items() if k != "memory_budget"})
+    check_budget_reached_planner(result, captured_plans, options.get("memory_budget"), case.graphs)
+    if options.get("debug_force_offload"):
+        assert any(d.decision == "offload" and d.name.startswith("clone") for d in captured_plans[-1].decisions), \
+            [(d.name, d.decision) for d in captured_plans[-1].decisions]
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from ..passes.memory import fused_nodes
 from ..passes.offload import eligible_for_offload
 from ..passes.plan import Plan
 from ..passes.rewrite import build_graphs
+from ..passes.snapshot_mutated_inputs import snapshot_mutated_inputs
 from ..passes.progress import Progress
 from ..passes.solve.refine import Refinement, refine_solution
 from ..passes.solve.recompute import (Candidate, Solution, SolverError, lowest_peak, solve_exact,
@@ -99,6 +101,7 @@ def _planned(joint_gm: fx.GraphModule, joint_inputs: Sequence[object], settings:
     # budget): a gradient's smaller matmuls first, as that reordering would; and each add
     # Inductor would fold a matmul into, folded here or prevented (unfused_mm_add).
     joint_gm = unfused_mm_add(smaller_matmuls_first(joint_gm))
+    _snapshot_mutated_inputs(joint_gm, graph_name)
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     device = device_of(tensor_value(n) for n in joint_gm.graph.nodes)
     profile = resolve_profile(settings.device_profile, device)
@@ -303,6 +306,15 @@ def _refinement_note(refinement: Refinement, unrefined: Candidate) -> str:
             f"({refinement.evaluated} plans evaluated)")
 
 
+def _snapshot_mutated_inputs(joint_gm: fx.GraphModule, graph_name: str) -> None:
+    """``passes.snapshot_mutated_inputs``, logged where it copies an input."""
+    copied = snapshot_mutated_inputs(joint_gm)
+    if copied:
+        logging.getLogger("compile_offload").info(
+            "%s: the backward reads %s, which the forward writes: it reads a copy made before the write "
+            "(saved for the backward)", graph_name, ", ".join(copied))
+
+
 def _fallback(joint_gm, joint_inputs, settings: Settings, num_fwd_outputs: int,
               static_lifetime_input_indices, graph_name: str, error: Exception) -> PartitionResult:
     """torch's min-cut partition for a graph the planner did not plan: correct, without the
@@ -310,6 +322,7 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, num_fwd_outputs: int,
     Under ``strict_budget`` with a budget: ``BudgetError``, the budget could not be applied."""
     cause = f"{type(error).__name__}: {error}"
     raise_if_strict_fallback(graph_name, cause, settings)
+    _snapshot_mutated_inputs(joint_gm, graph_name)  # torch's partition reads them after the write too
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
     why = f"fallback: {error}; torch's partition ran"
