@@ -96,6 +96,15 @@ def prefer_offload_sin(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE
 
 
+def must_offload_gelu(ctx, func, *args, **kwargs):
+    """review34c F1: the tag reaches every node of GELU's decomposition; the plan saved
+    ``erf`` (read only by a node saved later) and offloaded it, which the forward does not
+    save: the compile raised."""
+    if func.overloadpacket is aten.gelu:
+        return CheckpointPolicy.MUST_CPU_OFFLOAD
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def must_offload_views(ctx, func, *args, **kwargs):
     if func.overloadpacket is aten.view:  # views cannot be offloaded: only their storage can
         return CheckpointPolicy.MUST_CPU_OFFLOAD
@@ -245,7 +254,7 @@ def test_prefer_cpu_offload_offloads_what_the_plan_keeps():
 
 POLICIES = [must_save_matmuls, must_recompute_activations, prefer_save_everything, prefer_recompute_everything]
 if HAS_OFFLOAD_POLICIES:
-    POLICIES += [must_offload_sin, prefer_offload_sin]
+    POLICIES += [must_offload_sin, prefer_offload_sin, must_offload_gelu]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.__name__)
@@ -258,7 +267,8 @@ def test_training_with_a_policy_matches_eager(policy, budget, captured_plans):
     (plan,) = captured_plans
     assert any(note.startswith("user policy") for note in plan.notes)
     # The offload ops ran, and gradients still match (a preference may give way to the budget).
-    if policy.__name__ == "must_offload_sin" or (policy.__name__ == "prefer_offload_sin" and budget is None):
+    if policy.__name__ in ("must_offload_sin", "must_offload_gelu") or (
+            policy.__name__ == "prefer_offload_sin" and budget is None):
         assert plan.offloaded
 
 

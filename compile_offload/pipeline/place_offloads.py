@@ -10,7 +10,7 @@ from ..runtime.ops import OFFLOAD_OPS
 from ..passes.offload import eligible_saved_tensors, insert_offloads
 from ..passes.plan import Plan
 from ..passes.schedule import place_offload_waits, place_reloads
-from ..passes.analyze import JointAnalysis
+from ..passes.analyze import JointAnalysis, UnsupportedGraph
 from ..passes.transfer import TransferPlan, plan_transfers
 from ..settings import Settings
 
@@ -25,7 +25,8 @@ def insert_planned_offloads(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, offloa
     names = sorted(tensor.name for tensor in offloaded)
     for name in names:
         if name not in eligible:
-            raise RuntimeError(f"planned offload of {name} is not an eligible saved tensor of the forward graph")
+            # a planning error: torch's partition runs instead, said once (planning.plan_partition)
+            raise UnsupportedGraph(f"planned offload of {name} is not an eligible saved tensor of the forward graph")
     # Not recompiled here: placing the waits and reloads edits both graphs again, and recompiles them.
     fw_gm, bw_gm = insert_offloads(fw_gm, bw_gm, names, OFFLOAD_OPS, num_fwd_outputs=num_fwd_outputs,
                                    prefetch_distance=0, recompile=False)
