@@ -4,6 +4,7 @@ cache tells the user what a cold compile told them."""
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 
@@ -474,7 +475,7 @@ def test_under_strict_budget_a_size_no_plan_fits_raises_and_the_others_still_run
     torch.manual_seed(0)
     counter = CompileCounterWithBackend(compile_offload.offload_remat(memory_budget="1.4MiB", strict_budget=True))
     compiled = torch.compile(_Act(), backend=counter, dynamic=True)
-    outcome = []
+    outcome, last = [], ""
     for batch in (512, 300, 1024, 1024, 512, 300, 8, 1024):
         try:
             compiled(torch.randn(batch, 32)).square().mean().backward()
@@ -483,8 +484,13 @@ def test_under_strict_budget_a_size_no_plan_fits_raises_and_the_others_still_run
             inner = getattr(error, "inner_exception", error)
             assert isinstance(inner, compile_offload.BudgetError), repr(error)
             outcome.append("does not run" if "this call does not run" in str(inner) else "compile raised")
+            last = str(inner)
     assert outcome == ["ran", "ran", "does not run", "compile raised", "ran", "ran", "ran", "does not run"]
     assert counter.frame_count == 2  # the compile for 1024 (it raised), and none after it
+    # fuzz34a F5: it said "the graph compiled for these sizes", where with two dimensions the
+    # sizes compiled for are a combination covering these and those planned
+    assert re.search(r"the graph compiled again for s\d+=1024, which covers these sizes and those planned, "
+                     r"raised", last), last
 
 
 class _Layer(nn.Module):

@@ -208,7 +208,7 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
     planned = tuple(hints[s] for s in symbols)
     replan = replan_when_larger(gm) if gm is not None else None
     peaks: dict[tuple, int | None] = {}  # (sizes, limit) checked -> the predicted peak (None: not computed)
-    refused: set[tuple[int, ...]] = set()  # sizes the frame's compile for them raised BudgetError at
+    refused: dict[tuple[int, ...], str] = {}  # sizes the frame's compile for them raised at -> the sizes planned
     not_again: dict[tuple[int, ...], str] = {}  # strict: sizes the frame was not compiled again for, and why
     unchecked: list[tuple[int, ...]] = []  # the first sizes whose peak could not be computed (warned)
     warned = False
@@ -243,9 +243,12 @@ def check_sizes(compiled: Callable[..., Any], example_inputs: Sequence[Any], pro
                 if strict and (peak is None or peak > limit):  # not known to fit: not run, each time
                     larger = {s: at[s] for s in symbols if at[s] > hints[s]}
                     if sizes in refused:
-                        why = " (the graph compiled for these sizes did not fit it either)"
+                        why = (f" (the graph compiled again for {refused[sizes]}, which covers these sizes and "
+                               "those planned, raised: no plan for them fits either; dynamic=False plans each size "
+                               "on its own)")
                     elif first and replan is not None and larger:  # a graph planned for them may fit
-                        again = replan(larger, hints, lambda: refused.add(sizes))
+                        covering = _sizes({**hints, **larger})
+                        again = replan(larger, hints, lambda: refused.__setitem__(sizes, covering))
                         why = ("; the next call compiles the graph again, planned for these sizes"
                                if isinstance(again, int) else f" (not compiled again: {again})")
                         not_again[sizes] = "" if isinstance(again, int) else why
