@@ -30,20 +30,24 @@ from collections.abc import Iterable
 
 import torch.fx as fx
 
-from .analyze import JointAnalysis, UnsupportedGraph
+from .analyze import MUST_SAVE_REASON, JointAnalysis, UnsupportedGraph
 
 
 def saved_storages(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: Iterable[fx.Node] = ()) -> set[fx.Node]:
     """``saved`` with no two tensors sharing a donated storage (see the module's doc).
 
     ``offloaded``: tensors the forward copies to the host; they leave the device's saved
-    set as host copies (their own storage) and are returned unchanged."""
+    set as host copies (their own storage) and are returned unchanged. A saved view of one
+    is recomputed from its reloaded copy: saved as it is, it would keep the storage on the
+    device beside the reloaded copy."""
     offloaded = set(offloaded)
     result: set[fx.Node] = set()
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in saved:
         if node in offloaded:
             result.add(node)
+        elif offloaded and _view_path(a, node, offloaded) in offloaded:
+            continue  # recomputed in the backward from the reloaded tensor it views
         else:
             groups.setdefault(a.roots.get(node, node), []).append(node)
     for root, members in groups.items():
@@ -56,14 +60,21 @@ def saved_storages(a: JointAnalysis, saved: Iterable[fx.Node], offloaded: Iterab
 
 def _view_path(a: JointAnalysis, node: fx.Node, stop: set[fx.Node]) -> fx.Node:
     """Where the walk from ``node`` up its views ends: the first node of ``stop`` met, or
-    the last node that may be recomputed from its parent."""
+    the last node that may be recomputed from its parent. A view banned only for a tag (a
+    checkpoint policy's ``MUST_SAVE`` or ``MUST_CPU_OFFLOAD`` on ``split``, torch's
+    ``MUST_SAVE`` on a region's boundary) is: the tensor it views, saved, holds it, and
+    recomputing a view is free."""
     step = node
     while step not in stop or step is node:
         parent = a.alias_parent.get(step)
-        if parent is None or step in a.ban:
+        if parent is None or (step in a.ban and not _tagged_only(a.ban[step])):
             return step
         step = parent
     return step
+
+
+def _tagged_only(reason: str) -> bool:
+    return reason == MUST_SAVE_REASON or reason.startswith("user policy ")
 
 
 def _input_for_its_view(a: JointAnalysis, node: fx.Node, root: fx.Node) -> fx.Node:

@@ -168,9 +168,11 @@ def offload_tagged(a: JointAnalysis, policy: UserPolicy, solution, seconds, offl
     ``why_no_offload`` says why). A ``MUST_CPU_OFFLOAD`` tensor that cannot be offloaded is
     named in one warning; a ``PREFER_CPU_OFFLOAD`` one is left as planned."""
     from .offload import eligible_for_offload
+    from .solve.recompute import unread_saved
 
     chosen = solution.chosen
-    wanted = sorted((t for t in chosen.saved if t not in chosen.offloaded
+    unread = unread_saved(a, chosen.saved)  # the forward does not save them: nothing to offload
+    wanted = sorted((t for t in chosen.saved if t not in chosen.offloaded and t not in unread
                      and policy.policy(t) in (MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD)), key=a.position.__getitem__)
     if not wanted:
         return solution

@@ -135,26 +135,34 @@ def without_banned_recompute(a: JointAnalysis, saved: Iterable[fx.Node]) -> list
     """``saved`` plus every banned node the backward would otherwise recompute.
 
     torch's min-cut saved set can recompute a read of an input that the forward mutates
-    (pytorch/pytorch#197039); saving such nodes makes the starting plan correct. A node
-    added only for another added one, which a later addition saved (a policy's tag on every
-    node of a decomposition: GELU's ``erf`` read only by its ``mul``), is dropped again:
-    nothing reads it, and a plan that offloads a tensor the forward does not save fails.
+    (pytorch/pytorch#197039); saving such nodes makes the starting plan correct. Banned
+    nodes nothing reads are dropped (``unread_saved``): one added only for another added
+    one, which a later addition saved (a policy's tag on every node of a decomposition:
+    GELU's ``erf`` read only by its ``mul``), and one torch saves for its tag alone. The
+    forward does not save them, and a plan that offloads one fails.
     """
     saved = list(saved)
-    added: list[fx.Node] = []
     while True:
         banned = sorted((n for n in recomputed_nodes(a, set(saved)) if n in a.ban), key=a.position.__getitem__)
         if not banned:
             break
         saved.extend(banned)
-        added.extend(banned)
     while True:
-        recomputed = recomputed_nodes(a, set(saved))
-        read = {a.roots.get(arg, arg) for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
-        unread = {n for n in added if n in saved and n not in read and a.roots.get(n, n) not in read}
+        unread = {n for n in unread_saved(a, saved) if n in a.ban}
         if not unread:
             return saved
         saved = [n for n in saved if n not in unread]
+
+
+def unread_saved(a: JointAnalysis, saved: Iterable[fx.Node]) -> set[fx.Node]:
+    """The tensors of ``saved`` that neither the backward nor what it recomputes reads (a
+    policy's tag keeps a node of a decomposition, or a layer's output that only a residual
+    add reads, in torch's saved set): the forward does not save them."""
+    saved = set(saved)
+    recomputed = recomputed_nodes(a, saved)
+    read = {a.roots.get(arg, arg) for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
+    read |= {arg for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
+    return {n for n in saved if n not in a.steady and n not in read and a.roots.get(n, n) not in read}
 
 
 def compute_node(node: fx.Node) -> fx.Node:

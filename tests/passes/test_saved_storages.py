@@ -41,6 +41,19 @@ def test_a_saved_view_of_a_saved_buffer_is_recomputed_from_it():
     assert saved_storages(analysis, {base, *views}) == {base}
 
 
+def test_a_saved_view_of_an_offloaded_buffer_is_recomputed_from_its_reloaded_copy():
+    """review34c F2: a plan offloading a buffer and saving a view of it kept the view, so
+    the forward returned it and its storage stayed on the device beside the reloaded copy
+    (the memory model counted the buffer kept and no reload: 256 KiB under)."""
+    analysis, _ = capture_analysis(_linear_then_views, *_inputs())
+    nodes = _by_name(analysis)
+    base = next(n for n in nodes.values() if n.target is torch.ops.aten.addmm.default)
+    views = [n for n in nodes.values() if analysis.roots.get(n) is base and n is not base and analysis.is_forward(n)]
+    assert views, "the graph has views of the addmm"
+    for view in views:
+        assert saved_storages(analysis, {base, view}, offloaded={base}) == {base}, view
+
+
 def test_sibling_views_are_replaced_by_their_storage():
     analysis, _ = capture_analysis(_linear_then_views, *_inputs())
     nodes = _by_name(analysis)
