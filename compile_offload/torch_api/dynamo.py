@@ -19,17 +19,21 @@ __all__ = ["DDP_OPTIMIZER_MODULE", "add_frame_guard", "aot_autograd", "backend_r
            "copy_marks", "forbidden_while_traced", "global_state_source", "graph_input_sources", "register_backend", "reset"]
 
 
-# Where ``torch._dynamo.mark_dynamic`` / ``mark_static`` / ``maybe_mark_dynamic`` keep their
-# marks: attributes of the tensor (``_dynamo_dynamic_indices``, ``_dynamo_hint_overrides``,
-# ``_specialize_on``, ``_has_dynamo_dim_marking``, ...).
-_MARK_PREFIXES = ("_dynamo_", "_specialize", "_has_dynamo_")
+# Where ``torch._dynamo.mark_dynamic`` / ``maybe_mark_dynamic`` / ``mark_unbacked`` /
+# ``mark_static`` keep a user's dimension marks: attributes of the tensor. Not the marks
+# Dynamo itself leaves on a tensor it compiled (``_dynamo_static_input_type`` on a
+# parameter): a copy marked so would be planned unlike the first copy made.
+_DIMENSION_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides",
+                    "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices", "_dynamo_strict_unbacked_indices",
+                    "_dynamo_unbacked_bounds", "_dynamo_static_indices", "_dynamo_shape_ids", "_specialize_on",
+                    "_has_dynamo_dim_marking")
 
 
 def copy_marks(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``target`` with the dimension marks Dynamo reads from ``source`` (a copy of a tensor
-    is otherwise planned as unmarked)."""
+    """``target`` with the dimension marks a user set on ``source`` (a copy of a tensor is
+    otherwise planned as unmarked)."""
     for name, value in vars(source).items():
-        if name.startswith(_MARK_PREFIXES):
+        if name in _DIMENSION_MARKS:
             setattr(target, name, value.copy() if hasattr(value, "copy") else value)
     return target
 
