@@ -8,7 +8,7 @@ import torch.fx as fx
 from . import compat
 from .analyze import JointAnalysis, collective_source, tensor_value
 from .plan import Decision, Plan
-from .solve.recompute import Seconds, Solution, compute_node, step_seconds
+from .solve.recompute import Seconds, Solution, compute_node, step_seconds, unread_saved
 
 
 def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver: str, profile_name: str,
@@ -16,10 +16,13 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     decisions: list[Decision] = []
     base = solution.baseline.saved
     final = solution.chosen.saved
+    # A tensor of the plan the backward does not read (a per-segment plan's last cut, the
+    # model's output) is not saved by the forward: no row (its bytes stay in the peak).
+    unread = unread_saved(a, final) - solution.chosen.offloaded
     counted_parents: set[fx.Node] = set()
     for tensor in sorted(base | final, key=a.position.__getitem__):
         val = tensor_value(tensor)
-        if val is None or tensor in a.steady:
+        if val is None or tensor in a.steady or tensor in unread:
             continue
         if tensor in solution.chosen.offloaded:
             transfers = solution.chosen.transfers
@@ -56,7 +59,8 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     order = a.position.__getitem__
     timeline = solution.chosen.timeline
     return Plan(
-        saved=[n.name for n in sorted(final, key=order)],
+        saved=[n.name for n in sorted(final, key=order)
+               if n in a.steady or (tensor_value(n) is not None and n not in unread)],
         offloaded={n.name: transfers.reload_distance.get(n, 1) for n in sorted(solution.chosen.offloaded, key=order)},
         timeline_bytes=list(timeline.live_bytes) if timeline else [],
         backward_start=timeline.backward_start if timeline else 0,

@@ -151,6 +151,28 @@ def test_a_size_named_with_hint_override_is_planned_on_meta_and_inference_inputs
     assert planned(device, 8, hint=64) == planned("cpu", 64) != planned("cpu", 8)
 
 
+def test_a_per_segment_plan_lists_what_the_forward_saves(tmp_path):
+    """fuzz34e F2/F6: a plan from per-segment checkpointing listed the model's output as a
+    kept saved tensor (its last cut), which the forward does not save, and under dynamic
+    shapes plan.saved listed size expressions. The plan's saved tensors are now the ones the
+    forward returns after the model's output."""
+    import re
+
+    from tests.models import TransformerBlock
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[TransformerBlock(d_model=64, n_heads=4, d_ff=256, dropout=0.0) for _ in range(3)])
+    x = torch.randn(4, 32, 64)
+    torch._dynamo.mark_dynamic(x, 0)
+    plan = compile_offload.explain(model, x, memory_budget=0.0, inner_compiler="eager", dump_dir=str(tmp_path))
+    assert any(note.startswith("from per-segment checkpointing") for note in plan.notes), plan.notes
+    (forward,) = tmp_path.rglob("forward.py")
+    text = forward.read_text()
+    returned = re.findall(r"\w+", text[text.rindex("return"):])[1:]
+    saved_by_forward = [name for name in returned[1:] if not name.startswith(("primals", "sym_size", "mul"))]
+    assert [name for name in plan.saved if not name.startswith("primals")] == saved_by_forward, (plan.saved, returned)
+
+
 def test_explain_a_plain_function_on_cpu_tensors():
     w = torch.randn(32, 32, requires_grad=True)
 
