@@ -10,6 +10,11 @@ Each such input gets one ``clone`` before anything runs, the backward's reads of
 its views are redirected to the clone and to the same views of it, and the clone is tagged
 ``MUST_SAVE``: the backward needs the old value, so it is saved (kept or offloaded), never
 recomputed from the input. Inputs the backward writes as well are left as they are.
+
+Limit: torch's min-cut partition puts a node no forward output needs in the backward, tag or
+not, so it would recompute the copy there, after the write. The planner's partition keeps
+it in the forward; where the planner falls back to torch's, the graph is refused instead
+(``snapshots`` names them).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 import torch.fx as fx
 
 from .analyze import is_tangent, mutated_inputs, storage_roots
+
+
+SNAPSHOT_OF = "compile_offload_snapshot_of"  # a snapshot node's meta: the input it copies
 
 
 def snapshot_mutated_inputs(gm: fx.GraphModule) -> list[str]:
@@ -58,7 +66,13 @@ def _snapshot(graph: fx.Graph, placeholder: fx.Node) -> fx.Node:
         snapshot = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
     snapshot.meta["val"] = torch.ops.aten.clone.default(placeholder.meta["val"])
     snapshot.meta["recompute"] = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    snapshot.meta[SNAPSHOT_OF] = placeholder.name
     return snapshot
+
+
+def snapshots(graph: fx.Graph) -> list[str]:
+    """The inputs ``graph`` holds a snapshot of (made by ``snapshot_mutated_inputs``)."""
+    return [node.meta[SNAPSHOT_OF] for node in graph.nodes if SNAPSHOT_OF in node.meta]
 
 
 def _rebased(graph: fx.Graph, node: fx.Node, rebased: dict[fx.Node, fx.Node],

@@ -267,6 +267,28 @@ def test_a_snapshot_of_a_buffer_the_forward_updates_reaches_the_backward(options
             [(d.name, d.decision) for d in captured_plans[-1].decisions]
 
 
+@pytest.mark.inductor
+@pytest.mark.parametrize("where", ["before_planning", "after_planning"])
+def test_a_snapshot_the_planner_cannot_plan_is_refused_not_partitioned_by_torch(where, monkeypatch, no_compile_caches):
+    """review34f F1: torch's min-cut partition, the fallback, puts the snapshot (which no
+    forward output needs) in the backward, after the write: the fallback warned "correct"
+    and the gradients were off by 3.2. Such a graph is refused, naming the input."""
+    from compile_offload.passes.analyze import UnsupportedGraph
+    from compile_offload.pipeline import planning
+
+    step = "analyze_joint" if where == "before_planning" else "build_graphs"
+
+    def unsupported(*args, **kwargs):
+        raise UnsupportedGraph("unsupported op example::op")
+
+    monkeypatch.setattr(planning, step, unsupported)
+    torch._dynamo.reset()
+    model = torch.compile(SnapshotThenUpdate(), backend=compile_offload.offload_remat(inner_compiler="inductor"))
+    with pytest.raises(Exception, match=r"the backward reads primals_\d+, primals_\d+, which the forward writes"):
+        model(*mlp_inputs()).sum().backward()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
 def test_an_input_autograd_writes_back_after_the_forward_is_not_read_by_a_recomputation(budget, captured_plans):
     """``nn.Embedding(max_norm=...)``: AOTAutograd writes the renormalised weight back after

@@ -29,7 +29,7 @@ from ..passes.memory import fused_nodes
 from ..passes.offload import eligible_for_offload
 from ..passes.plan import Plan
 from ..passes.rewrite import build_graphs
-from ..passes.snapshot_mutated_inputs import snapshot_mutated_inputs
+from ..passes.snapshot_mutated_inputs import snapshot_mutated_inputs, snapshots
 from ..passes.progress import Progress
 from ..passes.solve.refine import Refinement, refine_solution
 from ..passes.solve.recompute import (Candidate, Solution, SolverError, lowest_peak, solve_exact,
@@ -322,7 +322,15 @@ def _fallback(joint_gm, joint_inputs, settings: Settings, num_fwd_outputs: int,
     Under ``strict_budget`` with a budget: ``BudgetError``, the budget could not be applied."""
     cause = f"{type(error).__name__}: {error}"
     raise_if_strict_fallback(graph_name, cause, settings)
-    _snapshot_mutated_inputs(joint_gm, graph_name)  # torch's partition reads them after the write too
+    _snapshot_mutated_inputs(joint_gm, graph_name)
+    copied = snapshots(joint_gm.graph)
+    if copied:  # torch's partition would recompute the copies in the backward, after the write
+        raise RuntimeError(
+            f"compile_offload: {graph_name}: the planner could not handle this graph ({cause}), and torch's "
+            f"partition, the fallback, would give wrong gradients: the backward reads {', '.join(copied)}, which "
+            "the forward writes in place, through a copy Inductor removed as a no-op (a clone() taken before an "
+            "in-place update; torch.compile's own backend is wrong the same way). Compile with "
+            "inner_compiler='eager', which keeps the copy, or report the planner's error")
     joint = compat.prepare_joint(joint_gm, num_fwd_outputs, static_lifetime_input_indices)
     fw_gm, bw_gm = compat.default_partition(joint, joint_inputs)
     why = f"fallback: {error}; torch's partition ran"
