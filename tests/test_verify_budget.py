@@ -209,6 +209,30 @@ def test_a_graph_with_dynamic_sizes_is_measured_again_at_larger_sizes(dynamic):
         assert messages == []
 
 
+def test_the_size_of_a_call_is_the_elements_of_its_dynamically_sized_inputs():
+    """review34f F2: Dynamo hands the backend real tensors, so the size read the symbolic
+    shapes off nothing and summed the size arguments: batch x 64 was measured as the batch,
+    and with two dimensions (12, 48) then (30, 20) read as smaller. The graph's placeholders
+    say which inputs are sized."""
+    from compile_offload.pipeline.backend import _sized_inputs
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend=capture, dynamic=True)
+    compiled(torch.randn(12, 48))
+    (gm,) = graphs
+    sized = _sized_inputs(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    args = [torch.randn(30, 20) if isinstance(n.meta.get("example_value"), torch.Tensor) else 0 for n in placeholders]
+    assert sized(tuple(args)) == 600
+    torch._dynamo.reset()
+
+
 def test_off_by_default_and_nothing_without_a_budget():
     assert compile_offload.config.verify_budget is False
     model, x = _model()

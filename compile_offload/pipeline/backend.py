@@ -199,7 +199,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         from ..runtime.verify_budget import verify_first_step
 
         compiled = verify_first_step(compiled, plan_of, device_of(example_inputs), graph_name,
-                                     _sized_inputs(example_inputs))
+                                     _sized_inputs(gm))
     if not config_guard.install(fixed_knobs):
         compiled = config_guard.warn_when_changed(compiled, _graph_name(), fixed_knobs)
     if settings.offload:  # a forward served by AOTAutograd's cache was not wrapped where Inductor compiled it
@@ -209,15 +209,19 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     return compiled
 
 
-def _sized_inputs(example_inputs: Sequence[Any]) -> Callable[[tuple], int] | None:
-    """For a graph with dynamic sizes: a call's size, the elements of its symbolically sized
-    tensor inputs and its size arguments, summed; None for a static graph."""
-    tensors = [i for i, value in enumerate(example_inputs)
+def _sized_inputs(gm: torch.fx.GraphModule) -> Callable[[tuple], int] | None:
+    """For a graph with dynamic sizes: a call's size, the elements of the tensor inputs whose
+    shape is symbolic in the graph (Dynamo hands the backend real tensors: the graph's
+    placeholders say which), or where none is, the size arguments, summed; None for a
+    static graph."""
+    values = [node.meta.get("example_value", node.meta.get("val")) for node in gm.graph.nodes
+              if node.op == "placeholder"]
+    tensors = [i for i, value in enumerate(values)
                if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)]
-    sizes = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.SymInt)]
-    if not tensors and not sizes:
-        return None
-    return lambda args: sum(args[i].numel() for i in tensors) + sum(int(args[i]) for i in sizes)
+    if tensors:
+        return lambda args: sum(args[i].numel() for i in tensors)
+    sizes = [i for i, value in enumerate(values) if isinstance(value, torch.SymInt)]
+    return (lambda args: sum(int(args[i]) for i in sizes)) if sizes else None
 
 
 def _step_scoped(settings: Settings) -> bool:
