@@ -75,18 +75,27 @@ def test_the_streamed_step_trains_like_the_host_step(name):
             torch.testing.assert_close(optimizer.state[p][key], value, msg=f"{label} {key}")
 
 
+def _two_steps_each(mode: str):
+    """A model stepped twice by ``OptimizerStep`` (one parameter a group; under "auto" as if
+    the streamed step had measured faster), and its copy by torch's AdamW."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
+    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=mode, chunk_bytes=_chunk(optimizer, 1))
+    if mode == AUTO:
+        stepper.chosen = DEVICE  # on the CPU "auto" stays on the host
+    _train(model, stepper.step, 2)
+    _train(reference, reference_optimizer.step, 2)
+    return model, optimizer, stepper, reference, reference_optimizer
+
+
 def test_a_group_that_cannot_be_staged_steps_on_the_host_with_the_rest(monkeypatch):
     """review33c F3: out of device memory staging the third group, the step raised with two
     groups stepped and the rest not (a retry stepped the first ones twice), and on CUDA the
     downloads still writing the host tensors. The groups not stepped now step on the host:
     one whole step, as the reference's, with a warning."""
-    torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
-    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
-    _train(model, stepper.step, 2)
-    _train(reference, reference_optimizer.step, 2)
+    model, optimizer, stepper, reference, reference_optimizer = _two_steps_each(DEVICE)
     staged = []
     real = OptimizerStep._stage
 
@@ -101,10 +110,7 @@ def test_a_group_that_cannot_be_staged_steps_on_the_host_with_the_rest(monkeypat
         _train(model, stepper.step, 1)
     _train(reference, reference_optimizer.step, 1)
     assert len(staged) == 3 and len(list(model.parameters())) > 3
-    for (label, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, msg=label)
-        for key, value in reference_optimizer.state[q].items():
-            torch.testing.assert_close(optimizer.state[p][key], value, msg=f"{label} {key}")
+    _assert_like(model, optimizer, reference, reference_optimizer)
 
 
 def test_the_first_step_runs_on_the_host_and_creates_the_state():
@@ -369,13 +375,7 @@ def test_a_group_out_of_memory_in_its_step_steps_on_the_host_with_its_counters_s
     temporaries), after the step counters the host shares with it were incremented, the step
     raised with earlier groups stepped and this group's counters one step ahead. The group and
     those after it now step on the host, its counters put back first: one whole step."""
-    torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
-    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=DEVICE, chunk_bytes=_chunk(optimizer, 1))
-    _train(model, stepper.step, 2)
-    _train(reference, reference_optimizer.step, 2)
+    model, optimizer, stepper, reference, reference_optimizer = _two_steps_each(DEVICE)
     calls = []
     real = optim.step_without_hooks
 
@@ -399,14 +399,7 @@ def test_a_measured_streamed_step_out_of_memory_stays_on_the_host_from_then_on(m
     """review33d O1: where "auto" had measured the streamed step faster, a shortage of device
     memory recurred every step (a warning and an emptied allocator cache each time). The step
     now stays on the host after the first, and the plan's line says why."""
-    torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    optimizer, reference_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
-    stepper = OptimizerStep(optimizer, torch.device("cpu"), mode=AUTO, chunk_bytes=_chunk(optimizer, 1))
-    stepper.chosen = DEVICE  # as measured faster (on the CPU "auto" stays on the host)
-    _train(model, stepper.step, 2)
-    _train(reference, reference_optimizer.step, 2)
+    model, optimizer, stepper, reference, reference_optimizer = _two_steps_each(AUTO)
     staged = []
 
     def stage(self, params, group):
