@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..analyze import JointAnalysis, tensor_value
 from ..memory import recomputed_nodes
-from .recompute import Candidate, Group, Prefix, storage_group
+from .recompute import Candidate, Group, Prefix, storage_group, unread_saved
 
 Order = Callable[[float], object]  # the estimated saving -> a sort key (smaller first)
 
@@ -128,11 +128,7 @@ def unread_dropped(a: JointAnalysis, saved: set[fx.Node], base_saved: frozenset[
     reads any more (saved only so that something now saved could be recomputed). Tensors
     of the unconstrained plan stay."""
     while True:
-        recomputed = recomputed_nodes(a, saved)
-        read = {a.roots.get(arg, arg) for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
-        unread = {t for t in saved - base_saved
-                  if tensor_value(t) is not None and t not in a.steady and a.roots.get(t, t) not in read
-                  and t not in read}
+        unread = {t for t in unread_saved(a, saved) - base_saved if tensor_value(t) is not None}
         if not unread:
             return saved
         saved -= unread

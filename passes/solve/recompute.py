@@ -161,7 +161,6 @@ def unread_saved(a: JointAnalysis, saved: Iterable[fx.Node]) -> set[fx.Node]:
     saved = set(saved)
     recomputed = recomputed_nodes(a, saved)
     read = {a.roots.get(arg, arg) for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
-    read |= {arg for n in [*a.bw_nodes, *recomputed] for arg in a.inputs[n]}
     return {n for n in saved if n not in a.steady and n not in read and a.roots.get(n, n) not in read}
 
 
