@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from . import compat
-from .analyze import JointAnalysis, collective_source, tensor_value
+from .analyze import JointAnalysis, UnsupportedGraph, collective_source, tensor_value
+from .memory import recomputed_nodes
 from .plan import Decision, Plan
+from .saved_storages import saved_storages
 from .solve.recompute import Seconds, Solution, compute_node, step_seconds, unread_saved
 
 
@@ -16,23 +18,36 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     decisions: list[Decision] = []
     base = solution.baseline.saved
     final = solution.chosen.saved
+    offloaded = solution.chosen.offloaded
+    # The rows describe what the forward saves: one tensor per storage (``saved_storages``),
+    # the solver's saved views of a storage shown as that storage's tensor.
+    base_stored, stored = _stored(a, base), _stored(a, final, offloaded)
+    recomputed = recomputed_nodes(a, set(stored))
     # A tensor of the plan the backward does not read (a per-segment plan's last cut, the
     # model's output) is not saved by the forward: no row (its bytes stay in the peak).
-    unread = unread_saved(a, final) - solution.chosen.offloaded
+    unread = unread_saved(a, stored) - offloaded
     counted_parents: set[fx.Node] = set()
-    for tensor in sorted(base | final, key=a.position.__getitem__):
+    for tensor in sorted((base_stored - unread_saved(a, base_stored)) | stored, key=a.position.__getitem__):
         val = tensor_value(tensor)
         if val is None or tensor in a.steady or tensor in unread:
             continue
-        if tensor in solution.chosen.offloaded:
+        if tensor in offloaded:
             transfers = solution.chosen.transfers
-            decision, reason = "offload", solution.offloaded[tensor]
-            cost = sum(copy.stall for copy in transfers.copies if copy.tensor is tensor)
-        elif tensor in solution.recomputed:
+            decision, reason = "offload", solution.offloaded.get(tensor, "offloaded")
+            cost = sum(copy.stall for copy in transfers.copies if copy.tensor is tensor) if transfers else 0.0
+        elif tensor not in stored:
+            if tensor not in recomputed:  # replaced by a tensor the backward reads instead (its storage's)
+                continue
             parent = compute_node(tensor)
             cost = 0.0 if parent in counted_parents else seconds(parent)
             counted_parents.add(parent)
-            decision, reason = "recompute", solution.recomputed[tensor]
+            decision, reason = "recompute", _reason(solution.recomputed, _members(a, tensor, base),
+                                                    "recomputed in the backward")
+        elif tensor not in final:  # the storage of saved views
+            views = _members(a, tensor, final)
+            decision, cost = "keep", 0.0
+            reason = (f"the storage of the saved views {', '.join(v.name for v in views)}: the forward saves it "
+                      "once, and the backward reads them as views of it")
         elif tensor in solution.added:
             decision, reason, cost = "keep", solution.added[tensor], 0.0
         else:
@@ -60,16 +75,16 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     timeline = solution.chosen.timeline
     return Plan(
         saved=[n.name for n in sorted(final, key=order)
-               if n in a.steady or (tensor_value(n) is not None and n not in unread)],
+               if n in a.steady or (tensor_value(n) is not None and n not in unread_saved(a, final))],
         offloaded={n.name: transfers.reload_distance.get(n, 1) for n in sorted(solution.chosen.offloaded, key=order)},
         timeline_bytes=list(timeline.live_bytes) if timeline else [],
         backward_start=timeline.backward_start if timeline else 0,
         feasible=solution.feasible,
         budget_bytes=solution.budget_bytes,
         predicted_peak_bytes=solution.chosen.peak_bytes,
-        predicted_step_seconds=step_seconds(a, final, seconds) + (transfers.added_seconds if transfers else 0.0),
+        predicted_step_seconds=step_seconds(a, stored, seconds) + (transfers.added_seconds if transfers else 0.0),
         baseline_peak_bytes=solution.baseline.peak_bytes,
-        baseline_step_seconds=step_seconds(a, base, seconds),
+        baseline_step_seconds=step_seconds(a, base_stored, seconds),
         baseline_held_bytes=(max(solution.baseline.timeline.held_at_backward_start,
                                  solution.baseline.timeline.held_at_end)
                              if solution.baseline.timeline else None),
@@ -84,6 +99,28 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
                       else "segments" if solution.from_segments else "greedy"),
         rival_peak_bytes=solution.rival_peak_bytes,
     )
+
+
+def _stored(a: JointAnalysis, saved: frozenset[fx.Node], offloaded: frozenset[fx.Node] = frozenset()) -> set[fx.Node]:
+    """What the forward saves for ``saved`` (``saved_storages``); ``saved`` itself where the
+    graph cannot be planned so (the backend falls back, and says why)."""
+    try:
+        return saved_storages(a, saved, offloaded)
+    except UnsupportedGraph:
+        return set(saved)
+
+
+def _members(a: JointAnalysis, tensor: fx.Node, saved: frozenset[fx.Node]) -> list[fx.Node]:
+    """The tensors of ``saved`` the forward saves as ``tensor``: itself, or views of it."""
+    def views(node: fx.Node) -> bool:
+        while node is not None and node is not tensor:
+            node = a.alias_parent.get(node)
+        return node is tensor
+    return sorted((node for node in saved if views(node)), key=a.position.__getitem__)
+
+
+def _reason(reasons: dict[fx.Node, str], members: list[fx.Node], default: str) -> str:
+    return next((reasons[node] for node in members if node in reasons), default)
 
 
 def keep_reason(a: JointAnalysis, tensor: fx.Node, solution: Solution) -> str:

@@ -35,7 +35,8 @@ def format_bytes(n: float) -> str:
 
 @dataclass
 class Decision:
-    """What happens to one tensor the unconstrained plan saves for backward."""
+    """What happens to one tensor the forward saves for the backward, or one the
+    unconstrained plan saves that the backward recomputes instead."""
 
     name: str  # node name in the joint graph
     shape: tuple[int, ...]
@@ -164,9 +165,8 @@ class Plan:
         return sum(1 for d in self.decisions if d.decision == kind)
 
     def bytes_of(self, kind: str) -> int:
-        """Bytes of the tensors with decision ``kind``. Exact for ``"offload"`` (only a
-        storage's owner is offloaded); for keep and recompute, views of one storage each
-        count the whole storage, so this is an upper bound there."""
+        """Bytes of the storages of the tensors with decision ``kind`` (a row per storage the
+        forward saves; a recomputed view counts its whole storage)."""
         _check_kind(kind, "bytes_of")
         return sum(d.bytes for d in self.decisions if d.decision == kind)
 

@@ -259,6 +259,16 @@ def _inductor_seeds(tensor: fx.Node) -> bool:
     return seeds is not None and tensor.target in (seeds, getattr(seeds, "default", None))
 
 
+def _views_of(a: JointAnalysis, tensor: fx.Node) -> list[fx.Node]:
+    """The forward's views of ``tensor`` (through views of views), in graph order."""
+    def views(node: fx.Node) -> bool:
+        node = a.alias_parent.get(node)
+        while node is not None and node is not tensor:
+            node = a.alias_parent.get(node)
+        return node is tensor
+    return [node for node in a.fw_nodes if views(node)]
+
+
 def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> None:
     """Say "user policy" in the reason of each decision a policy made, say where a
     preference was overridden, and warn once about ``MUST_RECOMPUTE`` tensors the plan
@@ -270,12 +280,20 @@ def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> Non
     for decision in plan.decisions:
         tensor = by_name.get(decision.name)
         name = policy.policy(tensor) if tensor is not None else None
+        on_views = ""
+        if tensor is not None and (name is None or WANTS[name] != decision.decision):
+            # a storage saved for its tagged views (a MUST_SAVE split): their tag was applied
+            tagged = [view for view in _views_of(a, tensor) if WANTS.get(policy.policy(view)) == decision.decision]
+            if tagged:
+                name = policy.policy(tagged[0])
+                on_views = f" (on its views {', '.join(view.name for view in tagged)})"
         if name is None:
             continue
         if WANTS[name] == "recompute" and decision.decision == "keep" and _saved_by_torch(tensor):
             decision.reason = f"read by the next checkpoint region: saved by torch's rule ({name} tag not applied)"
         elif WANTS[name] == decision.decision:
-            decision.reason = f"user policy {name}" + ("" if decision.decision == "keep" else f"; {decision.reason}")
+            decision.reason = (f"user policy {name}{on_views}"
+                               + ("" if decision.decision == "keep" else f"; {decision.reason}"))
         elif name.startswith("PREFER"):
             decision.reason += f" (overrides the user policy {name})"
         elif name == MUST_RECOMPUTE and _inductor_seeds(tensor):

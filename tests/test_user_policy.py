@@ -315,8 +315,10 @@ def test_must_save_on_split_views_keeps_their_storage_and_matches_eager(budget, 
     result = check_training_parity(lambda: Splitting(must_save_splits), inputs, backend, steps=2)
     assert not [m for m in result.warning_messages() if "falling back" in m or "not applied" in m]
     (plan,) = captured_plans
-    assert plan.fallback is None and decisions(plan, "keep", "user policy MUST_SAVE") == {"getitem", "getitem_1"}, \
-        [(d.name, d.decision, d.reason) for d in plan.decisions]
+    # the forward saves the views' storage, the Linear's output, once (passes.saved_storages)
+    (kept,) = [d for d in plan.decisions if "user policy MUST_SAVE" in d.reason]
+    assert plan.fallback is None and kept.decision == "keep" and kept.name.startswith("addmm"), plan.decisions
+    assert "getitem" in kept.reason and "getitem_1" in kept.reason
 
 
 def test_training_with_a_random_op_tagged_must_recompute_matches_eager():
