@@ -361,6 +361,24 @@ def test_explain_plans_exactly_what_the_inductor_backend_plans(family, budget, c
         assert _plan_facts(explained_plan) == _plan_facts(compiled_plan)
 
 
+@pytest.mark.parametrize("options", [{}, {"memory_budget": 0.5}, {"debug_force_offload": True}])
+def test_explain_with_the_eager_inner_compiler_plans_the_graph_the_eager_backend_runs(options, captured_plans):
+    """fuzz34e F4: with inner_compiler="eager", explain planned the joint graph after Inductor's
+    joint-graph passes (an attention block's q/k/v views instead of its softmax), which the
+    eager backend never runs: other rows, peaks and decisions than the compiled step's."""
+    from . import models
+
+    torch.manual_seed(0)
+    model, inputs = models.TransformerBlock().train(), models.sequence_inputs()
+    options = {"inner_compiler": "eager", "device_profile": "cpu", **options}
+    explained = compile_offload.explain(model, *inputs, **options)
+    captured_plans.clear()
+    torch._dynamo.reset()
+    torch.compile(model, backend=compile_offload.offload_remat(**options))(*inputs).sum().backward()
+    (compiled_plan,) = captured_plans
+    assert _plan_facts(explained) == _plan_facts(compiled_plan)
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_explain_keeps_the_plan_the_backend_re_plans(captured_plans):

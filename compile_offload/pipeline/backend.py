@@ -366,7 +366,10 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], s
                                   inductor_patches).compile()
 
 
-def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner):
+def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], partitioner: OffloadRematPartitioner,
+                   compile_graph: Callable[[torch.fx.GraphModule, Sequence[Any]], Callable] | None = None):
+    """AOTAutograd with ``partitioner`` and Inductor's decompositions, each graph run as
+    Python (``compile_graph``: ``explain`` runs them on shapes only)."""
     from ..passes.compat import boxed_python
     from ..torch_api import dynamo, inductor
 
@@ -377,13 +380,14 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], part
         run = boxed_python(graph)
         return forgetting_copies_on_error(run) if has_copy_ops(graph) else run
 
+    compile_graph = compile_graph or run_as_python
     # Dynamo's aot_autograd wrapper, not aot_module_simplified itself: DDPOptimizer (one
     # graph per DDP bucket) counts AOTAutograd compiles through the wrapper's counter to
     # pair each bucket's forward with its backward, and fails the first backward without it.
     backend = dynamo.aot_autograd(
-        fw_compiler=run_as_python,
-        bw_compiler=run_as_python,
-        inference_compiler=run_as_python,
+        fw_compiler=compile_graph,
+        bw_compiler=compile_graph,
+        inference_compiler=compile_graph,
         partition_fn=functools.partial(partitioner, compiler="inductor"),
         decompositions=inductor.decomposition_table(),  # with the lowering some decompositions need loaded
         keep_inference_input_mutations=True,

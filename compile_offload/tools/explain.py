@@ -322,7 +322,13 @@ def explain_all(
         made: list = []
         partitioner = OffloadRematPartitioner(own, graph_name=f"graph_{len(plans)}", on_result=made.append,
                                               accelerator=True if for_gpu_here else None)
-        compiled = compile_like_backend(gm, inputs, partitioner, own)
+        if own.inner_compiler == "eager":  # the backend's eager path: no Inductor passes on the graph
+            from ..pipeline.backend import _compile_eager
+
+            with functorch.config.patch(enable_autograd_cache=False):
+                compiled = _compile_eager(gm, inputs, partitioner, compile_graph=_shape_only)
+        else:
+            compiled = compile_like_backend(gm, inputs, partitioner, own)
         for result in made:
             if lowers and result.plan.decisions:
                 result.plan.notes.append(lowers)
