@@ -166,7 +166,8 @@ def offload_tagged(a: JointAnalysis, policy: UserPolicy, solution, seconds, offl
 
     ``seconds``: the solver's cost function; ``offload``: its ``OffloadOptions`` (None when offload is off, and
     ``why_no_offload`` says why). A ``MUST_CPU_OFFLOAD`` tensor that cannot be offloaded is
-    named in one warning; a ``PREFER_CPU_OFFLOAD`` one is left as planned."""
+    named in one warning (not a view of a graph input: it holds no activation memory); a
+    ``PREFER_CPU_OFFLOAD`` one is left as planned."""
     from .offload import eligible_for_offload
     from .solve.recompute import unread_saved
 
@@ -183,7 +184,8 @@ def offload_tagged(a: JointAnalysis, policy: UserPolicy, solution, seconds, offl
                                                                             eligible_for_offload)
         if reason is None:
             extra.add(tensor)
-        elif policy.policy(tensor) == MUST_CPU_OFFLOAD:
+        elif policy.policy(tensor) == MUST_CPU_OFFLOAD and a.roots.get(tensor, tensor) not in a.steady:
+            # (a view of a parameter or input, a weight's transpose, holds no activation memory)
             refused[tensor] = reason
     if refused:
         warnings.warn(

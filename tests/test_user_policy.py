@@ -144,6 +144,11 @@ def must_offload_views(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE
 
 
+def must_offload_everything(ctx, func, *args, **kwargs):
+    """fuzz34d F8: every op of the region, the Linear weights' transposes too."""
+    return CheckpointPolicy.MUST_CPU_OFFLOAD
+
+
 def inputs():
     return (torch.randn(4, 32, 64, requires_grad=True),)
 
@@ -278,6 +283,19 @@ def test_must_cpu_offload_that_cannot_be_applied_warns_naming_the_tensor():
         explain(Checkpointed(must_offload_views))
     with pytest.warns(UserWarning, match=r"MUST_CPU_OFFLOAD not applied to sin .*cpu profile"):
         explain(Checkpointed(must_offload_sin), device_profile="cpu")
+
+
+@needs_offload_policies
+def test_must_cpu_offload_on_a_view_of_a_weight_is_not_warned_about():
+    """A weight's transpose holds no activation memory: there is nothing to offload, and the
+    old warning ("a view of primals_2 (only a storage's owner is offloaded)") pointed at a
+    parameter as if it could be."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = explain(Checkpointed(must_offload_everything))
+    not_applied = [str(w.message) for w in seen if "not applied" in str(w.message)]
+    assert not [m for m in not_applied if "primals" in m], not_applied
+    assert decisions(plan, "offload", "user policy MUST_CPU_OFFLOAD")
 
 
 @needs_offload_policies
