@@ -147,6 +147,10 @@ class Plan:
         self.planned_budget_bytes = planned_under
         self.feasible = self.predicted_peak_bytes <= budget_bytes
 
+    def is_unplanned(self) -> bool:
+        """A graph torch partitioned instead (``unplanned``): no decisions, no predictions."""
+        return self.fallback is not None or not (self.decisions or self.baseline_peak_bytes)
+
     def meets_budget(self) -> bool:
         """Whether the budget is met (always without one, and under a budget of 0, which asks
         for the minimum-memory plan): by the scheduled peak where Inductor's code for the plan
@@ -173,7 +177,7 @@ class Plan:
     def summary(self, scheduled: bool = True) -> str:
         """One line: budget, predicted peak (and, with ``scheduled``, the scheduled peak where
         it is known), step time, decision counts; for a graph torch partitioned instead, why."""
-        if self.fallback is not None or not (self.decisions or self.baseline_peak_bytes):  # ``unplanned``
+        if self.is_unplanned():
             return f"{self.graph_name}: not planned ({'; '.join(self.notes) or 'no reason recorded'})"
         budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         if self.budget_bytes == 0:  # memory_budget=0 or 0.0: the minimum-memory plan asked for

@@ -102,13 +102,16 @@ def test_a_cached_plan_is_drawn_from_the_timeline_it_records(tmp_path, monkeypat
 
 def test_an_unplanned_graph_is_dumped_with_the_reason_for_no_picture(tmp_path, monkeypatch):
     result, joint_gm, _ = partition_once(MLP(), mlp_inputs())
-    fallback = Plan.unplanned(feasible=False, budget_bytes=None, device_profile="cpu", solver="greedy", graph_name="graph_7_0", why="fallback: boom")
+    fallback = Plan.unplanned(feasible=False, budget_bytes=None, device_profile="cpu", solver="greedy",
+                              graph_name="graph_7_0", why="fallback: boom", fallback="boom")
     unplanned = dataclasses.replace(result, plan=fallback, analysis=None, solution=None)
     folder = dump_result(tmp_path, unplanned, joint_gm)
     assert folder.name == "graph_7_0"
     assert "def forward" in (folder / "forward.py").read_text() and "tangents" in (folder / "joint.py").read_text()
     report = (folder / "report.md").read_text()
-    assert "note: fallback: boom" in report and "no timeline.png: no predicted timeline" in report
+    assert "not planned (fallback: boom)" in report and "no timeline.png: no predicted timeline" in report
+    # review35c N3: no "budget: none" (a budget was asked, torch's partition ran without it) nor 0 B figures
+    assert "budget: none" not in report and "predicted peak" not in report
     assert not (folder / "timeline.png").exists()
 
 
