@@ -276,13 +276,31 @@ def check_parses(target: list[str], *, module: bool, where: str) -> None:
                 runpy.run_module(name, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(str(REPO / name), run_name="__main__")
-    except Parsed:
+    except Parsed as parsed:
+        if module and args[:1] == ["bench"]:
+            check_bench_flags(parsed.args[0], target, where)
         return
     except SystemExit as error:
         pytest.fail(f"{where}: {shlex.join(target)} does not parse (exit {error.code}): {stderr.getvalue().strip()}")
     finally:
         sys.argv, sys.path[:] = argv, path
     pytest.fail(f"{where}: {shlex.join(target)} never parsed its arguments with argparse")
+
+
+def check_bench_flags(args, target: list[str], where: str) -> None:
+    """bench refuses, before any work, a flag its mode does not read (review35c H1: a page
+    gave ``--attribute ... --no-predict``, which argparse accepts and bench refuses). A
+    command for a GPU is checked as on a machine with one."""
+    from unittest import mock
+
+    from compile_offload.tools import bench
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), mock.patch("torch.cuda.is_available", return_value=True):
+            bench.check_arguments(args)
+    except SystemExit as error:
+        pytest.fail(f"{where}: {shlex.join(target)} is refused (exit {error.code}): {stderr.getvalue().strip()}")
 
 
 def declared_extras() -> set[str]:
@@ -380,6 +398,7 @@ def test_the_readme_shows_the_ci_test_command():
 @pytest.mark.parametrize("command", [
     "python -m compile_offload demo --no-such-flag",
     "python -m compile_offload demo --inner-compiler tvm",
+    "python -m compile_offload bench --attribute --model gpt --budgets 0.5 --no-predict",
     "python examples/no_such_example.py",
     "python examples/train_gpt.py --budgte 0.5",
     "torchrun --nproc-per-node 2 examples/train_ddp.py --no-such-flag",
