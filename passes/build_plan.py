@@ -46,8 +46,7 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
         elif tensor not in final:  # the storage of saved views
             views = _members(a, tensor, final)
             decision, cost = "keep", 0.0
-            reason = (f"the storage of the saved views {', '.join(v.name for v in views)}: the forward saves it "
-                      "once, and the backward reads them as views of it")
+            reason = f"holds the saved views {', '.join(v.name for v in views)} (a storage is saved once)"
         elif tensor in solution.added:
             decision, reason, cost = "keep", solution.added[tensor], 0.0
         else:
