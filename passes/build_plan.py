@@ -9,7 +9,7 @@ from . import compat
 from .analyze import JointAnalysis, UnsupportedGraph, collective_source, tensor_value
 from .memory import recomputed_nodes
 from .plan import Decision, Plan
-from .saved_storages import saved_storages
+from .saved_storages import saved_storages, views_of
 from .solve.recompute import Seconds, Solution, compute_node, step_seconds, unread_saved
 
 
@@ -41,10 +41,10 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
             parent = compute_node(tensor)
             cost = 0.0 if parent in counted_parents else seconds(parent)
             counted_parents.add(parent)
-            decision, reason = "recompute", _reason(solution.recomputed, _members(a, tensor, base),
+            decision, reason = "recompute", _reason(solution.recomputed, [tensor, *views_of(a, tensor, base)],
                                                     "recomputed in the backward")
         elif tensor not in final:  # the storage of saved views
-            views = _members(a, tensor, final)
+            views = views_of(a, tensor, final)
             decision, cost = "keep", 0.0
             reason = f"holds the saved views {', '.join(v.name for v in views)} (a storage is saved once)"
         elif tensor in solution.added:
@@ -72,9 +72,10 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
                       "(passes/solve/segments.py)")
     order = a.position.__getitem__
     timeline = solution.chosen.timeline
+    unread_by_solver = unread_saved(a, final)
     return Plan(
         saved=[n.name for n in sorted(final, key=order)
-               if n in a.steady or (tensor_value(n) is not None and n not in unread_saved(a, final))],
+               if n in a.steady or (tensor_value(n) is not None and n not in unread_by_solver)],
         offloaded={n.name: transfers.reload_distance.get(n, 1) for n in sorted(solution.chosen.offloaded, key=order)},
         timeline_bytes=list(timeline.live_bytes) if timeline else [],
         backward_start=timeline.backward_start if timeline else 0,
@@ -107,15 +108,6 @@ def _stored(a: JointAnalysis, saved: frozenset[fx.Node], offloaded: frozenset[fx
         return saved_storages(a, saved, offloaded)
     except UnsupportedGraph:
         return set(saved)
-
-
-def _members(a: JointAnalysis, tensor: fx.Node, saved: frozenset[fx.Node]) -> list[fx.Node]:
-    """The tensors of ``saved`` the forward saves as ``tensor``: itself, or views of it."""
-    def views(node: fx.Node) -> bool:
-        while node is not None and node is not tensor:
-            node = a.alias_parent.get(node)
-        return node is tensor
-    return sorted((node for node in saved if views(node)), key=a.position.__getitem__)
 
 
 def _reason(reasons: dict[fx.Node, str], members: list[fx.Node], default: str) -> str:

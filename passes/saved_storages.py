@@ -97,3 +97,13 @@ def _one_per_storage(a: JointAnalysis, root: fx.Node, members: list[fx.Node]) ->
         f"the plan saves {names}, which share the storage of {root.name}, and they cannot be recomputed from one "
         "tensor: AOTAutograd would donate that storage to the backward twice, which may overwrite it while an "
         "alias is still read")
+
+
+def views_of(a: JointAnalysis, tensor: fx.Node, nodes: Iterable[fx.Node]) -> list[fx.Node]:
+    """The nodes of ``nodes`` that view ``tensor`` (through views of views), in graph order."""
+    def views(node: fx.Node) -> bool:
+        node = a.alias_parent.get(node)
+        while node is not None and node is not tensor:
+            node = a.alias_parent.get(node)
+        return node is tensor
+    return sorted((node for node in nodes if views(node)), key=a.position.__getitem__)

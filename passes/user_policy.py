@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from .analyze import MUST_SAVE_REASON, JointAnalysis
+from .saved_storages import views_of
 
 MUST_SAVE, PREFER_SAVE = "MUST_SAVE", "PREFER_SAVE"
 MUST_RECOMPUTE, PREFER_RECOMPUTE = "MUST_RECOMPUTE", "PREFER_RECOMPUTE"
@@ -261,16 +262,6 @@ def _inductor_seeds(tensor: fx.Node) -> bool:
     return seeds is not None and tensor.target in (seeds, getattr(seeds, "default", None))
 
 
-def _views_of(a: JointAnalysis, tensor: fx.Node) -> list[fx.Node]:
-    """The forward's views of ``tensor`` (through views of views), in graph order."""
-    def views(node: fx.Node) -> bool:
-        node = a.alias_parent.get(node)
-        while node is not None and node is not tensor:
-            node = a.alias_parent.get(node)
-        return node is tensor
-    return [node for node in a.fw_nodes if views(node)]
-
-
 def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> None:
     """Say "user policy" in the reason of each decision a policy made, say where a
     preference was overridden, and warn once about ``MUST_RECOMPUTE`` tensors the plan
@@ -285,7 +276,8 @@ def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> Non
         on_views = ""
         if tensor is not None and (name is None or WANTS[name] != decision.decision):
             # a storage saved for its tagged views (a MUST_SAVE split): their tag was applied
-            tagged = [view for view in _views_of(a, tensor) if WANTS.get(policy.policy(view)) == decision.decision]
+            tagged = [view for view in views_of(a, tensor, a.fw_nodes)
+                      if WANTS.get(policy.policy(view)) == decision.decision]
             if tagged:
                 name = policy.policy(tagged[0])
                 on_views = f" (on its views {', '.join(view.name for view in tagged)})"
