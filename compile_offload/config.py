@@ -64,7 +64,7 @@ prefetch: bool = Config(default=True, env_name_default="COMPILE_OFFLOAD_PREFETCH
 # The copies are placed as a planned offload's would be under device_profile (where the
 # forward waits, how far ahead each reload is issued: passes/transfer.py), so a CPU run
 # with a GPU profile exercises the placement a GPU run gets.
-# Needs offload=True: with offload=False nothing is offloaded.
+# Needs offload=True: with offload=False the settings raise ValueError.
 debug_force_offload: bool = Config(default=False, env_name_default="COMPILE_OFFLOAD_DEBUG_FORCE_OFFLOAD")
 
 # Which solver picks keep / recompute per saved tensor: "greedy" (default, fast),
