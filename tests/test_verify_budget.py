@@ -177,8 +177,44 @@ def test_a_graph_called_twice_in_a_step_is_measured_from_its_first_call():
         warnings.simplefilter("always")
         (wrapped(large).sum() + wrapped(small).sum()).backward()
         wrapped(small).sum().backward()
-    (message,) = [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+    (message,) = [str(w.message) for w in caught if "at the allocator" in str(w.message)]
     assert "MiB at the allocator" in message, message  # the 1 MiB call's step, not the 16-byte one's
+
+
+def _verified_calls(budget_per_call: bool, calls: int, detached: int = 0) -> list[str]:
+    """The verify_budget warnings of steps calling a verified stand-in ``calls`` times for the
+    loss (and ``detached`` more times for a target, grad on, then detached)."""
+    from compile_offload.runtime.verify_budget import verify_first_step
+
+    from .models import CompiledFunction
+
+    plan = Plan(feasible=True, budget_bytes=1 << 30, predicted_peak_bytes=1, predicted_step_seconds=0.0,
+                baseline_peak_bytes=1, baseline_step_seconds=0.0, min_peak_bytes=1)
+    wrapped = verify_first_step(lambda x: CompiledFunction.apply(x, 0.0), lambda: plan, torch.device("cpu"), "g",
+                                budget_per_call=budget_per_call)
+    x = torch.randn(64, 64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            targets = [wrapped(x).detach() for _ in range(detached)]
+            sum(wrapped(x).sum() for _ in range(calls)).backward()
+            del targets
+    return [str(w.message) for w in caught if "verify_budget" in str(w.message)]
+
+
+def test_a_graph_called_again_before_its_backward_says_the_budget_bounds_one_call():
+    """fuzz35b: a siamese step (one graph called twice for one loss) measured 2.09x the
+    per-graph budget, silently: each call holds its own saved tensors, and on the CPU the
+    measure sees the first call's forward and backward only. Under budget_scope="graph"
+    one warning now says so, once; under "step" (budget_per_call=False) the split counts
+    the calls, and nothing is said."""
+    (said,) = _verified_calls(budget_per_call=True, calls=2)
+    assert "g: verify_budget: the first step called this graph 2 times" in said and "budget_scope='step'" in said
+    assert "4 times" in _verified_calls(budget_per_call=True, calls=4)[0]
+    assert _verified_calls(budget_per_call=False, calls=2) == []
+    assert _verified_calls(budget_per_call=True, calls=1) == []
+    # a target computed with grad on and detached: its saved tensors go with its output
+    assert _verified_calls(budget_per_call=True, calls=1, detached=1) == []
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])

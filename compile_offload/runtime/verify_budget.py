@@ -31,7 +31,8 @@ MAX_MEASURES = 4  # steps of a graph with dynamic sizes measured, each at larger
 
 
 def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan | None], device: torch.device,
-                      graph_name: str, sized: Callable[[tuple], int] | None = None) -> Callable[..., Any]:
+                      graph_name: str, sized: Callable[[tuple], int] | None = None,
+                      budget_per_call: bool = True) -> Callable[..., Any]:
     """``compiled`` (a Dynamo backend's result), measuring its first training step.
     ``plan_of()`` returns the graph's plan (known once the graph is compiled). ``sized(args)``,
     for a graph with dynamic sizes: the elements of a call's symbolically sized inputs; a
@@ -43,7 +44,10 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     call of this step is pending) is not a step: the next call is measured instead, and so is
     the next one after a step a profiler of yours interrupted. Where that happens twice in a
     row (each step's first call dropped: a target computed with grad on, then detached), a
-    step is measured from the call that trained in the last one, by its place in the step."""
+    step is measured from the call that trained in the last one, by its place in the step.
+    ``budget_per_call`` (``budget_scope="graph"``): where later calls trained while the
+    measured one waited for its backward, each held its saved tensors beside the others',
+    beyond what one call's budget bounds: one warning says so."""
     # pending: the measured step whose backward is awaited; passed: a later call's backward
     # ended while it waited (its own may never run), and trained: the first such call's place
     # in the step (0 is the measured call); calls: the calls since the step began; skip: how
@@ -52,7 +56,8 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     # measured: the steps measured (0 until the first ends); largest: the most elements a measured
     # call's sized inputs held; warned: a step was over
     state: dict[str, Any] = {"done": False, "pending": None, "passed": False, "trained": None, "calls": 0,
-                             "skip": 0, "drops": 0, "measured": 0, "largest": -1, "warned": False}
+                             "skip": 0, "drops": 0, "measured": 0, "largest": -1, "warned": False,
+                             "overlapping": set()}
 
     def run(*args):
         plan = plan_of()
@@ -85,7 +90,7 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
             # grad on, then detached), so a step is measured from the call that trained instead.
             state["drops"] += 1
             state["skip"], state["calls"] = (state["trained"] or 0) if state["drops"] > 1 else 0, 0
-        state["passed"], state["trained"] = False, None
+        state["passed"], state["trained"], state["overlapping"] = False, None, set()
         if state["calls"] < state["skip"]:  # a call before the one that trains: not measured
             state["calls"] += 1
             return compiled(*args)
@@ -113,6 +118,14 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
                 return
             state["pending"], state["drops"] = None, 0  # its own backward ran: no drop in a row
             step.end_backward()
+            if budget_per_call and state["overlapping"] and not state.get("warned_calls"):
+                state["warned_calls"] = True
+                calls = len(state["overlapping"]) + 1
+                warnings.warn(f"compile_offload: {graph_name}: verify_budget: the first step called this graph "
+                              f"{calls} times before the backward of its first call (a shared block, a siamese "
+                              "model): each call holds its own saved tensors, and under budget_scope='graph' the "
+                              f"memory budget bounds one call, so the step can hold about {calls}x this graph's "
+                              "peak; budget_scope='step' bounds every call of the step together", stacklevel=2)
             if step.interrupted:  # a profiler opened between the forward and this backward: measure the next
                 return
             _measured(state, plan_of(), step.peak_bytes(), graph_name)
@@ -143,6 +156,7 @@ def _trained(state: dict[str, Any], pending: Any, place: int) -> None:
     """A backward of the call at ``place`` in the step of ``pending`` ended."""
     if state["pending"] is pending:
         state["passed"] = True
+        state["overlapping"].add(place)
         state["trained"] = place if state["trained"] is None else min(state["trained"], place)
 
 
