@@ -196,5 +196,8 @@ def _why_over(plan: Plan) -> str:
             return "The plan itself did not fit (the budget is below the minimum it can reach). "
         return (f"No plan the budget loop compiled fit in Inductor's code (scheduled peak "
                 f"{format_bytes(plan.scheduled_peak_bytes)}), as its warning said. ")
+    if plan.device_profile == "cpu" and any(d.dtype in ("bfloat16", "float16") for d in plan.decisions):
+        return ("The program that ran holds more than the plan predicts: on the CPU, ATen's bf16 and fp16 matmuls "
+                "hold temporaries no plan counts (docs/limitations.md); a lower budget leaves room for them. ")
     return ("The program that ran holds more than the plan predicts (docs/design.md, 'Where the compiled peak "
             "exceeds the plan'); a lower budget leaves room for it. ")
