@@ -54,7 +54,8 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
     # many calls of a step run before the one measured (the calls before the one that trained
     # in a step whose measured call was dropped: a target computed with grad on, then detached)
     # measured: the steps measured (0 until the first ends); largest: the most elements a measured
-    # call's sized inputs held; warned: a step was over
+    # call's sized inputs held; warned: a step was over; overlapping: the places of the later calls
+    # whose backwards ended while the measured call's waited (their saved tensors were held with its)
     state: dict[str, Any] = {"done": False, "pending": None, "passed": False, "trained": None, "calls": 0,
                              "skip": 0, "drops": 0, "measured": 0, "largest": -1, "warned": False,
                              "overlapping": set()}
