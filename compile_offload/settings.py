@@ -461,6 +461,8 @@ def _validated(values: dict, from_environment: Callable[[str], bool]) -> Setting
     read = {knob: reader(values[knob]) for knob, reader in SPELLED_KNOBS.items()}
     budget_bytes, budget_fraction = read["memory_budget"]
     budget_fraction = _with_torch_budget(budget_bytes, budget_fraction)
+    if budget_fraction == 1.0:  # every activation torch.compile saves: no limit (torch's knob at 1.0 is off too)
+        budget_fraction = None
     folders = {knob: _folder(knob, values[knob]) for knob in ("dump_dir", "plan_cache_dir")}
     exact_max = _positive_int("exact_max_candidates", values["exact_max_candidates"])
     return Settings(

@@ -43,11 +43,24 @@ def test_a_numpy_integer_is_a_byte_budget():
     assert settings.resolve({"memory_budget": np.int64(4096)}).budget_bytes == 4096
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0, "0.25"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.999, "0.25"])
 def test_float_budgets_are_fractions(fraction):
     resolved = settings.resolve({"memory_budget": fraction})
     assert resolved.budget_fraction == float(fraction)
     assert resolved.budget_bytes is None
+
+
+@pytest.mark.parametrize("fraction", [1.0, "1.0", 1])
+def test_a_fraction_of_one_is_no_limit(fraction):
+    """fuzz35a: 1.0 resolved to the planner's predicted unconstrained peak, under which
+    Inductor's real unconstrained code did not fit: the backend re-planned, recomputed, and
+    warned over a budget the user meant as 'all torch.compile saves'. As torch's knob at 1.0,
+    it is no limit. (An int 1 is one byte.)"""
+    resolved = settings.resolve({"memory_budget": fraction})
+    if isinstance(fraction, int):
+        assert resolved.budget_bytes == 1 and resolved.has_budget
+    else:
+        assert resolved.budget_fraction is None and resolved.budget_bytes is None and not resolved.has_budget
 
 
 @pytest.mark.parametrize("value", [None, "none"])  # "" is an error (tests/test_budget_kept.py)
