@@ -456,6 +456,33 @@ def test_sizes_whose_peak_cannot_be_computed_are_said_unchecked_once():
     assert strict(torch.randn(8, 4)) == "ran"  # the sizes it was planned at
 
 
+def test_a_size_no_larger_than_planned_is_not_warned_about_again():
+    """fuzz35a: with a budget below the minimum, a call at a smaller batch than planned got a
+    second warning, advising to name the largest size (no help: the plan was over the budget
+    at its own sizes, and said so). A larger size over the budget still warns."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from compile_offload.pipeline import dynamic_check
+
+    planned = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.randn(8, 4))
+    symbols = sorted({str(size.node.expr) for size in planned.shape})
+
+    def peak_bytes(at):  # peaks grow with every size: 100 bytes per element
+        return 100 * at[symbols[0]] * at[symbols[1]]
+
+    run = dynamic_check.check_sizes(lambda x: "ran", [planned], [SimpleNamespace(symbols=symbols,
+                                                                                  peak_bytes=peak_bytes)],
+                                    1000, "graph_0_0")  # below the 3200 B the planned sizes peak at
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(torch.randn(4, 4)) == "ran" and run(torch.randn(8, 2)) == "ran"
+    with pytest.warns(UserWarning, match=r"graph_0_0: dynamic shapes: at .*=16.* the plan made for"):
+        assert run(torch.randn(16, 4)) == "ran"
+
+
 class _Act(nn.Module):
     def __init__(self):
         super().__init__()
