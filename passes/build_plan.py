@@ -9,7 +9,7 @@ from . import compat
 from .analyze import JointAnalysis, UnsupportedGraph, collective_source, tensor_value
 from .memory import recomputed_nodes
 from .plan import Decision, Plan
-from .saved_storages import saved_storages, views_of
+from .saved_storages import saved_storages, views_by_base
 from .solve.recompute import Seconds, Solution, compute_node, step_seconds, unread_saved
 
 
@@ -27,6 +27,7 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
     # model's output) is not saved by the forward: no row (its bytes stay in the peak).
     unread = unread_saved(a, stored) - offloaded
     counted_parents: set[fx.Node] = set()
+    base_views, final_views = views_by_base(a, base), views_by_base(a, final)
     for tensor in sorted((base_stored - unread_saved(a, base_stored)) | stored, key=a.position.__getitem__):
         val = tensor_value(tensor)
         if val is None or tensor in a.steady or tensor in unread:
@@ -41,10 +42,10 @@ def build_plan(a: JointAnalysis, solution: Solution, seconds: Seconds, *, solver
             parent = compute_node(tensor)
             cost = 0.0 if parent in counted_parents else seconds(parent)
             counted_parents.add(parent)
-            decision, reason = "recompute", _reason(solution.recomputed, [tensor, *views_of(a, tensor, base)],
+            decision, reason = "recompute", _reason(solution.recomputed, [tensor, *base_views.get(tensor, ())],
                                                     "recomputed in the backward")
         elif tensor not in final:  # the storage of saved views
-            views = views_of(a, tensor, final)
+            views = final_views.get(tensor, [])
             decision, cost = "keep", 0.0
             reason = f"holds the saved views {', '.join(v.name for v in views)} (a storage is saved once)"
         elif tensor in solution.added:

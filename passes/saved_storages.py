@@ -99,11 +99,13 @@ def _one_per_storage(a: JointAnalysis, root: fx.Node, members: list[fx.Node]) ->
         "alias is still read")
 
 
-def views_of(a: JointAnalysis, tensor: fx.Node, nodes: Iterable[fx.Node]) -> list[fx.Node]:
-    """The nodes of ``nodes`` that view ``tensor`` (through views of views), in graph order."""
-    def views(node: fx.Node) -> bool:
-        node = a.alias_parent.get(node)
-        while node is not None and node is not tensor:
-            node = a.alias_parent.get(node)
-        return node is tensor
-    return sorted((node for node in nodes if views(node)), key=a.position.__getitem__)
+def views_by_base(a: JointAnalysis, nodes: Iterable[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Each node that ``nodes`` view (through views of views) -> those of ``nodes`` viewing
+    it, in graph order: one walk up each node's views."""
+    found: dict[fx.Node, list[fx.Node]] = {}
+    for node in sorted(nodes, key=a.position.__getitem__):
+        base = a.alias_parent.get(node)
+        while base is not None:
+            found.setdefault(base, []).append(node)
+            base = a.alias_parent.get(base)
+    return found

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from .analyze import MUST_SAVE_REASON, JointAnalysis
-from .saved_storages import views_of
+from .saved_storages import views_by_base
 
 MUST_SAVE, PREFER_SAVE = "MUST_SAVE", "PREFER_SAVE"
 MUST_RECOMPUTE, PREFER_RECOMPUTE = "MUST_RECOMPUTE", "PREFER_RECOMPUTE"
@@ -269,14 +269,16 @@ def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> Non
     if not policy:
         return
     by_name = {node.name: node for node in a.fw_nodes}
+    saved_views = views_by_base(a, [by_name[name] for name in plan.saved if name in by_name])
     unmet = []
     for decision in plan.decisions:
         tensor = by_name.get(decision.name)
         name = policy.policy(tensor) if tensor is not None else None
         on_views = ""
-        if tensor is not None and (name is None or WANTS[name] != decision.decision):
-            # a storage saved for its tagged views (a MUST_SAVE split): their tag was applied
-            tagged = [view for view in views_of(a, tensor, a.fw_nodes)
+        if tensor is not None and (name is None or (name.startswith("PREFER") and WANTS[name] != decision.decision)):
+            # a storage saved for the tagged views the plan saves (a MUST_SAVE split): their tag
+            # was applied (a preference of its own gives way; a MUST_* of its own is its own)
+            tagged = [view for view in saved_views.get(tensor, ())
                       if WANTS.get(policy.policy(view)) == decision.decision]
             if tagged:
                 name = policy.policy(tagged[0])
@@ -294,7 +296,9 @@ def annotate(plan, policy: UserPolicy, a: JointAnalysis, graph_name: str) -> Non
             decision.reason += (" (tagged MUST_RECOMPUTE with the random ops Inductor replaced by seeds: the seeds "
                                 "are saved so that the recomputation draws the same values)")
         elif name == MUST_RECOMPUTE:
-            why = a.ban.get(tensor) or "saved as the input of another recomputation"
+            held = saved_views.get(tensor)
+            why = a.ban.get(tensor) or (f"the storage of its saved views {', '.join(view.name for view in held)}"
+                                        if held else "saved as the input of another recomputation")
             decision.reason += f" (user policy {name} not applied: {why})"
             unmet.append(f"{tensor.name} ({why})")
         else:  # MUST_CPU_OFFLOAD kept: offload_tagged warned why

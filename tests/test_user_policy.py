@@ -339,6 +339,46 @@ def test_must_save_on_split_views_keeps_their_storage_and_matches_eager(budget, 
     assert "getitem" in kept.reason and "getitem_1" in kept.reason
 
 
+def prefer_save_everything_in_region(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def must_recompute_linear_must_save_splits(ctx, func, *args, **kwargs):
+    if func.overloadpacket in (aten.split, aten.unbind):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE if func.overloadpacket in (aten.mm, aten.addmm) else None
+
+
+class OutsideThenRegion(nn.Module):
+    """A tensor kept outside every region whose view the region reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def region(self, y):
+        return self.second(y.view(-1, 64)).relu()
+
+    def forward(self, x):
+        y = self.first(x).tanh()
+        context = functools.partial(create_selective_checkpoint_contexts, prefer_save_everything_in_region)
+        return checkpoint(self.region, y, use_reentrant=False, context_fn=context)
+
+
+def test_a_kept_storage_is_credited_to_the_tags_of_saved_views_only():
+    """review35e: a storage's row took the tag of any view of it in the forward: a tensor kept
+    outside every region (no budget) read 'user policy PREFER_SAVE (on its views view_2)';
+    and a MUST_RECOMPUTE of its own was replaced by its views' MUST_SAVE, its unmet tag not
+    warned about."""
+    plan = explain(OutsideThenRegion(), device_profile="cpu")
+    (tanh,) = [d for d in plan.decisions if d.name.startswith("tanh")]
+    assert not tanh.reason.startswith("user policy"), tanh.reason
+    with pytest.warns(UserWarning, match=r"MUST_RECOMPUTE not applied to addmm \(the storage of its saved views"):
+        plan = explain(Splitting(must_recompute_linear_must_save_splits), device_profile="cpu")
+    (kept,) = [d for d in plan.decisions if d.name.startswith("addmm")]
+    assert kept.decision == "keep" and "MUST_RECOMPUTE not applied" in kept.reason, kept.reason
+
+
 def test_training_with_a_random_op_tagged_must_recompute_matches_eager():
     backend = compile_offload.offload_remat(inner_compiler="eager", device_profile="h100")
     result = check_training_parity(RandomInside, lambda: (torch.randn(8, 64, requires_grad=True),), backend, steps=2)
