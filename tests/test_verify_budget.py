@@ -221,6 +221,22 @@ def test_a_graph_called_again_before_its_backward_says_the_budget_bounds_one_cal
     assert _verified_calls(budget_per_call=True, calls=1, detached=1) == []
 
 
+@pytest.mark.parametrize("scope, budget, warned", [("graph", 0.5, True), ("step", "64MiB", False),
+                                                    ("step", 0.5, False)])
+def test_the_backend_says_so_for_a_siamese_step_under_the_graph_scope_only(scope, budget, warned):
+    """review35e: the called-again warning fired under budget_scope='step' with a fraction
+    (which the step scope does not split), naming 'graph' and advising 'step'."""
+    model, x = _model()
+    compiled = torch.compile(model, backend=compile_offload.offload_remat(
+        verify_budget=True, device_profile="cpu", inner_compiler="eager", memory_budget=budget, budget_scope=scope))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            (compiled(x) * compiled(x + 1)).sum().backward()
+    said = [m for m in _verify_messages(caught) if "called this graph 2 times" in m]
+    assert len(said) == int(warned), _verify_messages(caught)
+
+
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
 def test_a_graph_with_dynamic_sizes_is_measured_again_at_larger_sizes(dynamic):
     """fuzz34a F3: one plan serves every size of a dynamic graph, and its first call is often

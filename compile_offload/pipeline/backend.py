@@ -199,7 +199,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
         from ..runtime.verify_budget import verify_first_step
 
         compiled = verify_first_step(compiled, plan_of, device_of(example_inputs), graph_name,
-                                     _sized_inputs(gm), budget_per_call=not _step_scoped(settings))
+                                     _sized_inputs(gm), budget_per_call=settings.budget_scope == "graph")
     if not config_guard.install(fixed_knobs):
         compiled = config_guard.warn_when_changed(compiled, _graph_name(), fixed_knobs)
     if settings.offload:  # a forward served by AOTAutograd's cache was not wrapped where Inductor compiled it

@@ -124,9 +124,10 @@ def verify_first_step(compiled: Callable[..., Any], plan_of: Callable[[], Plan |
                 calls = len(state["overlapping"]) + 1
                 warnings.warn(f"compile_offload: {graph_name}: verify_budget: the first step called this graph "
                               f"{calls} times before the backward of its first call (a shared block, a siamese "
-                              "model): each call holds its own saved tensors, and under budget_scope='graph' the "
-                              f"memory budget bounds one call, so the step can hold about {calls}x this graph's "
-                              "peak; budget_scope='step' bounds every call of the step together", stacklevel=2)
+                              "model, or identical layers compiled one by one, which share a graph): each call "
+                              "holds its own saved tensors, and under budget_scope='graph' the memory budget bounds "
+                              f"one call, so the step can hold about {calls}x this graph's peak; a byte budget "
+                              "with budget_scope='step' bounds every call of the step together", stacklevel=2)
             if step.interrupted:  # a profiler opened between the forward and this backward: measure the next
                 return
             _measured(state, plan_of(), step.peak_bytes(), graph_name)
@@ -199,6 +200,7 @@ def _why_over(plan: Plan) -> str:
                 f"{format_bytes(plan.scheduled_peak_bytes)}), as its warning said. ")
     if plan.device_profile == "cpu" and any(d.dtype in ("bfloat16", "float16") for d in plan.decisions):
         return ("The program that ran holds more than the plan predicts: on the CPU, ATen's bf16 and fp16 matmuls "
-                "hold temporaries no plan counts (docs/limitations.md); a lower budget leaves room for them. ")
+                "hold temporaries no plan counts, where the graph has them (docs/limitations.md); a lower budget "
+                "leaves room for them. ")
     return ("The program that ran holds more than the plan predicts (docs/design.md, 'Where the compiled peak "
             "exceeds the plan'); a lower budget leaves room for it. ")
