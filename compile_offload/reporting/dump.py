@@ -33,7 +33,8 @@ _NO_MATPLOTLIB = "timeline.png needs matplotlib: pip install 'compile_offload[pl
 def report_markdown(plan: Plan, no_picture_reason: str | None) -> str:
     """report.md: the summary, the decision table, and the picture or why there is none;
     for a graph torch partitioned instead, its summary (which says why) and no figures."""
-    picture = "![predicted memory](timeline.png)" if no_picture_reason is None else f"(no timeline.png: {no_picture_reason})"
+    picture = ("![predicted memory](timeline.png)" if no_picture_reason is None
+               else f"(no timeline.png: {no_picture_reason})")
     if plan.is_unplanned():
         return "\n".join([f"# {plan.graph_name}", "", plan.summary(), "", picture]) + "\n"
     lines = [
